@@ -1,0 +1,102 @@
+"""The one interface every runtime implements, and the tensor-backend base class.
+
+A backend instance is one model instance (one ``instance_group`` slot): it is created,
+loaded, executed and unloaded by the engine, always off the event loop, one batch at a
+time (the engine never calls ``execute`` concurrently on the same instance).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..protocol.errors import Internal, TritonError, Unavailable
+
+Tensors = dict[str, np.ndarray]
+
+
+class BackendDead(Unavailable):
+    """Raised by ``execute`` when an instance cannot serve again (a worker that keeps dying):
+    the engine fails the batch and marks the model version UNAVAILABLE with this reason."""
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """Where one instance runs: resolved from ``instance_group`` by the engine."""
+
+    name: str                   # Triton's instance name, e.g. "mymodel_0_1"
+    kind: str = "KIND_CPU"      # KIND_CPU or KIND_GPU (KIND_AUTO is resolved before this)
+    device_id: int = 0          # GPU ordinal when kind is KIND_GPU
+    index: int = 0
+
+
+@dataclass
+class ModelFiles:
+    """What a backend needs to find its artifact."""
+
+    model_name: str
+    version: int
+    model_dir: Path             # <repository>/<model>
+    version_dir: Path           # <repository>/<model>/<version>
+    default_filename: str = ""  # config.default_model_filename or the backend's default
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend:
+    """One model instance on one runtime.
+
+    ``execute`` receives the inputs of each request of a batch (already validated against
+    the config, each with its own batch dimension when ``max_batch_size > 0``) and returns,
+    per request, either its outputs or the ``TritonError`` that fails only that request.
+    """
+
+    #: names Triton uses for this runtime in config.pbtxt
+    backend_name: ClassVar[str] = ""
+    platforms: ClassVar[tuple[str, ...]] = ()
+    default_filename: ClassVar[str] = ""
+
+    def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
+        self.config = config
+        self.files = files
+        self.instance = instance
+
+    @classmethod
+    def auto_complete_config(cls, config: mc.ModelConfig, files: ModelFiles) -> mc.ModelConfig:
+        """Fill inputs/outputs/max_batch_size the way Triton's backend of this name does."""
+        return config
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def execute(self, requests: list[Tensors]) -> list[Tensors | TritonError]:
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        pass
+
+
+class TensorBackend(Backend):
+    """A runtime that runs one merged batch: requests are concatenated on dim 0, run once,
+    and the outputs split back by each request's row count."""
+
+    def run(self, inputs: Tensors) -> Tensors:
+        raise NotImplementedError
+
+    def execute(self, requests: list[Tensors]) -> list[Tensors | TritonError]:
+        if len(requests) == 1 or self.config.max_batch_size == 0:
+            return [self.run(r) for r in requests]
+        rows = [len(next(iter(r.values()))) if r else 0 for r in requests]
+        merged = {name: np.concatenate([r[name] for r in requests], axis=0) for name in requests[0]}
+        outputs = self.run(merged)
+        total = sum(rows)
+        for name, value in outputs.items():
+            if value.ndim == 0 or value.shape[0] != total:
+                raise Internal(
+                    f"model '{self.files.model_name}' returned {value.shape[0] if value.ndim else 0} "
+                    f"rows for output '{name}' but the batch had {total}")
+        bounds = np.cumsum([0] + rows)
+        return [{name: value[lo:hi] for name, value in outputs.items()}
+                for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,411 @@
+"""Triton's ``triton_python_backend_utils`` (``pb_utils``), the API a ``model.py`` imports.
+
+Registered under its top-level name in every process that runs a ``model.py`` so that
+Triton models run unchanged. Depends on numpy and the standard library only: this module
+is what a model sees, so it must not drag the server in with it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterable
+
+import numpy as np
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+TRITON_STRING_TO_NUMPY: dict[str, Any] = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+# Triton's DataType enum values (model_config.proto), as pb_utils exposes them.
+_TRITON_ENUM_TO_NUMPY: dict[int, Any] = {
+    1: np.bool_, 2: np.uint8, 3: np.uint16, 4: np.uint32, 5: np.uint64, 6: np.int8,
+    7: np.int16, 8: np.int32, 9: np.int64, 10: np.float16, 11: np.float32, 12: np.float64,
+    13: np.object_,
+}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    return _TRITON_ENUM_TO_NUMPY.get(data_type)
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    dt = np.dtype(data_type)
+    if dt.kind in "OS":
+        return 13
+    for code, np_type in _TRITON_ENUM_TO_NUMPY.items():
+        if code != 13 and dt == np.dtype(np_type):
+            return code
+    return None
+
+
+class TritonError:
+    """An error a model attaches to one response; ``code`` picks the status the client sees."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, msg: str, code: int = INTERNAL) -> None:
+        self._msg = msg
+        self._code = code
+
+    def __str__(self) -> str:
+        return self._msg
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._msg!r}, code={self._code})"
+
+    def message(self) -> str:
+        return self._msg
+
+    def code(self) -> int:
+        return self._code
+
+
+class TritonModelException(Exception):
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        self._msg = msg
+
+    def __str__(self) -> str:
+        return self._msg
+
+    def message(self) -> str:
+        return self._msg
+
+
+class Tensor:
+    """A named input or output tensor backed by a numpy array (CPU memory)."""
+
+    def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None) -> None:
+        array = np.asarray(numpy_array)
+        if array.dtype.kind == "U":
+            # Triton refuses numpy unicode arrays: BYTES tensors are object arrays of bytes.
+            array = np.vectorize(lambda s: s.encode("utf-8"), otypes=[np.object_])(array) \
+                if array.size else array.astype(np.object_)
+        if array.dtype.kind == "V":
+            raise TritonModelException(
+                f"Tensor '{name}': numpy dtype {array.dtype} is not supported by the Python "
+                "backend; use np.object_ for BYTES")
+        if triton_dtype is not None:
+            np_type = triton_to_numpy_type(triton_dtype)
+            if np_type is not None and array.dtype != np.dtype(np_type):
+                array = array.view(np_type)
+        else:
+            triton_dtype = numpy_to_triton_type(array.dtype)
+            if triton_dtype is None:
+                raise TritonModelException(
+                    f"Tensor '{name}': numpy dtype {array.dtype} has no Triton data type")
+        self._name = name
+        self._triton_dtype = triton_dtype
+        self._numpy_array = array
+
+    def name(self) -> str:
+        return self._name
+
+    def triton_dtype(self) -> int:
+        return self._triton_dtype
+
+    def as_numpy(self) -> np.ndarray:
+        return self._numpy_array
+
+    def shape(self) -> list[int]:
+        return list(self._numpy_array.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        return self._numpy_array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack_tensor: Any) -> "Tensor":
+        if hasattr(dlpack_tensor, "__dlpack__"):
+            obj = dlpack_tensor
+            if hasattr(obj, "detach"):   # a torch tensor, maybe on a GPU
+                obj = obj.detach().cpu()
+            return Tensor(name, np.from_dlpack(obj))
+        import torch.utils.dlpack  # a bare capsule: torch is the usual producer
+        return Tensor(name, torch.utils.dlpack.from_dlpack(dlpack_tensor).cpu().numpy())
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={self._numpy_array.shape}, dtype={self._numpy_array.dtype})"
+
+
+class InferenceRequest:
+    """One request of a batch handed to ``execute``.
+
+    Models may also build one to call another model (BLS); that is not supported here and
+    ``exec`` says so.
+    """
+
+    def __init__(self, model_name: str = "", inputs: Iterable[Tensor] = (),
+                 requested_output_names: Iterable[str] = (), request_id: str = "",
+                 correlation_id: int | str = 0, model_version: int = -1, flags: int = 0,
+                 timeout: int = 0, parameters: str | dict = "{}", **_: Any) -> None:
+        self._model_name = model_name
+        self._inputs = list(inputs)
+        self._requested_output_names = list(requested_output_names)
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._model_version = model_version
+        self._flags = flags
+        self._timeout = timeout
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters)
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested_output_names
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> Any:
+        raise TritonModelException(
+            "decoupled models (response senders) are not supported by jupyter_triton")
+
+    def exec(self, *args: Any, **kwargs: Any) -> Any:
+        raise TritonModelException(
+            "business logic scripting (InferenceRequest.exec) is not supported by jupyter_triton; "
+            "use an ensemble")
+
+    async def async_exec(self, *args: Any, **kwargs: Any) -> Any:
+        self.exec()
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
+                 parameters: str | dict = "{}") -> None:
+        if output_tensors is None:
+            output_tensors = []
+        if not isinstance(output_tensors, list):
+            raise TritonModelException('"output_tensors" must be a list.')
+        self._output_tensors = output_tensors
+        self._err = error
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters)
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._output_tensors
+
+    def has_error(self) -> bool:
+        return self._err is not None
+
+    def error(self) -> TritonError | None:
+        return self._err
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    for tensor in inference_request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    for tensor in inference_response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_input_config_by_name(model_config: dict, name: str) -> dict | None:
+    for props in model_config.get("input", []):
+        if props["name"] == name:
+            return props
+    return None
+
+
+def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
+    for props in model_config.get("output", []):
+        if props["name"] == name:
+            return props
+    return None
+
+
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+class ModelConfig:
+    """The object ``auto_complete_config`` receives and returns: the config as Triton's JSON,
+    with setters that refuse to contradict what config.pbtxt already says."""
+
+    _TENSOR_PROPERTIES = ("name", "data_type", "dims", "optional", "format", "is_shape_tensor",
+                          "allow_ragged_batch", "reshape", "label_filename", "is_non_linear_format_io")
+
+    def __init__(self, model_config: str | dict) -> None:
+        self._model_config = json.loads(model_config) if isinstance(model_config, str) \
+            else model_config
+        self._model_config.setdefault("input", [])
+        self._model_config.setdefault("output", [])
+        self._model_config.setdefault("max_batch_size", 0)
+
+    def as_dict(self) -> dict:
+        return self._model_config
+
+    def _name(self) -> str:
+        return self._model_config.get("name", "")
+
+    def max_batch_size(self) -> int:
+        return int(self._model_config["max_batch_size"])
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        current = int(self._model_config["max_batch_size"])
+        if current > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {current}, but in auto-complete-config "
+                f"function for model '{self._name()}' specified max_batch_size {max_batch_size}")
+        self._model_config["max_batch_size"] = int(max_batch_size)
+
+    def set_dynamic_batching(self) -> None:
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if self._model_config.get(other):
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{other}', but "
+                    f"auto-complete-config function for model '{self._name()}' tries to set "
+                    "scheduling_choice as 'dynamic_batching'")
+        if not self._model_config.get("dynamic_batching"):
+            self._model_config["dynamic_batching"] = {}
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict) -> None:
+        for key in transaction_policy_dict:
+            if key != "decoupled":
+                raise ValueError(
+                    f"model transaction property in auto-complete-config function for model "
+                    f"'{self._name()}' contains property other than 'decoupled'")
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        want = bool(transaction_policy_dict.get("decoupled", False))
+        if "decoupled" in policy and bool(policy["decoupled"]) != want:
+            raise ValueError(
+                f"trying to change decoupled property in auto-complete-config for model "
+                f"'{self._name()}', which is already set to {policy['decoupled']}")
+        policy["decoupled"] = want
+
+    def add_input(self, input: dict) -> None:
+        self._add_tensor("input", input)
+
+    def add_output(self, output: dict) -> None:
+        self._add_tensor("output", output)
+
+    def _add_tensor(self, kind: str, tensor: dict) -> None:
+        model = self._name()
+        if not isinstance(tensor, dict):
+            raise ValueError(f"{kind} in auto-complete-config function for model '{model}' "
+                             "must be a dict")
+        if "name" not in tensor:
+            raise ValueError(f"{kind} in auto-complete-config function for model '{model}' "
+                             "is missing 'name' property.")
+        name = tensor["name"]
+        for prop in tensor:
+            if prop not in self._TENSOR_PROPERTIES:
+                raise ValueError(f"{kind} '{name}' in auto-complete-config function for model "
+                                 f"'{model}' contains property '{prop}' which is not allowed")
+        for prop in ("data_type", "dims"):
+            if prop not in tensor:
+                raise ValueError(f"{kind} '{name}' in auto-complete-config function for model "
+                                 f"'{model}' is missing '{prop}' property.")
+        tensor = dict(tensor, dims=[int(d) for d in tensor["dims"]])
+        for current in self._model_config[kind]:
+            if current["name"] != name:
+                continue
+            have_type = current.get("data_type", "TYPE_INVALID")
+            if have_type != "TYPE_INVALID" and have_type != tensor["data_type"]:
+                raise ValueError(
+                    f"unable to load model '{model}', configuration expects datatype {have_type} "
+                    f"for {kind} '{name}', model provides {tensor['data_type']}")
+            have_dims = [int(d) for d in current.get("dims", [])]
+            if have_dims and have_dims != tensor["dims"]:
+                raise ValueError(
+                    f"model '{model}', tensor '{name}': the model expects dims {tensor['dims']} "
+                    f"but the model configuration specifies dims {have_dims}")
+            current.update(tensor)
+            return
+        self._model_config[kind].append(tensor)
+
+
+class Logger:
+    """``pb_utils.Logger.log_info(msg)`` and friends, into Python logging."""
+
+    class LogLevel:
+        INFO = logging.INFO
+        WARNING = logging.WARNING
+        ERROR = logging.ERROR
+        VERBOSE = logging.DEBUG
+
+    _log = logging.getLogger("jupyter_triton.python_backend.model")
+
+    @classmethod
+    def log(cls, message: str, level: int = logging.INFO) -> None:
+        cls._log.log(level, "%s", message)
+
+    @classmethod
+    def log_info(cls, message: str) -> None:
+        cls._log.info("%s", message)
+
+    @classmethod
+    def log_warn(cls, message: str) -> None:
+        cls._log.warning("%s", message)
+
+    @classmethod
+    def log_error(cls, message: str) -> None:
+        cls._log.error("%s", message)
+
+    @classmethod
+    def log_verbose(cls, message: str) -> None:
+        cls._log.debug("%s", message)
+
+
+LogLevel = Logger.LogLevel

@@ -1,0 +1,210 @@
+"""A runtime's own view of a model's tensors, and Triton's rules between it and config.pbtxt.
+
+Each tensor backend reads a ``ModelSignature`` from its artifact (ONNX graph, exported
+program, TensorRT engine); from here on the rules are the same for all of them:
+auto-complete fills what the config left out, and ``check_config`` is the check Triton's
+backends make when an instance loads (data types, ranks, the batch dimension), in
+Triton's wording.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..config import enable_default_batching
+from ..protocol.datatypes import config_to_triton, triton_to_numpy
+from ..protocol.errors import InvalidArgument
+
+WILDCARD_DIM = -1
+# Triton's --backend-config=<backend>,default-max-batch-size
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+@dataclass
+class TensorSignature:
+    name: str
+    data_type: int                    # mc.DataType value
+    shape: list[int]                  # the model's full shape; -1 where dynamic
+
+
+@dataclass
+class ModelSignature:
+    inputs: list[TensorSignature] = field(default_factory=list)
+    outputs: list[TensorSignature] = field(default_factory=list)
+    # the largest batch the runtime accepts (TensorRT profiles, torch.export ranges)
+    max_batch_limit: int | None = None
+
+    def can_batch(self) -> bool:
+        """Triton's test: every input and output has a variable first dimension."""
+        return all(t.shape and t.shape[0] == WILDCARD_DIM for t in self.inputs + self.outputs)
+
+
+def shape_text(shape) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+def type_name(data_type: int) -> str:
+    return mc.DataType.Name(data_type)
+
+
+def numpy_dtype(data_type: int) -> np.dtype:
+    """The in-server numpy dtype of a config data type (BYTES: object, BF16: float32)."""
+    return triton_to_numpy(config_to_triton(type_name(data_type)))
+
+
+def as_config_dtype(value: np.ndarray, data_type: int) -> np.ndarray:
+    """An output array in the dtype the config promises (strings become bytes)."""
+    want = numpy_dtype(data_type)
+    if want == np.object_:
+        if value.dtype == np.object_ and all(isinstance(v, bytes) for v in value.flat):
+            return value
+        flat = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in value.flat]
+        return np.array(flat, dtype=object).reshape(value.shape)
+    return value if value.dtype == want else value.astype(want)
+
+
+def complete_config(config: mc.ModelConfig, signature: ModelSignature, *, backend: str,
+                    platform: str) -> mc.ModelConfig:
+    """Triton's auto-complete for a tensor backend, on a copy of ``config``.
+
+    A model whose every tensor has a variable first dimension gets ``max_batch_size`` 4
+    and ``dynamic_batching {}`` when the config left it 0, unless the config already spells
+    dims (then they include any batch dimension and we keep max_batch_size 0). Inputs and
+    outputs the config does not list are added; listed ones missing a data type or dims
+    get them from the model. The result is then checked like a loading instance would.
+    """
+    out = mc.ModelConfig()
+    out.CopyFrom(config)
+    if not out.backend:
+        out.backend = backend
+    if not out.platform:
+        out.platform = platform
+
+    given = list(out.input) + list(out.output)
+    spelled_dims = any(t.dims for t in given)
+    if signature.can_batch():
+        limit = signature.max_batch_limit
+        if out.max_batch_size == 0 and not spelled_dims:
+            enable_default_batching(out, min(DEFAULT_MAX_BATCH_SIZE, limit or DEFAULT_MAX_BATCH_SIZE))
+    elif out.max_batch_size != 0:
+        raise InvalidArgument(
+            f"autofill failed for model '{out.name}': model does not support batching while "
+            f"non-zero max_batch_size is specified")
+
+    _fill(out, out.input, signature.inputs)
+    _fill(out, out.output, signature.outputs)
+    check_config(out, signature)
+    return out
+
+
+def _fill(config: mc.ModelConfig, tensors, model: list[TensorSignature]) -> None:
+    listed = {t.name: t for t in tensors}
+    for sig in model:
+        tensor = listed.get(sig.name)
+        if tensor is None:
+            tensor = tensors.add(name=sig.name)
+        if tensor.data_type == mc.TYPE_INVALID:
+            tensor.data_type = sig.data_type
+        if not tensor.dims and not tensor.HasField("reshape"):
+            dims = sig.shape[1:] if config.max_batch_size > 0 else sig.shape
+            if dims:
+                tensor.dims.extend(dims)
+            else:
+                # Triton's spelling of a scalar: dims [1], and with batching an empty reshape
+                tensor.dims.append(1)
+                if config.max_batch_size > 0:
+                    tensor.reshape.SetInParent()
+
+
+def check_config(config: mc.ModelConfig, signature: ModelSignature) -> None:
+    """What Triton's onnxruntime/tensorrt backends check when an instance loads."""
+    model = config.name
+    inputs = {t.name: t for t in signature.inputs}
+    outputs = {t.name: t for t in signature.outputs}
+    limit = signature.max_batch_limit
+    if limit is not None and config.max_batch_size > limit:
+        raise InvalidArgument(
+            f"unable to load model '{model}', configuration specified max-batch "
+            f"{config.max_batch_size} but the model only supports max-batch {limit}")
+    for io, kind, known in ((config.input, "input", inputs), (config.output, "output", outputs)):
+        for tensor in io:
+            sig = known.get(tensor.name)
+            if sig is None:
+                raise InvalidArgument(
+                    f"unable to load model '{model}', unexpected inference {kind} "
+                    f"'{tensor.name}', allowed {kind}s are: {', '.join(known)}")
+            if tensor.data_type != sig.data_type:
+                raise InvalidArgument(
+                    f"unable to load model '{model}', configuration expects datatype "
+                    f"{type_name(tensor.data_type)} for {kind} '{tensor.name}', model provides "
+                    f"{type_name(sig.data_type)}")
+            dims = list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
+            _compare_dims(model, tensor.name, sig.shape, dims, config.max_batch_size,
+                          exact=(kind == "output"))
+    listed = {t.name for t in config.input}
+    required = [t.name for t in signature.inputs if t.name not in listed]
+    if required:
+        raise InvalidArgument(
+            f"unable to load model '{model}', configuration expects {len(config.input)} inputs, "
+            f"model provides {len(signature.inputs)} (missing: {', '.join(required)})")
+
+
+def _compare_dims(model: str, name: str, model_shape: list[int], dims: list[int],
+                  max_batch_size: int, exact: bool) -> None:
+    """Triton's CompareDimsSupported: inputs may narrow a dynamic model dim, outputs may not."""
+    if not model_shape:
+        if any(d != 1 for d in dims):
+            raise InvalidArgument(
+                f"unable to load model '{model}', scalar tensor '{name}', should only provide 1 "
+                f"in the model configuration when the model doesn't support batching. Model "
+                f"configuration provided: {shape_text(dims)}.")
+        return
+    batching = max_batch_size > 0
+    if batching and model_shape[0] != WILDCARD_DIM:
+        raise InvalidArgument(
+            f"model '{model}', tensor '{name}': for the model to support batching the shape "
+            f"should have at least 1 dimension and the first dimension must be -1; but shape "
+            f"expected by the model is {shape_text(model_shape)}")
+    full = ([WILDCARD_DIM] if batching else []) + dims
+    same = len(full) == len(model_shape) and all(
+        m == c for m, c in zip(model_shape, full) if exact or m != WILDCARD_DIM)
+    if not same:
+        said = (f"{len(full)} dimensions (an initial batch dimension because max_batch_size > 0 "
+                f"followed by the explicit tensor shape, making complete shape {shape_text(full)})"
+                if batching else f"{len(full)} dimensions (shape {shape_text(full)})")
+        raise InvalidArgument(
+            f"model '{model}', tensor '{name}': the model expects {len(model_shape)} dimensions "
+            f"(shape {shape_text(model_shape)}) but the model configuration specifies {said}")
+
+
+def parameter(config: mc.ModelConfig, key: str) -> str | None:
+    """A config ``parameters`` value, or None when the key is absent."""
+    if key in config.parameters:
+        return config.parameters[key].string_value
+    return None
+
+
+def int_parameter(config: mc.ModelConfig, key: str) -> int | None:
+    value = parameter(config, key)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgument(
+            f"model '{config.name}': parameter '{key}' must be an integer, got '{value}'") from None
+
+
+def bool_parameter(config: mc.ModelConfig, key: str) -> bool | None:
+    value = parameter(config, key)
+    if value is None or value.strip() == "":
+        return None
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgument(
+        f"model '{config.name}': parameter '{key}' must be true/false or 1/0, got '{value}'")

@@ -1,0 +1,86 @@
+"""``jupyter-triton serve`` (also ``jupyter triton serve``): the standalone server, with
+flags spelled like tritonserver's."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .engine import CONTROL_MODES, EngineOptions
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jupyter-triton")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a Triton model repository without Jupyter")
+    serve.add_argument("--model-repository", "--model-store", required=True, action="append")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--http-address", default="0.0.0.0")
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--grpc-address", default="0.0.0.0")
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--metrics-address", default=None)
+    serve.add_argument("--allow-http", type=_bool, default=True)
+    serve.add_argument("--allow-grpc", type=_bool, default=True)
+    serve.add_argument("--allow-metrics", type=_bool, default=True)
+    serve.add_argument("--model-control-mode", choices=CONTROL_MODES, default="none")
+    serve.add_argument("--load-model", action="append", default=[])
+    serve.add_argument("--repository-poll-secs", type=float, default=15.0)
+    serve.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024)
+    serve.add_argument("--exit-on-error", type=_bool, default=False)
+    serve.add_argument("--metrics-config", action="append", default=[],
+                       help="e.g. summary_latencies=true")
+    serve.add_argument("--log-verbose", type=int, default=0)
+    return parser
+
+
+def options_from(args: argparse.Namespace) -> EngineOptions:
+    if len(args.model_repository) > 1:
+        raise SystemExit("jupyter-triton serves one --model-repository")
+    metrics = dict(item.split("=", 1) for item in args.metrics_config if "=" in item)
+    return EngineOptions(
+        model_repository=args.model_repository[0], model_control_mode=args.model_control_mode,
+        load_models=args.load_model, repository_poll_secs=args.repository_poll_secs,
+        summary_latencies=_bool(metrics.get("summary_latencies", "false")),
+        max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from .standalone import start_standalone
+    if args.metrics_address not in (None, args.http_address):
+        logging.warning("--metrics-address is served on --http-address here")
+    server = await start_standalone(
+        options_from(args), host=args.http_address, http_port=args.http_port,
+        metrics_port=args.metrics_port if args.allow_metrics else None,
+        grpc_port=args.grpc_port if args.allow_grpc else None)
+    print(f"jupyter-triton: HTTP {server.url}  gRPC {server.grpc_port}  metrics {server.metrics_port}",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

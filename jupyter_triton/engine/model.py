@@ -1,0 +1,184 @@
+"""One loaded version of a model: its instances, its scheduler, its statistics, its state."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..backends import InstanceSpec, ModelFiles, backend_class
+from ..backends.base import BackendDead
+from ..backends.devices import resolve_kind
+from ..protocol.errors import Cancelled, TritonError, Unavailable
+from ..protocol.types import InferRequest, InferResponse
+from .batcher import DynamicBatcher
+from .instances import Instance, InstancePool
+from .response import build_response
+from .scheduler import DirectScheduler, Pending, Scheduler
+from .statistics import ModelStatistics
+from .validation import check_request
+from .warmup import warmup_samples
+
+log = logging.getLogger(__name__)
+
+# Triton's model states
+UNAVAILABLE, LOADING, READY, UNLOADING = "UNAVAILABLE", "LOADING", "READY", "UNLOADING"
+
+
+@dataclass
+class VersionStatus:
+    state: str
+    reason: str = ""
+
+
+def instance_specs(config: mc.ModelConfig) -> list[InstanceSpec]:
+    """Expand instance_group the way Triton does: count instances per listed GPU (or count
+    instances on the CPU), named <group>_<i>."""
+    specs: list[InstanceSpec] = []
+    for g, group in enumerate(config.instance_group):
+        kind = resolve_kind(mc.ModelInstanceGroup.Kind.Name(group.kind))
+        group_name = group.name or f"{config.name}_{g}"
+        count = group.count or 1
+        devices = list(group.gpus) if kind == "KIND_GPU" and group.gpus else [0] if kind == "KIND_GPU" else [None]
+        i = 0
+        for device in devices:
+            for _ in range(count):
+                specs.append(InstanceSpec(name=f"{group_name}_{i}", kind=kind,
+                                          device_id=device or 0, index=len(specs)))
+                i += 1
+    if not specs:
+        specs.append(InstanceSpec(name=f"{config.name}_0_0", kind=resolve_kind("KIND_AUTO")))
+    return specs
+
+
+class ModelVersion:
+    def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path) -> None:
+        self.config = config
+        self.name = config.name
+        self.version = version
+        self.backend_name = backend
+        self.model_dir = model_dir
+        self.stats = ModelStatistics(self.name, str(version))
+        self.status = VersionStatus(LOADING)
+        self.pool: InstancePool | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_seconds = 0.0
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def pending_count(self) -> int:
+        return self._inflight
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state == READY
+
+    async def load(self) -> None:
+        """Create and load every instance off the loop, warm them up, then start scheduling."""
+        start = time.monotonic()
+        cls = backend_class(self.backend_name)
+        files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
+                           self.config.default_model_filename or cls.default_filename)
+        loop = asyncio.get_running_loop()
+
+        def make(spec: InstanceSpec) -> Instance:
+            backend = cls(self.config, files, spec)
+            backend.load()
+            return Instance(backend)
+
+        results = await asyncio.gather(
+            *(loop.run_in_executor(None, make, spec) for spec in instance_specs(self.config)),
+            return_exceptions=True)
+        instances = [r for r in results if isinstance(r, Instance)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for inst in instances:
+                await loop.run_in_executor(None, inst.close)
+            raise errors[0]
+        self.pool = InstancePool(instances, self.stats)
+        await self._warmup(instances)
+        self.scheduler = (DynamicBatcher(self.config, self.pool, self.stats)
+                          if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool))
+        self.load_seconds = time.monotonic() - start
+        self.stats.load_seconds = self.load_seconds
+        self.status = VersionStatus(READY)
+
+    async def _warmup(self, instances: list[Instance]) -> None:
+        samples = warmup_samples(self.config, self.model_dir)
+        if not samples:
+            return
+        loop = asyncio.get_running_loop()
+        start = time.monotonic_ns()
+        for inst in instances:
+            for sample in samples:
+                for _ in range(max(1, sample.count)):
+                    await loop.run_in_executor(inst.thread, inst.backend.execute, [sample.inputs])
+        self.stats.record_warmup(time.monotonic_ns() - start)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if self.status.state != READY or self.scheduler is None:
+            raise Unavailable(f"Request for unknown model: '{self.name}' version {self.version} is not at ready state")
+        start = time.monotonic_ns()
+        inputs, rows = check_request(self.config, request)
+        priority, timeout_ns = _schedule_params(request)
+        future = asyncio.get_running_loop().create_future()
+        pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
+        self._inflight += 1
+        self.stats.pending = self._inflight
+        self._idle.clear()
+        try:
+            await self.scheduler.submit(pending)
+            outputs = await future
+            response = build_response(self.config, self.version, self.model_dir, request, outputs)
+        except asyncio.CancelledError:
+            future.cancel()
+            self.stats.record_failure("CANCELED", time.monotonic_ns() - start)
+            raise
+        except BackendDead as err:
+            self.status = VersionStatus(UNAVAILABLE, str(err))
+            self.stats.record_failure("BACKEND", time.monotonic_ns() - start)
+            raise
+        except TritonError as err:
+            reason = ("REJECTED" if isinstance(err, Unavailable) else
+                      "CANCELED" if isinstance(err, Cancelled) else "BACKEND")
+            self.stats.record_failure(reason, time.monotonic_ns() - start)
+            raise
+        finally:
+            self._inflight -= 1
+            self.stats.pending = self._inflight
+            if not self._inflight:
+                self._idle.set()
+        self.stats.record_success(time.monotonic_ns() - start)
+        return response
+
+    async def unload(self, drain_seconds: float = 30.0) -> None:
+        """Let requests in flight finish (bounded), then free the instances."""
+        self.status = VersionStatus(UNLOADING)
+        try:
+            await asyncio.wait_for(self._idle.wait(), drain_seconds)
+        except asyncio.TimeoutError:
+            log.warning("unloading %s v%s with %d requests in flight", self.name, self.version, self._inflight)
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        if self.pool is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
+        self.status = VersionStatus(UNAVAILABLE, "unloaded")
+
+
+def _schedule_params(request: InferRequest) -> tuple[int, int]:
+    """Triton's schedule_policy extension: request parameters 'priority' and 'timeout' (us)."""
+    from ..protocol.errors import InvalidArgument
+    params = request.parameters
+    try:
+        priority = int(params.get("priority", 0) or 0)
+        timeout_us = int(params.get("timeout", 0) or 0)
+    except (TypeError, ValueError):
+        raise InvalidArgument("request parameters 'priority' and 'timeout' must be integers") from None
+    if priority < 0 or timeout_us < 0:
+        raise InvalidArgument("request parameters 'priority' and 'timeout' must not be negative")
+    return priority, timeout_us * 1000

@@ -1,0 +1,63 @@
+"""Turns a backend's output dict into the InferResponse the client asked for: only the
+requested outputs, in the config's datatypes, with Triton's classification extension."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..protocol.datatypes import config_to_triton, triton_to_numpy
+from ..protocol.errors import Internal, InvalidArgument
+from ..protocol.types import InferRequest, InferResponse, InferTensor
+
+
+def build_response(config: mc.ModelConfig, version: int, model_dir: Path, request: InferRequest,
+                   outputs: dict[str, np.ndarray]) -> InferResponse:
+    by_name = {o.name: o for o in config.output}
+    wanted = request.outputs if request.outputs is not None else None
+    names = [o.name for o in wanted] if wanted is not None else [o.name for o in config.output]
+    params = {o.name: o.parameters for o in wanted} if wanted is not None else {}
+    tensors = []
+    for name in names:
+        if name not in outputs:
+            raise Internal(f"model '{config.name}' did not produce output '{name}'")
+        cfg = by_name[name]
+        datatype = config_to_triton(mc.DataType.Name(cfg.data_type))
+        value = np.asarray(outputs[name])
+        if cfg.HasField("reshape") and value.ndim:
+            lead = [value.shape[0]] if config.max_batch_size > 0 else []
+            value = value.reshape(lead + list(cfg.dims))
+        want = triton_to_numpy(datatype)
+        if value.dtype != want:
+            value = value.astype(want)
+        k = int(params.get(name, {}).get("classification", 0) or 0)
+        if k:
+            value, datatype = _classify(value, k, config.max_batch_size > 0, model_dir, cfg)
+        tensors.append(InferTensor(name, datatype, tuple(value.shape), value))
+    return InferResponse(config.name, str(version), request.id, tensors)
+
+
+def _classify(value: np.ndarray, k: int, batched: bool, model_dir: Path,
+              cfg: mc.ModelOutput) -> tuple[np.ndarray, str]:
+    """Top-k as Triton spells it: BYTES "<score>:<index>[:<label>]" per row."""
+    if k < 0:
+        raise InvalidArgument(f"classification count for output '{cfg.name}' must be positive")
+    if value.dtype == object:
+        raise InvalidArgument(f"classification not supported for BYTES output '{cfg.name}'")
+    labels: list[str] = []
+    if cfg.label_filename:
+        path = model_dir / cfg.label_filename
+        if path.exists():
+            labels = path.read_text().splitlines()
+    rows = value.reshape(value.shape[0], -1) if batched else value.reshape(1, -1)
+    k = min(k, rows.shape[1])
+    out = np.empty((rows.shape[0], k), dtype=object)
+    for r, row in enumerate(rows):
+        top = np.argsort(-row, kind="stable")[:k]
+        for j, idx in enumerate(top):
+            text = f"{row[idx]:f}:{idx}"
+            if idx < len(labels):
+                text += f":{labels[idx]}"
+            out[r, j] = text.encode()
+    return (out if batched else out[0]), "BYTES"

@@ -1,0 +1,199 @@
+"""Per model-version statistics, kept in Triton's units and rendered in Triton's JSON.
+
+One ``ModelStatistics`` per loaded version. The engine and the instance pool record into
+it; ``/v2/models/stats`` renders ``to_json()`` and the Prometheus collector reads the same
+counters at scrape time, so the two can never disagree.
+
+Updates come from the event loop and from instance threads; one plain lock guards them
+(each update is a handful of integer additions, so contention is negligible).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..protocol.errors import Cancelled
+
+#: Triton's ``reason`` label values of ``nv_inference_request_failure``.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+#: how many recent samples each latency kind keeps for the opt-in summaries
+SAMPLE_WINDOW = 1024
+
+#: latency kinds, named as the ``inference_stats`` keys (and the summary metrics) name them
+LATENCY_KINDS = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass
+class StatDuration:
+    """Triton's ``StatisticDuration``: how many, and their summed nanoseconds."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, count: int, ns: int) -> None:
+        self.count += count
+        self.ns += ns
+
+    def to_json(self) -> dict:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class BatchStat:
+    compute_input: StatDuration
+    compute_infer: StatDuration
+    compute_output: StatDuration
+
+
+class ModelStatistics:
+    def __init__(self, name: str, version: str) -> None:
+        self.name = name
+        self.version = str(version)
+        self._lock = threading.Lock()
+        self.last_inference = 0          # ms since the epoch, 0 until the first request ends
+        self.inference_count = 0         # rows (batch elements) inferred
+        self.execution_count = 0         # batches executed
+        self.success = StatDuration()
+        self.fail = StatDuration()
+        self.queue = StatDuration()
+        self.compute_input = StatDuration()
+        self.compute_infer = StatDuration()
+        self.compute_output = StatDuration()
+        self.cache_hit = StatDuration()
+        self.cache_miss = StatDuration()
+        self.batch_stats: dict[int, BatchStat] = {}
+        self.failures: dict[str, int] = {reason: 0 for reason in FAILURE_REASONS}
+        # Requests accepted but not finished; the engine increments/decrements it.
+        self.pending = 0
+        self.load_ns = 0                 # load duration (the engine includes warmup in it)
+        self.warmup_ns = 0
+        self._samples: dict[str, deque[int]] = {k: deque(maxlen=SAMPLE_WINDOW) for k in LATENCY_KINDS}
+
+    # -- recording ---------------------------------------------------------------------
+
+    def record_queue(self, ns: int) -> None:
+        """One request left the queue after ``ns`` nanoseconds in it."""
+        ns = max(0, int(ns))
+        with self._lock:
+            self.queue.add(1, ns)
+            self._samples["queue"].append(ns)
+
+    def record_execution(self, batch_rows: int, n_requests: int, compute_input_ns: int,
+                         compute_infer_ns: int, compute_output_ns: int) -> None:
+        """One batch of ``n_requests`` requests (``batch_rows`` rows) ran once.
+
+        Like Triton, every request of the batch is charged the whole batch's compute time.
+        """
+        times = (int(compute_input_ns), int(compute_infer_ns), int(compute_output_ns))
+        with self._lock:
+            self.execution_count += 1
+            self.inference_count += batch_rows
+            stat = self.batch_stats.get(batch_rows)
+            if stat is None:
+                stat = self.batch_stats[batch_rows] = BatchStat(StatDuration(), StatDuration(), StatDuration())
+            for kind, per_batch, ns in zip(
+                    ("compute_input", "compute_infer", "compute_output"),
+                    (stat.compute_input, stat.compute_infer, stat.compute_output), times):
+                per_batch.add(1, ns)
+                getattr(self, kind).add(n_requests, n_requests * ns)
+                self._samples[kind].extend([ns] * min(n_requests, SAMPLE_WINDOW))
+            self.last_inference = max(self.last_inference, _now_ms())
+
+    def record_success(self, request_ns: int) -> None:
+        """One request finished successfully, ``request_ns`` after it arrived."""
+        request_ns = max(0, int(request_ns))
+        with self._lock:
+            self.success.add(1, request_ns)
+            self._samples["request"].append(request_ns)
+            self.last_inference = max(self.last_inference, _now_ms())
+
+    def record_failure(self, reason: str, request_ns: int) -> None:
+        """One request failed; ``reason`` is Triton's label (REJECTED, CANCELED, BACKEND, OTHER)."""
+        if reason not in self.failures:
+            reason = "OTHER"
+        with self._lock:
+            self.fail.add(1, max(0, int(request_ns)))
+            self.failures[reason] += 1
+            self.last_inference = max(self.last_inference, _now_ms())
+
+    def record_warmup(self, ns: int) -> None:
+        """Warmup time; Triton does not report it in statistics, only as part of load time."""
+        with self._lock:
+            self.warmup_ns += int(ns)
+
+    def record_load(self, ns: int) -> None:
+        """Total load duration (including warmup), exported as nv_model_load_duration_secs."""
+        with self._lock:
+            self.load_ns = int(ns)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def samples(self, kind: str) -> list[int]:
+        """Recent latencies of ``kind`` (one of LATENCY_KINDS), in nanoseconds, oldest first."""
+        with self._lock:
+            return list(self._samples[kind])
+
+    def failure_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.failures)
+
+    def to_json(self) -> dict:
+        """This version's entry of ``/v2/models/stats`` ``model_stats``, in Triton's shape."""
+        with self._lock:
+            return {
+                "name": self.name,
+                "version": self.version,
+                "last_inference": self.last_inference,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {
+                    "success": self.success.to_json(),
+                    "fail": self.fail.to_json(),
+                    "queue": self.queue.to_json(),
+                    "compute_input": self.compute_input.to_json(),
+                    "compute_infer": self.compute_infer.to_json(),
+                    "compute_output": self.compute_output.to_json(),
+                    "cache_hit": self.cache_hit.to_json(),
+                    "cache_miss": self.cache_miss.to_json(),
+                },
+                "response_stats": {},
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        "compute_input": stat.compute_input.to_json(),
+                        "compute_infer": stat.compute_infer.to_json(),
+                        "compute_output": stat.compute_output.to_json(),
+                    }
+                    for size, stat in sorted(self.batch_stats.items())
+                ],
+                "memory_usage": [],
+            }
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def mark_failure(err: BaseException, reason: str) -> BaseException:
+    """Tag ``err`` with the ``nv_inference_request_failure`` reason it counts under."""
+    err.failure_reason = reason  # type: ignore[attr-defined]
+    return err
+
+
+def failure_reason(err: BaseException) -> str:
+    """The Triton failure reason for an error a request ended with.
+
+    Errors tagged by ``mark_failure`` (the batcher tags REJECTED, the instance pool
+    BACKEND) keep their tag; a cancelled request is CANCELED; everything else is OTHER.
+    """
+    reason = getattr(err, "failure_reason", None)
+    if reason in FAILURE_REASONS:
+        return reason
+    # Cancelled (the protocol error) and asyncio.CancelledError both mean the client went away.
+    if isinstance(err, (Cancelled, asyncio.CancelledError)):
+        return "CANCELED"
+    return "OTHER"

@@ -1,0 +1,82 @@
+"""Checks an InferRequest against its model's config, with Triton's error text.
+
+Runs before a request is queued, so a bad request never reaches a batch (and never
+fails the good requests batched with it).
+"""
+from __future__ import annotations
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..protocol.datatypes import config_to_triton
+from ..protocol.errors import InvalidArgument
+from ..protocol.types import InferRequest
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+def _matches(shape: tuple[int, ...], dims: list[int]) -> bool:
+    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+def check_request(config: mc.ModelConfig, request: InferRequest) -> tuple[dict[str, np.ndarray], int]:
+    """The backend's input dict (reshaped where the config says so) and the request's batch size."""
+    model = config.name
+    expected = {i.name: i for i in config.input}
+    given = {t.name: t for t in request.inputs}
+    for name in given:
+        if name not in expected:
+            raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
+    missing = [n for n, i in expected.items() if n not in given and not i.optional]
+    if missing:
+        raise InvalidArgument(
+            f"expected {len(expected)} inputs but got {len(given)} inputs for model '{model}'. "
+            f"Got input(s) {sorted(given)}, but missing required input(s) {missing}. "
+            f"Please provide all required input(s).")
+    batch = 0
+    inputs: dict[str, np.ndarray] = {}
+    for name, tensor in given.items():
+        cfg = expected[name]
+        want = config_to_triton(mc.DataType.Name(cfg.data_type))
+        if tensor.datatype != want:
+            raise InvalidArgument(
+                f"inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
+                f"expects '{want}'")
+        shape = tuple(int(d) for d in tensor.shape)
+        dims = list(cfg.dims)
+        if config.max_batch_size > 0:
+            if not shape:
+                raise InvalidArgument(
+                    f"inference input '{name}' of model '{model}' has no batch dimension; "
+                    f"expected shape {_fmt([-1] + dims)}")
+            rows = shape[0]
+            if batch and rows != batch:
+                raise InvalidArgument(
+                    f"inputs of model '{model}' disagree on the batch size: input '{name}' has "
+                    f"{rows}, another input has {batch}")
+            batch = rows
+            if rows < 1 or rows > config.max_batch_size:
+                raise InvalidArgument(
+                    f"inference request batch-size must be <= {config.max_batch_size} for "
+                    f"'{model}'" if rows > 0 else
+                    f"inference request batch-size must be >= 1 for '{model}'")
+            full = [-1] + dims
+        else:
+            full = dims
+        if not _matches(shape, full):
+            raise InvalidArgument(
+                f"unexpected shape for input '{name}' for model '{model}'. "
+                f"Expected {_fmt(full)}, got {_fmt(shape)}")
+        data = tensor.data
+        if cfg.HasField("reshape"):
+            target = list(cfg.reshape.shape)
+            lead = [batch] if config.max_batch_size > 0 else []
+            data = data.reshape(lead + target)
+        inputs[name] = data
+    known_outputs = {o.name for o in config.output}
+    for out in request.outputs or ():
+        if out.name not in known_outputs:
+            raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
+    return inputs, (batch if config.max_batch_size > 0 else 1)

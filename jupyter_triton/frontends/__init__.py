@@ -1,0 +1,1 @@
+"""Transports over the engine: tornado v2 HTTP handlers, the gRPC servicer, Prometheus metrics."""

@@ -1,0 +1,191 @@
+"""Triton's gRPC ModelInferRequest/ModelInferResponse <-> InferRequest/InferResponse.
+
+Inputs arrive either all in ``raw_input_contents`` (what tritonclient sends) or each in its
+typed ``contents`` field; outputs always leave in ``raw_output_contents``, as Triton does.
+The validation rules and messages are the HTTP codec's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from .datatypes import element_count, is_valid_datatype, tensor_from_wire, tensor_to_wire
+from .errors import InvalidArgument, Unsupported
+from .http_codec import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
+from .types import InferRequest, InferResponse, InferTensor, RequestedOutput
+
+_INT64_MAX = (1 << 63) - 1
+
+# datatype -> (InferTensorContents field, numpy dtype of the values)
+_CONTENTS: dict[str, tuple[str, Any]] = {
+    "BOOL": ("bool_contents", np.bool_),
+    "INT8": ("int_contents", np.int8),
+    "INT16": ("int_contents", np.int16),
+    "INT32": ("int_contents", np.int32),
+    "INT64": ("int64_contents", np.int64),
+    "UINT8": ("uint_contents", np.uint8),
+    "UINT16": ("uint_contents", np.uint16),
+    "UINT32": ("uint_contents", np.uint32),
+    "UINT64": ("uint64_contents", np.uint64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+    "BYTES": ("bytes_contents", np.object_),
+}
+_CONTENT_FIELDS = sorted({f for f, _ in _CONTENTS.values()})
+
+
+def parameter_value(param: Any) -> Any:
+    """The Python value of an InferParameter / ModelRepositoryParameter oneof (None if unset)."""
+    which = param.WhichOneof("parameter_choice")
+    return None if which is None else getattr(param, which)
+
+
+def set_parameter(param: Any, value: Any) -> None:
+    """Store a Python value in an InferParameter's matching oneof field."""
+    if isinstance(value, (bool, np.bool_)):
+        param.bool_param = bool(value)
+    elif isinstance(value, (int, np.integer)):
+        value = int(value)
+        if value > _INT64_MAX:
+            param.uint64_param = value
+        else:
+            param.int64_param = value
+    elif isinstance(value, (float, np.floating)):
+        param.double_param = float(value)
+    elif isinstance(value, bytes):
+        param.string_param = value.decode("utf-8", errors="replace")
+    else:
+        param.string_param = str(value)
+
+
+def _check_shape(shape: list[int], name: str, max_elements: int) -> tuple[int, ...]:
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(
+            f"input '{name}' has {len(shape)} dimensions, more than the limit of {MAX_RANK}")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(
+            f"unable to parse 'shape' of input '{name}': dimensions must be non-negative "
+            f"integers, got {shape}")
+    count = element_count(shape)
+    if count > max_elements:
+        raise InvalidArgument(
+            f"input '{name}' has shape {shape} with {count} elements, more than the limit of "
+            f"{max_elements}")
+    return tuple(shape)
+
+
+def _from_contents(contents: Any, dt: str, shape: tuple[int, ...], name: str,
+                   model_name: str) -> np.ndarray:
+    if dt not in _CONTENTS:
+        raise InvalidArgument(
+            f"input '{name}' for model '{model_name}' has datatype {dt}, which has no typed "
+            "'contents' field; send it in 'raw_input_contents'")
+    field, np_dtype = _CONTENTS[dt]
+    for other in _CONTENT_FIELDS:
+        if other != field and len(getattr(contents, other)):
+            raise InvalidArgument(
+                f"input '{name}' for model '{model_name}' has datatype {dt} but sets "
+                f"'{other}'; expected '{field}'")
+    values = getattr(contents, field)
+    count = element_count(shape)
+    if len(values) != count:
+        raise InvalidArgument(
+            f"unexpected number of elements for input '{name}' for model '{model_name}': shape "
+            f"{list(shape)} expects {count}, got {len(values)} in '{field}'")
+    if dt == "BYTES":
+        arr = np.empty(count, dtype=np.object_)
+        arr[:] = list(values)
+        return arr.reshape(shape)
+    values = list(values)
+    if dt in ("INT8", "INT16", "UINT8", "UINT16") and values:
+        info = np.iinfo(np_dtype)
+        lo, hi = min(values), max(values)
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise InvalidArgument(
+                f"input '{name}' for model '{model_name}': value {bad} is out of the range of "
+                f"datatype {dt}")
+    return np.array(values, dtype=np_dtype).reshape(shape)
+
+
+def decode_grpc_request(req: service_pb2.ModelInferRequest,
+                        max_elements: int = DEFAULT_MAX_ELEMENTS) -> InferRequest:
+    """Decode a gRPC ModelInferRequest; raises InvalidArgument/Unsupported on client errors."""
+    model = req.model_name
+    parameters = check_request_parameters(
+        {k: parameter_value(v) for k, v in req.parameters.items()})
+    raw = req.raw_input_contents
+    if len(raw) and len(raw) != len(req.inputs):
+        raise InvalidArgument(
+            f"expected {len(req.inputs)} inputs but got {len(raw)} inputs in "
+            f"'raw_input_contents' for model '{model}'")
+
+    specs = []
+    names: set[str] = set()
+    for i, inp in enumerate(req.inputs):
+        name, dt = inp.name, inp.datatype
+        if not is_valid_datatype(dt):
+            raise InvalidArgument(f"invalid datatype '{dt}' for input '{name}'")
+        if name in names:
+            raise InvalidArgument(f"input '{name}' appears more than once in the request")
+        names.add(name)
+        shape = _check_shape(list(inp.shape), name, max_elements)
+        tparams = {k: parameter_value(v) for k, v in inp.parameters.items()}
+        if "shared_memory_region" in tparams:
+            raise Unsupported(
+                f"input '{name}' uses 'shared_memory_region': shared memory is not supported by "
+                "this server; send the data in the request")
+        if len(raw) and inp.HasField("contents"):
+            raise InvalidArgument(
+                f"contents field must not be specified when using raw_input_contents for "
+                f"'{name}' for model '{model}'")
+        specs.append((i, name, dt, shape, tparams))
+
+    inputs = []
+    for i, name, dt, shape, tparams in specs:
+        inp = req.inputs[i]
+        if len(raw):
+            arr = tensor_from_wire(raw[i], dt, shape, name, model)
+        else:
+            arr = _from_contents(inp.contents, dt, shape, name, model)
+        inputs.append(InferTensor(name=name, datatype=dt, shape=shape, data=arr,
+                                  parameters=tparams))
+
+    outputs: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for out in req.outputs:
+        if out.name in seen:
+            raise InvalidArgument(f"output '{out.name}' is requested more than once")
+        seen.add(out.name)
+        oparams = {k: parameter_value(v) for k, v in out.parameters.items()}
+        if "shared_memory_region" in oparams:
+            raise Unsupported(
+                f"output '{out.name}' uses 'shared_memory_region': shared memory is not "
+                "supported by this server")
+        cls = oparams.get("classification")
+        if cls is not None and (isinstance(cls, bool) or not isinstance(cls, int) or cls < 0):
+            raise InvalidArgument(
+                f"unable to set 'classification' of output '{out.name}': expected a "
+                "non-negative integer")
+        outputs.append(RequestedOutput(name=out.name, parameters=oparams))
+
+    return InferRequest(model_name=model, model_version=req.model_version, id=req.id,
+                        inputs=inputs, outputs=outputs or None, parameters=parameters)
+
+
+def encode_grpc_response(resp: InferResponse, request: InferRequest
+                         ) -> service_pb2.ModelInferResponse:
+    """A ModelInferResponse with every output's data in ``raw_output_contents``."""
+    msg = service_pb2.ModelInferResponse(
+        model_name=resp.model_name, model_version=str(resp.model_version),
+        id=resp.id or request.id)
+    for key, value in resp.parameters.items():
+        set_parameter(msg.parameters[key], value)
+    for t in resp.outputs:
+        out = msg.outputs.add(name=t.name, datatype=t.datatype, shape=[int(d) for d in t.shape])
+        for key, value in t.parameters.items():
+            set_parameter(out.parameters[key], value)
+        msg.raw_output_contents.append(tensor_to_wire(t.data, t.datatype))
+    return msg

@@ -1,0 +1,49 @@
+"""Transport-neutral v2 inference request and response.
+
+Every frontend decodes into these and encodes from these; the engine sees nothing else.
+Tensor data is always a numpy array already shaped; BYTES tensors are ``object`` arrays of
+``bytes``; BF16 tensors travel as ``float32`` arrays (numpy has no bfloat16) and are narrowed
+again when encoded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class InferTensor:
+    name: str
+    datatype: str                       # Triton spelling: "FP32", "BYTES", ...
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestedOutput:
+    name: str
+    # binary_data (bool), classification (int) as the client sent them
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferRequest:
+    model_name: str
+    model_version: str = ""             # "" means: the policy's latest ready version
+    id: str = ""
+    inputs: list[InferTensor] = field(default_factory=list)
+    outputs: list[RequestedOutput] | None = None   # None: every output of the model
+    # request parameters: priority, timeout, binary_data_output, sequence_*, user keys
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferResponse:
+    model_name: str
+    model_version: str
+    id: str = ""
+    outputs: list[InferTensor] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)

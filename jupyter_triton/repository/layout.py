@@ -1,0 +1,35 @@
+"""Names in a Triton repository: which model names are safe, which subdirectories are versions."""
+from __future__ import annotations
+
+import re
+
+from ..protocol.errors import InvalidArgument
+
+# Triton ignores version directories that are not numbers or that start with a zero.
+_VERSION_DIR = re.compile(r"[1-9][0-9]{0,17}")
+# Python's bytecode cache (the python backend imports model.py from the version dir):
+# not part of the model, and it must not make poll mode see a change.
+IGNORED_NAMES = frozenset({"__pycache__"})
+MAX_NAME_LENGTH = 255
+
+
+def is_hidden(name: str) -> bool:
+    return name.startswith(".") or name in IGNORED_NAMES
+
+
+def is_version_dir_name(name: str) -> bool:
+    return _VERSION_DIR.fullmatch(name) is not None
+
+
+def check_model_name(name: str) -> str:
+    """A model name that is one directory below the repository root, or InvalidArgument."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("model name must be a non-empty string")
+    bad = ("/" in name or "\\" in name or "\0" in name or ".." in name or name.startswith(".")
+           or name in IGNORED_NAMES or len(name) > MAX_NAME_LENGTH)
+    if bad:
+        raise InvalidArgument(
+            f"invalid model name {name!r}: a model name is one directory name, must not "
+            f"contain '/', '\\', '..' or NUL, must not start with '.', and is at most "
+            f"{MAX_NAME_LENGTH} characters")
+    return name
