@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 from ..backends.base import Backend
 from ..protocol.errors import Internal, TritonError
 
+from .statistics import mark_failure
+
 if TYPE_CHECKING:
+    from .rate_limiter import RateLimiter
     from .scheduler import Pending
     from .statistics import ModelStatistics
 
@@ -28,6 +31,9 @@ class Instance:
         self.name = backend.instance.name
         # One thread per instance: runtimes release the GIL, so instances truly overlap.
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"triton-{self.name}")
+        # rate_limiter resources this instance holds while executing (rate_limiter.instance_resources)
+        self.resources: dict[str, int] = {}
+        self.rate_priority = 0
 
     def close(self) -> None:
         try:
@@ -37,9 +43,11 @@ class Instance:
 
 
 class InstancePool:
-    def __init__(self, instances: list[Instance], stats: "ModelStatistics") -> None:
+    def __init__(self, instances: list[Instance], stats: "ModelStatistics",
+                 rate_limiter: "RateLimiter | None" = None) -> None:
         self.instances = instances
         self.stats = stats
+        self.rate_limiter = rate_limiter
         self._idle: asyncio.Queue[Instance] = asyncio.Queue()
         for inst in instances:
             self._idle.put_nowait(inst)
@@ -59,33 +67,43 @@ class InstancePool:
 
     async def execute(self, instance: Instance, batch: list["Pending"]) -> None:
         """Run ``batch`` on ``instance`` and resolve every future; always releases it."""
+        limited = self.rate_limiter is not None and bool(instance.resources)
         try:
-            live = [p for p in batch if not p.future.done()]   # cancelled while queued
-            if not live:
-                return
-            start_ns = time.monotonic_ns()
-            for p in live:
-                self.stats.record_queue(start_ns - p.enqueue_ns)
-            loop = asyncio.get_running_loop()
+            if limited:
+                await self.rate_limiter.acquire(instance.resources, instance.rate_priority)
             try:
-                results, timing = await loop.run_in_executor(
-                    instance.thread, _run_backend, instance.backend, [p.inputs for p in live])
-            except TritonError as err:
-                results, timing = [err] * len(live), None
-            except Exception as err:  # a backend bug must fail its requests, not the server
-                log.exception("instance %s failed", instance.name)
-                results, timing = [Internal(f"{instance.name}: {type(err).__name__}: {err}")] * len(live), None
-            if timing is not None:
-                self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing)
-            for p, result in zip(live, results):
-                if p.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    p.future.set_exception(result)
-                else:
-                    p.future.set_result(result)
+                await self._execute(instance, batch)
+            finally:
+                if limited:
+                    self.rate_limiter.release(instance.resources)
         finally:
             self.release(instance)
+
+    async def _execute(self, instance: Instance, batch: list["Pending"]) -> None:
+        live = [p for p in batch if not p.future.done()]   # cancelled while queued
+        if not live:
+            return
+        start_ns = time.monotonic_ns()
+        for p in live:
+            self.stats.record_queue(start_ns - p.enqueue_ns)
+        loop = asyncio.get_running_loop()
+        try:
+            results, timing = await loop.run_in_executor(
+                instance.thread, _run_backend, instance.backend, [p.inputs for p in live])
+        except TritonError as err:
+            results, timing = [err] * len(live), None
+        except Exception as err:  # a backend bug must fail its requests, not the server
+            log.exception("instance %s failed", instance.name)
+            results, timing = [Internal(f"{instance.name}: {type(err).__name__}: {err}")] * len(live), None
+        if timing is not None:
+            self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing)
+        for p, result in zip(live, results):
+            if p.future.done():
+                continue
+            if isinstance(result, BaseException):
+                p.future.set_exception(mark_failure(result, "BACKEND"))
+            else:
+                p.future.set_result(result)
 
     def close(self) -> None:
         for inst in self.instances:

@@ -21,7 +21,7 @@ from typing import Mapping
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import (CONFIG_FILENAME, config_from_json, config_to_pbtxt, load_config_file,
-                      validate_config)
+                      parse_config, validate_config)
 from ..protocol.errors import Internal, InvalidArgument, NotFound
 from .layout import check_model_name, is_hidden, is_version_dir_name
 from .upload import MAX_UPLOAD_BYTES, UploadedFile, parse_upload_files
@@ -105,7 +105,6 @@ class Repository:
         path = self.version_dir(name, version) / CONFIG_FILENAME
         if not path.is_file():
             return None
-        from ..config import parse_config
         config = parse_config(path.read_text(encoding="utf-8"), name,
                               f"{version}/{CONFIG_FILENAME}")
         config.name = config.name or name
@@ -239,7 +238,7 @@ def _taken_versions(model_dir: Path) -> set[int]:
 
 
 def _assign_versions(uploaded: list[int], taken: set[int]) -> dict[int, int]:
-    if not any(v in taken for v in uploaded):
+    if True:
         return {v: v for v in uploaded}
     start = max(taken) + 1
     return {v: start + i for i, v in enumerate(sorted(uploaded))}
@@ -328,9 +327,8 @@ def _fsync_tree_dirs(root: Path) -> None:
 
 
 def _fingerprint(model_dir: Path) -> str:
+    os.stat(model_dir)   # FileNotFoundError when the model went away
     digest = hashlib.sha256()
-    st = os.stat(model_dir)
-    digest.update(f".\0{st.st_mtime_ns}\0".encode())
     for dirpath, dirnames, filenames in os.walk(model_dir):
         # hidden entries (.history, upload staging, .ipynb_checkpoints) and
         # __pycache__ are not the model, as for Triton

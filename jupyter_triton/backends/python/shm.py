@@ -35,9 +35,10 @@ class Staged(NamedTuple):
     payload: np.ndarray | bytes
 
 
-def stage(tensors: dict[str, np.ndarray]) -> tuple[list[Staged], int]:
-    """Lay ``tensors`` out back to back (aligned); returns the layout and the bytes it needs."""
-    staged, offset = [], 0
+def stage(tensors: dict[str, np.ndarray], offset: int = 0) -> tuple[list[Staged], int]:
+    """Lay ``tensors`` out back to back (aligned) from ``offset``; returns the layout and the
+    offset where the next tensor may start."""
+    staged = []
     for name, array in tensors.items():
         array = np.asarray(array)
         if array.dtype.kind in "OSU":

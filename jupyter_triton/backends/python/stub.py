@@ -1,0 +1,194 @@
+"""The model side of the python backend (Triton calls it the stub): imports ``model.py``,
+runs ``TritonPythonModel``'s hooks, and turns pb_utils objects into plain data and back.
+
+It runs inside a worker process by default, or in the server process in thread mode; it
+neither knows nor cares which. Everything it returns is plain data (arrays, strings, ints).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import re
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import triton_python_backend_utils as pb_utils
+
+PB_UTILS_NAME = "triton_python_backend_utils"
+
+
+def install_pb_utils() -> None:
+    """Make ``import triton_python_backend_utils`` work the way it does under Triton."""
+    sys.modules.setdefault(PB_UTILS_NAME, pb_utils)
+
+
+@dataclass
+class RequestData:
+    """What ``pb_utils.InferenceRequest`` is built from."""
+
+    inputs: dict[str, np.ndarray]
+    request_id: str = ""
+    correlation_id: int | str = 0
+    parameters: str = "{}"
+    requested_output_names: list[str] = field(default_factory=list)
+    flags: int = 0
+
+
+@dataclass
+class ResponseError:
+    """A response that carried ``error=pb_utils.TritonError(...)``, or a malformed one."""
+
+    code: int           # pb_utils.TritonError code
+    message: str
+
+
+class StubError(Exception):
+    """A hook failed: ``stage`` is import / initialize / execute / finalize / auto_complete_config."""
+
+    def __init__(self, stage: str, message: str, tb: str = "", code: int = pb_utils.TritonError.INTERNAL) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.message = message
+        self.traceback = tb
+        self.code = code
+
+    def to_tuple(self) -> tuple[str, str, str, int]:
+        return (self.stage, self.message, self.traceback, self.code)
+
+    @classmethod
+    def from_exception(cls, stage: str, err: BaseException) -> "StubError":
+        code = err.code() if isinstance(err, pb_utils.TritonError) else pb_utils.TritonError.INTERNAL
+        return cls(stage, f"{type(err).__name__}: {err}",
+                   "".join(traceback.format_exception(err)), code)
+
+
+def module_name(model_name: str, version: str, instance: str) -> str:
+    # model.py files all share one name; thread mode keeps several in one interpreter.
+    return "triton_model_" + re.sub(r"\W", "_", f"{model_name}_{version}_{instance}")
+
+
+def import_model_class(model_py: str, name: str) -> type:
+    """Import ``model_py`` the way Triton does (its version and model dirs on sys.path)."""
+    install_pb_utils()
+    path = Path(model_py)
+    for extra in (path.parent, path.parent.parent):
+        if str(extra) not in sys.path:
+            sys.path.append(str(extra))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        cls = getattr(module, "TritonPythonModel", None)
+        if cls is None:
+            raise AttributeError(f"{path.name} defines no class TritonPythonModel")
+        return cls
+    except BaseException as err:  # a model.py may raise anything, SystemExit included
+        sys.modules.pop(name, None)
+        raise StubError.from_exception("import", err) from None
+
+
+def run_auto_complete_config(model_py: str, name: str, config_json: str) -> dict:
+    """Call ``TritonPythonModel.auto_complete_config`` and return the completed config dict."""
+    cls = import_model_class(model_py, name)
+    hook = getattr(cls, "auto_complete_config", None)
+    if hook is None:
+        return pb_utils.ModelConfig(config_json).as_dict()
+    try:
+        result = hook(pb_utils.ModelConfig(config_json))
+    except BaseException as err:
+        raise StubError.from_exception("auto_complete_config", err) from None
+    if not isinstance(result, pb_utils.ModelConfig):
+        raise StubError("auto_complete_config",
+                        "auto_complete_config must return the pb_utils.ModelConfig it was given, "
+                        f"got {type(result).__name__}")
+    return result.as_dict()
+
+
+class ModelStub:
+    """One ``TritonPythonModel`` object and the event loop its ``async def execute`` runs on."""
+
+    def __init__(self, model_py: str, args: dict[str, str]) -> None:
+        self.args = args
+        self.model_name = args["model_name"]
+        cls = import_model_class(
+            model_py, module_name(args["model_name"], args["model_version"], args["model_instance_name"]))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self.model = cls()
+            init = getattr(self.model, "initialize", None)
+            if init is not None:
+                self._await(init(args))
+        except StubError:
+            raise
+        except BaseException as err:
+            raise StubError.from_exception("initialize", err) from None
+
+    def _await(self, result: Any) -> Any:
+        if inspect.isawaitable(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(result)
+        return result
+
+    def execute(self, requests: list[RequestData]) -> list[dict[str, np.ndarray] | ResponseError]:
+        pb_requests = [
+            pb_utils.InferenceRequest(
+                model_name=self.model_name,
+                inputs=[pb_utils.Tensor(n, a) for n, a in r.inputs.items()],
+                requested_output_names=r.requested_output_names, request_id=r.request_id,
+                correlation_id=r.correlation_id, flags=r.flags, parameters=r.parameters,
+                model_version=int(self.args.get("model_version") or -1))
+            for r in requests]
+        try:
+            responses = self._await(self.model.execute(pb_requests))
+        except BaseException as err:
+            raise StubError.from_exception("execute", err) from None
+        if not isinstance(responses, (list, tuple)):
+            raise StubError("execute", "execute() must return a list of pb_utils.InferenceResponse, "
+                            f"got {type(responses).__name__}")
+        if len(responses) != len(requests):
+            raise StubError(
+                "execute", "Number of InferenceResponse objects do not match number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, and "
+                f"InferenceResponse(s) size is:{len(responses)}")
+        return [self._response_data(r) for r in responses]
+
+    @staticmethod
+    def _response_data(response: Any) -> dict[str, np.ndarray] | ResponseError:
+        if not isinstance(response, pb_utils.InferenceResponse):
+            return ResponseError(pb_utils.TritonError.INTERNAL,
+                                 f"execute() returned a {type(response).__name__} where a "
+                                 "pb_utils.InferenceResponse was expected")
+        err = response.error()
+        if err is not None:
+            code = err.code() if isinstance(err, pb_utils.TritonError) else pb_utils.TritonError.INTERNAL
+            return ResponseError(code, str(err))
+        outputs = {}
+        for tensor in response.output_tensors():
+            if not isinstance(tensor, pb_utils.Tensor):
+                return ResponseError(pb_utils.TritonError.INTERNAL,
+                                     f"output_tensors holds a {type(tensor).__name__} where a "
+                                     "pb_utils.Tensor was expected")
+            outputs[tensor.name()] = tensor.as_numpy()
+        return outputs
+
+    def finalize(self) -> None:
+        try:
+            fin = getattr(self.model, "finalize", None)
+            if fin is not None:
+                self._await(fin())
+        except BaseException as err:
+            raise StubError.from_exception("finalize", err) from None
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None

@@ -1,0 +1,356 @@
+"""Triton's dynamic batcher: which queued requests run together, and when.
+
+One asyncio task per model version. Whenever an instance is free it forms a batch the
+way Triton's ``DynamicBatchScheduler::GetDynamicBatch`` does:
+
+* requests are taken in service order (priority level 1 first; within a level, arrival
+  order, then requests DELAYed by their queue policy), never split, while their rows fit
+  in ``max_batch_size`` and their shapes agree with the first one (the first request that
+  does not fit or does not agree ends the batch, which then leaves at once);
+* if the rows taken reach a preferred batch size, the batch of the largest preferred size
+  found leaves at once;
+* otherwise it waits until the oldest request taken has been queued
+  ``max_queue_delay_microseconds`` (0: no wait) or until more requests arrive, then sends
+  whatever it has.
+
+Without ``preferred_batch_size`` Triton prefers ``max_batch_size``; so do we.
+
+The batcher only raises: a request it refuses (bad priority, full queue, unloading) makes
+``submit`` raise; a request it drops (timeout REJECT, unload) gets the error on its future.
+Errors are tagged with their ``nv_inference_request_failure`` reason (see
+``statistics.failure_reason``); the engine records success/failure when the future ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import deque
+from itertools import chain
+from typing import Iterator
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..protocol.errors import Internal, InvalidArgument, Unavailable
+from .instances import Instance, InstancePool
+from .scheduler import Pending, Scheduler
+from .statistics import ModelStatistics, mark_failure
+
+log = logging.getLogger(__name__)
+
+
+class _Level:
+    """One priority level's queue: requests in arrival order, then the DELAYed ones."""
+
+    def __init__(self, level: int, policy: mc.ModelQueuePolicy) -> None:
+        self.level = level
+        self.policy = policy
+        self.queue: deque[Pending] = deque()
+        self.delayed: deque[Pending] = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue) + len(self.delayed)
+
+    def __iter__(self) -> Iterator[Pending]:
+        return chain(self.queue, self.delayed)
+
+    def remove(self, p: Pending) -> None:
+        try:
+            self.queue.remove(p)
+        except ValueError:
+            self.delayed.remove(p)
+
+
+class DynamicBatcher(Scheduler):
+    def __init__(self, config: mc.ModelConfig, pool: InstancePool, stats: ModelStatistics) -> None:
+        super().__init__(pool)
+        self.stats = stats
+        self.model = config.name
+        db = config.dynamic_batching
+        self.max_batch_size = max(1, config.max_batch_size)
+        preferred = set(db.preferred_batch_size) or {self.max_batch_size}
+        self.preferred_batch_sizes = preferred
+        self.max_preferred_batch_size = max(preferred)
+        self.delay_ns = db.max_queue_delay_microseconds * 1000
+        self.preserve_ordering = db.preserve_ordering
+        self.priority_levels = db.priority_levels
+        self.default_priority_level = db.default_priority_level or 1
+        # Ragged inputs may differ in shape inside one batch; nothing else may.
+        self._ragged = {i.name for i in config.input if i.allow_ragged_batch}
+        self._batching = config.max_batch_size > 0
+        levels = range(1, self.priority_levels + 1) if self.priority_levels else (0,)
+        self._levels = {
+            lvl: _Level(lvl, db.priority_queue_policy[lvl] if lvl in db.priority_queue_policy
+                        else db.default_queue_policy)
+            for lvl in levels}
+        self._where: dict[Pending, _Level] = {}
+        self._timed = 0                   # queued requests carrying a timeout still to enforce
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self._order: deque[tuple[Pending, asyncio.Future]] = deque()
+        self._closed = False
+
+    # -- taking requests ---------------------------------------------------------------
+
+    async def submit(self, pending: Pending) -> None:
+        if self._closed:
+            raise mark_failure(Unavailable(
+                f"model '{self.model}' is unloading: its scheduler has stopped accepting new "
+                f"inference requests"), "REJECTED")
+        level = self._levels[self._resolve_priority(pending)]
+        pending.timeout_ns = self._resolve_timeout(pending, level.policy)
+        max_queue = level.policy.max_queue_size
+        if max_queue and len(level) >= max_queue:
+            where = f" at priority level {level.level}" if level.level else ""
+            raise mark_failure(Unavailable(
+                f"Exceeds maximum queue size: model '{self.model}' already queues {len(level)} "
+                f"requests{where} (max_queue_size {max_queue})"), "REJECTED")
+        level.queue.append(pending)
+        self._where[pending] = level
+        if pending.timeout_ns:
+            self._timed += 1
+        pending.future.add_done_callback(lambda _, p=pending: self._forget(p))
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        self._wake.set()
+
+    def _resolve_priority(self, p: Pending) -> int:
+        if not self.priority_levels:
+            return 0                      # like Triton: priority means nothing without levels
+        raw = p.priority or p.request.parameters.get("priority", 0)
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+            raise InvalidArgument(
+                f"inference request to model '{self.model}': parameter 'priority' must be a "
+                f"non-negative integer, got {raw!r}")
+        if raw > self.priority_levels:
+            raise InvalidArgument(
+                f"inference request to model '{self.model}' has priority {raw} but the model has "
+                f"priority levels 1..{self.priority_levels} (0 means the default level "
+                f"{self.default_priority_level})")
+        p.priority = raw or self.default_priority_level
+        return p.priority
+
+    def _resolve_timeout(self, p: Pending, policy: mc.ModelQueuePolicy) -> int:
+        """Queue timeout in ns (0: none): the policy's default, which a request may only lower."""
+        default_ns = policy.default_timeout_microseconds * 1000
+        asked = p.timeout_ns
+        if not asked:
+            raw = p.request.parameters.get("timeout", 0)
+            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+                raise InvalidArgument(
+                    f"inference request to model '{self.model}': parameter 'timeout' must be a "
+                    f"non-negative integer of microseconds, got {raw!r}")
+            asked = raw * 1000
+        if not (policy.allow_timeout_override and asked):
+            return default_ns
+        return min(asked, default_ns) if default_ns else asked
+
+    def _forget(self, p: Pending) -> None:
+        """``p``'s future ended; if still queued (the client went away), drop it."""
+        level = self._where.get(p)
+        if level is not None:
+            self._unqueue(p, level)
+
+    def _unqueue(self, p: Pending, level: _Level) -> None:
+        level.remove(p)
+        del self._where[p]
+        if p.timeout_ns:
+            self._timed -= 1
+
+    # -- forming batches ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._batch_forever()
+        except Exception:
+            # A bug here must not leave clients waiting forever.
+            log.exception("model '%s': dynamic batcher stopped", self.model)
+            self._fail_queued(Internal(f"model '{self.model}': dynamic batcher failed"), "OTHER")
+            self._task = None
+
+    async def _batch_forever(self) -> None:
+        while True:
+            while not self._where:
+                self._wake.clear()
+                await self._wake.wait()
+            instance = await self._acquire()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self.pool.release(instance)
+                raise
+            if batch:
+                self._dispatch(instance, batch)
+            else:
+                self.pool.release(instance)
+
+    async def _acquire(self) -> Instance:
+        """A free instance; while all are busy, queued requests still time out."""
+        get = asyncio.ensure_future(self.pool.acquire())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=self._until_next_timeout())
+                if done:
+                    return get.result()
+                self._expire(time.monotonic_ns())
+        except BaseException:
+            if get.done() and not get.cancelled() and get.exception() is None:
+                self.pool.release(get.result())
+            get.cancel()
+            raise
+
+    async def _next_batch(self) -> list[Pending]:
+        while True:
+            now = time.monotonic_ns()
+            self._expire(now)
+            if not self._where:
+                return []
+            batch, wait_ns = self._form_batch(now)
+            if batch:
+                for p in batch:
+                    self._unqueue(p, self._where[p])
+                return batch
+            timeout_s = wait_ns / 1e9
+            next_timeout = self._until_next_timeout()
+            if next_timeout is not None:
+                timeout_s = min(timeout_s, next_timeout)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _ordered(self) -> Iterator[Pending]:
+        return chain.from_iterable(self._levels[lvl] for lvl in sorted(self._levels))
+
+    def _shape_key(self, p: Pending) -> tuple:
+        if not self._ragged and self._batching:
+            return p.shape_key()
+        return tuple((name, arr.dtype.str, arr.shape[1:] if self._batching else arr.shape)
+                     for name, arr in sorted(p.inputs.items()) if name not in self._ragged)
+
+    def _form_batch(self, now_ns: int) -> tuple[list[Pending], int]:
+        """Triton's GetDynamicBatch: (batch to send now, []) or ([], ns to wait)."""
+        taken: list[Pending] = []
+        rows = 0
+        best = 0                          # requests in the best batch found so far
+        send_now = False
+        key = None
+        for p in self._ordered():
+            size = max(1, p.batch_size)
+            if not taken:
+                key = self._shape_key(p)
+            else:
+                if rows + size > self.max_preferred_batch_size and best == 0:
+                    best = len(taken)     # can't grow past the largest preferred size
+                if rows + size > self.max_batch_size or self._shape_key(p) != key:
+                    send_now = True
+                    break
+            taken.append(p)
+            rows += size
+            if rows in self.preferred_batch_sizes:
+                best = len(taken)
+        oldest = min(p.enqueue_ns for p in taken)
+        waited = now_ns - oldest
+        delay_exceeded = self.delay_ns != 0 and waited >= self.delay_ns
+        if best and not delay_exceeded:
+            return taken[:best], 0
+        if send_now or rows >= self.max_preferred_batch_size or delay_exceeded or not self.delay_ns:
+            return taken, 0
+        return [], self.delay_ns - waited
+
+    def _expire(self, now_ns: int) -> None:
+        """Apply each level's timeout_action to requests whose queue timeout has passed."""
+        if not self._timed:
+            return
+        for level in self._levels.values():
+            expired = [p for p in level.queue if p.timeout_ns and now_ns >= p.enqueue_ns + p.timeout_ns]
+            for p in expired:
+                if level.policy.timeout_action == mc.ModelQueuePolicy.DELAY:
+                    # Behind every request of this level that has not timed out; never again timed.
+                    level.queue.remove(p)
+                    level.delayed.append(p)
+                    p.timeout_ns = 0
+                    self._timed -= 1
+                else:
+                    self._unqueue(p, level)
+                    if not p.future.done():
+                        p.future.set_exception(mark_failure(Unavailable(
+                            f"Request timeout expired: request to model '{self.model}' waited in "
+                            f"the queue longer than its timeout of {p.timeout_ns // 1000} us"),
+                            "REJECTED"))
+
+    def _until_next_timeout(self) -> float | None:
+        if not self._timed:
+            return None
+        deadline = min(p.enqueue_ns + p.timeout_ns for p in self._where if p.timeout_ns)
+        return max(0.0, (deadline - time.monotonic_ns()) / 1e9)
+
+    # -- running batches ---------------------------------------------------------------
+
+    def _dispatch(self, instance: Instance, batch: list[Pending]) -> None:
+        if self.preserve_ordering:
+            batch = [self._in_order(p) for p in batch]
+        task = asyncio.ensure_future(self.pool.execute(instance, batch))
+        self._inflight.add(task)
+        task.add_done_callback(lambda t: self._finished(t, batch))
+
+    def _finished(self, task: asyncio.Task, batch: list[Pending]) -> None:
+        self._inflight.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        # execute() resolves every future itself; if it crashed, nobody else will.
+        log.error("model '%s': batch execution failed", self.model, exc_info=task.exception())
+        for p in batch:
+            if not p.future.done():
+                p.future.set_exception(mark_failure(Internal(
+                    f"model '{self.model}': batch execution failed: {task.exception()}"), "BACKEND"))
+
+    def _in_order(self, p: Pending) -> Pending:
+        """A stand-in whose result is handed to ``p`` only after every earlier request's."""
+        inner = asyncio.get_running_loop().create_future()
+        self._order.append((p, inner))
+        inner.add_done_callback(self._deliver_in_order)
+        p.future.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        return dataclasses.replace(p, future=inner)
+
+    def _deliver_in_order(self, _: asyncio.Future) -> None:
+        while self._order and self._order[0][1].done():
+            outer, inner = self._order.popleft()
+            if outer.future.done():
+                continue
+            if inner.cancelled():
+                outer.future.cancel()
+            elif inner.exception() is not None:
+                outer.future.set_exception(inner.exception())
+            else:
+                outer.future.set_result(inner.result())
+
+    # -- stopping ----------------------------------------------------------------------
+
+    def _fail_queued(self, err: Exception, reason: str) -> None:
+        for p, level in list(self._where.items()):
+            self._unqueue(p, level)
+            if not p.future.done():
+                p.future.set_exception(mark_failure(type(err)(str(err)), reason))
+
+    def queued_count(self) -> int:
+        return len(self._where)
+
+    async def close(self) -> None:
+        """Refuse new requests, fail queued ones with Unavailable, stop forming batches,
+        and wait for the batches already running to finish."""
+        self._closed = True
+        self._fail_queued(Unavailable(
+            f"model '{self.model}' was unloaded before the request could be scheduled"), "REJECTED")
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)

@@ -1,0 +1,252 @@
+"""Triton's GRPCInferenceService over the engine, on ``grpc.aio``.
+
+Every RPC is a thin skin: decode, one engine call, encode. Errors are rendered once, in
+``_rpc``: a TritonError aborts with its own status code and message; anything else is
+logged here and reaches the client as INTERNAL with its message only.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from ..protocol.errors import InvalidArgument, TritonError
+from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
+# Responses are ours; let them be as large as tritonclient accepts (it sets INT32_MAX too).
+MAX_SEND_MESSAGE_SIZE = 2**31 - 1
+# ModelStreamInfer requests of one stream in flight at once; further reads wait.
+STREAM_CONCURRENCY = 64
+
+
+def _internal_message(err: BaseException) -> str:
+    return f"internal error: {type(err).__name__}: {err}" if str(err) else \
+        f"internal error: {type(err).__name__}"
+
+
+def _rpc(method: Callable) -> Callable:
+    """Run a unary RPC, mapping its errors to gRPC statuses."""
+    @functools.wraps(method)
+    async def wrapper(self: "GRPCInferenceService", request: Any, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except TritonError as err:
+            await context.abort(grpc.StatusCode[err.grpc_code], str(err))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - rendered without a traceback
+            log.exception("gRPC %s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_message(err))
+    return wrapper
+
+
+def _unimplemented(what: str) -> Callable:
+    async def method(self: "GRPCInferenceService", request: Any, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by this server")
+    return method
+
+
+class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Triton's inference service; ``engine`` is jupyter_triton.engine.Engine's public API."""
+
+    def __init__(self, engine: Any, max_elements: int | None = None) -> None:
+        self.engine = engine
+        self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
+
+    # -- health and metadata ----------------------------------------------------------
+    @_rpc
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.engine.live())
+
+    @_rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.engine.ready())
+
+    @_rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
+
+    @_rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context
+                             ) -> pb.ServerMetadataResponse:
+        return json_format.ParseDict(self.engine.server_metadata(), pb.ServerMetadataResponse(),
+                                     ignore_unknown_fields=True)
+
+    @_rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context
+                            ) -> pb.ModelMetadataResponse:
+        meta = self.engine.model_metadata(request.name, request.version)
+        return json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
+
+    @_rpc
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        config = self.engine.model_config(request.name, request.version)
+        response = pb.ModelConfigResponse()
+        if config.DESCRIPTOR is response.config.DESCRIPTOR:
+            response.config.CopyFrom(config)
+        else:  # the same proto compiled into another module
+            response.config.ParseFromString(config.SerializeToString())
+        return response
+
+    @_rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context
+                              ) -> pb.ModelStatisticsResponse:
+        stats = self.engine.statistics(request.name, request.version)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse(),
+                                     ignore_unknown_fields=True)
+
+    # -- inference ----------------------------------------------------------------------
+    @_rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        infer_request = decode_grpc_request(request, **self._decode_kwargs)
+        response = await self.engine.infer(infer_request)
+        return encode_grpc_response(response, infer_request)
+
+    async def _stream_one(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+        try:
+            infer_request = decode_grpc_request(request, **self._decode_kwargs)
+            response = await self.engine.infer(infer_request)
+            return pb.ModelStreamInferResponse(
+                infer_response=encode_grpc_response(response, infer_request))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - errors travel on the stream, as in Triton
+            if isinstance(err, TritonError):
+                message = str(err)
+            else:
+                log.exception("gRPC ModelStreamInfer request failed")
+                message = _internal_message(err)
+            return pb.ModelStreamInferResponse(
+                error_message=message,
+                infer_response=pb.ModelInferResponse(
+                    model_name=request.model_name, model_version=request.model_version,
+                    id=request.id))
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request is answered on the stream as soon as it completes (so possibly out of
+        order, as in Triton: clients match responses by ``id``)."""
+        results: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_CONCURRENCY)
+        tasks: set[asyncio.Task] = set()
+        done = object()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                await results.put(await self._stream_one(request))
+            finally:
+                slots.release()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+            finally:
+                await results.put(done)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await results.get()) is not done:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    # -- model repository ---------------------------------------------------------------
+    @_rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context
+                              ) -> pb.RepositoryIndexResponse:
+        models = self.engine.repository_index(ready_only=request.ready)
+        return json_format.ParseDict({"models": models}, pb.RepositoryIndexResponse(),
+                                     ignore_unknown_fields=True)
+
+    @_rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context
+                                  ) -> pb.RepositoryModelLoadResponse:
+        config: str | None = None
+        files: dict[str, bytes] = {}
+        for key, param in request.parameters.items():
+            value = parameter_value(param)
+            if key == "config":
+                if not isinstance(value, str):
+                    raise InvalidArgument(
+                        f"load parameter 'config' of model '{request.model_name}' must be a "
+                        "string_param holding the model configuration JSON")
+                config = value
+            elif key.startswith("file:"):
+                if not isinstance(value, bytes):
+                    raise InvalidArgument(
+                        f"load parameter '{key}' of model '{request.model_name}' must be a "
+                        "bytes_param holding the file content")
+                files[key] = value
+        await self.engine.load_model(request.model_name, config=config, files=files or None)
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context
+                                    ) -> pb.RepositoryModelUnloadResponse:
+        unload_dependents = False
+        if "unload_dependents" in request.parameters:
+            value = parameter_value(request.parameters["unload_dependents"])
+            if not isinstance(value, bool):
+                raise InvalidArgument("unload parameter 'unload_dependents' must be a bool_param")
+            unload_dependents = value
+        await self.engine.unload_model(request.model_name, unload_dependents=unload_dependents)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- not offered ----------------------------------------------------------------------
+    SystemSharedMemoryStatus = _unimplemented("system shared memory")
+    SystemSharedMemoryRegister = _unimplemented("system shared memory")
+    SystemSharedMemoryUnregister = _unimplemented("system shared memory")
+    CudaSharedMemoryStatus = _unimplemented("CUDA shared memory")
+    CudaSharedMemoryRegister = _unimplemented("CUDA shared memory")
+    CudaSharedMemoryUnregister = _unimplemented("CUDA shared memory")
+    TraceSetting = _unimplemented("trace setting")
+    LogSettings = _unimplemented("log settings")
+
+
+def _max_input_size(engine: Any) -> int:
+    size = getattr(getattr(engine, "options", None), "max_input_size", None)
+    return int(size) if size else DEFAULT_MAX_INPUT_SIZE
+
+
+async def start_grpc_server(engine: Any, host: str, port: int,
+                            max_receive_message_size: int | None = None
+                            ) -> tuple[grpc.aio.Server, int]:
+    """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
+
+    Returns the started server and the port it bound; stop it with ``await server.stop(grace)``.
+    The receive limit is ``max_receive_message_size``, else ``engine.options.max_input_size``,
+    else 64 MiB.
+    """
+    limit = max_receive_message_size or _max_input_size(engine)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", MAX_SEND_MESSAGE_SIZE),
+    ])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        GRPCInferenceService(engine), server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
+    if not bound:
+        raise OSError(f"could not bind the gRPC server to {address}")
+    await server.start()
+    return server, bound

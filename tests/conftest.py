@@ -1,0 +1,78 @@
+"""Shared fixtures: a model repository built by the tests, a standalone server on
+127.0.0.1, and (through pytest-jupyter) a real Jupyter server with the extension."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jupyter_triton.engine import EngineOptions
+from onnx_models import add_sub, identity, linear
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+W = np.arange(16 * 4, dtype=np.float32).reshape(16, 4) / 64.0
+TOKEN = "test-token"
+INFER_KEY = "infer-key-123"
+
+LINEAR_CONFIG = """\
+name: "linear"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+def build_repository(root: Path) -> Path:
+    """linear (config.pbtxt given), simple (auto-completed ONNX), identity_int32."""
+    linear(W, root / "linear" / "1" / "model.onnx")
+    (root / "linear" / "config.pbtxt").write_text(LINEAR_CONFIG)
+    add_sub(root / "simple" / "1" / "model.onnx")
+    from onnx import TensorProto
+    identity(TensorProto.INT32, root / "identity_int32" / "1" / "model.onnx")
+    return root
+
+
+@pytest.fixture
+def model_repo(tmp_path: Path) -> Path:
+    return build_repository(tmp_path / "models")
+
+
+@pytest.fixture
+def standalone(model_repo: Path):
+    """A standalone server on 127.0.0.1 (free ports), explicit mode, every model loaded."""
+    from jupyter_triton.standalone import start_in_thread
+    server = start_in_thread(EngineOptions(model_repository=model_repo, model_control_mode="explicit",
+                                           load_models=["*"]),
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0)
+    yield server
+    future = asyncio.run_coroutine_threadsafe(server.stop(), server.loop)
+    future.result(timeout=30)
+    server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+@pytest.fixture
+def jp_server_config(model_repo: Path):
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"jupyter_triton": True},
+            "allow_unauthenticated_access": False,
+            "token": TOKEN,
+        },
+        "IdentityProvider": {"token": TOKEN},
+        "JupyterTriton": {"model_repository": str(model_repo), "inference_keys": [INFER_KEY]},
+    }
+
+
+@pytest.fixture
+def jp_base_url() -> str:
+    return "/user/alice/"
+
+
+async def in_thread(fn, *args):
+    """tritonclient.http is blocking (gevent): call it off the in-process server's loop."""
+    return await asyncio.to_thread(fn, *args)
