@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.auth import User
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.utils import url_path_join
@@ -91,6 +92,12 @@ class TritonJupyterHandler(JupyterHandler):
                                         if self._key_authorizer else ""))
 
 
+def _guard(method):
+    # prepare() has already authenticated and authorized (inference keys included); the
+    # decorators restate it per method, the way Jupyter's own handlers are checked.
+    return web.authenticated(authorized(method))
+
+
 def default_repository() -> Path:
     return Path(jupyter_data_dir()) / "jupyter_triton" / "model_repository"
 
@@ -145,7 +152,7 @@ class JupyterTriton(ExtensionApp):
             allow_anonymous_inference=self.allow_anonymous_inference)
 
     def initialize_handlers(self) -> None:
-        self.handlers.extend(route_table(TritonJupyterHandler, "/"))
+        self.handlers.extend(route_table(TritonJupyterHandler, "/", guard=_guard))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         await self.engine.start()

@@ -76,3 +76,11 @@ def jp_base_url() -> str:
 async def in_thread(fn, *args):
     """tritonclient.http is blocking (gevent): call it off the in-process server's loop."""
     return await asyncio.to_thread(fn, *args)
+
+
+@pytest.fixture
+def jp_triton(jp_serverapp, jp_fetch, jp_asyncio_loop):
+    """The Jupyter server with its HTTP port open and the extensions' start hooks run
+    (pytest-jupyter initialises the app but does not run ``_post_start``)."""
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
+    return jp_serverapp

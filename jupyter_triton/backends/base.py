@@ -71,7 +71,10 @@ class Backend:
     def load(self) -> None:
         raise NotImplementedError
 
-    def execute(self, requests: list[Tensors]) -> list[Tensors | TritonError]:
+    def execute(self, requests: list[Tensors],
+                infer_requests: list | None = None) -> list[Tensors | TritonError]:
+        """``infer_requests``: the InferRequest of each entry (ids, parameters, requested
+        outputs), for runtimes that show them to the model (the python backend)."""
         raise NotImplementedError
 
     def unload(self) -> None:
@@ -85,7 +88,8 @@ class TensorBackend(Backend):
     def run(self, inputs: Tensors) -> Tensors:
         raise NotImplementedError
 
-    def execute(self, requests: list[Tensors]) -> list[Tensors | TritonError]:
+    def execute(self, requests: list[Tensors],
+                infer_requests: list | None = None) -> list[Tensors | TritonError]:
         if len(requests) == 1 or self.config.max_batch_size == 0:
             return [self.run(r) for r in requests]
         rows = [len(next(iter(r.values()))) if r else 0 for r in requests]

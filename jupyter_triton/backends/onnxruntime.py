@@ -146,6 +146,8 @@ class OnnxRuntimeBackend(TensorBackend):
         self._output_types = {o.name: o.data_type for o in self._signature.outputs}
         self._output_dims = {o.name: list(o.dims) for o in self.config.output}
         self._run_options = ort.RunOptions()
+        # a failing run raises with ORT's message; don't also print it to the server's stderr
+        self._run_options.log_severity_level = 4
         shrink = parameter(self.config, "memory.enable_memory_arena_shrinkage")
         if shrink:
             self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", shrink)

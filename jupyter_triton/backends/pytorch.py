@@ -110,15 +110,15 @@ def export_signature(program, model: str, config: mc.ModelConfig | None = None) 
     config that names them ``<name>__<index>`` instead has its names adopted by index."""
     torch = _torch()
     in_spec = program.call_spec.in_spec
-    args_spec = in_spec.children_specs[0] if in_spec is not None and in_spec.children_specs else None
-    if args_spec is not None and any(not c.is_leaf() for c in args_spec.children_specs):
+    args_spec = _children(in_spec)[0] if in_spec is not None and _children(in_spec) else None
+    if args_spec is not None and any(not c.is_leaf() for c in _children(args_spec)):
         raise Unsupported(f"model '{model}': exported forward() takes nested arguments; "
                           f"only tensors can be served")
     nodes = {n.name: n for n in program.graph.nodes}
     input_names = list(program.graph_signature.user_inputs)
     out_spec = program.call_spec.out_spec
     count = len(program.graph_signature.user_outputs)
-    if out_spec is not None and out_spec.type is dict and all(c.is_leaf() for c in out_spec.children_specs):
+    if out_spec is not None and out_spec.type is dict and all(c.is_leaf() for c in _children(out_spec)):
         output_names = [str(k) for k in out_spec.context]
     else:
         output_names = [f"OUTPUT__{i}" for i in range(count)]
@@ -151,11 +151,16 @@ def export_signature(program, model: str, config: mc.ModelConfig | None = None) 
             bound = program.range_constraints.get(val.shape[0].node.expr)
             try:
                 upper = int(getattr(bound, "upper", None))
-            except (TypeError, ValueError, OverflowError):
-                upper = None  # unbounded (int_oo)
+            except Exception:  # unbounded: sympy's oo / torch's int_oo
+                upper = None
             if upper is not None:
                 limit = upper if limit is None else min(limit, upper)
     return ModelSignature(inputs, outputs, limit)
+
+
+def _children(spec) -> list:
+    # torch >= 2.10 deprecates TreeSpec.children_specs for children()
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
 
 
 def _adopt_indexed_names(tensors: list[TensorSignature], names: list[str]) -> None:

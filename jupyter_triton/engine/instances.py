@@ -89,7 +89,8 @@ class InstancePool:
         loop = asyncio.get_running_loop()
         try:
             results, timing = await loop.run_in_executor(
-                instance.thread, _run_backend, instance.backend, [p.inputs for p in live])
+                instance.thread, _run_backend, instance.backend, [p.inputs for p in live],
+                    [p.request for p in live])
         except TritonError as err:
             results, timing = [err] * len(live), None
         except Exception as err:  # a backend bug must fail its requests, not the server
@@ -113,11 +114,11 @@ class InstancePool:
                 log.exception("unloading instance %s", inst.name)
 
 
-def _run_backend(backend: Backend, inputs: list[dict]) -> tuple[list, tuple[int, int, int]]:
+def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[list, tuple[int, int, int]]:
     # Triton's compute_input/output cover tensor copies in and out; our backends do those
     # inside execute, so the whole call is compute_infer and the copies count as zero-cost.
     t0 = time.monotonic_ns()
-    results = backend.execute(inputs)
+    results = backend.execute(inputs, requests)
     t1 = time.monotonic_ns()
     if len(results) != len(inputs):
         raise Internal(f"{backend.instance.name}: backend returned {len(results)} responses "

@@ -130,6 +130,14 @@ class ModelStatistics:
         with self._lock:
             self.load_ns = int(ns)
 
+    @property
+    def load_seconds(self) -> float:
+        return self.load_ns / 1e9
+
+    @load_seconds.setter
+    def load_seconds(self, seconds: float) -> None:
+        self.record_load(int(seconds * 1e9))
+
     # -- reading -----------------------------------------------------------------------
 
     def samples(self, kind: str) -> list[int]:

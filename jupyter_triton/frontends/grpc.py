@@ -84,7 +84,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context
                             ) -> pb.ModelMetadataResponse:
-        meta = self.engine.model_metadata(request.name, request.version)
+        meta = dict(self.engine.model_metadata(request.name, request.version))
+        meta["versions"] = [str(v) for v in meta.get("versions", [])]
         return json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     @_rpc
@@ -171,9 +172,11 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context
                               ) -> pb.RepositoryIndexResponse:
-        models = self.engine.repository_index(ready_only=request.ready)
-        return json_format.ParseDict({"models": models}, pb.RepositoryIndexResponse(),
-                                     ignore_unknown_fields=True)
+        response = pb.RepositoryIndexResponse()
+        for m in self.engine.repository_index(ready_only=request.ready):
+            response.models.add(**{k: str(m[k]) for k in ("name", "version", "state", "reason")
+                                   if m.get(k) is not None})
+        return response
 
     @_rpc
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context

@@ -193,9 +193,10 @@ class RepositoryUnload(V2Handler):
         self.finish()
 
 
-@web.stream_request_body
 class ModelInfer(V2Handler):
     """The data path's front door: body streamed under a cap, decoded, run, encoded."""
+
+    streams_body = True     # route_table applies tornado's stream_request_body to the host class
 
     async def prepare(self) -> None:
         result = super().prepare()
@@ -300,12 +301,20 @@ ROUTES: list[tuple[str, type]] = [
 ]
 
 
-def route_table(base: type, prefix: str = "/") -> list[tuple[str, type]]:
-    """The v2 routes under ``prefix``, each handler combined with the host's ``base``."""
+HTTP_METHODS = ("get", "post", "put", "delete", "patch", "head")
+
+
+def route_table(base: type, prefix: str = "/", guard=None) -> list[tuple[str, type]]:
+    """The v2 routes under ``prefix``, each handler combined with the host's ``base``;
+    ``guard`` (e.g. Jupyter's auth decorators) wraps every HTTP method of every route."""
     table = []
     for pattern, handler in ROUTES:
-        cls = type(handler.__name__, (handler, base), {"__module__": __name__})
-        if getattr(handler, "_stream_request_body", False):
+        methods = {m: guard(getattr(handler, m)) for m in HTTP_METHODS
+                   if guard is not None and m in vars(handler) or
+                   guard is not None and any(m in vars(k) for k in handler.__mro__[1:-1]
+                                             if issubclass(k, V2Handler))}
+        cls = type(handler.__name__, (handler, base), {"__module__": __name__, **methods})
+        if getattr(handler, "streams_body", False):
             cls = web.stream_request_body(cls)
         table.append((prefix + pattern, cls))
     return table

@@ -238,7 +238,7 @@ def _taken_versions(model_dir: Path) -> set[int]:
 
 
 def _assign_versions(uploaded: list[int], taken: set[int]) -> dict[int, int]:
-    if True:
+    if not any(v in taken for v in uploaded):
         return {v: v for v in uploaded}
     start = max(taken) + 1
     return {v: start + i for i, v in enumerate(sorted(uploaded))}

@@ -23,7 +23,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .shm import ShmRegion, TensorRef, stage
+from .shm import ShmRegion, stage
 from .stub import ModelStub, RequestData, ResponseError, StubError, run_auto_complete_config
 
 log = logging.getLogger(__name__)

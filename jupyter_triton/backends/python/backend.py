@@ -1,0 +1,325 @@
+"""Triton's python backend: ``model.py`` with ``TritonPythonModel``, run unchanged.
+
+Each instance runs its model in its own worker process (``EXECUTION_MODE`` "process", the
+default) so that a crashing or leaking model cannot take the server down, or, when the
+config asks for it, in the instance's own thread::
+
+    parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
+
+Like Triton, ``execute`` gets every request of a batch and returns one response per
+request; nothing is merged here.
+"""
+from __future__ import annotations
+
+import ast
+import collections
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ...protocol.errors import (Cancelled, Internal, InvalidArgument, NotFound, TritonError,
+                                Unavailable, Unsupported)
+from ...protocol.types import InferRequest
+from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, Tensors
+from . import triton_python_backend_utils as pb_utils
+from .stub import ModelStub, RequestData, ResponseError, StubError, module_name, run_auto_complete_config
+from .worker import WorkerDied, WorkerProcess, auto_complete_in_worker, describe_exit
+
+log = logging.getLogger(__name__)
+
+EXECUTION_MODE = "EXECUTION_MODE"
+MODES = ("process", "thread")
+
+# Request parameters the protocol reserves; a model's request.parameters() shows the rest.
+_RESERVED_PARAMETERS = frozenset({
+    "priority", "timeout", "binary_data_output", "binary_data", "binary_data_size",
+    "classification", "sequence_id", "sequence_start", "sequence_end", "headers",
+    "triton_enable_empty_final_response"})
+
+_ERROR_BY_CODE: dict[int, type[TritonError]] = {
+    pb_utils.TritonError.INVALID_ARG: InvalidArgument,
+    pb_utils.TritonError.NOT_FOUND: NotFound,
+    pb_utils.TritonError.UNAVAILABLE: Unavailable,
+    pb_utils.TritonError.UNSUPPORTED: Unsupported,
+    pb_utils.TritonError.CANCELLED: Cancelled,
+    pb_utils.TritonError.ALREADY_EXISTS: InvalidArgument,
+}
+
+
+def triton_config_json(config: mc.ModelConfig) -> str:
+    """The config as Triton hands it to ``initialize`` and ``auto_complete_config``: every
+    field present (defaults too), proto field names, 64-bit integers as JSON numbers."""
+    as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=True)
+    return json.dumps(_int64_to_int(as_dict, config.DESCRIPTOR))
+
+
+_INT64_TYPES = {_descriptor.FieldDescriptor.TYPE_INT64, _descriptor.FieldDescriptor.TYPE_UINT64,
+                _descriptor.FieldDescriptor.TYPE_SINT64, _descriptor.FieldDescriptor.TYPE_FIXED64,
+                _descriptor.FieldDescriptor.TYPE_SFIXED64}
+
+
+def _int64_to_int(value: dict, desc: _descriptor.Descriptor) -> dict:
+    # json_format writes int64 as strings (JSON's numbers are doubles); Triton writes numbers,
+    # and models do arithmetic on config["dims"].
+    for name, item in value.items():
+        field = desc.fields_by_name.get(name)
+        if field is None:
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            vfield = field.message_type.fields_by_name["value"]
+            for key, sub in item.items():
+                if vfield.message_type is not None:
+                    _int64_to_int(sub, vfield.message_type)
+                elif vfield.type in _INT64_TYPES:
+                    item[key] = int(sub)
+        elif field.message_type is not None:
+            for sub in (item if isinstance(item, list) else [item]):
+                _int64_to_int(sub, field.message_type)
+        elif field.type in _INT64_TYPES:
+            value[name] = [int(v) for v in item] if isinstance(item, list) else int(item)
+    return value
+
+
+def execution_mode(config: mc.ModelConfig) -> str:
+    param = config.parameters.get(EXECUTION_MODE)
+    mode = (param.string_value if param is not None else "process").strip().lower() or "process"
+    if mode not in MODES:
+        raise InvalidArgument(
+            f"model '{config.name}': parameter {EXECUTION_MODE} must be one of "
+            f"{', '.join(MODES)}, got '{param.string_value}'")
+    return mode
+
+
+def model_py_path(config: mc.ModelConfig, files: ModelFiles) -> Path:
+    return files.version_dir / (files.default_filename or config.default_model_filename or "model.py")
+
+
+def _defines_auto_complete(model_py: Path) -> bool:
+    """Read, not import: the server process never runs a model's code just to find out."""
+    try:
+        tree = ast.parse(model_py.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel"
+               and any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and f.name == "auto_complete_config" for f in node.body)
+               for node in tree.body)
+
+
+class PythonBackend(Backend):
+    backend_name = "python"
+    platforms = ()
+    default_filename = "model.py"
+
+    #: a worker that dies this many times within ``death_window_s`` is not restarted again
+    max_deaths: int = 3
+    death_window_s: float = 60.0
+    finalize_timeout_s: float = 30.0
+
+    def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
+        super().__init__(config, files, instance)
+        self.mode = execution_mode(config)
+        self.model_py = model_py_path(config, files)
+        self._stub: ModelStub | None = None
+        self._worker: WorkerProcess | None = None
+        self._deaths: collections.deque[float] = collections.deque()
+        self._dead: BackendDead | None = None
+        self._lock = threading.Lock()
+
+    # -- Triton's view of this instance -------------------------------------------------
+
+    @property
+    def _who(self) -> str:
+        return f"model '{self.files.model_name}' instance '{self.instance.name}'"
+
+    def triton_args(self) -> dict[str, str]:
+        """``initialize``'s ``args``, spelled as Triton spells them (all strings)."""
+        return {
+            "model_config": triton_config_json(self.config),
+            "model_instance_kind": "GPU" if self.instance.kind == "KIND_GPU" else "CPU",
+            "model_instance_name": self.instance.name,
+            "model_instance_device_id": str(self.instance.device_id),
+            "model_repository": str(self.files.model_dir),
+            "model_version": str(self.files.version),
+            "model_name": self.files.model_name,
+        }
+
+    # -- Backend interface ----------------------------------------------------------------
+
+    @classmethod
+    def auto_complete_config(cls, config: mc.ModelConfig, files: ModelFiles) -> mc.ModelConfig:
+        model_py = model_py_path(config, files)
+        if not model_py.is_file() or not _defines_auto_complete(model_py):
+            return config
+        module = module_name(files.model_name, str(files.version), "auto_complete_config")
+        try:
+            if execution_mode(config) == "thread":
+                completed = run_auto_complete_config(str(model_py), module, triton_config_json(config))
+            else:
+                completed = auto_complete_in_worker(str(model_py), module, triton_config_json(config))
+        except StubError as err:
+            log.error("model '%s': auto_complete_config failed:\n%s", files.model_name, err.traceback)
+            raise InvalidArgument(
+                f"model '{files.model_name}': TritonPythonModel.auto_complete_config failed: "
+                f"{err.message}") from None
+        except WorkerDied as err:
+            raise Internal(f"python worker for model '{files.model_name}' died ({describe_exit(err.exitcode)}) "
+                           "while running auto_complete_config") from None
+        try:
+            return json_format.ParseDict(completed, mc.ModelConfig())
+        except json_format.ParseError as err:
+            raise InvalidArgument(f"model '{files.model_name}': auto_complete_config returned an "
+                                  f"invalid model configuration: {err}") from None
+
+    def load(self) -> None:
+        if self.config.model_transaction_policy.decoupled:
+            raise Unsupported(f"model '{self.files.model_name}': decoupled python models "
+                              "(model_transaction_policy {{ decoupled: true }}) are not supported")
+        if not self.model_py.is_file():
+            raise InvalidArgument(f"model '{self.files.model_name}' version {self.files.version}: "
+                                  f"no {self.model_py.name} in {self.model_py.parent}")
+        if self.mode == "thread":
+            try:
+                self._stub = ModelStub(str(self.model_py), self.triton_args())
+            except StubError as err:
+                raise self._load_error(err) from None
+            return
+        worker = self._spawn()
+        try:
+            worker.wait_ready()
+        except StubError as err:
+            worker.close()
+            raise self._load_error(err) from None
+        except WorkerDied as err:
+            worker.close()
+            raise Internal(f"python worker for {self._who} died ({describe_exit(err.exitcode)}) "
+                           "during initialize") from None
+        self._worker = worker
+
+    def execute(self, requests: list[Tensors],
+                infer_requests: list[InferRequest] | None = None) -> list[Tensors | TritonError]:
+        """One response per request. ``infer_requests`` (same order), when the engine passes
+        them, give the model each request's id, parameters and requested outputs."""
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
+                    for i, inputs in enumerate(requests)]
+            if self.mode == "thread":
+                if self._stub is None:
+                    raise Unavailable(f"{self._who} is not loaded")
+                try:
+                    results = self._stub.execute(data)
+                except StubError as err:
+                    return [self._execute_error(err)] * len(data)
+            else:
+                results = self._execute_in_worker(data)
+                if isinstance(results, TritonError):
+                    return [results] * len(data)
+            return [self._response(r, d) for r, d in zip(results, data)]
+
+    def unload(self) -> None:
+        with self._lock:
+            error = None
+            if self._stub is not None:
+                try:
+                    self._stub.finalize()
+                except StubError as err:
+                    error = err
+                self._stub = None
+            if self._worker is not None:
+                worker, self._worker = self._worker, None
+                error = worker.stop(self.finalize_timeout_s)
+            if error is not None:
+                log.warning("%s: finalize failed: %s\n%s", self._who, error.message, error.traceback)
+
+    # -- worker processes -------------------------------------------------------------------
+
+    def _spawn(self) -> WorkerProcess:
+        return WorkerProcess(str(self.model_py), self.triton_args(), self.instance.name).start()
+
+    def _execute_in_worker(self, data: list[RequestData]) -> list | TritonError:
+        if self._worker is None:
+            self._worker = self._spawn()
+        worker = self._worker
+        try:
+            if not worker.ready:
+                try:
+                    worker.wait_ready()
+                except StubError as err:   # a restart whose initialize failed counts as a death
+                    log.error("%s: restart failed:\n%s", self._who, err.traceback)
+                    return self._on_death(
+                        f"python worker for {self._who} could not be restarted: {err.message}")
+            return worker.execute(data)
+        except StubError as err:
+            return self._execute_error(err)
+        except WorkerDied as err:
+            return self._on_death(
+                f"python worker for {self._who} died ({describe_exit(err.exitcode)}) while "
+                f"executing {len(data)} request(s)")
+
+    def _on_death(self, what: str) -> Unavailable:
+        """Fail the batch, restart the worker in the background, or give up for good."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self.death_window_s:
+            self._deaths.popleft()
+        if len(self._deaths) >= self.max_deaths:
+            self._dead = BackendDead(
+                f"{what}; it failed {len(self._deaths)} times within {self.death_window_s:g} s and "
+                f"is not restarted again: load the model again to retry")
+            log.error("%s", self._dead)
+            raise self._dead
+        log.warning("%s; restarting it", what)
+        # Spawning returns at once; the next batch waits for initialize to finish.
+        self._worker = self._spawn()
+        return Unavailable(f"{what}; the worker is being restarted")
+
+    # -- conversions --------------------------------------------------------------------------
+
+    def _request_data(self, inputs: Tensors, request: InferRequest | None) -> RequestData:
+        all_outputs = [o.name for o in self.config.output]
+        if request is None:
+            return RequestData(inputs=inputs, requested_output_names=all_outputs)
+        params = request.parameters or {}
+        flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) \
+            | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0)
+        return RequestData(
+            inputs=inputs, request_id=request.id, correlation_id=params.get("sequence_id", 0),
+            parameters=json.dumps({k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS},
+                                  default=str),
+            requested_output_names=[o.name for o in request.outputs] if request.outputs else all_outputs,
+            flags=flags)
+
+    def _response(self, result: dict | ResponseError, request: RequestData) -> Tensors | TritonError:
+        if isinstance(result, ResponseError):
+            return _ERROR_BY_CODE.get(result.code, Internal)(
+                f"model '{self.files.model_name}': {result.message}")
+        wanted = set(request.requested_output_names)
+        return {name: value for name, value in result.items() if not wanted or name in wanted}
+
+    def _execute_error(self, err: StubError) -> TritonError:
+        log.error("%s: %s failed:\n%s", self._who, err.stage, err.traceback or err.message)
+        return _ERROR_BY_CODE.get(err.code, Internal)(
+            f"Failed to process the request(s) for {self._who}, message: {err.message}")
+
+    def _load_error(self, err: StubError) -> TritonError:
+        log.error("%s: %s failed:\n%s", self._who, err.stage, err.traceback or err.message)
+        if err.stage == "import":
+            return InvalidArgument(f"model '{self.files.model_name}': cannot import "
+                                   f"{self.model_py.name}: {err.message}")
+        return Internal(f"model '{self.files.model_name}': TritonPythonModel.{err.stage} failed: "
+                        f"{err.message}")
+
+
+__all__ = ["PythonBackend", "execution_mode", "triton_config_json"]

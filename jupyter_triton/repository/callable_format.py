@@ -1,0 +1,302 @@
+"""The stored form of a notebook callable: a Triton python-backend model.
+
+A function, a ``torch.nn.Module`` or any object with ``__call__`` becomes a version
+directory of two files: ``model.pkl`` (the callable, cloudpickled) and a generic
+``model.py`` that unpickles and calls it. That model.py uses only the pb_utils API,
+numpy and cloudpickle, so the same directory loads in NVIDIA Triton's python backend
+(with cloudpickle installed there). The kernel side builds these files and uploads them
+with the repository API; nothing here imports the server.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import site
+import sys
+import sysconfig
+from types import ModuleType
+from typing import Any, Callable
+
+import cloudpickle
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+PAYLOAD_FORMAT = "jupyter_triton.callable/1"
+
+TensorSpec = tuple[str, str, list[int]]     # (name, datatype as "FP32" or "TYPE_FP32", dims)
+
+#: The generic model.py stored next to model.pkl. Kept free of jupyter_triton imports.
+CALLABLE_MODEL_PY = '''\
+"""Serves the Python callable pickled in model.pkl (written by jupyter_triton).
+
+Only Triton's python-backend API, numpy and cloudpickle are used, so this version
+directory also loads in NVIDIA Triton's python backend.
+"""
+import json
+import os
+import sys
+
+import cloudpickle
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.max_batch_size = int(config.get("max_batch_size") or 0)
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "model.pkl"), "rb") as f:
+            spec = cloudpickle.load(f)
+        self.fn = spec["callable"]
+        self.input_names = list(spec["inputs"])
+        self.keyword = bool(spec["keyword"])
+        self.batched = bool(spec["batched"])
+        self.outputs = []
+        for name in spec["outputs"]:
+            props = pb_utils.get_output_config_by_name(config, name)
+            dtype = pb_utils.triton_string_to_numpy(props["data_type"]) if props else None
+            self.outputs.append((name, dtype))
+        # Torch is imported by unpickling a module, never by this file.
+        torch = sys.modules.get("torch")
+        self.torch = torch if torch is not None and isinstance(self.fn, torch.nn.Module) else None
+        if self.torch is not None:
+            gpu = args.get("model_instance_kind") == "GPU" and torch.cuda.is_available()
+            device = "cuda:%s" % args.get("model_instance_device_id", "0") if gpu else "cpu"
+            self.device = torch.device(device)
+            self.fn = self.fn.to(self.device).eval()
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        ready = []
+        for i, request in enumerate(requests):
+            tensors = [pb_utils.get_input_tensor_by_name(request, n) for n in self.input_names]
+            missing = [n for n, t in zip(self.input_names, tensors) if t is None]
+            if missing:
+                responses[i] = self._error("missing input(s) " + ", ".join(missing),
+                                           pb_utils.TritonError.INVALID_ARG)
+            else:
+                ready.append((i, [t.as_numpy() for t in tensors]))
+        # With max_batch_size > 0 the callable sees the whole dynamic batch at once.
+        groups = [[r] for r in ready]
+        if self.max_batch_size > 0 and len(ready) > 1 and self.input_names:
+            groups = [ready]
+        for group in groups:
+            self._run_group(group, responses)
+        return responses
+
+    def _run_group(self, group, responses):
+        rows = [arrays[0].shape[0] if arrays and arrays[0].ndim else 1 for _, arrays in group]
+        if len(group) > 1:
+            try:
+                arrays = [np.concatenate([a[k] for _, a in group]) for k in range(len(self.input_names))]
+            except ValueError:   # shapes differ beyond the batch dimension: run one by one
+                for member in group:
+                    self._run_group([member], responses)
+                return
+        else:
+            arrays = group[0][1]
+        try:
+            outputs = self._run(arrays, sum(rows) if self.max_batch_size > 0 else None)
+        except Exception as err:
+            for i, _ in group:
+                responses[i] = self._error("%s: %s" % (type(err).__name__, err))
+            return
+        start = 0
+        for (i, _), n in zip(group, rows):
+            values = [v[start:start + n] for v in outputs] if len(group) > 1 else outputs
+            start += n
+            responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(name, value) for (name, _), value in zip(self.outputs, values)])
+
+    def _run(self, arrays, rows):
+        if rows is not None and not self.batched:
+            per_row = [self._call([a[j] for a in arrays]) for j in range(rows)]
+            if not per_row:
+                raise ValueError("empty batch")
+            outputs = [np.stack([r[k] for r in per_row]) for k in range(len(self.outputs))]
+        else:
+            outputs = self._call(arrays)
+        if rows is not None:
+            for (name, _), value in zip(self.outputs, outputs):
+                got = value.shape[0] if value.ndim else 0
+                if got != rows:
+                    raise ValueError("the callable returned %d rows for output '%s' but the batch "
+                                     "had %d" % (got, name, rows))
+        return outputs
+
+    def _call(self, arrays):
+        if self.torch is not None:
+            arrays = [a if a.dtype == np.object_ else
+                      self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+            with self.torch.inference_mode():
+                result = self._invoke(arrays)
+        else:
+            result = self._invoke(arrays)
+        return self._outputs(result)
+
+    def _invoke(self, arrays):
+        if self.keyword:
+            return self.fn(**dict(zip(self.input_names, arrays)))
+        return self.fn(*arrays)
+
+    def _outputs(self, result):
+        names = [name for name, _ in self.outputs]
+        if isinstance(result, dict):
+            missing = [n for n in names if n not in result]
+            if missing:
+                raise ValueError("the callable returned no value for output(s) " + ", ".join(missing))
+            values = [result[n] for n in names]
+        elif isinstance(result, (tuple, list)) and (len(names) != 1 or isinstance(result, tuple)):
+            if len(result) != len(names):
+                raise ValueError("the callable returned %d values for %d output(s) (%s)"
+                                 % (len(result), len(names), ", ".join(names)))
+            values = list(result)
+        else:
+            if len(names) != 1:
+                raise ValueError("the callable returned one value for %d outputs (%s)"
+                                 % (len(names), ", ".join(names)))
+            values = [result]
+        return [self._array(v, dtype) for v, (_, dtype) in zip(values, self.outputs)]
+
+    @staticmethod
+    def _array(value, dtype):
+        if hasattr(value, "detach"):
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value)
+        if dtype is np.object_:
+            if array.dtype.kind == "U":
+                array = np.char.encode(array, "utf-8")
+            return array.astype(np.object_)
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    @staticmethod
+    def _error(message, code=pb_utils.TritonError.INTERNAL):
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+'''
+
+
+def model_config_json(name: str, inputs: list[TensorSpec] = (), outputs: list[TensorSpec] = (),
+                      max_batch_size: int = 0, extra_config: str = "") -> str:
+    """A python-backend config as the JSON that ``load_model(config=...)`` sends.
+
+    ``extra_config`` is config.pbtxt text merged on top (``dynamic_batching { }``,
+    ``instance_group [...]``, ``parameters {...}``).
+    """
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=max_batch_size)
+    for kind, specs in (("input", inputs), ("output", outputs)):
+        for tensor_name, datatype, dims in specs:
+            getattr(config, kind).add(name=tensor_name, data_type=_data_type(datatype, name, tensor_name),
+                                      dims=[int(d) for d in dims])
+    if extra_config:
+        try:
+            text_format.Merge(extra_config, config)
+        except text_format.ParseError as err:
+            raise ValueError(f"model '{name}': extra_config is not valid config.pbtxt text: {err}") from None
+    return json_format.MessageToJson(config, preserving_proto_field_name=True, indent=None)
+
+
+def _data_type(datatype: str, model: str, tensor: str) -> int:
+    spelled = str(datatype).upper()
+    if spelled in ("BYTES", "STRING"):
+        spelled = "STRING"
+    if not spelled.startswith("TYPE_"):
+        spelled = "TYPE_" + spelled
+    if spelled not in mc.DataType.keys() or spelled == "TYPE_INVALID":
+        raise ValueError(f"model '{model}', tensor '{tensor}': unknown datatype '{datatype}'")
+    return mc.DataType.Value(spelled)
+
+
+def pack_model_py(source: str, *, name: str, inputs: list[TensorSpec] = (),
+                  outputs: list[TensorSpec] = (), max_batch_size: int = 0,
+                  extra_config: str = "") -> tuple[str, dict[str, bytes]]:
+    """A ``model.py`` (Triton's ``TritonPythonModel``) as a config and the files to upload."""
+    return (model_config_json(name, inputs, outputs, max_batch_size, extra_config),
+            {"1/model.py": source.encode("utf-8")})
+
+
+def pack_callable(obj: Callable[..., Any], *, name: str, inputs: list[TensorSpec],
+                  outputs: list[TensorSpec], max_batch_size: int = 0, batched: bool = True,
+                  extra_config: str = "") -> tuple[str, dict[str, bytes]]:
+    """A callable as a python-backend model: ``(config JSON, {"1/model.py", "1/model.pkl"})``.
+
+    ``obj`` takes numpy arrays, positionally in ``inputs`` order or by input name when its
+    parameters are named after every input, and returns an array, a tuple (in ``outputs``
+    order) or a dict keyed by output name. With ``max_batch_size > 0`` it receives the whole
+    dynamic batch (rows of every request, concatenated on dim 0) and must return as many
+    rows; with ``batched=False`` it is called once per row instead (without the batch dim).
+    """
+    if not callable(obj):
+        raise TypeError(f"model '{name}': {type(obj).__name__} object is not callable")
+    input_names = [spec[0] for spec in inputs]
+    payload = {
+        "format": PAYLOAD_FORMAT,
+        "callable": obj,
+        "inputs": input_names,
+        "outputs": [spec[0] for spec in outputs],
+        "keyword": _takes_keywords(obj, input_names),
+        "batched": bool(batched),
+        "python": ".".join(map(str, sys.version_info[:3])),
+    }
+    config = model_config_json(name, inputs, outputs, max_batch_size, extra_config)
+    return config, {"1/model.py": CALLABLE_MODEL_PY.encode("utf-8"), "1/model.pkl": _dumps(obj, payload)}
+
+
+def _takes_keywords(obj: Any, input_names: list[str]) -> bool:
+    """Keyword call when the callable's parameters are named after every input."""
+    target = obj
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        target = obj.forward
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):   # builtins and ufuncs: positional
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    named = {n for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return bool(input_names) and set(input_names) <= named
+
+
+def _dumps(obj: Any, payload: dict) -> bytes:
+    # Code from the notebook or from modules next to it is not importable where the model
+    # runs: pickle it by value. Installed packages stay references.
+    registered = []
+    for module in _local_modules(obj):
+        if module.__name__ not in cloudpickle.list_registry_pickle_by_value():
+            cloudpickle.register_pickle_by_value(module)
+            registered.append(module)
+    try:
+        return cloudpickle.dumps(payload)
+    finally:
+        for module in registered:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _local_modules(obj: Any) -> list[ModuleType]:
+    names = {getattr(obj, "__module__", None), type(obj).__module__}
+    found = []
+    for name in names:
+        if not name or name in ("__main__", "builtins"):
+            continue
+        top = sys.modules.get(name.split(".")[0])
+        if top is not None and _is_local(top) and top not in found:
+            found.append(top)
+    return found
+
+
+def _installed_roots() -> list[str]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.update(getattr(site, "getsitepackages", lambda: [])())
+    roots.add(site.getusersitepackages())
+    return [os.path.realpath(r) + os.sep for r in roots if r]
+
+
+def _is_local(module: ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    path = os.path.realpath(path)
+    return not any(path.startswith(root) for root in _installed_roots())
