@@ -34,7 +34,7 @@ class Recording(Backend):
     def load(self) -> None:
         pass
 
-    def execute(self, requests):
+    def execute(self, requests, infer_requests=None):
         ids = [int(r["IN"].flat[0]) for r in requests]
         start = time.monotonic()
         self.log.append(ids)
@@ -54,10 +54,11 @@ def batcher(config_text: str, instances: int = 1, **backend_kw):
     return DynamicBatcher(config, pool, stats), log, stats
 
 
-def pending(rid: int, rows: int = 1, width: int = 2, **params) -> Pending:
+def pending(rid: int, rows: int = 1, width: int = 2, priority: int = 0, timeout_us: int = 0) -> Pending:
+    """A request as the engine hands it over: 'priority' and 'timeout' parameters already read."""
     inputs = {"IN": np.full((rows, width), rid, dtype=np.float32)}
     future = asyncio.get_running_loop().create_future()
-    return Pending(InferRequest("m", parameters=params), inputs, rows, future)
+    return Pending(InferRequest("m"), inputs, rows, future, priority=priority, timeout_ns=timeout_us * 1000)
 
 
 def run(coro):
@@ -133,18 +134,23 @@ def test_zero_delay_sends_what_is_queued_when_an_instance_frees_up():
     assert run(main()) == [[0], [1, 2, 3]]
 
 
-def test_batches_never_exceed_max_batch_size_and_prefer_the_largest_preferred_size():
+@pytest.mark.parametrize("delay_us, expected", [
+    # 1..7 queue while 0 runs (100 ms). Delay not yet passed: the largest preferred size that
+    # forms leaves (4), then 2, then the last one once the delay passes.
+    (300_000, [[0], [1, 2, 3, 4], [5, 6], [7]]),
+    # Delay already passed when the instance frees: everything that fits leaves (max 6).
+    (30_000, [[0], [1, 2, 3, 4, 5, 6], [7]]),
+])
+def test_batches_prefer_the_largest_preferred_size_and_never_exceed_max_batch_size(delay_us, expected):
     async def main():
         b, log, _ = batcher("max_batch_size: 6 dynamic_batching { preferred_batch_size: [2, 4] "
-                            "max_queue_delay_microseconds: 300000 }", seconds=busy_first(0.1))
+                            f"max_queue_delay_microseconds: {delay_us} }}", seconds=busy_first(0.1))
         await occupy(b, log, rows=2)
         await submit_all(b, [pending(i) for i in range(1, 8)])
         await b.close()
         return log
 
-    # While 0 runs, 1..7 queue: 4 is the largest preferred size that forms, then 2, then 1 after the delay
-    # (had the delay passed while they queued, 1..6 would have left together, up to max_batch_size).
-    assert run(main()) == [[0], [1, 2, 3, 4], [5, 6], [7]]
+    assert run(main()) == expected
 
 
 def test_multi_row_requests_count_rows_and_are_never_split():
@@ -237,7 +243,7 @@ def test_timeout_delay_moves_expired_requests_behind_the_others():
     async def main(timeout_us: int):
         b, log, _ = batcher(config, seconds=busy_first(0.1))
         await occupy(b, log)
-        await submit_all(b, [pending(1, timeout=timeout_us), pending(2), pending(3)])
+        await submit_all(b, [pending(1, timeout_us=timeout_us), pending(2), pending(3)])
         await b.close()
         return log
 
@@ -253,7 +259,7 @@ def test_request_timeout_may_only_lower_the_default_when_override_is_allowed():
     async def main(allow: str, timeout_us: int):
         b, log, _ = batcher(config(allow), seconds=busy_first(0.1))
         await occupy(b, log)
-        results = await submit_all(b, [pending(1, timeout=timeout_us)])
+        results = await submit_all(b, [pending(1, timeout_us=timeout_us)])
         await b.close()
         return results[0]
 

@@ -166,3 +166,45 @@ def test_collector_in_prometheus_clients_own_writer_keeps_tritons_names():
     assert "# TYPE nv_inference_request_success untyped" in text
     assert 'nv_inference_request_success{model="m",version="1"} 4.0' in text
     assert "_total{" not in text
+
+
+def test_gpu_metrics_come_from_nvml_per_gpu_uuid(monkeypatch):
+    """No GPU here: a stand-in NVML with one GPU whose power limit is not supported."""
+    class NotSupported(Exception):
+        pass
+
+    def unsupported(handle):
+        raise NotSupported()
+
+    energy = iter([1_000_000, 1_250_000])        # mJ: at startup, then at the scrape
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}", nvmlDeviceGetUUID=lambda h: b"GPU-1234",
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=37),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=80 * 2**30, used=2**30),
+        nvmlDeviceGetPowerUsage=lambda h: 123_456, nvmlDeviceGetPowerManagementLimit=unsupported,
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: next(energy))
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    engine = SimpleNamespace(models=lambda: [], options=SimpleNamespace(summary_latencies=False))
+    body, _ = exposition(metrics_registry(engine, cpu=False))
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    gpu = {"gpu_uuid": "GPU-1234"}
+
+    def reading(name):
+        [s] = families[name].samples
+        assert s.labels == gpu
+        return s.value
+
+    assert reading("nv_gpu_utilization") == 0.37
+    assert reading("nv_gpu_memory_total_bytes") == 80 * 2**30
+    assert reading("nv_gpu_memory_used_bytes") == 2**30
+    assert reading("nv_gpu_power_usage") == 123.456
+    assert reading("nv_energy_consumption") == 250.0
+    assert families["nv_gpu_power_limit"].samples == []
+
+
+def test_no_nvml_means_no_gpu_metrics(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)   # import fails
+    engine = SimpleNamespace(models=lambda: [], options=SimpleNamespace(summary_latencies=False))
+    body, _ = exposition(metrics_registry(engine, cpu=False))
+    assert b"nv_gpu" not in body and b"nv_energy" not in body

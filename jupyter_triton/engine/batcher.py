@@ -117,33 +117,24 @@ class DynamicBatcher(Scheduler):
         self._wake.set()
 
     def _resolve_priority(self, p: Pending) -> int:
+        """Triton's level for ``p.priority`` (the request's 'priority' parameter, 0 if absent)."""
         if not self.priority_levels:
             return 0                      # like Triton: priority means nothing without levels
-        raw = p.priority or p.request.parameters.get("priority", 0)
-        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        if p.priority < 0 or p.priority > self.priority_levels:
             raise InvalidArgument(
-                f"inference request to model '{self.model}': parameter 'priority' must be a "
-                f"non-negative integer, got {raw!r}")
-        if raw > self.priority_levels:
-            raise InvalidArgument(
-                f"inference request to model '{self.model}' has priority {raw} but the model has "
-                f"priority levels 1..{self.priority_levels} (0 means the default level "
+                f"inference request to model '{self.model}' has priority {p.priority} but the model "
+                f"has priority levels 1..{self.priority_levels} (0 means the default level "
                 f"{self.default_priority_level})")
-        p.priority = raw or self.default_priority_level
+        p.priority = p.priority or self.default_priority_level
         return p.priority
 
     def _resolve_timeout(self, p: Pending, policy: mc.ModelQueuePolicy) -> int:
-        """Queue timeout in ns (0: none): the policy's default, which a request may only lower."""
+        """Queue timeout in ns (0: none) from ``p.timeout_ns`` (the request's 'timeout'
+        parameter): the policy's default, which a request may only lower, and only when
+        allow_timeout_override is set."""
         default_ns = policy.default_timeout_microseconds * 1000
         asked = p.timeout_ns
-        if not asked:
-            raw = p.request.parameters.get("timeout", 0)
-            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-                raise InvalidArgument(
-                    f"inference request to model '{self.model}': parameter 'timeout' must be a "
-                    f"non-negative integer of microseconds, got {raw!r}")
-            asked = raw * 1000
-        if not (policy.allow_timeout_override and asked):
+        if not (policy.allow_timeout_override and asked > 0):
             return default_ns
         return min(asked, default_ns) if default_ns else asked
 
