@@ -116,8 +116,11 @@ class ModelVersion:
         start = time.monotonic_ns()
         for inst in instances:
             for sample in samples:
-                for _ in range(max(1, sample.count)):
-                    await loop.run_in_executor(inst.thread, inst.backend.execute, [sample.inputs])
+                for _ in range(sample.count):
+                    results = await loop.run_in_executor(inst.thread, inst.backend.execute, sample.requests())
+                    failed = [r for r in results if isinstance(r, BaseException)]
+                    if failed:
+                        raise failed[0]
         self.stats.record_warmup(time.monotonic_ns() - start)
 
     async def infer(self, request: InferRequest) -> InferResponse:

@@ -1,0 +1,99 @@
+"""Model control modes none / explicit / poll, as tritonserver's --model-control-mode."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import LINEAR_CONFIG, W
+from jupyter_triton.engine import EngineOptions
+from jupyter_triton.standalone import start_in_thread
+from onnx_models import linear
+
+
+def serve(repo: Path, **options):
+    server = start_in_thread(EngineOptions(model_repository=repo, **options), host="127.0.0.1",
+                             http_port=0, metrics_port=None, grpc_port=None)
+    return server, httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+
+
+def stop(server) -> None:
+    asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
+    server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+def wait_for(predicate, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_none_mode_loads_everything_and_refuses_load(model_repo):
+    server, client = serve(model_repo, model_control_mode="none")
+    try:
+        assert client.is_model_ready("linear") and client.is_model_ready("simple")
+        with pytest.raises(InferenceServerException, match="not allowed"):
+            client.unload_model("linear")
+        assert client.is_model_ready("linear")
+    finally:
+        stop(server)
+
+
+def test_explicit_mode_loads_only_named_models(model_repo):
+    server, client = serve(model_repo, model_control_mode="explicit", load_models=["simple"])
+    try:
+        assert client.is_model_ready("simple") and not client.is_model_ready("linear")
+        names = {r["name"] for r in client.get_model_repository_index()}
+        assert "linear" in names                      # listed, not loaded
+        client.load_model("linear")
+        assert client.is_model_ready("linear")
+    finally:
+        stop(server)
+
+
+def test_poll_mode_follows_the_repository(model_repo):
+    server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.2)
+    try:
+        assert client.is_model_ready("linear")
+        new = model_repo / "added"
+        linear(W, new / "1" / "model.onnx")
+        (new / "config.pbtxt").write_text(LINEAR_CONFIG.replace('"linear"', '"added"'))
+        assert wait_for(lambda: client.is_model_ready("added"))
+        linear(2 * W, new / "2" / "model.onnx")        # a new version appears: latest policy serves it
+        assert wait_for(lambda: client.get_model_metadata("added")["versions"] == ["2"])
+        x = np.ones((1, 16), np.float32)
+        inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_allclose(client.infer("added", [inp]).as_numpy("OUTPUT0"), x @ (2 * W), rtol=1e-5)
+        shutil.rmtree(new)
+        assert wait_for(lambda: not client.is_model_ready("added"))
+        with pytest.raises(InferenceServerException, match="not allowed"):
+            client.load_model("linear")
+    finally:
+        stop(server)
+
+
+def test_version_policy_all(model_repo):
+    linear(2 * W, model_repo / "linear" / "2" / "model.onnx")
+    cfg = model_repo / "linear" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + "version_policy: { all: {} }\n")
+    server, client = serve(model_repo, model_control_mode="none")
+    try:
+        assert client.get_model_metadata("linear")["versions"] == ["1", "2"]
+        x = np.ones((1, 16), np.float32)
+        for version, weights in (("1", W), ("2", 2 * W)):
+            inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_data_from_numpy(x)
+            out = client.infer("linear", [inp], model_version=version).as_numpy("OUTPUT0")
+            np.testing.assert_allclose(out, x @ weights, rtol=1e-5)
+    finally:
+        stop(server)
