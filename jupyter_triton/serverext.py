@@ -160,7 +160,8 @@ class JupyterTriton(ExtensionApp):
         try:
             from prometheus_client import REGISTRY
             from .frontends.metrics import TritonMetricsCollector
-            self._collector = TritonMetricsCollector(self.engine)
+            # prometheus_client's writer (the server's) renames counters; untyped keeps Triton's names.
+            self._collector = TritonMetricsCollector(self.engine, counter_type="unknown")
             REGISTRY.register(self._collector)      # joins the server's own {base_url}metrics
         except ValueError:                             # names already registered by another engine
             self._collector = None

@@ -13,7 +13,7 @@ from tornado import httpserver, web
 
 from .engine import Engine, EngineOptions
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
-from .frontends.metrics import TritonMetricsCollector, exposition
+from .frontends.metrics import exposition, metrics_registry
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     http, bound_http = _listen(app, host, http_port, options.max_input_size)
     result = StandaloneServer(engine, host, bound_http, _servers=[http])
     if metrics_port is not None:
-        registry = CollectorRegistry()
-        registry.register(TritonMetricsCollector(engine))
+        registry = metrics_registry(engine)
         mapp = web.Application([(r"/metrics", _Metrics, {"registry": registry})])
         mserver, result.metrics_port = _listen(mapp, host, metrics_port, 1024 * 1024)
         result._servers.append(mserver)

@@ -97,3 +97,24 @@ def test_version_policy_all(model_repo):
             np.testing.assert_allclose(out, x @ weights, rtol=1e-5)
     finally:
         stop(server)
+
+
+def test_body_over_the_cap_is_refused_and_server_keeps_serving(model_repo):
+    server, client = serve(model_repo, model_control_mode="none", max_input_size=64 * 1024)
+    try:
+        import http.client
+        import json
+        big = json.dumps({"inputs": [{"name": "INPUT0", "shape": [8, 16], "datatype": "FP32",
+                                      "data": [0.5] * (8 * 16)}], "pad": "x" * 100_000}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("POST", "/v2/models/linear/infer", body=big)
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+        assert 400 <= resp.status < 500
+        assert "maximum input size" in json.loads(body)["error"]
+        inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+        assert client.infer("linear", [inp]).as_numpy("OUTPUT0").shape == (1, 4)
+    finally:
+        stop(server)

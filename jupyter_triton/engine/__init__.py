@@ -18,6 +18,7 @@ from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
 from ..repository import Repository
+from .rate_limiter import RateLimiter
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Engine:
         self._started = False
         self._poller: asyncio.Task | None = None
         self._unloading: set[asyncio.Task] = set()
+        # Triton's rate limiter spans models: one per engine.
+        self.rate_limiter = RateLimiter()
 
     # ---- lifecycle of the engine -------------------------------------------------------
     async def start(self) -> None:
@@ -250,7 +253,7 @@ class Engine:
             for v in versions:
                 if v in keep:
                     continue
-                mv = ModelVersion(_copy(config), backend, v, model_dir)
+                mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter)
                 mv.stamp = stamp[v]
                 entry.status[v] = VersionStatus("LOADING")
                 try:

@@ -12,13 +12,14 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..backends import InstanceSpec, ModelFiles, backend_class
 from ..backends.base import BackendDead
 from ..backends.devices import resolve_kind
-from ..protocol.errors import Cancelled, TritonError, Unavailable
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
 from .instances import Instance, InstancePool
+from .rate_limiter import RateLimiter, instance_resources
 from .response import build_response
 from .scheduler import DirectScheduler, Pending, Scheduler
-from .statistics import ModelStatistics
+from .statistics import ModelStatistics, failure_reason
 from .validation import check_request
 from .warmup import warmup_samples
 
@@ -34,10 +35,10 @@ class VersionStatus:
     reason: str = ""
 
 
-def instance_specs(config: mc.ModelConfig) -> list[InstanceSpec]:
+def instance_specs(config: mc.ModelConfig) -> list[tuple[InstanceSpec, mc.ModelInstanceGroup | None]]:
     """Expand instance_group the way Triton does: count instances per listed GPU (or count
-    instances on the CPU), named <group>_<i>."""
-    specs: list[InstanceSpec] = []
+    instances on the CPU), named <group>_<i>; each with the group it came from."""
+    specs: list[tuple[InstanceSpec, mc.ModelInstanceGroup | None]] = []
     for g, group in enumerate(config.instance_group):
         kind = resolve_kind(mc.ModelInstanceGroup.Kind.Name(group.kind))
         group_name = group.name or f"{config.name}_{g}"
@@ -46,21 +47,23 @@ def instance_specs(config: mc.ModelConfig) -> list[InstanceSpec]:
         i = 0
         for device in devices:
             for _ in range(count):
-                specs.append(InstanceSpec(name=f"{group_name}_{i}", kind=kind,
-                                          device_id=device or 0, index=len(specs)))
+                specs.append((InstanceSpec(name=f"{group_name}_{i}", kind=kind,
+                                           device_id=device or 0, index=len(specs)), group))
                 i += 1
     if not specs:
-        specs.append(InstanceSpec(name=f"{config.name}_0_0", kind=resolve_kind("KIND_AUTO")))
+        specs.append((InstanceSpec(name=f"{config.name}_0_0", kind=resolve_kind("KIND_AUTO")), None))
     return specs
 
 
 class ModelVersion:
-    def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path) -> None:
+    def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
+                 rate_limiter: RateLimiter | None = None) -> None:
         self.config = config
         self.name = config.name
         self.version = version
         self.backend_name = backend
         self.model_dir = model_dir
+        self.rate_limiter = rate_limiter
         self.stats = ModelStatistics(self.name, str(version))
         self.status = VersionStatus(LOADING)
         self.pool: InstancePool | None = None
@@ -86,13 +89,18 @@ class ModelVersion:
                            self.config.default_model_filename or cls.default_filename)
         loop = asyncio.get_running_loop()
 
-        def make(spec: InstanceSpec) -> Instance:
+        def make(spec: InstanceSpec, group: mc.ModelInstanceGroup | None) -> Instance:
             backend = cls(self.config, files, spec)
             backend.load()
-            return Instance(backend)
+            instance = Instance(backend)
+            if group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None:
+                instance.resources = instance_resources(group, spec.device_id)
+                instance.rate_priority = group.rate_limiter.priority
+                self.rate_limiter.register(instance.resources, self.name)
+            return instance
 
         results = await asyncio.gather(
-            *(loop.run_in_executor(None, make, spec) for spec in instance_specs(self.config)),
+            *(loop.run_in_executor(None, make, spec, group) for spec, group in instance_specs(self.config)),
             return_exceptions=True)
         instances = [r for r in results if isinstance(r, Instance)]
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -100,7 +108,7 @@ class ModelVersion:
             for inst in instances:
                 await loop.run_in_executor(None, inst.close)
             raise errors[0]
-        self.pool = InstancePool(instances, self.stats)
+        self.pool = InstancePool(instances, self.stats, self.rate_limiter)
         await self._warmup(instances)
         self.scheduler = (DynamicBatcher(self.config, self.pool, self.stats)
                           if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool))
@@ -138,18 +146,14 @@ class ModelVersion:
             await self.scheduler.submit(pending)
             outputs = await future
             response = build_response(self.config, self.version, self.model_dir, request, outputs)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as err:
             future.cancel()
-            self.stats.record_failure("CANCELED", time.monotonic_ns() - start)
-            raise
-        except BackendDead as err:
-            self.status = VersionStatus(UNAVAILABLE, str(err))
-            self.stats.record_failure("BACKEND", time.monotonic_ns() - start)
+            self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
             raise
         except TritonError as err:
-            reason = ("REJECTED" if isinstance(err, Unavailable) else
-                      "CANCELED" if isinstance(err, Cancelled) else "BACKEND")
-            self.stats.record_failure(reason, time.monotonic_ns() - start)
+            if isinstance(err, BackendDead):
+                self.status = VersionStatus(UNAVAILABLE, str(err))
+            self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
             raise
         finally:
             self._inflight -= 1
@@ -175,7 +179,6 @@ class ModelVersion:
 
 def _schedule_params(request: InferRequest) -> tuple[int, int]:
     """Triton's schedule_policy extension: request parameters 'priority' and 'timeout' (us)."""
-    from ..protocol.errors import InvalidArgument
     params = request.parameters
     try:
         priority = int(params.get("priority", 0) or 0)

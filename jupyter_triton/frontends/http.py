@@ -309,10 +309,9 @@ def route_table(base: type, prefix: str = "/", guard=None) -> list[tuple[str, ty
     ``guard`` (e.g. Jupyter's auth decorators) wraps every HTTP method of every route."""
     table = []
     for pattern, handler in ROUTES:
+        # The mixins don't derive from RequestHandler: what they have, they define.
         methods = {m: guard(getattr(handler, m)) for m in HTTP_METHODS
-                   if guard is not None and m in vars(handler) or
-                   guard is not None and any(m in vars(k) for k in handler.__mro__[1:-1]
-                                             if issubclass(k, V2Handler))}
+                   if guard is not None and hasattr(handler, m)}
         cls = type(handler.__name__, (handler, base), {"__module__": __name__, **methods})
         if getattr(handler, "streams_body", False):
             cls = web.stream_request_body(cls)

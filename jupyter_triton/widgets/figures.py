@@ -1,0 +1,150 @@
+"""What the dashboard shows, computed from two snapshots of Triton's statistics JSON.
+
+Triton's statistics are cumulative counters, so rates and averages over the last interval
+are deltas of two snapshots. ``dashboard.js`` computes the same figures in the browser
+(when it fetches the statistics itself); keep the two in step.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")
+
+
+@dataclass
+class Snapshot:
+    """One reading of ``GET v2/models/stats``: ``t`` in seconds, ``pending`` from /metrics
+    (``nv_inference_pending_request_count`` per "name/version"; None when unreachable)."""
+    t: float
+    model_stats: list[dict]
+    pending: dict[str, int] | None = None
+
+    def to_json(self) -> dict:
+        return {"t": self.t, "model_stats": self.model_stats, "pending": self.pending}
+
+
+@dataclass
+class ModelFigures:
+    name: str
+    version: str
+    inferences_per_s: float          # inference_count delta / dt (batch elements)
+    requests_per_s: float            # successful requests delta / dt
+    queue_us: float | None           # mean queue time per request over the interval
+    compute_us: float | None         # mean compute_input + infer + output per request
+    failures: int                    # cumulative failed requests
+    inference_count: int
+    execution_count: int
+    batch_sizes: dict[int, int] = field(default_factory=dict)   # batch size -> executions
+    pending: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.version}"
+
+
+def _count(stats: dict, phase: str) -> tuple[int, int]:
+    d = stats.get("inference_stats", {}).get(phase, {})
+    return int(d.get("count", 0)), int(d.get("ns", 0))
+
+
+def batch_histogram(stats: dict) -> dict[int, int]:
+    """Executions per batch size, from ``batch_stats`` (``compute_infer.count`` per size)."""
+    hist = {}
+    for row in stats.get("batch_stats", []):
+        n = int(row.get("compute_infer", {}).get("count", 0))
+        if n:
+            hist[int(row["batch_size"])] = n
+    return dict(sorted(hist.items()))
+
+
+def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None = None) -> ModelFigures:
+    """Figures of one model: rates and means over ``dt`` seconds since ``prev`` (the same
+    model's earlier statistics; None, or counters that went down after a reload, give no
+    rates)."""
+    usable = prev is not None and dt > 0 and int(cur.get("inference_count", 0)) >= int(prev.get("inference_count", 0))
+
+    def delta(phase: str) -> tuple[int, int]:
+        if not usable:
+            return 0, 0
+        (c1, ns1), (c0, ns0) = _count(cur, phase), _count(prev, phase)
+        return c1 - c0, ns1 - ns0
+
+    d_success, _ = delta("success")
+    d_queue, d_queue_ns = delta("queue")
+    d_compute, _ = delta("compute_infer")
+    d_compute_ns = sum(delta(p)[1] for p in COMPUTE_PHASES)
+    d_inferences = int(cur.get("inference_count", 0)) - int(prev.get("inference_count", 0)) if usable else 0
+    return ModelFigures(
+        name=str(cur.get("name", "")), version=str(cur.get("version", "")),
+        inferences_per_s=d_inferences / dt if usable else 0.0,
+        requests_per_s=d_success / dt if usable else 0.0,
+        queue_us=d_queue_ns / d_queue / 1e3 if d_queue > 0 else None,
+        compute_us=d_compute_ns / d_compute / 1e3 if d_compute > 0 else None,
+        failures=_count(cur, "fail")[0],
+        inference_count=int(cur.get("inference_count", 0)),
+        execution_count=int(cur.get("execution_count", 0)),
+        batch_sizes=batch_histogram(cur), pending=pending)
+
+
+def figures(prev: Snapshot | None, cur: Snapshot) -> list[ModelFigures]:
+    """Figures of every model in ``cur``, matched with ``prev`` by name and version."""
+    earlier = {f"{m.get('name')}/{m.get('version')}": m for m in (prev.model_stats if prev else [])}
+    dt = cur.t - prev.t if prev else 0.0
+    out = []
+    for m in cur.model_stats:
+        key = f"{m.get('name')}/{m.get('version')}"
+        pending = cur.pending.get(key) if cur.pending is not None else None
+        out.append(model_figures(earlier.get(key), m, dt, pending))
+    return out
+
+
+def parse_pending(metrics_text: str) -> dict[str, int]:
+    """``nv_inference_pending_request_count`` per "model/version" from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+    pending = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "nv_inference_pending_request_count":
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            pending[f"{labels.get('model')}/{labels.get('version')}"] = int(sample.value)
+    return pending
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.1f}{unit}" if value < 100 else f"{value:,.0f}{unit}"
+
+
+def text_table(rows: list[ModelFigures]) -> str:
+    """A plain-text overview (what front ends without widgets show)."""
+    head = f"{'model':<24}{'ver':>4}{'inf/s':>9}{'req/s':>9}{'queue us':>10}{'compute us':>12}" \
+           f"{'pending':>9}{'failed':>8}  batch sizes"
+    lines = [head]
+    for f in rows:
+        hist = " ".join(f"{b}:{n}" for b, n in f.batch_sizes.items()) or "-"
+        pending = "-" if f.pending is None else str(f.pending)
+        lines.append(f"{f.name:<24}{f.version:>4}{_fmt(f.inferences_per_s):>9}{_fmt(f.requests_per_s):>9}"
+                     f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}  {hist}")
+    return "\n".join(lines)
+
+
+def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
+    """The same overview as an HTML table (static: nbviewer, GitHub, nbval outputs)."""
+    cols = ("model", "version", "inf/s", "req/s", "queue µs", "compute µs", "pending", "failed", "batch sizes")
+    body = []
+    for f in rows:
+        hist = " ".join(f"{b}×{n}" for b, n in f.batch_sizes.items()) or "–"
+        cells = (f.name, f.version, _fmt(f.inferences_per_s), _fmt(f.requests_per_s), _fmt(f.queue_us),
+                 _fmt(f.compute_us), "–" if f.pending is None else str(f.pending), str(f.failures), hist)
+        body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return (f"<table class='jt-static'><caption>{html.escape(title)}</caption><thead><tr>"
+            + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>" + "".join(body)
+            + "</tbody></table>")
+
+
+def snapshot_from_json(obj: dict[str, Any]) -> Snapshot:
+    return Snapshot(t=float(obj["t"]), model_stats=list(obj.get("model_stats", [])), pending=obj.get("pending"))

@@ -1,0 +1,103 @@
+"""The kernel-side statistics poller: a daemon thread that reads ``v2/models/stats`` (and
+the pending-request gauge from ``/metrics`` where it can) every ``interval`` seconds.
+
+It is the fallback for front ends that cannot fetch the statistics themselves (no Jupyter
+page, or a server on another origin such as the in-kernel server on a loopback port).
+Widget traits set from this thread reach the front end over IOPub, which keeps flowing
+while the kernel runs a cell.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Callable
+
+from .figures import Snapshot, parse_pending
+
+
+def stats_url(server_url: str, model: str | None) -> str:
+    """``{server_url}v2/models/stats`` or the per-model route; ``server_url`` ends in "/"."""
+    if model:
+        return f"{server_url}v2/models/{urllib.parse.quote(model, safe='')}/stats"
+    return f"{server_url}v2/models/stats"
+
+
+class StatsPoller:
+    """Polls until ``stop()``, ``duration`` seconds, or ``max_polls`` readings, whichever
+    comes first. ``paused`` (an Event) skips readings while set: the browser is polling."""
+
+    def __init__(self, url: str, headers: dict[str, str], on_snapshot: Callable[[Snapshot], None],
+                 *, interval: float = 1.0, metrics_url: str | None = None,
+                 on_error: Callable[[str], None] | None = None, duration: float = 3600.0,
+                 timeout: float = 5.0) -> None:
+        self.url, self.headers, self.metrics_url = url, dict(headers), metrics_url
+        self.on_snapshot, self.on_error = on_snapshot, on_error
+        self.interval, self.duration, self.timeout = max(0.1, interval), duration, timeout
+        self.max_polls = int(duration / self.interval) + 1
+        self.paused = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _get(self, url: str) -> bytes:
+        req = urllib.request.Request(url, headers=self.headers)
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return resp.read()
+
+    def poll_once(self) -> Snapshot:
+        """One reading. Raises on an unreachable server or an error answer."""
+        t = time.time()
+        body = json.loads(self._get(self.url))
+        pending = None
+        if self.metrics_url:
+            try:
+                pending = parse_pending(self._get(self.metrics_url).decode())
+            except (OSError, ValueError):
+                # /metrics needs Jupyter's own credentials on the Jupyter server: the
+                # kernel's token does not reach it, so pending counts are left out.
+                self.metrics_url = None
+        return Snapshot(t=t, model_stats=body.get("model_stats", []), pending=pending)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.duration
+        for _ in range(self.max_polls):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                break
+            if not self.paused.is_set():
+                try:
+                    self.on_snapshot(self.poll_once())
+                except Exception as err:  # reported in the widget, polling goes on
+                    if self.on_error is not None:
+                        self.on_error(_describe(err))
+            if self._stop.wait(self.interval):
+                break
+
+    def start(self) -> "StatsPoller":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="jupyter-triton-dashboard", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _describe(err: Exception) -> str:
+    if isinstance(err, urllib.error.HTTPError):
+        try:
+            detail = json.loads(err.read()).get("error", "")
+        except (ValueError, OSError):
+            detail = ""
+        return f"statistics request failed: HTTP {err.code} {detail}".strip()
+    if isinstance(err, urllib.error.URLError):
+        return f"statistics server unreachable: {err.reason}"
+    return f"statistics request failed: {err}"

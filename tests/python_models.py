@@ -1,0 +1,85 @@
+"""A Python-backend model that the end-to-end batching and metrics tests build: it sleeps,
+echoes its input, and logs every execution (which requests ran together, on which instance,
+when) to ``<model dir>/executions.jsonl`` so a test can see what the batcher formed."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import tritonclient.http as httpclient
+
+# INPUT0 rows are [id, extra_sleep_s]; the model sleeps SLEEP_S plus the largest extra_sleep_s
+# of the batch. A request whose id is negative gets an error response (a BACKEND failure).
+SLEEPY_MODEL_PY = '''
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        sleep = config.get("parameters", {}).get("SLEEP_S", {}).get("string_value", "0")
+        self.sleep = float(sleep)
+        self.log = os.path.join(args["model_repository"], "executions.jsonl")
+        self.instance = args["model_instance_name"]
+
+    def execute(self, requests):
+        start = time.time()
+        xs = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        time.sleep(self.sleep + max(float(x[..., 1].max()) for x in xs))
+        entry = {"instance": self.instance, "start": start, "end": time.time(),
+                 "ids": [x[..., 0].reshape(-1).tolist() for x in xs],
+                 "rows": sum(len(x) if x.ndim > 1 else 1 for x in xs)}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(entry) + "\\n")
+        responses = []
+        for x in xs:
+            if (x[..., 0] < 0).any():
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("negative id asked for a failure")))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return responses
+'''
+
+THREAD_MODE = 'parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }'
+
+
+def sleepy_model(root: Path, name: str, *, sleep_s: float = 0.0, max_batch_size: int = 8,
+                 extra: str = "", instances: int = 1) -> Path:
+    """Write ``root/name`` (config.pbtxt + 1/model.py); ``extra`` is more config text
+    (dynamic_batching, model_warmup...)."""
+    model_dir = root / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / "model.py").write_text(SLEEPY_MODEL_PY)
+    (model_dir / "config.pbtxt").write_text(f'''
+name: "{name}"
+backend: "python"
+max_batch_size: {max_batch_size}
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+{THREAD_MODE}
+parameters {{ key: "SLEEP_S" value: {{ string_value: "{sleep_s}" }} }}
+{extra}
+''')
+    return model_dir
+
+
+def executions(model_dir: Path) -> list[dict]:
+    """Every execution the model logged, in the order they finished."""
+    log = model_dir / "executions.jsonl"
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line]
+
+
+def request(ident: float, extra_sleep_s: float = 0.0, rows: int = 1) -> list[httpclient.InferInput]:
+    x = np.tile(np.array([[ident, extra_sleep_s]], dtype=np.float32), (rows, 1))
+    inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return [inp]
