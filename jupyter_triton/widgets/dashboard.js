@@ -1,0 +1,244 @@
+// jupyter_triton dashboard view (anywidget ESM; no libraries, nothing from a CDN).
+// Figures are deltas of two snapshots of Triton's statistics: keep in step with figures.py.
+const SVG = "http://www.w3.org/2000/svg";
+const HISTORY = 60;
+
+function pageConfig() {
+  const el = document.getElementById("jupyter-config-data");
+  if (!el) return null;
+  try { return JSON.parse(el.textContent || "{}"); } catch (e) { return null; }
+}
+
+function count(m, phase) {
+  const d = ((m.inference_stats || {})[phase]) || {};
+  return [d.count || 0, d.ns || 0];
+}
+
+function histogram(m) {
+  const h = [];
+  for (const row of m.batch_stats || []) {
+    const n = ((row.compute_infer || {}).count) || 0;
+    if (n) h.push([row.batch_size, n]);
+  }
+  return h.sort((a, b) => a[0] - b[0]);
+}
+
+export function figures(prev, cur) {
+  const earlier = new Map(((prev && prev.model_stats) || []).map(m => [m.name + "/" + m.version, m]));
+  const dt = prev ? cur.t - prev.t : 0;
+  return (cur.model_stats || []).map(m => {
+    const key = m.name + "/" + m.version, p = earlier.get(key);
+    const ok = !!p && dt > 0 && (m.inference_count || 0) >= (p.inference_count || 0);
+    const d = (phase) => ok ? [count(m, phase)[0] - count(p, phase)[0], count(m, phase)[1] - count(p, phase)[1]] : [0, 0];
+    const [dq, dqns] = d("queue");
+    const dc = d("compute_infer")[0];
+    const dcns = d("compute_input")[1] + d("compute_infer")[1] + d("compute_output")[1];
+    return {
+      key, name: m.name, version: String(m.version),
+      infPerS: ok ? ((m.inference_count || 0) - (p.inference_count || 0)) / dt : 0,
+      reqPerS: ok ? d("success")[0] / dt : 0,
+      queueUs: dq > 0 ? dqns / dq / 1e3 : null,
+      computeUs: dc > 0 ? dcns / dc / 1e3 : null,
+      failures: count(m, "fail")[0],
+      inferences: m.inference_count || 0,
+      executions: m.execution_count || 0,
+      batches: histogram(m),
+      pending: cur.pending ? (cur.pending[key] ?? null) : null,
+    };
+  });
+}
+
+function parsePending(text) {
+  const out = {};
+  const re = /^nv_inference_pending_request_count\{([^}]*)\}\s+([0-9.eE+-]+)/gm;
+  for (const m of text.matchAll(re)) {
+    const labels = Object.fromEntries([...m[1].matchAll(/(\w+)="([^"]*)"/g)].map(x => [x[1], x[2]]));
+    out[labels.model + "/" + labels.version] = Math.round(Number(m[2]));
+  }
+  return out;
+}
+
+const fmt = (v, unit = "") => v === null || v === undefined ? "–"
+  : (v < 100 ? v.toFixed(1) : Math.round(v).toLocaleString("en-US")) + unit;
+
+function el(tag, attrs = {}, text) {
+  const e = tag === "svg" || tag === "rect" || tag === "polyline" || tag === "text"
+    ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function bars(hist) {
+  const w = 220, h = 70, n = Math.max(hist.length, 1), bw = Math.max(6, Math.floor((w - 4) / n) - 4);
+  const max = Math.max(1, ...hist.map(x => x[1]));
+  const svg = el("svg", { class: "jt-hist", width: w, height: h + 16, viewBox: `0 0 ${w} ${h + 16}` });
+  hist.forEach(([size, c], i) => {
+    const bh = Math.max(1, Math.round((c / max) * (h - 12)));
+    const x = 2 + i * (bw + 4);
+    const r = el("rect", { x, y: h - bh, width: bw, height: bh, class: "jt-bar" });
+    r.appendChild(el("title", {}, `batch size ${size}: ${c} executions`));
+    svg.appendChild(r);
+    svg.appendChild(el("text", { x: x + bw / 2, y: h + 12, class: "jt-axis" }, String(size)));
+    svg.appendChild(el("text", { x: x + bw / 2, y: h - bh - 2, class: "jt-count" }, String(c)));
+  });
+  if (!hist.length) svg.appendChild(el("text", { x: w / 2, y: h / 2, class: "jt-axis" }, "no batches yet"));
+  return svg;
+}
+
+function spark(values) {
+  const w = 220, h = 40, max = Math.max(1e-9, ...values);
+  const pts = values.map((v, i) => `${(i / Math.max(1, HISTORY - 1)) * w},${h - 2 - (v / max) * (h - 4)}`);
+  const svg = el("svg", { class: "jt-spark", width: w, height: h, viewBox: `0 0 ${w} ${h}` });
+  svg.appendChild(el("polyline", { points: pts.join(" "), class: "jt-line" }));
+  return svg;
+}
+
+function card(f, hist) {
+  const c = el("div", { class: "jt-card", "data-model": f.name });
+  c.appendChild(el("div", { class: "jt-card-title" }, `${f.name} v${f.version}`));
+  const stats = el("div", { class: "jt-stats" });
+  const stat = (cls, label, value) => {
+    const s = el("div", { class: "jt-stat " + cls });
+    s.appendChild(el("span", { class: "jt-value" }, value));
+    s.appendChild(el("span", { class: "jt-label" }, label));
+    stats.appendChild(s);
+  };
+  stat("jt-throughput", "inferences/s", fmt(f.infPerS));
+  stat("jt-requests", "requests/s", fmt(f.reqPerS));
+  stat("jt-queue", "queue µs/req", fmt(f.queueUs));
+  stat("jt-compute", "compute µs/req", fmt(f.computeUs));
+  stat("jt-pending", "pending", f.pending === null ? "–" : String(f.pending));
+  stat("jt-failures", "failed", String(f.failures));
+  stat("jt-inferences", "inferences", f.inferences.toLocaleString("en-US"));
+  c.appendChild(stats);
+  const plots = el("div", { class: "jt-plots" });
+  const left = el("div"), right = el("div");
+  left.appendChild(el("div", { class: "jt-label" }, "inferences/s (last minute)"));
+  left.appendChild(spark(hist));
+  right.appendChild(el("div", { class: "jt-label" }, "executions per batch size"));
+  right.appendChild(bars(f.batches));
+  plots.append(left, right);
+  c.appendChild(plots);
+  return c;
+}
+
+function overview(rows) {
+  const t = el("table", { class: "jt-overview" });
+  const head = el("tr");
+  for (const h of ["model", "ver", "inf/s", "req/s", "queue µs", "compute µs", "pending", "failed", "inferences"])
+    head.appendChild(el("th", {}, h));
+  t.appendChild(head);
+  for (const f of rows) {
+    const r = el("tr", { "data-model": f.name });
+    for (const v of [f.name, f.version, fmt(f.infPerS), fmt(f.reqPerS), fmt(f.queueUs), fmt(f.computeUs),
+                     f.pending === null ? "–" : String(f.pending), String(f.failures), f.inferences.toLocaleString("en-US")])
+      r.appendChild(el("td", {}, v));
+    t.appendChild(r);
+  }
+  return t;
+}
+
+function render({ model, el: host }) {
+  const root = el("div", { class: "jt-dash" });
+  const status = el("div", { class: "jt-status" });
+  const body = el("div", { class: "jt-body" });
+  root.append(status, body);
+  host.appendChild(root);
+
+  const history = new Map();          // model key -> inferences/s, last HISTORY readings
+  let prev = null, source = null, timer = null, stopped = false, failures = 0, ticks = 0;
+
+  function draw(snap, from) {
+    if (source !== from) prev = null;  // never take deltas across sources (different clocks)
+    source = from;
+    const rows = figures(prev, snap);
+    prev = snap;
+    for (const f of rows) {
+      const h = history.get(f.key) || [];
+      h.push(f.infPerS);
+      if (h.length > HISTORY) h.shift();
+      history.set(f.key, h);
+    }
+    ticks += 1;
+    body.replaceChildren();
+    const only = model.get("model");
+    if (!only) body.appendChild(overview(rows));
+    const shown = only ? rows : rows.filter(f => f.inferences > 0).slice(0, 8);
+    for (const f of shown) body.appendChild(card(f, history.get(f.key)));
+    const when = new Date(snap.t * 1000).toLocaleTimeString();
+    const err = model.get("error");
+    status.textContent = `${only || "all models"} · ${from === "browser" ? "live from the browser" : "from the kernel"} · ${when}` + (err && from === "kernel" ? ` · ${err}` : "");
+    root.setAttribute("data-source", from);
+    root.setAttribute("data-ticks", String(ticks));
+  }
+
+  // The browser polls when its page is served by the Jupyter server that hosts the models.
+  const cfg = pageConfig();
+  const base = cfg && cfg.baseUrl;
+  const canFetch = !!base && model.get("server_path") !== "" && base === model.get("server_path");
+  const only = model.get("model");
+  const statsPath = only ? `v2/models/${encodeURIComponent(only)}/stats` : "v2/models/stats";
+  const headers = cfg && cfg.token ? { Authorization: `token ${cfg.token}` } : {};
+  let metricsOk = true;
+
+  async function fetchOnce() {
+    const opts = { credentials: "same-origin", headers, cache: "no-store" };
+    const r = await fetch(base + statsPath, opts);
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    const body = await r.json();
+    let pending = null;
+    if (metricsOk) {
+      try {
+        const m = await fetch(base + "metrics", opts);
+        if (m.ok) pending = parsePending(await m.text()); else metricsOk = false;
+      } catch (e) { metricsOk = false; }
+    }
+    return { t: Date.now() / 1000, model_stats: body.model_stats || [], pending };
+  }
+
+  function setPolling(on) {
+    if (model.get("browser_polling") === on) return;
+    model.set("browser_polling", on);
+    model.save_changes();
+  }
+
+  async function loop() {
+    if (stopped) return;
+    try {
+      const snap = await fetchOnce();
+      if (stopped) return;
+      failures = 0;
+      setPolling(true);
+      draw(snap, "browser");
+    } catch (e) {
+      failures += 1;
+      if (failures >= 3) {
+        // hand over to the kernel poller and stop trying
+        setPolling(false);
+        stopped = true;
+        const snap = model.get("snapshot");
+        if (snap && snap.t) draw(snap, "kernel");
+        return;
+      }
+    }
+    timer = setTimeout(loop, Math.max(200, 1000 * model.get("interval")));
+  }
+
+  const onKernel = () => {
+    const snap = model.get("snapshot");
+    if (snap && snap.t && (source !== "browser" || stopped)) draw(snap, "kernel");
+  };
+  model.on("change:snapshot", onKernel);
+  onKernel();
+  if (canFetch) loop(); else status.textContent += " (statistics from the kernel)";
+
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+    model.off("change:snapshot", onKernel);
+    if (source === "browser") setPolling(false);
+  };
+}
+
+export default { render };

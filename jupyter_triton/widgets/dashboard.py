@@ -1,0 +1,115 @@
+"""The live dashboard widget: throughput, queue and compute time per request, batch sizes
+formed, pending requests and failures, per model and for all models.
+
+Two sources of statistics, so that it keeps moving while the kernel is busy running a cell:
+the browser fetches ``v2/models/stats`` itself when the notebook page is served by the same
+Jupyter server as the models (same base URL: the page's cookie authenticates it), and a
+kernel-side poller thread pushes snapshots into the ``snapshot`` trait otherwise (the
+in-kernel server on a loopback port, VS Code, or no front end at all). The poller pauses
+while a browser view reports that it polls.
+"""
+from __future__ import annotations
+
+import pathlib
+import time
+import urllib.parse
+from typing import Any, Protocol
+
+import anywidget
+import traitlets
+
+from .figures import ModelFigures, Snapshot, figures, html_table, text_table
+from .poller import StatsPoller, stats_url
+
+HERE = pathlib.Path(__file__).parent
+
+
+class _Connection(Protocol):
+    url: str
+    mode: str
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+
+class Dashboard(anywidget.AnyWidget):
+    """``Dashboard(connection, model=None, interval=1.0)``: ``model`` None shows every model."""
+
+    _esm = HERE / "dashboard.js"
+    _css = HERE / "dashboard.css"
+
+    model = traitlets.Unicode("").tag(sync=True)              # "" = all models
+    interval = traitlets.Float(1.0).tag(sync=True)
+    # URL path of the server root as the kernel sees it ("/user/alice/"); the browser
+    # fetches the statistics itself only when its page's base URL is this path.
+    server_path = traitlets.Unicode("").tag(sync=True)
+    snapshot = traitlets.Dict().tag(sync=True)                 # the kernel poller's latest reading
+    error = traitlets.Unicode("").tag(sync=True)
+    browser_polling = traitlets.Bool(False).tag(sync=True)     # set by a browser view
+
+    def __init__(self, connection: _Connection, model: str | None = None, interval: float = 1.0,
+                 *, duration: float = 3600.0, poll_kernel: bool = True, **kwargs: Any) -> None:
+        mode = getattr(connection, "mode", "")
+        server_path = "" if mode == "in-kernel" else urllib.parse.urlparse(connection.url).path or "/"
+        super().__init__(model=model or "", interval=float(interval), server_path=server_path, **kwargs)
+        self.connection = connection
+        self._prev: Snapshot | None = None
+        self._last: Snapshot | None = None
+        self.figures: list[ModelFigures] = []
+        metrics_url = getattr(connection, "metrics_url", None) or f"{connection.url}metrics"
+        self.poller = StatsPoller(stats_url(connection.url, model), connection.headers, self._on_snapshot,
+                                  interval=interval, metrics_url=metrics_url, on_error=self._on_error,
+                                  duration=duration)
+        try:
+            self._on_snapshot(self.poller.poll_once())   # something to show at once
+        except Exception as err:
+            self._on_error(f"statistics request failed: {err}")
+        if poll_kernel:
+            self.poller.start()
+
+    def _on_snapshot(self, snap: Snapshot) -> None:
+        self._prev, self._last = self._last, snap
+        self.figures = figures(self._prev, snap)
+        self.error = ""
+        self.snapshot = snap.to_json()
+
+    def _on_error(self, message: str) -> None:
+        self.error = message
+
+    @traitlets.observe("browser_polling")
+    def _browser_polls(self, change: dict) -> None:
+        if change["new"]:
+            self.poller.paused.set()
+        else:
+            self.poller.paused.clear()
+
+    def figures_for(self, name: str) -> ModelFigures | None:
+        """The latest figures of model ``name`` (its newest version)."""
+        rows = [f for f in self.figures if f.name == name]
+        return max(rows, key=lambda f: int(f.version) if f.version.isdigit() else -1) if rows else None
+
+    def refresh(self) -> list[ModelFigures]:
+        """Take one reading now (also while the poller is paused) and return the figures."""
+        self._on_snapshot(self.poller.poll_once())
+        return self.figures
+
+    def stop(self) -> None:
+        """Stop the kernel-side poller (the browser views keep polling while shown)."""
+        self.poller.stop()
+
+    def close(self) -> None:
+        self.poller.stop()
+        super().close()
+
+    def _title(self) -> str:
+        return f"Triton dashboard: {self.model or 'all models'} @ {self.connection.url}"
+
+    def _repr_mimebundle_(self, **kwargs: Any):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None:
+            return None
+        data, metadata = bundle
+        stamp = time.strftime("%H:%M:%S", time.localtime(self._last.t)) if self._last else "no data"
+        data["text/plain"] = f"{self._title()} ({stamp})\n{text_table(self.figures)}"
+        data["text/html"] = html_table(self.figures, f"{self._title()} ({stamp})")
+        return data, metadata
