@@ -7,3 +7,49 @@ __version__ = "0.1.0"
 def _jupyter_server_extension_points() -> list[dict]:
     from .serverext import JupyterTriton
     return [{"module": "jupyter_triton", "app": JupyterTriton}]
+
+
+# The notebook API, imported on first use so that the server extension never loads it.
+
+def load_ipython_extension(ip) -> None:
+    """``%load_ext jupyter_triton``: registers ``%%serve`` and ``%triton``."""
+    from .kernel.magics import load_ipython_extension as load
+    load(ip)
+
+
+def serve(obj, name: str, *, max_batch_size: int | None = None,
+          preferred_batch_sizes: list[int] | None = None, max_queue_delay_us: int | None = None,
+          instances: int = 1, kind: str = "auto", gpus: list[int] | None = None,
+          priority_levels: int | None = None, warmup: int | None = None, example=None,
+          inputs=None, outputs=None, config: str = ""):
+    """Serve a model, module or function as ``name``; see ``jupyter_triton.kernel.api.serve``."""
+    from .kernel.api import serve as _serve
+    return _serve(obj, name, max_batch_size=max_batch_size,
+                  preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us,
+                  instances=instances, kind=kind, gpus=gpus, priority_levels=priority_levels,
+                  warmup=warmup, example=example, inputs=inputs, outputs=outputs, config=config)
+
+
+def models() -> list[dict]:
+    from .kernel.api import models as _models
+    return _models()
+
+
+def model(name: str):
+    from .kernel.api import model as _model
+    return _model(name)
+
+
+def unload(name: str) -> None:
+    from .kernel.api import unload as _unload
+    _unload(name)
+
+
+def dashboard(name: str | None = None, interval: float = 1.0):
+    from .kernel.api import dashboard as _dashboard
+    return _dashboard(name, interval)
+
+
+def connection():
+    from .kernel.api import connection as _connection
+    return _connection()

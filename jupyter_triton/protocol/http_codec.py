@@ -73,6 +73,9 @@ def check_request_parameters(params: Any) -> dict[str, Any]:
             ok, want = isinstance(value, bool), "a boolean"
         elif key in ("priority", "timeout"):
             ok, want = _is_uint(value), "an unsigned integer"
+        elif key == "triton_enable_empty_final_response":
+            # the one reserved key Triton accepts (perf_analyzer sends it over gRPC)
+            ok, want = isinstance(value, bool), "a boolean"
         elif key.startswith("triton_"):
             raise InvalidArgument(
                 "parameter keys starting with 'triton_' are reserved for Triton usage and "

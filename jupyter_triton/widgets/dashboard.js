@@ -70,7 +70,7 @@ function el(tag, attrs = {}, text) {
 }
 
 function bars(hist) {
-  const w = 220, h = 70, n = Math.max(hist.length, 1), bw = Math.max(6, Math.floor((w - 4) / n) - 4);
+  const w = 220, h = 70, n = Math.max(hist.length, 1), bw = Math.min(28, Math.max(6, Math.floor((w - 4) / n) - 4));
   const max = Math.max(1, ...hist.map(x => x[1]));
   const svg = el("svg", { class: "jt-hist", width: w, height: h + 16, viewBox: `0 0 ${w} ${h + 16}` });
   hist.forEach(([size, c], i) => {

@@ -19,7 +19,7 @@ import anywidget
 import traitlets
 
 from .figures import ModelFigures, Snapshot, figures, html_table, text_table
-from .poller import StatsPoller, stats_url
+from .poller import StatsPoller, describe_error, stats_url
 
 HERE = pathlib.Path(__file__).parent
 
@@ -56,14 +56,16 @@ class Dashboard(anywidget.AnyWidget):
         self._prev: Snapshot | None = None
         self._last: Snapshot | None = None
         self.figures: list[ModelFigures] = []
-        metrics_url = getattr(connection, "metrics_url", None) or f"{connection.url}metrics"
+        # Where the pending-request gauge can be read with the kernel's credentials ("" or
+        # absent: nowhere; the Jupyter server's own /metrics wants Jupyter's login).
+        metrics_url = getattr(connection, "metrics_url", None) or None
         self.poller = StatsPoller(stats_url(connection.url, model), connection.headers, self._on_snapshot,
                                   interval=interval, metrics_url=metrics_url, on_error=self._on_error,
                                   duration=duration)
         try:
             self._on_snapshot(self.poller.poll_once())   # something to show at once
         except Exception as err:
-            self._on_error(f"statistics request failed: {err}")
+            self._on_error(describe_error(err))
         if poll_kernel:
             self.poller.start()
 

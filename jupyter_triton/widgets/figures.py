@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Any
 
 COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")
 
@@ -145,6 +144,3 @@ def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
             + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>" + "".join(body)
             + "</tbody></table>")
 
-
-def snapshot_from_json(obj: dict[str, Any]) -> Snapshot:
-    return Snapshot(t=float(obj["t"]), model_stats=list(obj.get("model_stats", [])), pending=obj.get("pending"))

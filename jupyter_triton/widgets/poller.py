@@ -71,7 +71,7 @@ class StatsPoller:
                     self.on_snapshot(self.poll_once())
                 except Exception as err:  # reported in the widget, polling goes on
                     if self.on_error is not None:
-                        self.on_error(_describe(err))
+                        self.on_error(describe_error(err))
             if self._stop.wait(self.interval):
                 break
 
@@ -91,7 +91,7 @@ class StatsPoller:
         return self._thread is not None and self._thread.is_alive()
 
 
-def _describe(err: Exception) -> str:
+def describe_error(err: Exception) -> str:
     if isinstance(err, urllib.error.HTTPError):
         try:
             detail = json.loads(err.read()).get("error", "")

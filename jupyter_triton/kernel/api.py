@@ -1,0 +1,92 @@
+"""The notebook's Python API; the magics are thin wrappers over it.
+
+Every model reaches the server through one call, the repository API's load request
+(``POST v2/repository/models/{name}/load`` with the config and ``file:1/<file>`` contents),
+which the server stores as a new version directory and loads before it retires the old one.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from .artifacts import TensorSpec, build_artifact
+from .client import TritonHTTP
+from .discovery import IN_KERNEL, Connection
+from .discovery import connection as _discover
+from .handle import ServedModel
+from .knobs import Knobs, apply_knobs
+
+_announced: set[int] = set()
+
+
+def connection(refresh: bool = False) -> Connection:
+    """The server this kernel talks to (found once; see ``discovery``). The first time an
+    in-kernel server is started, says so."""
+    conn = _discover(refresh)
+    if conn.mode == IN_KERNEL and id(conn) not in _announced:
+        _announced.add(id(conn))
+        print(conn.describe())
+    return conn
+
+
+def _client() -> TritonHTTP:
+    return TritonHTTP(connection())
+
+
+def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
+          preferred_batch_sizes: list[int] | None = None, max_queue_delay_us: int | None = None,
+          instances: int = 1, kind: str = "auto", gpus: list[int] | None = None,
+          priority_levels: int | None = None, warmup: int | None = None, example: Any = None,
+          inputs: Sequence[TensorSpec] | None = None, outputs: Sequence[TensorSpec] | None = None,
+          config: str = "") -> ServedModel:
+    """Serve ``obj`` as model ``name``: a new version, loaded before the old one retires.
+
+    ``obj``: an ONNX model, a torch module, a TorchScript module, a TensorRT engine, a
+    callable or model.py source (see ``jupyter_triton.kernel.artifacts``). ``example``: a
+    batch of inputs (an array, a tuple of them or a dict by name); ``inputs``/``outputs``:
+    ``[("x", "FP32", [-1, 4])]``. The knobs are config.pbtxt fields; ``config`` is more
+    config.pbtxt text merged on top.
+    """
+    artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
+                              max_batch_size=max_batch_size)
+    model_config = apply_knobs(artifact, Knobs(
+        max_batch_size=max_batch_size, preferred_batch_sizes=list(preferred_batch_sizes or []),
+        max_queue_delay_us=max_queue_delay_us, priority_levels=priority_levels,
+        instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config))
+    artifact.config = model_config
+    conn = connection()
+    client = TritonHTTP(conn)
+    started = time.monotonic()
+    client.load(name, artifact.config_json(), artifact.files)
+    elapsed = time.monotonic() - started
+    versions = client.metadata(name)["versions"]
+    return ServedModel(name, max(int(v) for v in versions), conn, notes=artifact.notes,
+                       load_seconds=elapsed)
+
+
+def model(name: str) -> ServedModel:
+    """A handle on a model the server already serves."""
+    return ServedModel.from_server(name, connection())
+
+
+def load(name: str) -> ServedModel:
+    """(Re)load a model from the server's repository as it is on disk."""
+    client = _client()
+    started = time.monotonic()
+    client.load(name)
+    return ServedModel(name, max(int(v) for v in client.metadata(name)["versions"]), connection(),
+                       load_seconds=time.monotonic() - started)
+
+
+def models() -> list[dict]:
+    """The repository index: one row per model version (name, version, state, reason)."""
+    return _client().index()
+
+
+def unload(name: str) -> None:
+    _client().unload(name)
+
+
+def dashboard(name: str | None = None, interval: float = 1.0):
+    from ..widgets import Dashboard
+    return Dashboard(connection(), model=name, interval=interval)

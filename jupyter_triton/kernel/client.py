@@ -1,0 +1,147 @@
+"""A small blocking v2 client for the kernel side: urllib for transport (no gevent in the
+kernel's event loop), tritonclient's own helpers for the binary tensor encoding.
+
+Every call is the same request an official client sends: ``load`` is exactly what
+``tritonclient.http.InferenceServerClient.load_model(name, config=..., files=...)`` posts.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Mapping
+from urllib.parse import quote
+
+import numpy as np
+
+from ..protocol.errors import (Cancelled, Internal, InvalidArgument, NotFound, TritonError,
+                               Unavailable)
+from .discovery import Connection
+
+_BY_STATUS: dict[int, type[TritonError]] = {400: InvalidArgument, 404: NotFound, 499: Cancelled,
+                                            503: Unavailable}
+
+#: seconds for a model load: a python-backend model spawns worker processes that import torch
+LOAD_TIMEOUT = 600.0
+CALL_TIMEOUT = 60.0
+
+
+def _error(status: int, body: bytes, what: str) -> TritonError:
+    try:
+        message = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip() or f"HTTP {status}"
+    return _BY_STATUS.get(status, Internal)(f"{what}: {message}")
+
+
+class TritonHTTP:
+    """The v2 routes the notebook side needs, against one ``Connection``."""
+
+    def __init__(self, connection: Connection, timeout: float = CALL_TIMEOUT) -> None:
+        self.connection = connection
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: Mapping[str, str] | None = None, timeout: float | None = None,
+                what: str = "") -> tuple[int, dict[str, str], bytes]:
+        all_headers = {**self.connection.headers, **(headers or {})}
+        if body is not None and "Content-Type" not in all_headers:
+            all_headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.connection.url + path, data=body, method=method,
+                                     headers=all_headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as err:
+            raise _error(err.code, err.read(), what or f"{method} {path}") from None
+        except (urllib.error.URLError, OSError) as err:
+            raise Unavailable(f"{what or method + ' ' + path}: cannot reach the inference server "
+                              f"at {self.connection.url} ({getattr(err, 'reason', err)})") from None
+
+    def get_json(self, path: str, what: str = "") -> Any:
+        return json.loads(self.request("GET", path, what=what)[2] or b"null")
+
+    # ---- health and queries ------------------------------------------------------------
+    def ready(self, timeout: float = 3.0) -> bool:
+        try:
+            return self.request("GET", "v2/health/ready", timeout=timeout)[0] == 200
+        except TritonError:
+            return False
+
+    def index(self) -> list[dict]:
+        return json.loads(self.request("POST", "v2/repository/index", b"{}",
+                                       what="repository index")[2])
+
+    def metadata(self, model: str, version: str = "") -> dict:
+        return self.get_json(self._model_path(model, version), what=f"model '{model}'")
+
+    def config(self, model: str, version: str = "") -> dict:
+        return self.get_json(self._model_path(model, version) + "/config", what=f"model '{model}'")
+
+    def stats(self, model: str = "", version: str = "") -> dict:
+        path = self._model_path(model, version) + "/stats" if model else "v2/models/stats"
+        return self.get_json(path, what=f"statistics of '{model or 'all models'}'")
+
+    # ---- control -----------------------------------------------------------------------
+    def load(self, model: str, config: str | None = None,
+             files: Mapping[str, bytes] | None = None) -> None:
+        """POST v2/repository/models/{model}/load, files as ``{"<version>/<path>": bytes}``."""
+        params: dict[str, str] = {}
+        if config is not None:
+            params["config"] = config
+        for path, content in (files or {}).items():
+            key = path if path.startswith("file:") else f"file:{path}"
+            params[key] = base64.b64encode(bytes(content)).decode("ascii")
+        body = json.dumps({"parameters": params} if params else {}).encode()
+        self.request("POST", f"v2/repository/models/{quote(model, safe='')}/load", body,
+                     timeout=LOAD_TIMEOUT, what=f"failed to load '{model}'")
+
+    def unload(self, model: str) -> None:
+        self.request("POST", f"v2/repository/models/{quote(model, safe='')}/unload", b"{}",
+                     what=f"failed to unload '{model}'")
+
+    # ---- data --------------------------------------------------------------------------
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: str = "",
+              outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """One inference with binary tensors; returns every output as numpy."""
+        import tritonclient.http as httpclient   # its codec helpers; the transport stays urllib
+        infer_inputs = []
+        for name, value in inputs.items():
+            value = np.asarray(value)
+            if value.dtype.kind == "U":
+                value = np.char.encode(value, "utf-8").astype(np.object_)
+            datatype = _triton_dtype(value)
+            tensor = httpclient.InferInput(name, list(value.shape), datatype)
+            tensor.set_data_from_numpy(value, binary_data=True)
+            infer_inputs.append(tensor)
+        requested = [httpclient.InferRequestedOutput(n, binary_data=True) for n in outputs or []]
+        body, json_size = httpclient.InferenceServerClient.generate_request_body(
+            infer_inputs, outputs=requested or None)
+        headers = {"Content-Type": "application/octet-stream"}
+        if json_size is not None:
+            headers["Inference-Header-Content-Length"] = str(json_size)
+        _, resp_headers, data = self.request(
+            "POST", self._model_path(model, version) + "/infer", body, headers=headers,
+            what=f"inference on '{model}'")
+        lower = {k.lower(): v for k, v in resp_headers.items()}
+        header_length = lower.get("inference-header-content-length")
+        result = httpclient.InferResult.from_response_body(
+            data, header_length=int(header_length) if header_length is not None else None)
+        return {out["name"]: result.as_numpy(out["name"])
+                for out in result.get_response()["outputs"]}
+
+    @staticmethod
+    def _model_path(model: str, version: str = "") -> str:
+        path = f"v2/models/{quote(model, safe='')}"
+        return f"{path}/versions/{version}" if version else path
+
+
+def _triton_dtype(value: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+    if value.dtype.kind in ("U", "S", "O"):
+        return "BYTES"
+    datatype = np_to_triton_dtype(value.dtype)
+    if datatype is None:
+        raise InvalidArgument(f"arrays of dtype {value.dtype} cannot be sent to Triton")
+    return datatype

@@ -1,0 +1,186 @@
+"""Which inference server this kernel talks to.
+
+In order, the first one that answers ``GET v2/health/ready``:
+
+1. ``JUPYTER_TRITON_URL`` / ``JUPYTER_TRITON_TOKEN``, set by the server extension in the
+   Jupyter server's environment, which its kernels inherit;
+2. the runtime file ``jupyter_triton-<pid>.json`` of a running server (its own parent
+   first), for kernels started with a clean environment;
+3. JupyterHub's single-user server (``JUPYTERHUB_SERVICE_URL`` + ``JUPYTERHUB_API_TOKEN``);
+4. a server started inside this kernel (``standalone.start_in_thread``, 127.0.0.1, a free
+   port, a temporary repository): plain IPython, nbval, front ends without the extension.
+
+Models live in the server, not the kernel, so in modes 1-3 they survive a kernel restart.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
+SERVER_EXTENSION, RUNTIME_FILE, JUPYTERHUB, IN_KERNEL = (
+    "server-extension", "runtime-file", "jupyterhub", "in-kernel")
+READY_TIMEOUT = 3.0
+
+
+@dataclass
+class Connection:
+    url: str                      # server root, ending in "/": v2 routes are {url}v2/...
+    token: str = ""
+    mode: str = SERVER_EXTENSION
+    metrics_url: str = ""         # Prometheus text reachable with ``headers``; "" when none is
+    repository: str = ""          # the model repository on disk, when known
+    server: Any = field(default=None, repr=False, compare=False)   # the in-kernel server
+
+    def __post_init__(self) -> None:
+        if not self.url.endswith("/"):
+            self.url += "/"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"token {self.token}"} if self.token else {}
+
+    def model_url(self, name: str) -> str:
+        return f"{self.url}v2/models/{name}"
+
+    def describe(self) -> str:
+        if self.mode == IN_KERNEL:
+            return f"no Jupyter server extension found: serving from this kernel at {self.url}"
+        return f"serving from the Jupyter server at {self.url} ({self.mode})"
+
+
+def is_ready(url: str, token: str = "", timeout: float = READY_TIMEOUT) -> bool:
+    headers = {"Authorization": f"token {token}"} if token else {}
+    req = urllib.request.Request(url.rstrip("/") + "/v2/health/ready", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def from_environment(environ: dict[str, str] | None = None) -> Connection | None:
+    env = os.environ if environ is None else environ
+    url, token = env.get(ENV_URL), env.get(ENV_TOKEN, "")
+    if url and is_ready(url, token):
+        return Connection(url, token, SERVER_EXTENSION)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        import psutil
+        return psutil.pid_exists(pid)
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            return True
+        except OSError:
+            return False
+        return True
+
+
+def _ancestors() -> list[int]:
+    try:
+        import psutil
+        return [p.pid for p in psutil.Process().parents()]
+    except Exception:  # psutil missing or the process table unreadable: no preference
+        return [os.getppid()]
+
+
+def runtime_files(runtime_dir: str | Path | None = None) -> list[dict]:
+    """Live servers' runtime files, the kernel's own ancestors first, then the newest."""
+    if runtime_dir is None:
+        from jupyter_core.paths import jupyter_runtime_dir
+        runtime_dir = jupyter_runtime_dir()
+    found = []
+    for path in Path(runtime_dir).glob("jupyter_triton-*.json"):
+        try:
+            info = json.loads(path.read_text())
+            pid, mtime = int(info["pid"]), path.stat().st_mtime
+            if info.get("url") and _alive(pid):
+                found.append((info, mtime))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    ancestors = _ancestors()
+    rank = {pid: i for i, pid in enumerate(ancestors)}
+    found.sort(key=lambda item: (rank.get(int(item[0]["pid"]), len(ancestors)), -item[1]))
+    return [info for info, _ in found]
+
+
+def from_runtime_files(runtime_dir: str | Path | None = None) -> Connection | None:
+    for info in runtime_files(runtime_dir):
+        if is_ready(info["url"], info.get("token", "")):
+            return Connection(info["url"], info.get("token", ""), RUNTIME_FILE,
+                              repository=info.get("model_repository", ""))
+    return None
+
+
+def from_jupyterhub(environ: dict[str, str] | None = None) -> Connection | None:
+    env = os.environ if environ is None else environ
+    url, token = env.get("JUPYTERHUB_SERVICE_URL"), env.get("JUPYTERHUB_API_TOKEN", "")
+    if url and token:
+        prefix = env.get("JUPYTERHUB_SERVICE_PREFIX", "/")
+        root = url.rstrip("/") + "/"
+        if prefix.strip("/") and not root.rstrip("/").endswith(prefix.rstrip("/")):
+            root = root.rstrip("/") + "/" + prefix.strip("/") + "/"
+        if is_ready(root, token):
+            return Connection(root, token, JUPYTERHUB)
+    return None
+
+
+def start_in_kernel(repository: str | Path | None = None) -> Connection:
+    """Start the standalone server in a daemon thread of this process (explicit mode)."""
+    # The kernel side never talks to the engine: it only starts the standalone wiring and
+    # then speaks HTTP to it like any other client.
+    from .. import standalone
+    repo = Path(repository) if repository else Path(tempfile.mkdtemp(prefix="jupyter_triton-"))
+    server = standalone.start_in_thread(
+        standalone.EngineOptions(model_repository=repo, model_control_mode="explicit",
+                                 load_models=[]),
+        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
+    return Connection(server.url, "", IN_KERNEL, metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics",
+                      repository=str(repo), server=server)
+
+
+_LOCK = threading.Lock()
+_CONNECTION: Connection | None = None
+
+
+def discover(start_server: bool = True) -> Connection | None:
+    """The first server that answers, in the order of the module docstring."""
+    for find in (from_environment, from_runtime_files, from_jupyterhub):
+        found = find()
+        if found is not None:
+            return found
+    return start_in_kernel() if start_server else None
+
+
+def connection(refresh: bool = False) -> Connection:
+    """This kernel's server, found once per process (``refresh`` looks again, e.g. after the
+    Jupyter server restarted). An in-kernel server is kept while it answers."""
+    global _CONNECTION
+    with _LOCK:
+        current = _CONNECTION
+        if current is not None and refresh and current.mode != IN_KERNEL:
+            current = None
+        if current is not None and refresh and not is_ready(current.url, current.token):
+            current = None
+        if current is None:
+            current = _CONNECTION = discover()
+        return current
+
+
+def reset() -> None:
+    """Forget the cached connection (tests; a kernel that moved to another server)."""
+    global _CONNECTION
+    with _LOCK:
+        _CONNECTION = None

@@ -1,0 +1,238 @@
+"""What ``%%serve`` returns: a handle on a model served by the server, shown as its URL,
+version, state and the calls another service would make (curl, tritonclient)."""
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from ..protocol.errors import InvalidArgument, TritonError
+from .client import TritonHTTP
+from .discovery import IN_KERNEL, Connection
+
+#: shown instead of the real secret: other services bring their own Jupyter token or key
+TOKEN_PLACEHOLDER = "$JUPYTER_TOKEN"
+_INLINE_ELEMENTS = 16
+
+
+class ServedModel:
+    """A model on the server. ``infer`` goes to the model's URL (its newest ready version),
+    like any other client's call; ``version`` is the version this handle was made for."""
+
+    def __init__(self, name: str, version: int, connection: Connection, *,
+                 notes: list[str] | None = None, load_seconds: float | None = None) -> None:
+        self.name = name
+        self.version = int(version)
+        self.connection = connection
+        self.notes = list(notes or [])
+        self.load_seconds = load_seconds
+        self._client = TritonHTTP(connection)
+
+    @classmethod
+    def from_server(cls, name: str, connection: Connection) -> "ServedModel":
+        """A handle on the newest ready version of an already served model."""
+        meta = TritonHTTP(connection).metadata(name)
+        return cls(name, max(int(v) for v in meta["versions"]), connection)
+
+    # ---- what it is --------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.connection.model_url(self.name)
+
+    @property
+    def version_url(self) -> str:
+        return f"{self.url}/versions/{self.version}"
+
+    @property
+    def state(self) -> str:
+        """This version's state in the repository index (READY, LOADING, UNAVAILABLE)."""
+        try:
+            rows = self._client.index()
+        except TritonError as err:
+            return f"UNKNOWN ({err})"
+        for row in rows:
+            if row.get("name") == self.name and str(row.get("version")) == str(self.version):
+                return row.get("state", "UNKNOWN")
+        return "UNKNOWN"
+
+    def metadata(self) -> dict:
+        return self._client.metadata(self.name)
+
+    def config(self) -> dict:
+        return self._client.config(self.name)
+
+    def stats(self) -> dict:
+        """Triton's statistics JSON of this model (every served version)."""
+        return self._client.stats(self.name)
+
+    # ---- what it does ------------------------------------------------------------------
+    def infer(self, *arrays: Any, **named: Any) -> np.ndarray | dict[str, np.ndarray]:
+        """Run the model: inputs by position (the model's input order) or by name. Returns
+        the output array, or a dict of them when the model has several. A model that
+        batches also takes one row without its batch dimension, and answers in kind."""
+        meta = self.metadata()
+        specs = meta.get("inputs", [])
+        if len(arrays) > len(specs):
+            raise InvalidArgument(f"model '{self.name}' takes {len(specs)} input(s) "
+                                  f"({', '.join(s['name'] for s in specs)}), got {len(arrays)}")
+        values = {s["name"]: a for s, a in zip(specs, arrays)}
+        unknown = [k for k in named if k not in {s["name"] for s in specs}]
+        if unknown:
+            raise InvalidArgument(f"model '{self.name}' has no input(s) {', '.join(unknown)} "
+                                  f"(inputs: {', '.join(s['name'] for s in specs)})")
+        values.update(named)
+        missing = [s["name"] for s in specs if s["name"] not in values]
+        if missing:
+            raise InvalidArgument(f"model '{self.name}': missing input(s) {', '.join(missing)}")
+        max_batch = int(self._client.config(self.name).get("max_batch_size", 0))
+        added_batch = False
+        inputs = {}
+        for spec in specs:
+            value = _to_numpy(values[spec["name"]], spec["datatype"])
+            if max_batch and value.ndim == len(spec["shape"]) - 1:
+                value, added_batch = value[np.newaxis], True
+            inputs[spec["name"]] = value
+        rows = {v.shape[0] for v in inputs.values() if v.ndim}
+        if max_batch and len(rows) == 1 and rows.pop() > max_batch:
+            # more rows than one request may carry: send them in max_batch_size slices
+            total = next(iter(inputs.values())).shape[0]
+            parts = [self._client.infer(self.name, {k: v[i:i + max_batch] for k, v in inputs.items()})
+                     for i in range(0, total, max_batch)]
+            outputs = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        else:
+            outputs = self._client.infer(self.name, inputs)
+        if added_batch:
+            outputs = {k: v[0] for k, v in outputs.items()}
+        order = [o["name"] for o in meta.get("outputs", [])]
+        outputs = {k: outputs[k] for k in order if k in outputs} or outputs
+        return next(iter(outputs.values())) if len(outputs) == 1 else outputs
+
+    __call__ = infer
+
+    def dashboard(self, interval: float = 1.0):
+        from ..widgets import Dashboard
+        return Dashboard(self.connection, model=self.name, interval=interval)
+
+    def unload(self) -> None:
+        self._client.unload(self.name)
+
+    # ---- how it shows ------------------------------------------------------------------
+    def _summary(self) -> dict:
+        try:
+            meta = self.metadata()
+        except TritonError:
+            meta = {}
+        return {"state": self.state, "inputs": meta.get("inputs", []),
+                "outputs": meta.get("outputs", [])}
+
+    def snippets(self, summary: dict | None = None) -> tuple[str, str]:
+        """(curl command, tritonclient code) that call this model from elsewhere."""
+        summary = summary if summary is not None else self._summary()
+        return _curl(self, summary["inputs"]), _tritonclient(self, summary["inputs"], summary["outputs"])
+
+    def __repr__(self) -> str:
+        s = self._summary()
+        curl, client = self.snippets(s)
+        lines = [f"{self.name} version {self.version} {s['state']}"
+                 + (f" (served in {self.load_seconds:.1f} s)" if self.load_seconds is not None else ""),
+                 f"  URL      {self.url}"]
+        lines += [f"  input    {_tensor_text(t)}" for t in s["inputs"]]
+        lines += [f"  output   {_tensor_text(t)}" for t in s["outputs"]]
+        lines += [f"  note     {n}" for n in self.notes]
+        lines += ["curl:", _indent(curl), "tritonclient:", _indent(client)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        s = self._summary()
+        curl, client = self.snippets(s)
+        e = html.escape
+        color = {"READY": "#2e7d32", "LOADING": "#f9a825"}.get(s["state"], "#c62828")
+        rows = [("URL", f"<code>{e(self.url)}</code>"),
+                ("version", f"{self.version}"),
+                ("state", f"<b style='color:{color}'>{e(s['state'])}</b>"
+                          + (f" &middot; served in {self.load_seconds:.1f} s" if self.load_seconds else ""))]
+        rows += [("input", f"<code>{e(_tensor_text(t))}</code>") for t in s["inputs"]]
+        rows += [("output", f"<code>{e(_tensor_text(t))}</code>") for t in s["outputs"]]
+        rows += [("note", e(n)) for n in self.notes]
+        table = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th>"
+                        f"<td style='text-align:left'>{v}</td></tr>" for k, v in rows)
+        pre = "style='white-space:pre-wrap;font-size:90%;margin:0.3em 0'"
+        return (f"<div><b>{e(self.name)}</b><table>{table}</table>"
+                f"<details><summary>curl</summary><pre {pre}>{e(curl)}</pre></details>"
+                f"<details><summary>tritonclient</summary><pre {pre}>{e(client)}</pre></details></div>")
+
+
+def _to_numpy(value: Any, datatype: str) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if datatype == "BYTES":
+        return np.asarray(value, dtype=np.object_)
+    from tritonclient.utils import triton_to_np_dtype
+    return np.asarray(value, dtype=triton_to_np_dtype(datatype))
+
+
+def _tensor_text(t: dict) -> str:
+    return f"{t['name']} {t['datatype']} {list(t['shape'])}"
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _example_shape(shape: list[int]) -> list[int]:
+    return [1 if int(d) < 0 else int(d) for d in shape] or [1]
+
+
+def _curl(model: ServedModel, inputs: list[dict]) -> str:
+    auth = "" if model.connection.mode == IN_KERNEL or not model.connection.token else \
+        f'-H "Authorization: token {TOKEN_PLACEHOLDER}" '
+    tensors, generated = [], False
+    for t in inputs:
+        shape = _example_shape(t["shape"])
+        count = int(np.prod(shape))
+        zero = '""' if t["datatype"] == "BYTES" else ("false" if t["datatype"] == "BOOL" else "0")
+        if count <= _INLINE_ELEMENTS:
+            data = "[" + ",".join([zero] * count) + "]"
+        else:
+            data, generated = f"[{zero}]*{count}", True
+        tensors.append(f'{{"name":"{t["name"]}","shape":{json.dumps(shape)},'
+                       f'"datatype":"{t["datatype"]}","data":{data}}}')
+    body = '{"inputs":[' + ",".join(tensors) + ']}'
+    if generated:
+        body = body.replace("false", "False")
+        payload = f"\"$(python3 -c 'import json; print(json.dumps({body}))')\""
+    else:
+        payload = f"'{body}'"
+    return f"curl -s {auth}{model.url}/infer \\\n     -d {payload}"
+
+
+def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict]) -> str:
+    parts = urlsplit(model.url)
+    base = parts.path.split("/v2/models/")[0].rstrip("/")
+    target = f"{parts.netloc}{base}"
+    ssl = ", ssl=True" if parts.scheme == "https" else ""
+    lines = ["import numpy as np, os, tritonclient.http as httpclient",
+             f'client = httpclient.InferenceServerClient("{target}"{ssl})']
+    uses_token = model.connection.mode != IN_KERNEL and model.connection.token
+    if uses_token:
+        lines.append('headers = {"Authorization": "token " + os.environ["JUPYTER_TOKEN"]}')
+    from tritonclient.utils import triton_to_np_dtype
+    names = []
+    for i, t in enumerate(inputs):
+        shape = _example_shape(t["shape"])
+        var = f"in{i}"
+        names.append(var)
+        if t["datatype"] == "BYTES":
+            data = f"np.full({tuple(shape)}, b'', dtype=object)"
+        else:
+            data = f"np.zeros({tuple(shape)}, np.{np.dtype(triton_to_np_dtype(t['datatype'])).name})"
+        lines.append(f'{var} = httpclient.InferInput("{t["name"]}", {shape}, "{t["datatype"]}")')
+        lines.append(f"{var}.set_data_from_numpy({data})")
+    call = f'result = client.infer("{model.name}", [{", ".join(names)}]' + (
+        ", headers=headers)" if uses_token else ")")
+    lines.append(call)
+    lines += [f'print(result.as_numpy("{o["name"]}"))' for o in outputs]
+    return "\n".join(lines)

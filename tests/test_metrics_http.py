@@ -1,0 +1,178 @@
+"""The standalone server's metrics port, scraped like Prometheus does: after a known
+workload, Triton's counters, gauges and (opt-in) summaries say what happened, and agree with
+GET v2/models/stats."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from jupyter_triton.engine import EngineOptions
+from jupyter_triton.standalone import start_in_thread
+from python_models import request, sleepy_model
+
+pytestmark = pytest.mark.timeout(120)
+
+ROWS = (1, 2, 3)          # the batch sizes "counted" is called with, one request each
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("metrics") / "models"
+    sleepy_model(root, "counted", max_batch_size=8)
+    sleepy_model(root, "busy", sleep_s=0.8, max_batch_size=1,
+                 extra="dynamic_batching { default_queue_policy { max_queue_size: 1 } }")
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit",
+                                           load_models=["*"], summary_latencies=True),
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
+    yield server
+    asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
+    server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+def new_client(server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}", network_timeout=30)
+
+
+def metrics_text(server) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    body = resp.read().decode()
+    conn.close()
+    assert resp.status == 200
+    assert resp.getheader("Content-Type").startswith("text/plain")
+    return body
+
+
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    body = metrics_text(server)
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def value(samples: dict, name: str, model: str, **labels) -> float:
+    # prometheus_client's parser names a counter's samples <name>_total; Triton's text does not
+    # (test_counters_keep_triton_names checks the text itself)
+    labels = frozenset({"model": model, "version": "1", **labels}.items())
+    for key in ((name, labels), (name + "_total", labels)):
+        if key in samples:
+            return samples[key]
+    raise AssertionError(f"{name} {dict(labels)} not exported")
+
+
+@pytest.fixture(scope="module")
+def counted(server):
+    """Three successful requests of 1, 2 and 3 rows and one that the model fails."""
+    client = new_client(server)
+    try:
+        for i, rows in enumerate(ROWS, start=1):
+            client.infer("counted", request(i, rows=rows))
+        with pytest.raises(InferenceServerException):
+            client.infer("counted", request(-1))
+        stats = client.get_inference_statistics("counted")["model_stats"][0]
+    finally:
+        client.close()
+    return scrape(server), stats
+
+
+def test_counts_of_requests_inferences_and_executions(counted):
+    samples, _ = counted
+    assert value(samples, "nv_inference_request_success", "counted") == len(ROWS)
+    # one execution per request here (no dynamic batching), the failed one included
+    assert value(samples, "nv_inference_exec_count", "counted") == len(ROWS) + 1
+    assert value(samples, "nv_inference_count", "counted") == sum(ROWS) + 1
+
+
+def test_failures_carry_triton_reasons(counted):
+    samples, _ = counted
+    assert value(samples, "nv_inference_request_failure", "counted", reason="BACKEND") == 1
+    for reason in ("REJECTED", "CANCELED", "OTHER"):
+        assert value(samples, "nv_inference_request_failure", "counted", reason=reason) == 0
+
+
+def test_durations_are_counted_in_microseconds(counted):
+    samples, _ = counted
+    for name in ("nv_inference_request_duration_us", "nv_inference_compute_infer_duration_us",
+                 "nv_inference_queue_duration_us"):
+        assert value(samples, name, "counted") > 0, name
+    for name in ("nv_inference_compute_input_duration_us", "nv_inference_compute_output_duration_us"):
+        assert value(samples, name, "counted") >= 0
+
+
+def test_metrics_agree_with_the_statistics_extension(counted):
+    samples, stats = counted
+    inference = stats["inference_stats"]
+    assert value(samples, "nv_inference_request_success", "counted") == inference["success"]["count"]
+    assert value(samples, "nv_inference_count", "counted") == stats["inference_count"]
+    assert value(samples, "nv_inference_exec_count", "counted") == stats["execution_count"]
+    failures = sum(value(samples, "nv_inference_request_failure", "counted", reason=r)
+                   for r in ("REJECTED", "CANCELED", "BACKEND", "OTHER"))
+    assert failures == inference["fail"]["count"]
+    for name, key in (("nv_inference_request_duration_us", "success"),
+                      ("nv_inference_queue_duration_us", "queue"),
+                      ("nv_inference_compute_infer_duration_us", "compute_infer")):
+        assert value(samples, name, "counted") == inference[key]["ns"] // 1000, name
+    assert sorted(b["batch_size"] for b in stats["batch_stats"]) == [1, 2, 3]
+
+
+def test_summaries_when_summary_latencies_is_on(counted):
+    samples, stats = counted
+    success = stats["inference_stats"]["success"]
+    assert value(samples, "nv_inference_request_summary_us_count", "counted") == success["count"]
+    assert value(samples, "nv_inference_request_summary_us_sum", "counted") == pytest.approx(
+        success["ns"] / 1000)
+    median = value(samples, "nv_inference_request_summary_us", "counted", quantile="0.5")
+    p99 = value(samples, "nv_inference_request_summary_us", "counted", quantile="0.99")
+    assert 0 < median <= p99 <= success["ns"] / 1000
+    for kind in ("queue", "compute_infer"):
+        assert value(samples, f"nv_inference_{kind}_summary_us_count", "counted") > 0
+
+
+def test_pending_gauge_and_rejections_of_a_busy_model(server):
+    # "busy" runs one request for 0.8 s at a time and queues at most one more
+    def call(i: int, delay: float):
+        time.sleep(delay)
+        client = new_client(server)
+        try:
+            client.infer("busy", request(i))
+            return None
+        except InferenceServerException as err:
+            return err
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(call, 1, 0.0), pool.submit(call, 2, 0.15), pool.submit(call, 3, 0.3)]
+        time.sleep(0.5)
+        during = scrape(server)
+        results = [f.result(timeout=30) for f in futures]
+    after = scrape(server)
+    assert results[0] is None and results[1] is None
+    assert results[2] is not None and results[2].status() == "503"
+    # Triton's gauge counts requests awaiting execution: the queued one, not the running one
+    assert value(during, "nv_inference_pending_request_count", "busy") == 1
+    assert value(after, "nv_inference_pending_request_count", "busy") == 0
+    assert value(after, "nv_inference_request_failure", "busy", reason="REJECTED") == 1
+    assert value(after, "nv_inference_request_success", "busy") == 2
+
+
+def test_counters_keep_triton_names(server, counted):
+    lines = metrics_text(server).splitlines()
+    assert "# TYPE nv_inference_request_success counter" in lines
+    assert any(line.startswith('nv_inference_request_success{model="counted",version="1"} ')
+               for line in lines)
+    assert not any(line.startswith("nv_inference_request_success_total") for line in lines)
+
+
+def test_cpu_metrics_are_exported(server):
+    samples = scrape(server)
+    names = {name for name, _ in samples}
+    assert {"nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes"} <= names

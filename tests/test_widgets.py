@@ -1,0 +1,192 @@
+"""The dashboard widget, kernel side: its poller reads a real server's statistics, and the
+figures it shows (rates, per-request means, batch sizes) are the right deltas."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jupyter_triton.widgets import Dashboard, Snapshot, figures
+from jupyter_triton.widgets.figures import batch_histogram, parse_pending
+
+
+@dataclass
+class FakeConnection:
+    """What the widget needs of jupyter_triton.kernel.discovery.Connection."""
+    url: str
+    mode: str = "in-kernel"
+    token: str = ""
+    metrics_url: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"token {self.token}"} if self.token else {}
+
+
+def infer_linear(server_url: str, batch: int) -> None:
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [batch, 16], "datatype": "FP32",
+                                   "data": [0.5] * (16 * batch)}]}).encode()
+    req = urllib.request.Request(f"{server_url}/v2/models/linear/infer", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def wait_for(predicate, timeout: float = 10.0, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def stats_row(name="m", version="1", inferences=0, success=(0, 0), queue=(0, 0), compute=(0, 0, 0, 0),
+              fail=0, batches=()):
+    """A Triton statistics row; compute = (count, input ns, infer ns, output ns)."""
+    count, c_in, c_infer, c_out = compute
+    return {"name": name, "version": version, "inference_count": inferences, "execution_count": count,
+            "inference_stats": {"success": {"count": success[0], "ns": success[1]},
+                                "fail": {"count": fail, "ns": 0},
+                                "queue": {"count": queue[0], "ns": queue[1]},
+                                "compute_input": {"count": count, "ns": c_in},
+                                "compute_infer": {"count": count, "ns": c_infer},
+                                "compute_output": {"count": count, "ns": c_out}},
+            "batch_stats": [{"batch_size": b, "compute_infer": {"count": n, "ns": 0}} for b, n in batches]}
+
+
+def test_deltas_are_rates_and_means_over_the_interval():
+    before = Snapshot(t=100.0, model_stats=[stats_row(inferences=10, success=(4, 0), queue=(4, 4000),
+                                                     compute=(4, 400, 4000, 400), fail=1)])
+    after = Snapshot(t=102.0, model_stats=[stats_row(inferences=50, success=(14, 0), queue=(14, 34000),
+                                                    compute=(14, 1400, 54000, 1400), fail=3)],
+                     pending={"m/1": 5})
+    (f,) = figures(before, after)
+    assert f.inferences_per_s == pytest.approx(20.0)        # 40 inferences in 2 s
+    assert f.requests_per_s == pytest.approx(5.0)           # 10 requests in 2 s
+    assert f.queue_us == pytest.approx(3.0)                 # 30000 ns over 10 requests
+    assert f.compute_us == pytest.approx(5.2)               # (1000 + 50000 + 1000) ns over 10
+    assert f.failures == 3 and f.pending == 5
+
+
+def test_no_rates_without_an_earlier_reading_or_after_a_reload():
+    cur = Snapshot(t=5.0, model_stats=[stats_row(inferences=10, success=(2, 0), queue=(2, 10))])
+    (first,) = figures(None, cur)
+    assert first.inferences_per_s == 0 and first.queue_us is None and first.pending is None
+    reloaded = Snapshot(t=6.0, model_stats=[stats_row(inferences=1, success=(1, 0), queue=(1, 10))])
+    (after_reload,) = figures(cur, reloaded)
+    assert after_reload.inferences_per_s == 0 and after_reload.queue_us is None
+    # a new version is a new row: no delta against the old version's counters
+    v2 = Snapshot(t=7.0, model_stats=[stats_row(version="2", inferences=50, success=(5, 0))])
+    (new_version,) = figures(cur, v2)
+    assert new_version.version == "2" and new_version.inferences_per_s == 0
+
+
+def test_histogram_counts_executions_per_batch_size():
+    row = stats_row(batches=[(8, 3), (1, 5), (4, 0)])
+    assert batch_histogram(row) == {1: 5, 8: 3}            # sorted, empty sizes left out
+
+
+def test_pending_from_prometheus_text():
+    text = ('# HELP nv_inference_pending_request_count x\n# TYPE nv_inference_pending_request_count gauge\n'
+            'nv_inference_pending_request_count{model="a",version="1"} 3\n'
+            'nv_inference_pending_request_count{model="b",version="2"} 0\n'
+            '# TYPE nv_inference_count counter\nnv_inference_count{model="a",version="1"} 9\n')
+    assert parse_pending(text) == {"a/1": 3, "b/2": 0}
+
+
+def test_kernel_poller_sees_statistics_change_after_requests(standalone):
+    conn = FakeConnection(url=standalone.url + "/",
+                          metrics_url=f"http://127.0.0.1:{standalone.metrics_port}/metrics")
+    dash = Dashboard(conn, interval=0.1)
+    try:
+        assert dash.server_path == ""          # in-kernel server: the browser cannot fetch it
+        assert {f.name for f in dash.figures} == {"linear", "simple", "identity_int32"}
+        assert dash.figures_for("linear").inference_count == 0
+        ticks_before = dash.snapshot["t"]
+        for _ in range(3):
+            infer_linear(standalone.url, 3)
+        infer_linear(standalone.url, 2)
+        f = wait_for(lambda: (f := dash.figures_for("linear")) and f.inference_count == 11 and f)
+        assert dash.snapshot["t"] > ticks_before                  # the trait pushed to the front end moves
+        assert f.batch_sizes == {2: 1, 3: 3}
+        assert f.failures == 0 and f.pending == 0
+        assert dash.poller.running
+        # the reading that saw the requests arrive shows a rate; later idle readings fall back to 0
+        rates = []
+        dash.observe(lambda ch: rates.append(dash.figures_for("linear").inferences_per_s), "snapshot")
+        infer_linear(standalone.url, 4)
+        wait_for(lambda: any(r > 0 for r in rates))
+        assert dash.figures_for("linear").batch_sizes == {2: 1, 3: 3, 4: 1}
+    finally:
+        dash.close()
+    assert not dash.poller.running
+
+
+def test_single_model_dashboard_and_static_repr(standalone):
+    dash = Dashboard(FakeConnection(url=standalone.url + "/"), model="linear", poll_kernel=False)
+    infer_linear(standalone.url, 5)
+    rows = dash.refresh()
+    assert [f.name for f in rows] == ["linear"] and rows[0].batch_sizes == {5: 1}
+    data, _ = dash._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert "linear" in data["text/plain"] and "5:1" in data["text/plain"]
+    assert "<table" in data["text/html"] and "5×1" in data["text/html"]
+    dash.close()
+
+
+def test_browser_polling_pauses_the_kernel_poller(standalone):
+    dash = Dashboard(FakeConnection(url=standalone.url + "/", mode="server-extension"), interval=0.1)
+    try:
+        assert dash.server_path == "/"         # same server as the page: the browser may fetch
+        dash.browser_polling = True            # what a browser view reports
+        time.sleep(0.3)
+        t_paused = dash.snapshot["t"]
+        infer_linear(standalone.url, 1)
+        time.sleep(0.4)
+        assert dash.snapshot["t"] == t_paused
+        dash.browser_polling = False
+        wait_for(lambda: dash.snapshot["t"] > t_paused)
+    finally:
+        dash.close()
+
+
+def test_unreachable_server_and_unknown_model_are_reported_not_raised(standalone):
+    dash = Dashboard(FakeConnection(url=standalone.url + "/"), model="nope", poll_kernel=False)
+    assert "404" in dash.error and "nope" in dash.error
+    dash.close()
+    dash = Dashboard(FakeConnection(url="http://127.0.0.1:9/"), poll_kernel=False)
+    assert "unreachable" in dash.error
+    dash.close()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed (needed to run dashboard.js here)")
+def test_browser_figures_match_the_kernel_figures(tmp_path):
+    """dashboard.js computes the same figures from the same two snapshots as figures.py."""
+    import jupyter_triton.widgets as widgets
+    before = Snapshot(t=10.0, model_stats=[stats_row(inferences=4, success=(2, 0), queue=(2, 100),
+                                                    compute=(2, 10, 200, 10), batches=[(2, 2)])])
+    after = Snapshot(t=10.5, model_stats=[stats_row(inferences=20, success=(6, 0), queue=(6, 4100),
+                                                   compute=(6, 30, 1000, 50), fail=2, batches=[(2, 2), (4, 4)])],
+                     pending={"m/1": 3})
+    script = tmp_path / "run.mjs"
+    script.write_text(
+        f"import {{ figures }} from {json.dumps((Path(widgets.__file__).parent / 'dashboard.js').as_uri())};\n"
+        f"console.log(JSON.stringify(figures({json.dumps(before.to_json())}, {json.dumps(after.to_json())})));\n")
+    done = subprocess.run(["node", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    (js,) = json.loads(done.stdout)
+    (py,) = figures(before, after)
+    assert js["infPerS"] == pytest.approx(py.inferences_per_s) == pytest.approx(32.0)
+    assert js["reqPerS"] == pytest.approx(py.requests_per_s) == pytest.approx(8.0)
+    assert js["queueUs"] == pytest.approx(py.queue_us) == pytest.approx(1.0)
+    assert js["computeUs"] == pytest.approx(py.compute_us)
+    assert js["failures"] == py.failures == 2 and js["pending"] == py.pending == 3
+    assert {b: n for b, n in js["batches"]} == py.batch_sizes == {2: 2, 4: 4}
