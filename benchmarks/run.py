@@ -113,6 +113,7 @@ class ClientView:
     p99_us: float
     mean_us: float
     driver: str
+    stable: bool = True        # perf_analyzer found 3 windows within 30 % of each other
 
 
 def find_perf_analyzer() -> str | None:
@@ -127,12 +128,12 @@ def find_perf_analyzer() -> str | None:
 def drive_perf_analyzer(pa: str, url: str, model: str, concurrency: int, workdir: Path,
                         interval_ms: int) -> ClientView:
     report = workdir / f"{model}_c{concurrency}.csv"
-    # A 2-core machine that also runs the server is noisy: accept 3 windows within 30 %
-    # of each other, and if even that fails, within 60 %.
-    for stability in ("30", "60"):
+    # A 2-core machine that also runs the server is noisy: ask for 3 windows within 30 % of
+    # each other; failing that, take the average of 3 windows as they come (recorded).
+    for stability in ("30", "1000"):
         cmd = [pa, "-m", model, "-u", url.removeprefix("http://"), "-i", "http", "-b", "1",
                "--concurrency-range", str(concurrency), "--measurement-interval", str(interval_ms),
-               "--stability-percentage", stability, "--max-trials", "8", "-f", str(report)]
+               "--stability-percentage", stability, "--max-trials", "6", "-f", str(report)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         if proc.returncode == 0 and report.exists():
             break
@@ -144,7 +145,7 @@ def drive_perf_analyzer(pa: str, url: str, model: str, concurrency: int, workdir
              "Server Compute Infer", "Server Compute Output", "Client Recv")
     return ClientView(throughput=float(row["Inferences/Second"]), p50_us=float(row["p50 latency"]),
                       p99_us=float(row["p99 latency"]), mean_us=sum(float(row[p]) for p in parts),
-                      driver="perf_analyzer")
+                      driver="perf_analyzer", stable=stability == "30")
 
 
 def drive_tritonclient(url: str, model: str, features: int, concurrency: int,
@@ -233,8 +234,9 @@ def server_view(before: dict, after: dict) -> ServerView:
 
 def time_raw(onnx_bytes: bytes, features: int, batch_sizes: list[int],
              budget_s: float = 0.25) -> dict[int, float]:
-    """Median seconds per onnxruntime call at each batch size, with the server's default
-    session options (one CPU instance: onnxruntime's own thread count)."""
+    """Best-of-N seconds per onnxruntime call at each batch size, with the server's default
+    session options (one CPU instance: onnxruntime's own thread count). Best, not median:
+    this is the limit, and a shared machine only ever makes a call slower."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -252,7 +254,7 @@ def time_raw(onnx_bytes: bytes, features: int, batch_sizes: list[int],
             t0 = time.perf_counter()
             session.run(None, {"INPUT0": x})
             times.append(time.perf_counter() - t0)
-        result[b] = statistics.median(times)
+        result[b] = min(times)
     return result
 
 
@@ -288,7 +290,7 @@ class Results:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--interval-ms", type=int, default=1500,
+    parser.add_argument("--interval-ms", type=int, default=1000,
                         help="perf_analyzer measurement window (or the loop's seconds x 1000)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--client", choices=("auto", "perf_analyzer", "tritonclient"), default="auto")
@@ -399,10 +401,13 @@ def markdown(results: Results, elapsed: float) -> str:
         s = r.server
         lines.append(
             f"| {r.model} | {'on' if r.batching else 'off'} | {r.concurrency} | "
-            f"{r.client.throughput:.0f} | {r.client.p50_us / 1e3:.2f} | {r.client.p99_us / 1e3:.2f} | "
+            f"{r.client.throughput:.0f}{'' if r.client.stable else '*'} | {r.client.p50_us / 1e3:.2f} | {r.client.p99_us / 1e3:.2f} | "
             f"{s.request_us:.0f} | {s.queue_us:.0f} | {s.compute_us:.0f} | {s.outside_model_us:.0f} | "
             f"{s.mean_batch:.1f} | {r.raw_rows_per_s:.0f} | {r.served_over_raw:.2f} |")
-    lines += ["", "Model alone (onnxruntime, same session options), ms per call:", ""]
+    if not all(r.client.stable for r in results.runs):
+        lines += ["", "\\* perf_analyzer found no 3 windows within 30 % of each other: the mean of 3 "
+                  "windows as they came (a busy machine)."]
+    lines += ["", "Model alone (onnxruntime, same session options, best of many calls), ms per call:", ""]
     for model, raw in results.raw_seconds.items():
         shown = {b: raw[b] for b in sorted(raw) if b in (1, 2, 4, 8, 16, 32, 64) or b == max(raw)}
         lines.append(f"- {model}: " + ", ".join(f"b={b}: {t * 1e3:.3f}" for b, t in shown.items()))

@@ -2,7 +2,8 @@
 Chromium driven by Playwright. The notebooks' kernels inherit JUPYTER_TRITON_URL, so they
 serve through the Jupyter server; the dashboard must keep moving while a cell runs.
 
-Screenshots: benchmarks/results/browser/.
+Screenshots go to $JUPYTER_TRITON_SCREENSHOTS when set (the committed ones in
+benchmarks/results/browser/ were made with it pointing there), else to a scratch folder.
 """
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-SHOTS = REPO / "benchmarks" / "results" / "browser"
+import os
+import tempfile
+
+SHOTS = Path(os.environ.get("JUPYTER_TRITON_SCREENSHOTS") or tempfile.mkdtemp(prefix="jt-shots-"))
+SHOTS.mkdir(parents=True, exist_ok=True)
 sys.path.insert(0, str(HERE / "browser"))
 
 from lab import (CHROMIUM, JS_CELL_STATES, cell_states, launch_browser, open_notebook, run_all,  # noqa: E402

@@ -304,3 +304,37 @@ async def test_discovery_skips_stale_settings_and_finds_the_runtime_file(jp_trit
     assert found.url == os.environ["JUPYTER_TRITON_URL"] and found.token == os.environ["JUPYTER_TRITON_TOKEN"]
     assert found.headers == {"Authorization": f"token {found.token}"}
     assert found.model_url("m") == found.url + "v2/models/m"
+
+
+# ---- the magic's arguments (in-process IPython, the server call replaced) -------------------
+
+def test_serve_magic_maps_knobs_and_takes_the_cells_value(monkeypatch):
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    from jupyter_triton.kernel import api
+    calls = []
+    monkeypatch.setattr(api, "serve", lambda obj, name, **kw: calls.append((obj, name, kw)) or "handle")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "jupyter_triton")
+    result = ip.run_cell_magic(
+        "serve", "m --max-batch-size 64 --preferred-batch-size 8,16 --preferred-batch-size 32 "
+                 "--max-queue-delay-us 500 --priority-levels 2 --instances 2 --kind cpu --warmup 3 "
+                 "--example ex --config 'parameters { key: \"k\" value { string_value: \"a b\" } }'",
+        "import numpy as np\nex = np.ones((2, 3))\ndef f(x):\n    return x\nf")
+    assert result == "handle"
+    obj, name, kw = calls[-1]
+    assert name == "m" and obj is ip.user_ns["f"]
+    assert kw["example"] is ip.user_ns["ex"]
+    assert (kw["max_batch_size"], kw["preferred_batch_sizes"], kw["max_queue_delay_us"]) == (64, [8, 16, 32], 500)
+    assert (kw["priority_levels"], kw["instances"], kw["kind"], kw["warmup"]) == (2, 2, "cpu", 3)
+    assert kw["config"] == 'parameters { key: "k" value { string_value: "a b" } }'
+
+    ip.run_cell_magic("serve", "m2", "g = lambda x: x")          # a last assignment is the value
+    assert calls[-1][0] is ip.user_ns["g"]
+    ip.run_cell_magic("serve", "m3 --var g", "unused = 1")
+    assert calls[-1][0] is ip.user_ns["g"]
+    with pytest.raises(UsageError, match="no value to serve"):
+        ip.run_cell_magic("serve", "m4", "print('hi')")
+    with pytest.raises(UsageError, match="no variable 'missing'"):
+        ip.run_cell_magic("serve", "m5 --example missing", "g")

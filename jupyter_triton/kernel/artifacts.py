@@ -198,17 +198,18 @@ def _decide_batch(model: str, batchable: bool, max_batch_size: int | None, why: 
 # ---- examples ------------------------------------------------------------------------------
 
 def _parameter_names(fn: Callable) -> list[str] | None:
-    """Positional parameter names, or None when the callable takes *args."""
+    """The names inputs take after the callable's parameters (those without a default,
+    else the first one); None when it takes ``*args`` or has no readable signature."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return None
-    return [p.name for p in params
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            and p.default is inspect.Parameter.empty] or \
-           [p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD][:1] or None
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is inspect.Parameter.empty]
+    return required or [p.name for p in positional[:1]] or None
 
 
 def _is_tensorish(value: Any) -> bool:

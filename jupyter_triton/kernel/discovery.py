@@ -14,8 +14,10 @@ Models live in the server, not the kernel, so in modes 1-3 they survive a kernel
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import threading
 import urllib.error
@@ -142,7 +144,11 @@ def start_in_kernel(repository: str | Path | None = None) -> Connection:
     # The kernel side never talks to the engine: it only starts the standalone wiring and
     # then speaks HTTP to it like any other client.
     from .. import standalone
-    repo = Path(repository) if repository else Path(tempfile.mkdtemp(prefix="jupyter_triton-"))
+    if repository:
+        repo = Path(repository)
+    else:
+        repo = Path(tempfile.mkdtemp(prefix="jupyter_triton-"))
+        atexit.register(shutil.rmtree, repo, ignore_errors=True)   # it dies with the kernel
     server = standalone.start_in_thread(
         standalone.EngineOptions(model_repository=repo, model_control_mode="explicit",
                                  load_models=[]),

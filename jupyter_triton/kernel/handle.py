@@ -227,6 +227,8 @@ def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict]) -
         names.append(var)
         if t["datatype"] == "BYTES":
             data = f"np.full({tuple(shape)}, b'', dtype=object)"
+        elif t["datatype"] == "BF16":     # numpy has no bfloat16; the client sends float32 as BF16
+            data = f"np.zeros({tuple(shape)}, np.float32)"
         else:
             data = f"np.zeros({tuple(shape)}, np.{np.dtype(triton_to_np_dtype(t['datatype'])).name})"
         lines.append(f'{var} = httpclient.InferInput("{t["name"]}", {shape}, "{t["datatype"]}")')
