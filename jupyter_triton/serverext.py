@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import stat
+import sys
 from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
@@ -124,6 +125,10 @@ class JupyterTriton(ExtensionApp):
     grpc_port = Int(-1, help="also serve Triton's gRPC protocol on this port (-1: off, 0: any free port)"
                     ).tag(config=True)
     grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds").tag(config=True)
+    gil_switch_interval = Float(
+        0.0005, allow_none=True,
+        help="sys.setswitchinterval for the server process (None: leave Python's 5 ms). Instance "
+             "threads get the GIL back sooner after a runtime call, which cuts latency").tag(config=True)
 
     @default("model_repository")
     def _default_repository(self) -> str:
@@ -155,6 +160,8 @@ class JupyterTriton(ExtensionApp):
         self.handlers.extend(route_table(TritonJupyterHandler, "/", guard=_guard))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
+        if self.gil_switch_interval is not None:
+            sys.setswitchinterval(self.gil_switch_interval)
         await self.engine.start()
         self._collector = None
         try:
@@ -191,6 +198,8 @@ class JupyterTriton(ExtensionApp):
         if getattr(self, "_collector", None) is not None:
             from prometheus_client import REGISTRY
             REGISTRY.unregister(self._collector)
+        for name in (ENV_URL, ENV_TOKEN):
+            os.environ.pop(name, None)
         runtime_file = getattr(self, "runtime_file", None)
         if runtime_file is not None:
             runtime_file.unlink(missing_ok=True)

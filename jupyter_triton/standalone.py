@@ -63,13 +63,16 @@ def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[
 
 
 async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_port: int = 8000,
-                           metrics_port: int | None = 8002, grpc_port: int | None = 8001) -> StandaloneServer:
-    """Start the engine and its listeners on the running loop; port 0 picks a free port."""
+                           metrics_port: int | None = 8002, grpc_port: int | None = 8001,
+                           access_log: bool = True) -> StandaloneServer:
+    """Start the engine and its listeners on the running loop; port 0 picks a free port.
+    ``access_log=False`` keeps request lines out of a notebook's cell output (in-kernel use)."""
     engine = Engine(options)
     await engine.start()
     state = FrontendState(engine=engine, max_input_size=options.max_input_size,
                           allow_anonymous_inference=True)
-    app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state})
+    quiet = {} if access_log else {"log_function": lambda handler: None}
+    app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
     http, bound_http = _listen(app, host, http_port, options.max_input_size)
     result = StandaloneServer(engine, host, bound_http, _servers=[http])
     if metrics_port is not None:
@@ -87,7 +90,7 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
 
 def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: int = 0,
                     metrics_port: int | None = 0, grpc_port: int | None = None,
-                    timeout: float = 60.0) -> StandaloneServer:
+                    timeout: float = 60.0, access_log: bool = True) -> StandaloneServer:
     """Run a standalone server on its own loop in a daemon thread (the kernel fallback)."""
     ready: dict = {}
     started = threading.Event()
@@ -97,7 +100,7 @@ def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: 
         asyncio.set_event_loop(loop)
         try:
             ready["server"] = loop.run_until_complete(
-                start_standalone(options, host, http_port, metrics_port, grpc_port))
+                start_standalone(options, host, http_port, metrics_port, grpc_port, access_log))
             ready["loop"] = loop
         except BaseException as err:  # handed to the caller
             ready["error"] = err

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass

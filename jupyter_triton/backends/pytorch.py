@@ -321,7 +321,9 @@ class PyTorchBackend(TensorBackend):
             raise Unsupported(f"input '{name}' of model '{self.config.name}': BYTES tensors are "
                               f"not supported by the PyTorch backend")
         try:
-            tensor = torch.from_numpy(np.ascontiguousarray(value))   # zero-copy on CPU
+            # Zero-copy where the array may be written; request bytes are read-only views,
+            # which torch refuses to wrap without a warning, so those are copied once.
+            tensor = torch.from_numpy(np.require(value, requirements=["C", "W"]))
         except TypeError as err:
             raise Unsupported(f"input '{name}' of model '{self.config.name}': {err}") from None
         if data_type == mc.TYPE_BF16:

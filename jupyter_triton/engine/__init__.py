@@ -280,7 +280,8 @@ class Engine:
             for v in entry.serving:
                 entry.status[v] = VersionStatus(READY)
             for v, mv in retired.items():
-                entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
+                if v not in entry.serving:          # a version reloaded in place stays READY
+                    entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
                 task = asyncio.ensure_future(mv.unload())
                 self._unloading.add(task)
                 task.add_done_callback(self._unloading.discard)

@@ -179,6 +179,9 @@ class DynamicBatcher(Scheduler):
 
     async def _acquire(self) -> Instance:
         """A free instance; while all are busy, queued requests still time out."""
+        idle = self.pool.try_acquire()
+        if idle is not None:
+            return idle
         get = asyncio.ensure_future(self.pool.acquire())
         try:
             while True:

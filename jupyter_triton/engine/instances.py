@@ -62,6 +62,13 @@ class InstancePool:
     async def acquire(self) -> Instance:
         return await self._idle.get()
 
+    def try_acquire(self) -> Instance | None:
+        """A free instance now, or None (the batcher's fast path: no task, no wait)."""
+        try:
+            return self._idle.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
     def release(self, instance: Instance) -> None:
         self._idle.put_nowait(instance)
 
@@ -86,6 +93,9 @@ class InstancePool:
         start_ns = time.monotonic_ns()
         for p in live:
             self.stats.record_queue(start_ns - p.enqueue_ns)
+            # Triton's pending count ends when a backend is about to execute the request.
+            p.started = True
+            self.stats.pending -= 1
         loop = asyncio.get_running_loop()
         try:
             results, timing = await loop.run_in_executor(

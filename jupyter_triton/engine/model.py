@@ -75,7 +75,8 @@ class ModelVersion:
 
     @property
     def pending_count(self) -> int:
-        return self._inflight
+        """Triton's pending requests: queued, not yet handed to an instance."""
+        return self.stats.pending
 
     @property
     def ready(self) -> bool:
@@ -140,7 +141,7 @@ class ModelVersion:
         future = asyncio.get_running_loop().create_future()
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
         self._inflight += 1
-        self.stats.pending = self._inflight
+        self.stats.pending += 1
         self._idle.clear()
         try:
             await self.scheduler.submit(pending)
@@ -157,7 +158,8 @@ class ModelVersion:
             raise
         finally:
             self._inflight -= 1
-            self.stats.pending = self._inflight
+            if not pending.started:
+                self.stats.pending -= 1
             if not self._inflight:
                 self._idle.set()
         self.stats.record_success(time.monotonic_ns() - start)

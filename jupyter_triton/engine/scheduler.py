@@ -26,9 +26,16 @@ class Pending:
     timeout_ns: int = 0                   # 0: no timeout
     enqueue_ns: int = field(default_factory=time.monotonic_ns)
 
+    started: bool = False                 # set when an instance starts executing it
+    _shape_key: tuple | None = field(default=None, repr=False)
+
     def shape_key(self) -> tuple:
-        """Requests batch together only when every input agrees beyond the batch dim."""
-        return tuple((name, arr.dtype.str, arr.shape[1:]) for name, arr in sorted(self.inputs.items()))
+        """Requests batch together only when every input agrees beyond the batch dim
+        (computed once: the batcher asks on every pass over its queue)."""
+        if self._shape_key is None:
+            self._shape_key = tuple((name, arr.dtype.str, arr.shape[1:])
+                                    for name, arr in sorted(self.inputs.items()))
+        return self._shape_key
 
 
 class Scheduler:

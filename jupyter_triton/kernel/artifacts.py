@@ -40,6 +40,8 @@ TensorSpec = tuple[str, str, list[int]]
 
 #: max_batch_size of a batchable model when none is asked for (Triton's default-max-batch-size)
 DEFAULT_MAX_BATCH_SIZE = 4
+#: rows of the probe batch a callable is run on when only its input specs are known
+_PROBE_ROWS = 2
 
 _SERVABLE = ("an ONNX model (onnx.ModelProto, its bytes or a .onnx path), a torch.nn.Module, a "
              "TorchScript module, a torch.export program, a TensorRT engine, a Python callable, or "
@@ -261,7 +263,7 @@ def _batchable(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> tuple[boo
     return True, ""
 
 
-def _probe_values(specs: list[TensorSpec], batch_rows: int = 2) -> list[np.ndarray]:
+def _probe_values(specs: list[TensorSpec], batch_rows: int = _PROBE_ROWS) -> list[np.ndarray]:
     """Arrays of ones (not zeros: a probe should not divide by zero) in the declared shapes,
     ``batch_rows`` rows where the first dimension is -1."""
     from tritonclient.utils import triton_to_np_dtype
@@ -557,7 +559,7 @@ def _torchscript(script, name: str, example, inputs, outputs, max_batch_size) ->
             out_specs = [(n, d, [-1, *s[1:]]) for n, d, s in out_specs]
         max_batch_size = mbs
     elif outputs is None and in_specs and all(s[2] and s[2][0] == -1 for s in in_specs):
-        out_specs = [(n, d, [-1, *s[1:]]) if s and s[0] == 2 else (n, d, s) for n, d, s in out_specs]
+        out_specs = [(n, d, [-1, *s[1:]]) if s and s[0] == _PROBE_ROWS else (n, d, s) for n, d, s in out_specs]
     return _script_artifact(script, name, in_specs, out_specs, max_batch_size, [])
 
 
@@ -599,7 +601,7 @@ def _callable(fn: Callable, name: str, example, inputs, outputs, max_batch_size,
     else:
         declared_batch = bool(in_specs) and all(s[2] and s[2][0] == -1 for s in in_specs)
         if outputs is None and declared_batch:
-            rows_ok = all(s[2] and s[2][0] == 2 for s in out_specs)
+            rows_ok = all(s[2] and s[2][0] == _PROBE_ROWS for s in out_specs)
             out_specs = [(n, d, [-1, *s[1:]]) if rows_ok else (n, d, s) for n, d, s in out_specs]
             batchable, why = rows_ok, ("its outputs do not keep the batch rows of the input "
                                        "(2 rows in, not 2 rows out)")

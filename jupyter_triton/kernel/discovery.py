@@ -152,7 +152,7 @@ def start_in_kernel(repository: str | Path | None = None) -> Connection:
     server = standalone.start_in_thread(
         standalone.EngineOptions(model_repository=repo, model_control_mode="explicit",
                                  load_models=[]),
-        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
+        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None, access_log=False)
     return Connection(server.url, "", IN_KERNEL, metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics",
                       repository=str(repo), server=server)
 
