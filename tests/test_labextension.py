@@ -1,0 +1,137 @@
+"""The JupyterLab extension (labextension/): installed with the Python package as a prebuilt
+extension, and its "Triton" sidebar showing the served models in a real browser.
+
+Screenshots go to $JUPYTER_TRITON_SCREENSHOTS when set, else to a scratch folder.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from jupyter_triton.demo import write_demo_repository
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "browser"))
+
+from lab import CHROMIUM, launch_browser, start_lab  # noqa: E402
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+PANEL_TAB = '.jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id="jupyter-triton-panel"]'
+PANEL = "#jupyter-triton-panel"
+IGNORED_CONSOLE = [re.compile(p) for p in (r"favicon", r"ERR_NETWORK_CHANGED")]
+
+# Each model card of the panel, as the user reads it.
+JS_PANEL = """() => {
+  const p = document.querySelector('#jupyter-triton-panel');
+  if (!p) return null;
+  const text = (li, cls) => { const e = li.querySelector('.jp-TritonPanel-' + cls); return e ? e.textContent : null; };
+  const models = {};
+  for (const li of p.querySelectorAll('.jp-TritonPanel-model[data-model]'))
+    models[li.dataset.model] = {state: li.dataset.state, version: li.dataset.version,
+      inferences: text(li, 'inferences'), executions: text(li, 'executions'),
+      queue: text(li, 'queue'), compute: text(li, 'compute'), reason: text(li, 'reason'),
+      url: text(li, 'url')};
+  return {ticks: parseInt(p.dataset.ticks || '0', 10), models,
+          status: p.querySelector('.jp-TritonPanel-status').textContent};
+}"""
+
+
+def _isolated_jupyter_env(root: Path) -> dict[str, str]:
+    # user-level config could disable the extension; the sys-prefix install is what is tested
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JUPYTERLAB_"))}
+    env.update(JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTER_DATA_DIR=str(root / "data"),
+               JUPYTER_PLATFORM_DIRS="1")
+    return env
+
+
+def test_labextension_is_installed_enabled_and_ok(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"],
+                            env=_isolated_jupyter_env(tmp_path), capture_output=True, text=True, timeout=120)
+    out = ANSI.sub("", result.stdout + result.stderr)
+    assert result.returncode == 0, out
+    line = next((ln for ln in out.splitlines() if ln.strip().startswith("jupyter-triton ")), None)
+    assert line is not None, f"jupyter-triton is not among the installed extensions:\n{out}"
+    assert re.search(r"jupyter-triton v\S+ enabled\s+OK \(python, jupyter_triton\)", line), line
+    shared = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "jupyter-triton"
+    build = json.loads((shared / "package.json").read_text())["jupyterlab"]["_build"]
+    assert (shared / build["load"]).is_file(), build
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                    reason=f"no {CHROMIUM} (apt-get install chromium fonts-dejavu-core)")
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
+                    reason="the python package playwright is not installed (pip install playwright; "
+                           "the browser is Debian's chromium, no `playwright install`)")
+def test_triton_sidebar_lists_the_models_and_counts_inferences(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(os.environ.get("JUPYTER_TRITON_SCREENSHOTS") or tempfile.mkdtemp(prefix="jt-shots-"))
+    shots.mkdir(parents=True, exist_ok=True)
+    repository = write_demo_repository(tmp_path / "models")
+    (repository / "broken" / "1").mkdir(parents=True)
+    (repository / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx model")
+    (repository / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "onnxruntime"\n')
+    (tmp_path / "root").mkdir()
+    lab = start_lab(tmp_path / "state", tmp_path / "root", repository)
+    errors: list[str] = []
+    try:
+        with sync_playwright() as p:
+            ctx = launch_browser(p, tmp_path / "chromium")
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.set_default_timeout(60_000)
+                page.on("console", lambda m: m.type == "error"
+                        and not any(r.search(m.text) for r in IGNORED_CONSOLE)
+                        and errors.append(f"console.error: {m.text[:300]}"))
+                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+                workspace = f"t{int(time.time() * 1000)}"        # fresh workspace: no restored layout
+                page.goto(f"{lab.url}lab/workspaces/{workspace}?reset&token={urllib.parse.quote(lab.token)}",
+                          wait_until="domcontentloaded")
+                page.locator(PANEL_TAB).click()
+                page.locator(f'{PANEL} .jp-TritonPanel-model[data-model="demo"][data-state="READY"]'
+                             ).wait_for(state="visible", timeout=30_000)
+                first = page.evaluate(JS_PANEL)
+                demo = first["models"]["demo"]
+                assert demo["version"] == "1" and demo["inferences"] is not None, first
+                assert demo["url"] == f"{lab.url}v2/models/demo", demo
+                assert first["models"]["broken"]["state"] == "UNAVAILABLE", first
+                assert first["models"]["broken"]["reason"], first
+
+                body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [3, 16], "datatype": "FP32",
+                                               "data": [0.5] * 48}]}).encode()
+                for _ in range(3):
+                    req = urllib.request.Request(f"{lab.url}v2/models/demo/infer", data=body, method="POST",
+                                                 headers={"Authorization": f"token {lab.token}"})
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        assert resp.status == 200
+                before = int(demo["inferences"])
+                page.wait_for_function(
+                    f"() => {{ const e = document.querySelector('{PANEL} [data-model=\"demo\"] "
+                    f".jp-TritonPanel-inferences'); return e && parseInt(e.textContent, 10) >= {before + 9}; }}",
+                    timeout=15_000)     # 3 requests of batch 3: Triton counts 9 inferences
+                after = page.evaluate(JS_PANEL)
+                demo = after["models"]["demo"]
+                assert int(demo["executions"]) >= 3, demo
+                assert demo["compute"].endswith(" ms") and float(demo["compute"].split()[0]) > 0, demo
+                assert demo["queue"].endswith(" ms"), demo
+                assert after["ticks"] > first["ticks"], (first, after)
+                assert "updated" in after["status"], after["status"]
+                page.locator(PANEL).screenshot(path=str(shots / "labextension-triton-sidebar.png"))
+                page.screenshot(path=str(shots / "labextension-lab.png"))
+            finally:
+                ctx.close()
+    finally:
+        lab.stop()
+    assert errors == [], errors
