@@ -178,6 +178,10 @@ class JupyterTriton(ExtensionApp):
             self._grpc, self.bound_grpc_port = await start_grpc_server(
                 self.engine, self.grpc_address, self.grpc_port)
         self._advertise(serverapp)
+        ready = [m.name for m in self.engine.models() if m.ready]
+        self.log.info("jupyter_triton: %d model(s) ready (%s) from %s at %sv2/", len(ready),
+                      ", ".join(sorted(set(ready))) or "none", self.engine.options.model_repository,
+                      os.environ[ENV_URL])
 
     def _advertise(self, serverapp) -> None:
         """Tell kernels (which inherit this environment) and other processes where we are."""
