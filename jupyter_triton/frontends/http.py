@@ -53,13 +53,6 @@ class V2Handler:
     def engine(self):
         return self.state.engine
 
-    def check_xsrf_cookie(self) -> None:
-        # Triton clients authenticate with a header, never a cookie; Jupyter's own check still
-        # applies to cookie-authenticated browser requests through JupyterHandler.
-        if self.request.headers.get("Authorization"):
-            return
-        return super().check_xsrf_cookie()
-
     def send_json(self, obj: Any, status: int = 200) -> None:
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
