@@ -11,6 +11,8 @@ request; nothing is merged here.
 """
 from __future__ import annotations
 
+import sys
+
 import ast
 import collections
 import json
@@ -200,7 +202,7 @@ class PythonBackend(Backend):
         except WorkerDied as err:
             worker.close()
             raise Internal(f"python worker for {self._who} died ({describe_exit(err.exitcode)}) "
-                           "during initialize") from None
+                           f"during initialize{_script_hint()}") from None
         self._worker = worker
 
     def execute(self, requests: list[Tensors],
@@ -323,3 +325,13 @@ class PythonBackend(Backend):
 
 
 __all__ = ["PythonBackend", "execution_mode", "triton_config_json"]
+
+
+def _script_hint() -> str:
+    """Workers are spawned, and spawning re-runs a script's top level: the usual cause when
+    a server started from a plain script loses its workers at start."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) and getattr(main, "__spec__", None) is None:
+        return ("; if the server was started from a script, put that code under "
+                "`if __name__ == \"__main__\":` (Python-code models run in spawned worker processes)")
+    return ""
