@@ -4,6 +4,7 @@ a model on it."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -18,10 +19,15 @@ from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
 from ..repository import Repository
+from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
 from .rate_limiter import RateLimiter
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 
 log = logging.getLogger(__name__)
+
+# models this task is loading, outermost first: an ensemble loads its composing models, and
+# one that (indirectly) contains itself must fail instead of waiting on its own lock
+_LOADING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading", default=())
 
 CONTROL_MODES = ("none", "explicit", "poll")
 
@@ -218,7 +224,13 @@ class Engine:
                               if self.options.model_control_mode == "poll" else
                               "explicit model load / unload is not allowed with model control mode 'none'")
         self.repository.model_dir(name)          # NotFound / InvalidArgument for bad names
+        entry = self._entries.get(name)
+        dependents = [m for mv in (entry.serving.values() if entry else ()) if is_ensemble(mv.config)
+                      for m in composing_models(mv.config)]
         await self._unload(name)
+        if unload_dependents:                    # Triton: an ensemble's composing models go too
+            for dependent in dict.fromkeys(dependents):
+                await self._unload(dependent)
 
     async def _unload(self, name: str) -> None:
         entry = self._entries.get(name)
@@ -245,6 +257,8 @@ class Engine:
                 entry.reason = str(err)
                 raise
             entry.reason = ""
+            if backend == ENSEMBLE_BACKEND:
+                await self._load_composing(name, config)
             stamp = _stamp(config, model_dir, versions)
             keep = {v: mv for v, mv in entry.serving.items()
                     if v in versions and stamp.get(v) == getattr(mv, "stamp", None)}
@@ -253,7 +267,9 @@ class Engine:
             for v in versions:
                 if v in keep:
                     continue
-                mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter)
+                mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
+                                  (lambda m, ver: self._version(m, ver).config, self.infer)
+                                  if backend == ENSEMBLE_BACKEND else None)
                 mv.stamp = stamp[v]
                 entry.status[v] = VersionStatus("LOADING")
                 try:
@@ -286,9 +302,30 @@ class Engine:
                 self._unloading.add(task)
                 task.add_done_callback(self._unloading.discard)
 
+    async def _load_composing(self, name: str, config: mc.ModelConfig) -> None:
+        """Triton loads an ensemble's composing models that are not loaded yet; one that fails
+        fails the ensemble when it checks its steps."""
+        chain = _LOADING.get() + (name,)
+        for model in composing_models(config):
+            if model in chain or self.model_ready(model) or model not in self.repository.model_names():
+                continue
+            token = _LOADING.set(chain)
+            try:
+                await self._load(model)
+            except TritonError as err:
+                log.error("failed to load model '%s' (composing model of ensemble '%s'): %s",
+                          model, name, err)
+            finally:
+                _LOADING.reset(token)
+
     def _prepare(self, name: str, model_dir: Path) -> tuple[mc.ModelConfig, str, list[int]]:
         """Read, auto-complete and validate the config; choose versions. Blocking (disk, runtimes)."""
         config = self.repository.read_config(name)
+        if is_ensemble(config):                  # nothing to auto-complete: no runtime behind it
+            versions = self.repository.select_versions(name, config)
+            config = fill_defaults(config)
+            validate_config(config)
+            return config, ENSEMBLE_BACKEND, versions
         backend = backend_name(config, model_dir)
         versions = self.repository.select_versions(name, config)
         if not versions:

@@ -15,6 +15,7 @@ from ..backends.devices import resolve_kind
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
+from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .instances import Instance, InstancePool
 from .rate_limiter import RateLimiter, instance_resources
 from .response import build_response
@@ -57,8 +58,10 @@ def instance_specs(config: mc.ModelConfig) -> list[tuple[InstanceSpec, mc.ModelI
 
 class ModelVersion:
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
-                 rate_limiter: RateLimiter | None = None) -> None:
+                 rate_limiter: RateLimiter | None = None,
+                 ensemble: tuple[LookupConfig, InferFn] | None = None) -> None:
         self.config = config
+        self.ensemble = ensemble      # an ensemble's ways to see and run its composing models
         self.name = config.name
         self.version = version
         self.backend_name = backend
@@ -85,6 +88,11 @@ class ModelVersion:
     async def load(self) -> None:
         """Create and load every instance off the loop, warm them up, then start scheduling."""
         start = time.monotonic()
+        if self.backend_name == ENSEMBLE_BACKEND:     # no instances: steps run on composing models
+            lookup, infer = self.ensemble
+            self.scheduler = EnsembleScheduler(self.config, plan(self.config, lookup), infer)
+            self.status = VersionStatus(READY)
+            return
         cls = backend_class(self.backend_name)
         files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
                            self.config.default_model_filename or cls.default_filename)
