@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MAX_BATCH_SIZE, MODELS, BenchModel, build_repository  # noqa: E402
+from models import MAX_BATCH_SIZE, MODELS, build_repository  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = (1, 8, 32)

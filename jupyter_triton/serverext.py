@@ -21,12 +21,11 @@ from jupyter_server.auth import User
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
-from jupyter_server.utils import url_path_join
 from tornado import web
 from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
 from .engine import CONTROL_MODES, Engine, EngineOptions
-from .frontends.http import ADMIN, INFER, SETTINGS_KEY, FrontendState, route_table
+from .frontends.http import INFER, SETTINGS_KEY, FrontendState, route_table
 
 AUTH_RESOURCE = "jupyter_triton"
 ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
@@ -209,6 +208,3 @@ class JupyterTriton(ExtensionApp):
             runtime_file.unlink(missing_ok=True)
         await self.engine.stop()
 
-
-def url_for(serverapp, path: str) -> str:
-    return url_path_join(serverapp.connection_url, path)

@@ -2,9 +2,6 @@
 torch.export, Triton-style python model.py (in worker processes), notebook callables."""
 from __future__ import annotations
 
-import json
-import os
-import threading
 from pathlib import Path
 
 import numpy as np

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import LINEAR_CONFIG, W
+from conftest import W
 from onnx_models import linear
 
 
