@@ -56,7 +56,9 @@ class StandaloneServer:
 
 
 def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[httpserver.HTTPServer, int]:
-    server = httpserver.HTTPServer(app, max_body_size=max_body, decompress_request=False)
+    # A client that stops sending mid-body must not hold a connection (and its buffer) forever.
+    server = httpserver.HTTPServer(app, max_body_size=max_body, decompress_request=False,
+                                   body_timeout=60.0, idle_connection_timeout=300.0)
     sockets = __import__("tornado.netutil", fromlist=["bind_sockets"]).bind_sockets(port, address=host)
     server.add_sockets(sockets)
     return server, sockets[0].getsockname()[1]
