@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from tornado import httpserver, web
+from tornado import httpserver, netutil, web
 
 from .engine import Engine, EngineOptions
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
@@ -59,7 +59,7 @@ def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[
     # A client that stops sending mid-body must not hold a connection (and its buffer) forever.
     server = httpserver.HTTPServer(app, max_body_size=max_body, decompress_request=False,
                                    body_timeout=60.0, idle_connection_timeout=300.0)
-    sockets = __import__("tornado.netutil", fromlist=["bind_sockets"]).bind_sockets(port, address=host)
+    sockets = netutil.bind_sockets(port, address=host)
     server.add_sockets(sockets)
     return server, sockets[0].getsockname()[1]
 
