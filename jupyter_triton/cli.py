@@ -46,7 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-config", action="append", default=[],
                        help="e.g. summary_latencies=true")
     serve.add_argument("--log-verbose", type=int, default=0)
+    export = sub.add_parser(
+        "export", help="copy a repository into the form NVIDIA Triton and KServe serve as is")
+    export.add_argument("--model-repository", required=True)
+    export.add_argument("--output", required=True, help="a new folder (never overwritten)")
+    export.add_argument("--model", action="append", default=[], help="only these models")
+    export.add_argument("--all-versions", action="store_true",
+                        help="every version on disk, not only those the version policy serves")
+    export.add_argument("--kserve-name", default="",
+                        help="also write <output>-kserve.yaml, an InferenceService of that name")
+    export.add_argument("--storage-uri", default="",
+                        help="where KServe will find the repository (e.g. s3://bucket/models)")
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .protocol.errors import TritonError
+    from .repository.export import export_repository
+    try:
+        report = export_repository(args.model_repository, args.output, args.model or None,
+                                   args.all_versions, args.kserve_name, args.storage_uri)
+    except TritonError as err:
+        print(f"jupyter-triton export: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
 
 
 def options_from(args: argparse.Namespace) -> EngineOptions:
@@ -80,6 +104,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.log_verbose:
