@@ -224,3 +224,12 @@ def test_load_rejects_bad_payloads(standalone, model_repo: Path):
         assert got == 400, data
         assert "error" in json.loads(data)
     assert sorted(p.name for p in model_repo.iterdir()) == before
+
+
+def test_refused_requests_are_counted_as_failures(standalone, client):
+    before = client.get_inference_statistics("linear")["model_stats"][0]["inference_stats"]["fail"]["count"]
+    bad = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 8], "datatype": "FP32",
+                                  "data": [0.5] * 8}]}).encode()
+    assert raw(standalone, "POST", "/v2/models/linear/infer", bad)[0] == 400
+    after = client.get_inference_statistics("linear")["model_stats"][0]["inference_stats"]["fail"]["count"]
+    assert after == before + 1

@@ -118,7 +118,11 @@ class ModelVersion:
                 await loop.run_in_executor(None, inst.close)
             raise errors[0]
         self.pool = InstancePool(instances, self.stats, self.rate_limiter)
-        await self._warmup(instances)
+        try:
+            await self._warmup(instances)
+        except BaseException:
+            await loop.run_in_executor(None, self.pool.close)   # no worker outlives a failed load
+            raise
         self.scheduler = (DynamicBatcher(self.config, self.pool, self.stats)
                           if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool))
         self.load_seconds = time.monotonic() - start
@@ -144,8 +148,12 @@ class ModelVersion:
         if self.status.state != READY or self.scheduler is None:
             raise Unavailable(f"Request for unknown model: '{self.name}' version {self.version} is not at ready state")
         start = time.monotonic_ns()
-        inputs, rows = check_request(self.config, request)
-        priority, timeout_ns = _schedule_params(request)
+        try:
+            inputs, rows = check_request(self.config, request)
+            priority, timeout_ns = _schedule_params(request)
+        except TritonError as err:          # Triton counts refused requests too (reason OTHER)
+            self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
+            raise
         future = asyncio.get_running_loop().create_future()
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
         self._inflight += 1
