@@ -180,7 +180,11 @@ class RepositoryUnload(V2Handler):
 
     async def post(self, model: str) -> None:
         params = self.json_body().get("parameters", {}) or {}
-        dependents = bool(params.get("unload_dependents", False)) if isinstance(params, dict) else False
+        if not isinstance(params, dict):
+            raise InvalidArgument("'parameters' must be a JSON object")
+        dependents = params.get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
         await self.engine.unload_model(model, unload_dependents=dependents)
         self.set_status(200)
         self.finish()
