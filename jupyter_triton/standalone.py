@@ -54,6 +54,11 @@ class StandaloneServer:
             await self._grpc.stop(grace=1.0)
         await self.engine.stop()
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop a server that ``start_in_thread`` runs, from any other thread, and end its loop."""
+        asyncio.run_coroutine_threadsafe(self.stop(), self.loop).result(timeout=timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
 
 def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[httpserver.HTTPServer, int]:
     # A client that stops sending mid-body must not hold a connection (and its buffer) forever.

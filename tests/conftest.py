@@ -49,9 +49,17 @@ def standalone(model_repo: Path):
                                            load_models=["*"]),
                              host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0)
     yield server
-    future = asyncio.run_coroutine_threadsafe(server.stop(), server.loop)
-    future.result(timeout=30)
-    server.loop.call_soon_threadsafe(server.loop.stop)
+    server.close()
+
+
+def serve(repo: Path, **options):
+    """A standalone server on 127.0.0.1 (HTTP only, a free port) and a tritonclient for it;
+    stop it with ``server.close()``."""
+    import tritonclient.http as httpclient
+    from jupyter_triton.standalone import start_in_thread
+    server = start_in_thread(EngineOptions(model_repository=repo, **options), host="127.0.0.1",
+                             http_port=0, metrics_port=None, grpc_port=None)
+    return server, httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ with margins of hundreds of milliseconds so that a slow machine does not make th
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +67,7 @@ def server(repo):
                                            load_models=[m for m in MODELS if m != "warm"]),
                              host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
     yield server
-    asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
-    server.loop.call_soon_threadsafe(server.loop.stop)
+    server.close()
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 batcher's queue (never executed) and counted as CANCELED; the server keeps serving."""
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import time
@@ -24,8 +23,7 @@ def server(tmp_path):
                         host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
     s.root = root
     yield s
-    asyncio.run_coroutine_threadsafe(s.stop(), s.loop).result(timeout=30)
-    s.loop.call_soon_threadsafe(s.loop.stop)
+    s.close()
 
 
 def body(ident: float) -> bytes:

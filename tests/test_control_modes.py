@@ -1,31 +1,18 @@
 """Model control modes none / explicit / poll, as tritonserver's --model-control-mode."""
 from __future__ import annotations
 
-import asyncio
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import LINEAR_CONFIG, W
-from jupyter_triton.engine import EngineOptions
-from jupyter_triton.standalone import start_in_thread
+from conftest import LINEAR_CONFIG, W, serve
 from onnx_models import linear
 
 
-def serve(repo: Path, **options):
-    server = start_in_thread(EngineOptions(model_repository=repo, **options), host="127.0.0.1",
-                             http_port=0, metrics_port=None, grpc_port=None)
-    return server, httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-
-
-def stop(server) -> None:
-    asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
-    server.loop.call_soon_threadsafe(server.loop.stop)
 
 
 def wait_for(predicate, seconds: float = 20.0) -> bool:
@@ -45,7 +32,7 @@ def test_none_mode_loads_everything_and_refuses_load(model_repo):
             client.unload_model("linear")
         assert client.is_model_ready("linear")
     finally:
-        stop(server)
+        server.close()
 
 
 def test_explicit_mode_loads_only_named_models(model_repo):
@@ -57,7 +44,7 @@ def test_explicit_mode_loads_only_named_models(model_repo):
         client.load_model("linear")
         assert client.is_model_ready("linear")
     finally:
-        stop(server)
+        server.close()
 
 
 def test_poll_mode_follows_the_repository(model_repo):
@@ -79,7 +66,7 @@ def test_poll_mode_follows_the_repository(model_repo):
         with pytest.raises(InferenceServerException, match="not allowed"):
             client.load_model("linear")
     finally:
-        stop(server)
+        server.close()
 
 
 def test_version_policy_all(model_repo):
@@ -96,7 +83,7 @@ def test_version_policy_all(model_repo):
             out = client.infer("linear", [inp], model_version=version).as_numpy("OUTPUT0")
             np.testing.assert_allclose(out, x @ weights, rtol=1e-5)
     finally:
-        stop(server)
+        server.close()
 
 
 def test_body_over_the_cap_is_refused_and_server_keeps_serving(model_repo):
@@ -117,4 +104,4 @@ def test_body_over_the_cap_is_refused_and_server_keeps_serving(model_repo):
         inp.set_data_from_numpy(np.ones((1, 16), np.float32))
         assert client.infer("linear", [inp]).as_numpy("OUTPUT0").shape == (1, 4)
     finally:
-        stop(server)
+        server.close()

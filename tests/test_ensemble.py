@@ -1,7 +1,6 @@
 """Triton's ensemble models: a repository with ensembles loads and serves unchanged."""
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 from pathlib import Path
@@ -13,11 +12,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from google.protobuf import text_format
 from tritonclient.utils import InferenceServerException
 
-from conftest import build_repository
-from jupyter_triton.engine import EngineOptions
+from conftest import build_repository, serve
 from jupyter_triton.engine.ensemble import plan
 from jupyter_triton.protocol.errors import InvalidArgument, Unavailable
-from jupyter_triton.standalone import start_in_thread
 from onnx_models import linear
 
 W4 = (np.arange(16, dtype=np.float32).reshape(4, 4) - 8.0) / 8.0
@@ -89,22 +86,13 @@ def build(root: Path) -> Path:
     return root
 
 
-def serve(repo: Path, **options):
-    server = start_in_thread(EngineOptions(model_repository=repo, **options), host="127.0.0.1",
-                             http_port=0, metrics_port=None, grpc_port=None)
-    return server, httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-
-
-def stop(server) -> None:
-    asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
-    server.loop.call_soon_threadsafe(server.loop.stop)
 
 
 @pytest.fixture(scope="module")
 def ens(tmp_path_factory):
     server, client = serve(build(tmp_path_factory.mktemp("ens") / "models"), model_control_mode="none")
     yield server, client
-    stop(server)
+    server.close()
 
 
 def _inputs(**arrays: np.ndarray) -> list[httpclient.InferInput]:
@@ -217,7 +205,7 @@ def test_explicit_load_brings_composing_models_and_unload_dependents(tmp_path):
         client.unload_model("pipeline", unload_dependents=True)
         assert not client.is_model_ready("simple") and not client.is_model_ready("lin4")
     finally:
-        stop(server)
+        server.close()
 
 
 # ---- load-time checks of the step graph (no server needed) -------------------------------

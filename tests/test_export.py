@@ -2,7 +2,6 @@
 serve as is (scale-out), and served again from the copy with the same answers."""
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -80,8 +79,7 @@ def test_exported_repository_serves_the_same_answers(worked_repo: Path, tmp_path
             y.set_data_from_numpy(np.zeros((1, 3), np.float32))
             answers.append(client.infer("plus_one", [y]).as_numpy("y"))
         finally:
-            asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
-            server.loop.call_soon_threadsafe(server.loop.stop)
+            server.close()
     np.testing.assert_allclose(answers[0], x @ (2 * W), rtol=1e-5)
     np.testing.assert_array_equal(answers[0], answers[2])
     np.testing.assert_array_equal(answers[1], answers[3])

@@ -3,7 +3,6 @@ workload, Triton's counters, gauges and (opt-in) summaries say what happened, an
 GET v2/models/stats."""
 from __future__ import annotations
 
-import asyncio
 import http.client
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +32,7 @@ def server(tmp_path_factory):
                                            load_models=["*"], summary_latencies=True),
                              host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
     yield server
-    asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
-    server.loop.call_soon_threadsafe(server.loop.stop)
+    server.close()
 
 
 def new_client(server) -> httpclient.InferenceServerClient:

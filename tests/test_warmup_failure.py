@@ -1,7 +1,6 @@
 """A model whose warmup fails does not load, and leaves no worker process behind."""
 from __future__ import annotations
 
-import asyncio
 import time
 
 import psutil
@@ -62,5 +61,4 @@ def test_failed_warmup_fails_the_load_and_frees_the_worker(tmp_path):
             time.sleep(0.1)
         assert python_workers() <= baseline, [" ".join(p.cmdline())[:200] for p in psutil.Process().children(recursive=True)]
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(), server.loop).result(timeout=30)
-        server.loop.call_soon_threadsafe(server.loop.stop)
+        server.close()
