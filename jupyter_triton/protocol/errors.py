@@ -49,3 +49,21 @@ class Cancelled(TritonError):
     # nginx's "client closed request": nobody reads it, but logs and stats can tell it apart.
     status = 499
     grpc_code = "CANCELLED"
+
+
+class Unauthenticated(TritonError):
+    """No credential, or one nobody issued."""
+    status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(TritonError):
+    """A valid credential whose scope does not reach the API asked for."""
+    status = 403
+    grpc_code = "PERMISSION_DENIED"
+
+
+class DeadlineExceeded(TritonError):
+    """A model (or a client's body) took longer than its bound."""
+    status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
