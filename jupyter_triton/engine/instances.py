@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..backends.base import Backend
 from ..protocol.errors import Internal, TritonError
@@ -30,7 +32,7 @@ class Instance:
         self.backend = backend
         self.name = backend.instance.name
         # One thread per instance: runtimes release the GIL, so instances truly overlap.
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"triton-{self.name}")
+        self.thread = InstanceThread(f"triton-{self.name}")
         # rate_limiter resources this instance holds while executing (rate_limiter.instance_resources)
         self.resources: dict[str, int] = {}
         self.rate_priority = 0
@@ -40,6 +42,74 @@ class Instance:
             self.backend.unload()
         finally:
             self.thread.shutdown(wait=False)
+
+
+class InstanceThread(Executor):
+    """A one-thread executor whose thread is a daemon: a model stuck in execute (a thread
+    cannot be killed) must not keep the server process alive at exit, which the standard
+    ThreadPoolExecutor would, since it joins its threads at interpreter exit."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        if self._closed:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._jobs.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as err:
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+
+def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """``fn()`` on a fresh daemon thread; the returned future may be abandoned (unloading
+    a hung model stops waiting for it)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as err:
+            result, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass        # the loop has closed: nobody waits any more
+
+    threading.Thread(target=run, name="triton-unload", daemon=True).start()
+    return future
 
 
 class InstancePool:

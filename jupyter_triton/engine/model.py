@@ -16,7 +16,7 @@ from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
-from .instances import Instance, InstancePool
+from .instances import Instance, InstancePool, run_in_daemon_thread
 from .rate_limiter import RateLimiter, instance_resources
 from .response import build_response
 from .scheduler import DirectScheduler, Pending, Scheduler
@@ -59,8 +59,10 @@ def instance_specs(config: mc.ModelConfig) -> list[tuple[InstanceSpec, mc.ModelI
 class ModelVersion:
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,
-                 ensemble: tuple[LookupConfig, InferFn] | None = None) -> None:
+                 ensemble: tuple[LookupConfig, InferFn] | None = None, *,
+                 max_output_size: int = 0) -> None:
         self.config = config
+        self.max_output_size = max_output_size
         self.ensemble = ensemble      # an ensemble's ways to see and run its composing models
         self.name = config.name
         self.version = version
@@ -73,6 +75,7 @@ class ModelVersion:
         self.scheduler: Scheduler | None = None
         self.load_seconds = 0.0
         self._inflight = 0
+        self._futures: set[asyncio.Future] = set()     # unload fails what a hung model holds
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -157,12 +160,14 @@ class ModelVersion:
         future = asyncio.get_running_loop().create_future()
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
         self._inflight += 1
+        self._futures.add(future)
         self.stats.pending += 1
         self._idle.clear()
         try:
             await self.scheduler.submit(pending)
             outputs = await future
-            response = build_response(self.config, self.version, self.model_dir, request, outputs)
+            response = build_response(self.config, self.version, self.model_dir, request, outputs,
+                                      self.max_output_size)
         except asyncio.CancelledError as err:
             future.cancel()
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
@@ -174,6 +179,7 @@ class ModelVersion:
             raise
         finally:
             self._inflight -= 1
+            self._futures.discard(future)
             if not pending.started:
                 self.stats.pending -= 1
             if not self._inflight:
@@ -181,18 +187,39 @@ class ModelVersion:
         self.stats.record_success(time.monotonic_ns() - start)
         return response
 
-    async def unload(self, drain_seconds: float = 30.0) -> None:
-        """Let requests in flight finish (bounded), then free the instances."""
+    async def unload(self, drain_seconds: float = 30.0, close_seconds: float = 5.0) -> None:
+        """Let requests in flight finish (bounded), then free the instances (bounded).
+
+        A thread-mode backend stuck in execute cannot be killed: past the bounds its
+        requests fail with Unavailable, the stuck thread is left behind (a daemon thread,
+        so it does not hold the process at exit) and unloading moves on."""
         self.status = VersionStatus(UNLOADING)
         try:
             await asyncio.wait_for(self._idle.wait(), drain_seconds)
         except asyncio.TimeoutError:
-            log.warning("unloading %s v%s with %d requests in flight", self.name, self.version, self._inflight)
+            log.warning("unloading %s v%s: %d requests still in flight after %.1f s; failing them",
+                        self.name, self.version, self._inflight, drain_seconds)
+            error = Unavailable(f"model '{self.name}' version {self.version} was unloaded before "
+                                f"the request finished (it ran past {drain_seconds:g} s)")
+            for future in list(self._futures):
+                if not future.done():
+                    future.set_exception(error)
         if self.scheduler is not None:
-            await self.scheduler.close()
+            await self._bounded(asyncio.ensure_future(self.scheduler.close()), close_seconds,
+                                "stopping its scheduler")
         if self.pool is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
+            await self._bounded(run_in_daemon_thread(self.pool.close), close_seconds,
+                                "closing its instances")
         self.status = VersionStatus(UNAVAILABLE, "unloaded")
+
+    async def _bounded(self, future: asyncio.Future, seconds: float, what: str) -> None:
+        done, _ = await asyncio.wait({future}, timeout=max(seconds, 0.05))
+        if not done:
+            log.error("unloading %s v%s: %s did not finish within %.1f s (a hung model?); "
+                      "moving on", self.name, self.version, what, seconds)
+        elif not future.cancelled() and future.exception() is not None:
+            log.error("unloading %s v%s: %s failed: %r", self.name, self.version, what,
+                      future.exception())
 
 
 def _schedule_params(request: InferRequest) -> tuple[int, int]:

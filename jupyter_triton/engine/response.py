@@ -8,17 +8,20 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.datatypes import config_to_triton, triton_to_numpy
-from ..protocol.errors import Internal, InvalidArgument
+from ..protocol.errors import Internal, InvalidArgument, Unavailable
 from ..protocol.types import InferRequest, InferResponse, InferTensor
 
 
 def build_response(config: mc.ModelConfig, version: int, model_dir: Path, request: InferRequest,
-                   outputs: dict[str, np.ndarray]) -> InferResponse:
+                   outputs: dict[str, np.ndarray], max_output_size: int = 0) -> InferResponse:
+    """``max_output_size`` (bytes, 0: no bound): outputs together larger than this fail the
+    request with Unavailable before anything is encoded."""
     by_name = {o.name: o for o in config.output}
     wanted = request.outputs if request.outputs is not None else None
     names = [o.name for o in wanted] if wanted is not None else [o.name for o in config.output]
     params = {o.name: o.parameters for o in wanted} if wanted is not None else {}
     tensors = []
+    total = 0
     for name in names:
         if name not in outputs:
             raise Internal(f"model '{config.name}' did not produce output '{name}'")
@@ -34,8 +37,22 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
         k = int(params.get(name, {}).get("classification", 0) or 0)
         if k:
             value, datatype = _classify(value, k, config.max_batch_size > 0, model_dir, cfg)
+        if max_output_size:
+            total += _nbytes(value)
+            if total > max_output_size:
+                raise Unavailable(
+                    f"model '{config.name}' returned outputs larger than the server's limit of "
+                    f"{max_output_size} bytes (at output '{name}'); the limit is the engine "
+                    f"option max_output_size")
         tensors.append(InferTensor(name, datatype, tuple(value.shape), value))
     return InferResponse(config.name, str(version), request.id, tensors)
+
+
+def _nbytes(value: np.ndarray) -> int:
+    if value.dtype != object:
+        return int(value.nbytes)
+    # BYTES: what the wire carries, a 4-byte length and the bytes of each element
+    return sum(4 + (len(v) if isinstance(v, (bytes, str)) else 8) for v in value.flat)
 
 
 def _classify(value: np.ndarray, k: int, batched: bool, model_dir: Path,

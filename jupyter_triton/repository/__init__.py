@@ -5,17 +5,27 @@ It answers questions about the disk (which models, which versions, has anything 
 and writes uploads as new version directories. It never deletes or overwrites what a
 user stored: a replaced config.pbtxt is kept under ``<model>/.history/`` (hidden, so
 Triton ignores it). Control modes (none / explicit / poll) belong to the engine.
+
+An upload the engine loads is a transaction (``stage_upload`` -> ``PendingUpload``): its
+versions are renamed into place so the model sees its final paths while it loads, but a
+hidden journal (``<model>/.pending-load.json``) says they are not committed yet. The engine
+commits after a successful load; a failed load, or a server that died mid-load (found by
+``recover`` at start), sets the versions aside under ``<root>/.failed/<model>/`` with their
+reason and puts the previous config.pbtxt back, so a restart serves what served before.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import logging
 import os
 import shutil
 import threading
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -26,9 +36,17 @@ from ..protocol.errors import Internal, InvalidArgument, NotFound
 from .layout import check_model_name, is_hidden, is_version_dir_name
 from .upload import MAX_UPLOAD_BYTES, UploadedFile, parse_upload_files
 
+log = logging.getLogger(__name__)
+
 HISTORY_DIR = ".history"
+FAILED_DIR = ".failed"             # <root>/.failed/<model>/<stamp>-v<version>/ + REASON.txt
+REASON_FILENAME = "REASON.txt"
+JOURNAL_FILENAME = ".pending-load.json"
+MARKER_FILENAME = ".jupyter-triton-upload"    # in a version dir: the upload that wrote it
 _UPLOAD_PREFIX = ".upload-"
 _RENAME_ATTEMPTS = 100
+_MAX_SET_ASIDE_LISTED = 50
+INTERRUPTED = "the server stopped before this upload finished loading"
 
 
 class Repository:
@@ -119,6 +137,11 @@ class Repository:
         """A cheap stamp of the model tree (names, sizes, mtimes) for poll mode."""
         return _fingerprint(self.model_dir(name))
 
+    def version_fingerprint(self, name: str, version: int) -> str:
+        """The same stamp for one version directory: what a reload compares to decide
+        whether a version's files changed (hidden files and __pycache__ never count)."""
+        return _fingerprint(self.model_dir(name) / str(int(version)))
+
     def fingerprints(self) -> dict[str, str]:
         stamps = {}
         for name in self.model_names():
@@ -132,7 +155,7 @@ class Repository:
 
     def write_upload(self, name: str, config_json: str | bytes | dict | None,
                      files: Mapping[str, object] | None) -> list[int]:
-        """Persist what ``load_model(name, config=..., files=...)`` sends.
+        """Persist what ``load_model(name, config=..., files=...)`` sends, committed at once.
 
         Each uploaded version becomes a NEW version directory: if any uploaded version
         number is already taken, the uploaded versions are renumbered, in order, to the
@@ -140,38 +163,132 @@ class Repository:
         A config naming the uploaded versions in a ``specific`` policy is rewritten to the
         new numbers. Returns the version numbers written, ascending.
         """
+        pending = self.stage_upload(name, config_json, files)
+        pending.commit()
+        return pending.versions
+
+    def stage_upload(self, name: str, config_json: str | bytes | dict | None,
+                     files: Mapping[str, object] | None) -> "PendingUpload":
+        """Write an upload as ``write_upload`` does, but uncommitted: until ``commit()``, an
+        ``abort(reason)`` or a ``recover()`` after a crash takes it back out."""
         check_model_name(name)
         config = None
         if config_json is not None:
             config = config_from_json(config_json, name)
             validate_config(config, complete=False)
         uploads = parse_upload_files(name, files or {}, self.max_upload_bytes)
-        if not uploads:
-            if config is not None:
-                self.write_config(name, config)
-            return []
-
+        if config is not None:
+            if not config.name:
+                config.name = name
+            elif config.name != name:
+                raise InvalidArgument(f"unexpected directory name '{name}' for model "
+                                      f"'{config.name}', directory name must equal model name")
         with self._write_lock:
             model_dir = self.root / name
-            taken = _taken_versions(model_dir)
-            mapping = _assign_versions(list(uploads), taken)
-            if config is not None:
-                _renumber_specific(config, mapping)
+            created = not model_dir.is_dir()
+            pending = PendingUpload(self, name, uuid.uuid4().hex, created=created)
             try:
                 model_dir.mkdir(parents=True, exist_ok=True)
-                written = self._write_versions(model_dir, uploads, mapping, config)
+                previous = _read_if_file(model_dir / CONFIG_FILENAME)
+                config_text = config_to_pbtxt(config).encode() if config is not None else None
+                replaces = config_text is not None and previous != config_text
+                _write_atomic(model_dir / JOURNAL_FILENAME, json.dumps({
+                    "id": pending.id, "pid": os.getpid(), "created": created,
+                    "replaces_config": replaces,
+                    "previous_config": previous.decode("utf-8", "replace") if replaces and previous
+                    is not None else None}).encode())
             except OSError as err:
+                raise Internal(f"model '{name}': failed to write the upload journal: "
+                               f"{err.strerror or err}") from None
+            try:
+                if uploads:
+                    taken = _taken_versions(model_dir)
+                    mapping = _assign_versions(list(uploads), taken)
+                    if config is not None:
+                        _renumber_specific(config, mapping)
+                    written = self._write_versions(model_dir, uploads, mapping, config, pending.id)
+                    if written != mapping and config is not None:
+                        # a concurrent writer took a number between our scan and our rename
+                        _renumber_specific(config, {mapping[v]: written[v] for v in mapping})
+                        for version in written.values():
+                            _write_atomic(model_dir / str(version) / CONFIG_FILENAME,
+                                          config_to_pbtxt(config).encode())
+                    pending.versions = sorted(written.values())
+                if config is not None:
+                    self._write_config_locked(name, model_dir, config)
+            except OSError as err:
+                pending._abort_locked(f"writing the upload failed: {err.strerror or err}")
                 raise Internal(f"model '{name}': failed to write the uploaded files: "
                                f"{err.strerror or err}") from None
-            if written != mapping and config is not None:
-                # a concurrent writer took a number between our scan and our rename
-                _renumber_specific(config, {mapping[v]: written[v] for v in mapping})
-                for version in written.values():
-                    _write_atomic(model_dir / str(version) / CONFIG_FILENAME,
-                                  config_to_pbtxt(config).encode())
-            if config is not None:
-                self._write_config_locked(name, model_dir, config)
-        return sorted(written.values())
+            except BaseException:
+                pending._abort_locked("writing the upload failed")
+                raise
+        return pending
+
+    # ---- recovery and versions set aside -------------------------------------
+
+    def recover(self) -> list[str]:
+        """At start: sweep staging left by a crash and take back uploads whose load never
+        finished (their journal is still there). Returns the models it changed."""
+        changed = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if is_hidden(entry.name) or not entry.is_dir():
+                continue
+            model_dir = Path(entry.path)
+            for child in os.scandir(model_dir):
+                if child.name.startswith(_UPLOAD_PREFIX) or (
+                        child.name.startswith(".") and child.name.endswith(".tmp")):
+                    _remove(Path(child.path))
+                    changed.append(entry.name)
+            journal = _read_journal(model_dir)
+            if journal is None:
+                continue
+            pid = journal.get("pid")
+            if isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+                continue       # another live server on this repository is loading it now
+            pending = PendingUpload(self, entry.name, str(journal.get("id", "")),
+                                    created=bool(journal.get("created")))
+            with self._write_lock:
+                pending._abort_locked(INTERRUPTED)
+            log.warning("model '%s': took back an upload whose load never finished", entry.name)
+            changed.append(entry.name)
+        return sorted(set(changed))
+
+    def set_aside(self, name: str) -> list[tuple[int, str, str]]:
+        """Versions whose load failed, newest first: (version, reason, where)."""
+        folder = self.root / FAILED_DIR / name
+        try:
+            dirs = sorted((e for e in os.scandir(folder) if e.is_dir()), key=lambda e: e.name,
+                          reverse=True)[:_MAX_SET_ASIDE_LISTED]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for d in dirs:
+            _, _, version = d.name.rpartition("-v")
+            if not version.isdigit():
+                continue
+            reason = _read_if_file(Path(d.path) / REASON_FILENAME) or b""
+            out.append((int(version), reason.decode("utf-8", "replace").strip(),
+                        f"{FAILED_DIR}/{name}/{d.name}"))
+        return out
+
+    def prune_versions(self, name: str, keep: int, protect: set[int]) -> list[int]:
+        """Retention the operator asked for: delete the oldest versions beyond the newest
+        ``keep`` (never one in ``protect``, the versions being served)."""
+        if keep < 1:
+            return []
+        versions = self.versions_on_disk(name)
+        removed = []
+        for version in versions[:-keep]:
+            if version in protect:
+                continue
+            shutil.rmtree(self.root / name / str(version), ignore_errors=True)
+            removed.append(version)
+        return removed
 
     def write_config(self, name: str, config: mc.ModelConfig) -> None:
         """Replace <model>/config.pbtxt atomically, keeping the previous one in .history/."""
@@ -201,7 +318,8 @@ class Repository:
                            f"{err.strerror or err}") from None
 
     def _write_versions(self, model_dir: Path, uploads: dict[int, list[UploadedFile]],
-                        mapping: dict[int, int], config: mc.ModelConfig | None) -> dict[int, int]:
+                        mapping: dict[int, int], config: mc.ModelConfig | None,
+                        upload_id: str) -> dict[int, int]:
         """Write every version into one hidden temp dir, then rename each into place:
         a failure before the renames leaves nothing visible."""
         staging = model_dir / f"{_UPLOAD_PREFIX}{uuid.uuid4().hex}"
@@ -217,6 +335,10 @@ class Repository:
                 if config_text is not None and not (version_dir / CONFIG_FILENAME).exists():
                     # the version keeps the config it was uploaded with, for rollback
                     _write_file(version_dir / CONFIG_FILENAME, config_text)
+                if (version_dir / MARKER_FILENAME).exists():
+                    raise InvalidArgument(f"model '{model_dir.name}': file:{version}/"
+                                          f"{MARKER_FILENAME} is a name the server uses itself")
+                _write_file(version_dir / MARKER_FILENAME, upload_id.encode())
                 _fsync_tree_dirs(version_dir)
             written: dict[int, int] = {}
             for version in uploads:
@@ -228,7 +350,129 @@ class Repository:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+@dataclass
+class PendingUpload:
+    """An upload written but not committed (see the module doc)."""
+    repository: Repository
+    name: str
+    id: str
+    versions: list[int] = field(default_factory=list)
+    created: bool = False
+    done: bool = False
+
+    @property
+    def model_dir(self) -> Path:
+        return self.repository.root / self.name
+
+    def commit(self) -> None:
+        """The load succeeded: removing the journal is the commit point."""
+        if self.done:
+            return
+        with self.repository._write_lock:
+            _unlink(self.model_dir / JOURNAL_FILENAME)
+            _fsync_dir(self.model_dir)
+            for version in self.versions:
+                _unlink(self.model_dir / str(version) / MARKER_FILENAME)
+            self.done = True
+
+    def abort(self, reason: str) -> list[str]:
+        """The load failed: set the versions aside with ``reason`` and restore the config."""
+        if self.done:
+            return []
+        with self.repository._write_lock:
+            return self._abort_locked(reason)
+
+    def _abort_locked(self, reason: str) -> list[str]:
+        model_dir = self.model_dir
+        journal = _read_journal(model_dir) or {}
+        moved = []
+        failed_root = self.repository.root / FAILED_DIR / self.name
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        try:
+            versions = sorted(int(e.name) for e in os.scandir(model_dir)
+                              if is_version_dir_name(e.name) and e.is_dir())
+        except FileNotFoundError:
+            versions = []
+        for version in versions:
+            vdir = model_dir / str(version)
+            marker = _read_if_file(vdir / MARKER_FILENAME)
+            if marker is None or marker.decode("utf-8", "replace") != self.id:
+                continue             # not this upload's: never touched
+            target = failed_root / f"{stamp}-v{version}"
+            try:
+                failed_root.mkdir(parents=True, exist_ok=True)
+                os.rename(vdir, target)
+                _unlink(target / MARKER_FILENAME)
+                _write_atomic(target / REASON_FILENAME, reason.encode())
+                moved.append(str(target.relative_to(self.repository.root)))
+            except OSError as err:
+                log.error("model '%s': could not set version %d aside: %s", self.name, version, err)
+        if journal.get("replaces_config"):
+            path = model_dir / CONFIG_FILENAME
+            try:
+                failed_config = _read_if_file(path)
+                if failed_config is not None:
+                    _write_atomic(_history_path(model_dir), failed_config)
+                previous = journal.get("previous_config")
+                if previous is None:
+                    _unlink(path)
+                else:
+                    _write_atomic(path, previous.encode())
+            except OSError as err:
+                log.error("model '%s': could not restore %s: %s", self.name, CONFIG_FILENAME, err)
+        _unlink(model_dir / JOURNAL_FILENAME)
+        if journal.get("created", self.created):
+            # a model this upload created leaves nothing behind but its history
+            for leftover in (model_dir / HISTORY_DIR, model_dir):
+                try:
+                    if leftover.name == HISTORY_DIR:
+                        for f in leftover.glob("config.*.pbtxt"):
+                            failed_root.mkdir(parents=True, exist_ok=True)
+                            os.replace(f, failed_root / f"{stamp}-{f.name}")
+                    os.rmdir(leftover)
+                except OSError:
+                    pass
+        _fsync_dir(model_dir) if model_dir.exists() else None
+        self.done = True
+        return moved
+
+
 # ---- helpers -----------------------------------------------------------------
+
+def _read_journal(model_dir: Path) -> dict | None:
+    data = _read_if_file(model_dir / JOURNAL_FILENAME)
+    if data is None:
+        return None
+    try:
+        journal = json.loads(data)
+    except ValueError:
+        return {}         # torn by a crash: still an uncommitted upload
+    return journal if isinstance(journal, dict) else {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        _unlink(path)
+
 
 def _taken_versions(model_dir: Path) -> set[int]:
     try:
@@ -349,4 +593,4 @@ def _fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["HISTORY_DIR", "Repository", "check_model_name"]
+__all__ = ["FAILED_DIR", "HISTORY_DIR", "PendingUpload", "Repository", "check_model_name"]

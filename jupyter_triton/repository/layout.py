@@ -11,6 +11,8 @@ _VERSION_DIR = re.compile(r"[1-9][0-9]{0,17}")
 # not part of the model, and it must not make poll mode see a change.
 IGNORED_NAMES = frozenset({"__pycache__"})
 MAX_NAME_LENGTH = 255
+# newlines and other control characters would forge lines in logs, metrics and headers
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def is_hidden(name: str) -> bool:
@@ -25,11 +27,11 @@ def check_model_name(name: str) -> str:
     """A model name that is one directory below the repository root, or InvalidArgument."""
     if not isinstance(name, str) or not name:
         raise InvalidArgument("model name must be a non-empty string")
-    bad = ("/" in name or "\\" in name or "\0" in name or ".." in name or name.startswith(".")
-           or name in IGNORED_NAMES or len(name) > MAX_NAME_LENGTH)
+    bad = ("/" in name or "\\" in name or ".." in name or name.startswith(".")
+           or name in IGNORED_NAMES or len(name) > MAX_NAME_LENGTH or _CONTROL.search(name))
     if bad:
         raise InvalidArgument(
             f"invalid model name {name!r}: a model name is one directory name, must not "
-            f"contain '/', '\\', '..' or NUL, must not start with '.', and is at most "
-            f"{MAX_NAME_LENGTH} characters")
+            f"contain '/', '\\', '..' or control characters (newline, NUL...), must not "
+            f"start with '.', and is at most {MAX_NAME_LENGTH} characters")
     return name

@@ -1,0 +1,369 @@
+"""The model lifecycle: what the engine loads, reloads, unloads and stops, and what a
+crash or a failed upload leaves on disk.
+
+Per model name, every change runs under one lock (upload, load, commit or take back, unload),
+so two loads of one model never race for each other's files. An upload is written as an
+uncommitted transaction (repository.PendingUpload) and committed only after its load
+succeeded; a load that fails sets it aside, so a restart serves what served before.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..backends import ModelFiles, backend_class, backend_name
+from ..config import fill_defaults, validate_config
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable
+from ..repository import PendingUpload, Repository
+from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
+from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
+from .options import EngineOptions
+from .rate_limiter import RateLimiter
+
+if TYPE_CHECKING:
+    from ..protocol.types import InferRequest, InferResponse
+
+log = logging.getLogger(__name__)
+
+# models this task is loading, outermost first: an ensemble loads its composing models, and
+# one that (indirectly) contains itself must fail instead of waiting on its own lock
+_LOADING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading", default=())
+
+
+@dataclass
+class Entry:
+    """Everything known about one model name."""
+    name: str
+    serving: dict[int, ModelVersion] = field(default_factory=dict)
+    status: dict[int, VersionStatus] = field(default_factory=dict)
+    fingerprint: str = ""
+    reason: str = ""            # why the model as a whole could not be prepared
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ModelLifecycle:
+    """Load / unload / poll / stop for the Engine (which adds the data plane and queries)."""
+
+    options: EngineOptions
+    repository: Repository
+    rate_limiter: RateLimiter
+    _version: Callable[[str, str], ModelVersion]
+    infer: Callable[["InferRequest"], "InferResponse"]
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.repository = Repository(Path(options.model_repository))
+        self._entries: dict[str, Entry] = {}
+        self._started = False
+        self._poller: asyncio.Task | None = None
+        self._unloading: set[asyncio.Task] = set()
+        # strict readiness: the models the server was asked to serve (at start, or loaded
+        # since); an explicit unload takes a model off the list
+        self._wanted: set[str] = set()
+        # Triton's rate limiter spans models: one per engine.
+        self.rate_limiter = RateLimiter()
+
+    # ---- the engine's own lifecycle ------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.repository.recover)
+        mode = self.options.model_control_mode
+        names = self.repository.model_names()
+        if mode == "explicit":
+            wanted = self.options.load_models
+            names = names if "*" in wanted else [n for n in wanted]
+        for name in names:
+            self._wanted.add(name)
+            try:
+                await self._load(name)
+            except TritonError as err:
+                log.error("failed to load model '%s': %s", name, err)
+                if self.options.exit_on_error:
+                    raise
+        if mode == "poll":
+            self._poller = asyncio.ensure_future(self._poll())
+        self._started = True
+
+    async def stop(self) -> None:
+        """Unload every version in parallel, bounded by ``exit_timeout_secs`` even when a
+        model hangs (its requests fail with Unavailable; a stuck thread is left behind)."""
+        self._started = False
+        if self._poller:
+            self._poller.cancel()
+        bound = max(self.options.exit_timeout_secs, 0.0)
+        versions = [mv for e in self._entries.values() for mv in e.serving.values()]
+        for entry in self._entries.values():
+            entry.serving.clear()
+        tasks = [asyncio.ensure_future(mv.unload(drain_seconds=bound * 0.6,
+                                                 close_seconds=bound * 0.4))
+                 for mv in versions] + list(self._unloading)
+        if tasks:
+            # each unload bounds itself; this outer bound catches what would not
+            done, pending = await asyncio.wait(tasks, timeout=bound + 1.0)
+            for task in pending:
+                log.error("engine stop: an unload did not finish within %.1f s; leaving it", bound)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("engine stop: unload failed: %r", task.exception())
+
+    def ready(self) -> bool:
+        if not self._started:
+            return False
+        if not self.options.strict_readiness:
+            return True
+        return all(self._has_ready_version(name) for name in self._wanted)
+
+    def _has_ready_version(self, name: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and any(mv.ready for mv in entry.serving.values())
+
+    # ---- control path ------------------------------------------------------------------
+    def _check_explicit(self) -> None:
+        if self.options.model_control_mode != "explicit":
+            raise Unavailable("explicit model load / unload is not allowed if polling is enabled"
+                              if self.options.model_control_mode == "poll" else
+                              "explicit model load / unload is not allowed with model control mode 'none'")
+
+    async def load_model(self, name: str, config: str | None = None,
+                         files: dict[str, bytes] | None = None) -> None:
+        self._check_explicit()
+        if files and config is None:
+            raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
+        from ..repository import check_model_name
+        check_model_name(name)
+        entry = self._entries.setdefault(name, Entry(name))
+        try:
+            await self._upload_and_load(name, entry, config, files)
+        finally:
+            if not (entry.serving or entry.status or entry.reason) and not entry.lock.locked():
+                self._entries.pop(name, None)    # nothing known: no empty index row
+
+    async def _upload_and_load(self, name: str, entry: Entry, config: str | None,
+                               files: dict[str, bytes] | None) -> None:
+        loop = asyncio.get_running_loop()
+        async with entry.lock:
+            pending: PendingUpload | None = None
+            if config is not None or files:
+                pending = await loop.run_in_executor(
+                    None, self.repository.stage_upload, name, config, dict(files or {}))
+            try:
+                await self._load_locked(name, entry)
+            except BaseException as err:
+                if pending is not None:
+                    # shielded: a client that went away must not leave the upload half done
+                    moved = await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
+                    for v in pending.versions:
+                        if v in entry.status and entry.status[v].state != READY:
+                            entry.status[v] = VersionStatus(
+                                UNAVAILABLE, f"{entry.status[v].reason} (set aside in "
+                                f"{', '.join(moved) or 'the repository'}; not served after a restart)")
+                    entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
+                raise
+            if pending is not None:
+                await asyncio.shield(loop.run_in_executor(None, pending.commit))
+                if self.options.keep_versions > 0:
+                    removed = await loop.run_in_executor(
+                        None, self.repository.prune_versions, name, self.options.keep_versions,
+                        set(entry.serving))
+                    for v in removed:
+                        entry.status.pop(v, None)
+                    if removed:
+                        log.info("model '%s': keep_versions=%d removed versions %s", name,
+                                 self.options.keep_versions, removed)
+                entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
+            self._wanted.add(name)
+
+    def _fingerprint_or_empty(self, name: str) -> str:
+        try:
+            return self.repository.fingerprint(name)
+        except (TritonError, FileNotFoundError):
+            return ""
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        self._check_explicit()
+        self.repository.model_dir(name)          # NotFound / InvalidArgument for bad names
+        entry = self._entries.get(name)
+        dependents = [m for mv in (entry.serving.values() if entry else ()) if is_ensemble(mv.config)
+                      for m in composing_models(mv.config)]
+        await self._unload(name)
+        if unload_dependents:                    # Triton: an ensemble's composing models go too
+            for dependent in dict.fromkeys(dependents):
+                await self._unload(dependent)
+
+    async def _unload(self, name: str) -> None:
+        self._wanted.discard(name)
+        entry = self._entries.get(name)
+        if entry is None:
+            return
+        async with entry.lock:
+            old, entry.serving = entry.serving, {}
+            for v, mv in old.items():
+                entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
+            await asyncio.gather(*(mv.unload(drain_seconds=self.options.unload_timeout_secs)
+                                   for mv in old.values()))
+            for v in old:
+                entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
+
+    async def _load(self, name: str) -> None:
+        self.repository.model_dir(name)
+        entry = self._entries.setdefault(name, Entry(name))
+        async with entry.lock:
+            await self._load_locked(name, entry)
+
+    async def _load_locked(self, name: str, entry: Entry) -> None:
+        """(Re)load a model from the repository. New versions become READY before old ones
+        stop serving; if anything fails, what was serving keeps serving."""
+        model_dir = self.repository.model_dir(name)
+        loop = asyncio.get_running_loop()
+        try:
+            config, backend, versions = await loop.run_in_executor(None, self._prepare, name, model_dir)
+        except TritonError as err:
+            entry.reason = str(err)
+            raise
+        entry.reason = ""
+        if backend == ENSEMBLE_BACKEND:
+            await self._load_composing(name, config)
+        stamp = await loop.run_in_executor(None, self._stamp, name, config, versions)
+        keep = {v: mv for v, mv in entry.serving.items()
+                if v in versions and stamp.get(v) == getattr(mv, "stamp", None)}
+        fresh: dict[int, ModelVersion] = {}
+        errors: list[tuple[int, TritonError]] = []
+        for v in versions:
+            if v in keep:
+                continue
+            mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
+                              (lambda m, ver: self._version(m, ver).config, self.infer)
+                              if backend == ENSEMBLE_BACKEND else None,
+                              max_output_size=self.options.max_output_size)
+            mv.stamp = stamp[v]
+            entry.status[v] = VersionStatus("LOADING")
+            try:
+                await mv.load()
+                fresh[v] = mv
+            except Exception as err:  # the failing version's reason; the rest stays as it was
+                terr = err if isinstance(err, TritonError) else InvalidArgument(
+                    f"failed to load '{name}' version {v}: {type(err).__name__}: {err}")
+                log.warning("loading %s v%d failed: %s", name, v, terr)
+                errors.append((v, terr))
+        if errors:
+            for v, mv in fresh.items():
+                await mv.unload(drain_seconds=0, close_seconds=self.options.exit_timeout_secs)
+            for v, err in errors:
+                entry.status[v] = VersionStatus(UNAVAILABLE, str(err))
+            for v in fresh:
+                entry.status[v] = VersionStatus(UNAVAILABLE, "not loaded: another version failed")
+            for v, mv in entry.serving.items():
+                entry.status[v] = VersionStatus(READY)
+            raise errors[0][1]
+        retired = {v: mv for v, mv in entry.serving.items() if v not in keep}
+        entry.serving = {**keep, **fresh}
+        entry.fingerprint = await loop.run_in_executor(None, self.repository.fingerprint, name)
+        for v in entry.serving:
+            entry.status[v] = VersionStatus(READY)
+        for v, mv in retired.items():
+            if v not in entry.serving:          # a version reloaded in place stays READY
+                entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
+            task = asyncio.ensure_future(mv.unload(drain_seconds=self.options.unload_timeout_secs))
+            self._unloading.add(task)
+            task.add_done_callback(self._unloading.discard)
+
+    async def _load_composing(self, name: str, config: mc.ModelConfig) -> None:
+        """Triton loads an ensemble's composing models that are not loaded yet; one that fails
+        fails the ensemble when it checks its steps."""
+        chain = _LOADING.get() + (name,)
+        for model in composing_models(config):
+            if model in chain or self.model_ready(model) or model not in self.repository.model_names():
+                continue
+            token = _LOADING.set(chain)
+            try:
+                await self._load(model)
+            except TritonError as err:
+                log.error("failed to load model '%s' (composing model of ensemble '%s'): %s",
+                          model, name, err)
+            finally:
+                _LOADING.reset(token)
+
+    def _prepare(self, name: str, model_dir: Path) -> tuple[mc.ModelConfig, str, list[int]]:
+        """Read, auto-complete and validate the config; choose versions. Blocking (disk, runtimes)."""
+        config = self.repository.read_config(name)
+        if is_ensemble(config):                  # nothing to auto-complete: no runtime behind it
+            versions = self.repository.select_versions(name, config)
+            config = fill_defaults(config)
+            validate_config(config)
+            return config, ENSEMBLE_BACKEND, versions
+        backend = backend_name(config, model_dir)
+        versions = self.repository.select_versions(name, config)
+        if not versions:
+            raise InvalidArgument(f"at least one version must be available under the version "
+                                  f"policy of model '{name}'")
+        cls = backend_class(backend)
+        _check_inside(config, model_dir, versions)
+        latest = max(versions)
+        files = ModelFiles(name, latest, model_dir, model_dir / str(latest),
+                           config.default_model_filename or cls.default_filename)
+        config = cls.auto_complete_config(config, files)
+        config = fill_defaults(config)
+        validate_config(config)
+        _check_inside(config, model_dir, versions)
+        return config, backend, versions
+
+    def _stamp(self, name: str, config: mc.ModelConfig, versions: list[int]) -> dict[int, str]:
+        """Per version: the config and the repository's fingerprint of the version's files
+        (the one fingerprint: hidden files and __pycache__ do not count), so a reload
+        keeps versions whose bytes did not change."""
+        base = config.SerializeToString(deterministic=True)
+        return {v: hashlib.sha256(base + self.repository.version_fingerprint(name, v).encode())
+                .hexdigest() for v in versions}
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.repository_poll_secs)
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("repository poll failed")
+
+    async def poll_once(self) -> None:
+        """Poll mode: load new models, reload changed ones, unload removed ones."""
+        on_disk = set(self.repository.model_names())
+        for name in sorted(on_disk):
+            entry = self._entries.get(name)
+            if entry is None or entry.fingerprint != self._fingerprint_or_empty(name):
+                self._wanted.add(name)
+                try:
+                    await self._load(name)
+                except TritonError as err:
+                    log.error("failed to load model '%s': %s", name, err)
+        for name in set(self._entries) - on_disk:
+            await self._unload(name)
+
+
+def _check_inside(config: mc.ModelConfig, model_dir: Path, versions: list[int]) -> None:
+    """default_model_filename and label_filename name files of the model: a path that
+    leaves the model directory (absolute, '..', a symlink out) is refused at load."""
+    root = model_dir.resolve()
+    checks = []
+    if config.default_model_filename:
+        checks += [("default_model_filename", config.default_model_filename, model_dir / str(v))
+                   for v in versions]
+    for out in config.output:
+        if out.label_filename:
+            checks.append((f"output '{out.name}' label_filename", out.label_filename, model_dir))
+    for what, value, base in checks:
+        target = (base / value).resolve()
+        if Path(value).is_absolute() or not (target == root or root in target.parents):
+            raise InvalidArgument(f"model '{config.name}': {what} '{value}' points outside "
+                                  f"the model directory")
+
+
+def _copy(config: mc.ModelConfig) -> mc.ModelConfig:
+    c = mc.ModelConfig()
+    c.CopyFrom(config)
+    return c

@@ -1,0 +1,33 @@
+"""What an operator chooses for one engine (tritonserver's command-line flags, in Python)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONTROL_MODES = ("none", "explicit", "poll")
+
+
+@dataclass
+class EngineOptions:
+    model_repository: Path
+    model_control_mode: str = "none"
+    load_models: list[str] = field(default_factory=list)   # explicit mode: names, or "*"
+    repository_poll_secs: float = 15.0
+    summary_latencies: bool = False
+    max_input_size: int = 64 * 1024 * 1024
+    exit_on_error: bool = False
+    # Triton's --strict-readiness: v2/health/ready is false while a model that was asked
+    # to load has no ready version.
+    strict_readiness: bool = True
+    # Server stop: every version drains and closes in parallel within this bound; requests
+    # still in flight after it (a hung model) fail with Unavailable. Triton's
+    # --exit-timeout-secs (its default is 30 s; a Jupyter server should stop sooner).
+    exit_timeout_secs: float = 5.0
+    # Unload / reload: how long requests in flight may finish before they fail.
+    unload_timeout_secs: float = 30.0
+    # A response whose outputs together exceed this fails with Unavailable instead of
+    # being encoded (a model that returns far more than anyone asked for).
+    max_output_size: int = 1 << 30
+    # Retention: after a successful upload keep the newest N versions on disk and delete
+    # older ones that are not served. 0 (default): nothing is ever deleted.
+    keep_versions: int = 0
