@@ -73,6 +73,10 @@ def _check_shape(shape: list[int], name: str, max_elements: int) -> tuple[int, .
         raise InvalidArgument(
             f"input '{name}' has shape {shape} with {count} elements, more than the limit of "
             f"{max_elements}")
+    if any(d > max_elements for d in shape):   # [0, 2**62]: no elements, yet no array has it
+        raise InvalidArgument(
+            f"input '{name}' has shape {shape} with a dimension larger than the limit of "
+            f"{max_elements} elements")
     return tuple(shape)
 
 

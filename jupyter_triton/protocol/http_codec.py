@@ -108,6 +108,10 @@ def _check_shape(shape: Any, name: str, max_elements: int) -> tuple[int, ...]:
         raise InvalidArgument(
             f"input '{name}' has shape {json.dumps(shape)} with {count} elements, more than the "
             f"limit of {max_elements}")
+    if any(d > max_elements for d in shape):   # [0, 2**62]: no elements, yet no array has it
+        raise InvalidArgument(
+            f"input '{name}' has shape {json.dumps(shape)} with a dimension larger than the "
+            f"limit of {max_elements} elements")
     return tuple(shape)
 
 
