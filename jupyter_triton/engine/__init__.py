@@ -15,6 +15,7 @@ from ..protocol.types import InferRequest, InferResponse
 from .lifecycle import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
+from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs, uses_shared_memory
 
 # Advertised only because each works end to end (perf_analyzer reads this list).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)",
@@ -27,6 +28,11 @@ class Engine(ModelLifecycle):
         if options.model_control_mode not in CONTROL_MODES:
             raise ValueError(f"model control mode must be one of {CONTROL_MODES}")
         super().__init__(options)
+        self.shared_memory = SharedMemoryRegistry()
+
+    async def stop(self) -> None:
+        await super().stop()
+        self.shared_memory.unregister()
 
     def live(self) -> bool:
         return True
@@ -36,7 +42,12 @@ class Engine(ModelLifecycle):
 
     # ---- data path ---------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
-        return await self._version(request.model_name, request.model_version).infer(request)
+        if not uses_shared_memory(request):
+            return await self._version(request.model_name, request.model_version).infer(request)
+        await resolve_inputs(request, self.shared_memory)
+        response = await self._version(request.model_name, request.model_version).infer(request)
+        await place_outputs(response, request, self.shared_memory)
+        return response
 
     def raw_input(self, model: str, version: str = "") -> tuple[str, str, list[int]]:
         config = self._version(model, version).config
