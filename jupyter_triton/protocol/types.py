@@ -18,7 +18,7 @@ class InferTensor:
     name: str
     datatype: str                       # Triton spelling: "FP32", "BYTES", ...
     shape: tuple[int, ...]
-    data: np.ndarray
+    data: np.ndarray | None             # None: in a shared memory region (engine/shared_memory.py)
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
