@@ -15,7 +15,7 @@ import numpy as np
 
 from .datatypes import (count_bytes_elements, element_count, element_size, is_valid_datatype, round_to_bf16,
                         tensor_from_wire, tensor_wire_buffer, triton_to_numpy)
-from .errors import InvalidArgument, Unsupported
+from .errors import InvalidArgument
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 # Far past any real tensor, far below what a shape product can claim.
@@ -360,7 +360,9 @@ def decode_infer_request(body: bytes | memoryview, header_length: int | None, mo
 
     inputs = []
     for name, dt, shape, tparams, data, span in specs:
-        if span is None:
+        if "shared_memory_region" in tparams:
+            arr = None      # the engine reads it from the region (engine/shared_memory.py)
+        elif span is None:
             arr = json_data_to_array(data, dt, shape, name)
         else:
             arr = tensor_from_wire(view[span[0]:span[1]], dt, shape, name, model_name)
@@ -454,8 +456,10 @@ def encode_infer_response(response: InferResponse, request: InferRequest
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype,
                                  "shape": [int(d) for d in t.shape]}
         params = dict(t.parameters)
-        data = None if binary else _json_data(t)
-        if data is None:
+        data = None if binary or t.data is None else _json_data(t)
+        if t.data is None:      # written to a shared memory region: no data in the body
+            pass
+        elif data is None:
             buf = tensor_wire_buffer(t.data, t.datatype)
             params["binary_data_size"] = memoryview(buf).nbytes
             buffers.append(buf)
