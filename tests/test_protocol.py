@@ -19,7 +19,7 @@ from tritonclient.utils import deserialize_bytes_tensor as client_deserialize
 from jupyter_triton.protocol.datatypes import (
     config_to_triton, deserialize_bytes_tensor, element_size, float32_to_bf16_bits,
     numpy_to_triton, round_to_bf16, serialize_bytes_tensor, triton_to_config, triton_to_numpy)
-from jupyter_triton.protocol.errors import InvalidArgument, Unsupported
+from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.grpc_codec import decode_grpc_request, encode_grpc_response
 from jupyter_triton.protocol.http_codec import (decode_infer_request, decode_raw_infer_request,
                                                 encode_error, encode_infer_response)
@@ -333,11 +333,11 @@ def test_http_header_length_past_the_body():
             decode_infer_request(body, bad, "m", "")
 
 
-def test_http_shared_memory_is_unsupported():
+def test_http_shared_memory_input_decodes_without_data():
     doc = _input_doc(data=..., parameters={"shared_memory_region": "r",
                                            "shared_memory_byte_size": 8})
-    with pytest.raises(Unsupported, match="shared memory"):
-        _decode_doc(doc)
+    (x,) = _decode_doc(doc).inputs
+    assert x.data is None and x.parameters["shared_memory_region"] == "r"
 
 
 @pytest.mark.parametrize("header,payload", [
