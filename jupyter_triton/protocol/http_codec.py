@@ -241,10 +241,6 @@ def _decode_input(doc: Any, i: int, model_name: str, max_elements: int
     if len(has) != 1:
         detail = " no field is set" if not has else " set " + " ".join(f"'{f}'" for f in has)
         raise InvalidArgument(f"{_CONTENT_FIELDS}{detail} for input '{name}'")
-    if has[0] == "shared_memory_region":
-        raise Unsupported(
-            f"input '{name}' uses 'shared_memory_region': shared memory is not supported by "
-            "this server; send the data in the request")
     binary_size = None
     if has[0] == "binary_data_size":
         binary_size = params["binary_data_size"]
@@ -286,10 +282,6 @@ def _decode_outputs(outputs: Any) -> list[RequestedOutput] | None:
             raise InvalidArgument(
                 f"unable to set 'classification' of output '{name}': expected a non-negative "
                 f"integer, got {_json_type(params['classification'])}")
-        if "shared_memory_region" in params:
-            raise Unsupported(
-                f"output '{name}' uses 'shared_memory_region': shared memory is not supported "
-                "by this server")
         result.append(RequestedOutput(name=name, parameters=dict(params)))
     return result or None
 
