@@ -1,14 +1,19 @@
 """The Jupyter server extension: one Engine in the server, the v2 routes under base_url.
 
 Auth: every v2 route goes through Jupyter's identity provider and authorizer (resource
-``jupyter_triton``), checked in ``prepare`` so that no route can forget it. Two credentials
-of our own are accepted besides Jupyter's: scoped inference keys (inference and metadata
-routes only) and the per-server token that kernels inherit (these routes only, never the
-rest of Jupyter).
+``jupyter_triton``), checked in ``prepare`` so that no route can forget it. The authorizer
+is asked for "read" (health, metadata, config, statistics, the repository index), "write"
+(inference and other data-plane calls) or "execute" (load and unload: loading a model runs
+its code). Two credentials of our own are accepted besides Jupyter's, checked first: scoped
+inference keys (``INFERENCE_SCOPE`` of ``frontends.auth``: never load/unload) and the
+per-server token that kernels inherit (every v2 route, never the rest of Jupyter). The gRPC
+port takes exactly the same credentials (``grpc_access``).
 """
 from __future__ import annotations
 
+import functools
 import hmac
+import inspect
 import json
 import os
 import secrets
@@ -17,85 +22,167 @@ import sys
 from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
-from jupyter_server.auth import User
-from jupyter_server.auth.decorator import authorized
+from jupyter_server.auth import IdentityProvider, User
+from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
 from tornado import web
 from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
 from .engine import CONTROL_MODES, Engine, EngineOptions
-from .frontends.http import INFER, SETTINGS_KEY, FrontendState, route_table
+from .frontends import auth
+from .frontends.auth import (GROUPS, HEALTH, INFERENCE, INFERENCE_SCOPE, METADATA, MODEL_CONFIG,
+                             MODEL_REPOSITORY, STATISTICS, AccessPolicy)
+from .frontends.http import (SETTINGS_KEY, FrontendState, RepositoryIndex, RepositoryLoad,
+                             RepositoryUnload, route_table)
 
 AUTH_RESOURCE = "jupyter_triton"
+ACCESS_KEY = "jupyter_triton_access"        # settings key of our own credentials' policy
+CACHE_KEY = "jupyter_triton_auth_cache"     # settings key of what auth finds constant
 ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
-_ACTIONS = {"GET": "read", "HEAD": "read", "OPTIONS": "read", "POST": "write",
-            "PUT": "write", "PATCH": "write", "DELETE": "write"}
+READ, WRITE, EXECUTE = "read", "write", "execute"
+KEY_USER = "jupyter_triton-key"
+
+# The API group of each route class, for route classes that do not (yet) carry ``api_group``.
+_GROUP_OF = {"HealthLive": HEALTH, "HealthReady": HEALTH, "ModelReady": HEALTH,
+             "ServerMetadata": METADATA, "ModelMetadata": METADATA, "NotFoundRoute": METADATA,
+             "ModelConfig": MODEL_CONFIG, "ModelStats": STATISTICS, "ModelInfer": INFERENCE,
+             "RepositoryIndex": MODEL_REPOSITORY, "RepositoryLoad": MODEL_REPOSITORY,
+             "RepositoryUnload": MODEL_REPOSITORY}
+_READ_GROUPS = frozenset({HEALTH, METADATA, MODEL_CONFIG, STATISTICS})
+
+
+def api_group(handler: type) -> str:
+    """The Triton API group a route belongs to (the strictest one when unknown)."""
+    group = getattr(handler, "api_group", None)
+    if group:
+        return group
+    for cls in handler.__mro__:
+        if cls.__name__ in _GROUP_OF:
+            return _GROUP_OF[cls.__name__]
+    return MODEL_REPOSITORY
+
+
+def auth_action(handler: type, method: str) -> str:
+    """The Jupyter authorizer action of a route: load/unload are "execute" (they run code)."""
+    if issubclass(handler, (RepositoryLoad, RepositoryUnload)):
+        return EXECUTE
+    if issubclass(handler, RepositoryIndex) or api_group(handler) in _READ_GROUPS:
+        return READ
+    return READ if method in ("GET", "HEAD", "OPTIONS") else WRITE
 
 
 class _ScopedAuthorizer:
     """What a request authenticated by an inference key or the server token may do."""
 
-    def __init__(self, full: bool) -> None:
-        self.full = full
+    def __init__(self, groups: frozenset[str]) -> None:
+        self.groups = groups
 
     def is_authorized(self, handler, user, action, resource) -> bool:
-        return resource == AUTH_RESOURCE and (self.full or handler.scope == INFER)
+        return resource == AUTH_RESOURCE and api_group(type(handler)) in self.groups
+
+
+def _stock_token_auth(provider: IdentityProvider) -> bool:
+    """Whether ``provider`` authenticates a token exactly as jupyter_server's own
+    IdentityProvider does (then ``_jupyter_token_user`` may stand in for it)."""
+    cls = type(provider)
+    return all(getattr(cls, name) is getattr(IdentityProvider, name)
+               for name in ("get_user", "_get_user", "get_user_token", "get_token"))
 
 
 class TritonJupyterHandler(JupyterHandler):
     """Host base class for the v2 mixins on the Jupyter server."""
 
     auth_resource = AUTH_RESOURCE
-    scope = INFER
     _key_authorizer: _ScopedAuthorizer | None = None
-
-    def _presented_key(self) -> str:
-        header = self.request.headers.get("Authorization", "")
-        scheme, _, value = header.partition(" ")
-        return value.strip() if scheme.lower() in ("token", "bearer") else ""
-
-    def _match_key(self, key: str) -> _ScopedAuthorizer | None:
-        state: FrontendState = self.settings[SETTINGS_KEY]
-        if state.server_token and hmac.compare_digest(key, state.server_token):
-            return _ScopedAuthorizer(full=True)
-        if any(hmac.compare_digest(key, k) for k in state.inference_keys):
-            return _ScopedAuthorizer(full=False)
-        return None
+    _triton_authorized = False
 
     @property
     def authorizer(self):
         return self._key_authorizer or super().authorizer
 
+    def check_host(self) -> bool:
+        # The answer for a given Host header is constant (settings are fixed at start), except
+        # for UNIX-socket paths, which Jupyter checks on disk each time.
+        hosts: dict[str, bool] = self.settings[CACHE_KEY]["hosts"]
+        host = self.request.host
+        known = hosts.get(host)
+        if known is not None:
+            return known
+        allowed = super().check_host()
+        if not host.startswith(("/", "%2F", "%2f")):
+            if len(hosts) >= 256:          # bounded: the Host header is the client's choice
+                hosts.clear()
+            hosts[host] = allowed
+        return allowed
+
+    def _jupyter_token_user(self, credential: str) -> User | None:
+        """The user Jupyter's identity provider would find for a request that carries the
+        server's token in its Authorization header and nothing else (no cookie, no ?token=),
+        without minting a login cookie for a client that never sends cookies back."""
+        provider = self.identity_provider
+        token = provider.token
+        if (not token or self.request.headers.get("Cookie") is not None
+                or "token" in self.request.query_arguments or not _stock_token_auth(provider)
+                or not hmac.compare_digest(credential.encode(), token.encode())):
+            return None
+        cache = self.settings[CACHE_KEY]
+        if cache.get("token_user") is None:
+            # What Jupyter does for a token without a cookie: an anonymous user (Jupyter makes
+            # a fresh one per request; one per server is as anonymous and costs nothing).
+            cache["token_user"] = provider.generate_anonymous_user(self)
+        return cache["token_user"]
+
     async def prepare(self) -> None:
-        key = self._presented_key()
-        scoped = self._match_key(key) if key else None
-        if scoped is not None:
+        group = api_group(type(self))
+        action = auth_action(type(self), self.request.method or "")
+        credential = auth.bearer(self.request.headers)
+        own: AccessPolicy = self.settings[ACCESS_KEY]
+        groups = own.groups_of(credential) if credential else None
+        state: FrontendState = self.settings[SETTINGS_KEY]
+        if groups is not None:
             if not self.check_host():
                 raise web.HTTPError(403)
-            self._key_authorizer = scoped
-            self.current_user = self._jupyter_current_user = User(username="jupyter_triton-key")
+            self._key_authorizer = _ScopedAuthorizer(groups)
+            self.current_user = self._jupyter_current_user = User(username=KEY_USER)
+        elif state.allow_anonymous_inference and group in INFERENCE_SCOPE and not credential \
+                and not self.get_cookie(self.cookie_name or "", None):
+            if not self.check_host():
+                raise web.HTTPError(403)
+            self.current_user = self._jupyter_current_user = User(username="anonymous")
+            self._key_authorizer = _ScopedAuthorizer(INFERENCE_SCOPE)
+        elif credential and (user := self._jupyter_token_user(credential)) is not None:
+            # jupyter_server's JupyterHandler.prepare, step by step, for this one case.
+            CallContext.set(CallContext.JUPYTER_HANDLER, self)
+            if not self.check_host():
+                raise web.HTTPError(403)
+            self.current_user = self._jupyter_current_user = user
+            self._token_authenticated = True
+            self.set_cors_headers()
+            if self.request.method not in {"GET", "HEAD", "OPTIONS"}:
+                self.check_xsrf_cookie()
         else:
-            state: FrontendState = self.settings[SETTINGS_KEY]
-            if state.allow_anonymous_inference and self.scope == INFER and not key \
-                    and not self.get_cookie(self.cookie_name or "", None):
-                self.current_user = self._jupyter_current_user = User(username="anonymous")
-                self._key_authorizer = _ScopedAuthorizer(full=False)
-            else:
-                await super().prepare(_redirect_to_login=False)
-                if self.current_user is None:
-                    raise web.HTTPError(403, "authentication required")
-        action = _ACTIONS.get(self.request.method or "", "write")
+            await super().prepare(_redirect_to_login=False)
+            if self.current_user is None:
+                raise web.HTTPError(403, "authentication required")
         if not self.authorizer.is_authorized(self, self.current_user, action, AUTH_RESOURCE):
             raise web.HTTPError(403, f"not authorized to {action} {AUTH_RESOURCE}"
-                                     + (" (inference keys reach inference and metadata routes only)"
+                                     + (f" (this credential does not reach the '{group}' API; "
+                                        "inference keys never reach load/unload)"
                                         if self._key_authorizer else ""))
+        self._triton_authorized = True
 
 
 def _guard(method):
-    # prepare() has already authenticated and authorized (inference keys included); the
-    # decorators restate it per method, the way Jupyter's own handlers are checked.
-    return web.authenticated(authorized(method))
+    # prepare() has authenticated and authorized the request (with the route's own action);
+    # the guard refuses a method reached any other way (a prepare that was overridden
+    # without calling it), and carries @web.authenticated, as Jupyter checks of every handler.
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if not self._triton_authorized:
+            raise web.HTTPError(403, f"not authorized to use {AUTH_RESOURCE}")
+        return method(self, *args, **kwargs)
+    return web.authenticated(checked)
 
 
 def default_repository() -> Path:
@@ -123,7 +210,9 @@ class JupyterTriton(ExtensionApp):
                              ).tag(config=True)
     grpc_port = Int(-1, help="also serve Triton's gRPC protocol on this port (-1: off, 0: any free port)"
                     ).tag(config=True)
-    grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds").tag(config=True)
+    grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds (loopback by default; it takes "
+                                             "the same credentials as the HTTP routes, in 'authorization' "
+                                             "metadata)").tag(config=True)
     gil_switch_interval = Float(
         0.0005, allow_none=True,
         help="sys.setswitchinterval for the server process (None: leave Python's 5 ms). Instance "
@@ -154,6 +243,27 @@ class JupyterTriton(ExtensionApp):
             engine=self.engine, max_input_size=self.http_max_input_size,
             inference_keys=frozenset(self.inference_keys), server_token=self.server_token,
             allow_anonymous_inference=self.allow_anonymous_inference)
+        self.settings[ACCESS_KEY] = self.own_credentials()
+        self.settings[CACHE_KEY] = {"hosts": {}, "token_user": None}
+
+    def own_credentials(self) -> AccessPolicy:
+        """The credentials of ours the v2 routes take before Jupyter's: the server token
+        (every API group) and the inference keys (``INFERENCE_SCOPE``)."""
+        tokens = {key: INFERENCE_SCOPE for key in self.inference_keys if key}
+        tokens[self.server_token] = GROUPS
+        return AccessPolicy(tokens=tokens)
+
+    def grpc_access(self, identity_provider: IdentityProvider) -> AccessPolicy:
+        """The gRPC port's policy: exactly the HTTP routes' credentials and scopes (the
+        Jupyter server's token reaches every API, as it does over HTTP)."""
+        def jupyter_token(credential: str) -> frozenset[str] | None:
+            token = identity_provider.token
+            if token and hmac.compare_digest(credential.encode(), token.encode()):
+                return GROUPS
+            return None
+        own = self.own_credentials()
+        return AccessPolicy(tokens=own.tokens, verify=jupyter_token,
+                            anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(route_table(TritonJupyterHandler, "/", guard=_guard))
@@ -174,8 +284,12 @@ class JupyterTriton(ExtensionApp):
         self._grpc = None
         if self.grpc_port >= 0:
             from .frontends.grpc import start_grpc_server
+            if "access" not in inspect.signature(start_grpc_server).parameters:
+                raise RuntimeError("jupyter_triton: grpc_port is set but this gRPC frontend checks "
+                                   "no credentials; not opening an unauthenticated port")
             self._grpc, self.bound_grpc_port = await start_grpc_server(
-                self.engine, self.grpc_address, self.grpc_port)
+                self.engine, self.grpc_address, self.grpc_port,
+                access=self.grpc_access(serverapp.identity_provider))
         self._advertise(serverapp)
         ready = [m.name for m in self.engine.models() if m.ready]
         self.log.info("jupyter_triton: %d model(s) ready (%s) from %s at %sv2/", len(ready),
