@@ -9,6 +9,7 @@ request is allocated.
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any, NoReturn
 
 import numpy as np
@@ -157,35 +158,76 @@ def _fits_fp64(v: Any) -> bool:
 
 def json_data_to_array(data: Any, dt: str, shape: tuple[int, ...], name: str) -> np.ndarray:
     """The array for a JSON ``data`` field, checked against ``shape`` and ``dt``."""
+    if isinstance(data, _Hole):
+        return data.to_array(dt, shape, name)
     if not isinstance(data, list):
         raise InvalidArgument(
             f"unable to parse 'data' of input '{name}': expected an array, got {_json_type(data)}")
     count = element_count(shape)
     values = _flatten(data, shape, name)
     if len(values) != count:
+        raise InvalidArgument(_count_message(name, shape, count, len(values)))
+    return _values_to_array(values, dt, name, 0).reshape(shape)
+
+
+def _count_message(name: str, shape: tuple[int, ...], count: int, got: int) -> str:
+    return (f"unable to parse 'data' of input '{name}': shape {list(shape)} expects {count} "
+            f"elements, got {got}")
+
+
+def _values_to_array(values: list, dt: str, name: str, first: int) -> np.ndarray:
+    """A flat list of JSON values as an array of ``dt``; ``first`` is the index of
+    ``values[0]`` in the whole tensor (so that errors name the element the client sent)."""
+    try:
+        return _convert(values, dt, name)
+    except _BadElement as bad:
         raise InvalidArgument(
-            f"unable to parse 'data' of input '{name}': shape {list(shape)} expects {count} "
-            f"elements, got {len(values)}")
+            f"unable to parse 'data' of input '{name}': element {first + bad.index} is "
+            f"{_json_type(bad.value)} ({json.dumps(bad.value)[:40]}), expected {bad.want} for "
+            f"datatype {dt}") from None
+    except _OutOfRange as bad:
+        raise InvalidArgument(
+            f"unable to parse 'data' of input '{name}': element {first + bad.index} "
+            f"({bad.value}) is out of the range of datatype {dt}") from None
+
+
+class _BadElement(Exception):
+    def __init__(self, index: int, value: Any, want: str) -> None:
+        self.index, self.value, self.want = index, value, want
+
+
+class _OutOfRange(Exception):
+    def __init__(self, index: int, value: Any) -> None:
+        self.index, self.value = index, value
+
+
+def _first_bad(values: list, ok, want: str) -> NoReturn:
+    for i, v in enumerate(values):
+        if not ok(v):
+            raise _BadElement(i, v, want)
+    raise _BadElement(0, values[0] if values else None, want)  # pragma: no cover
+
+
+def _convert(values: list, dt: str, name: str) -> np.ndarray:
     if dt == "BOOL":
         if not all(type(v) is bool for v in values):
-            _bad_element(values, lambda v: type(v) is bool, name, dt, "a boolean")
-        arr = np.array(values, dtype=np.bool_)
-    elif dt in _INT_TYPES:
+            _first_bad(values, lambda v: type(v) is bool, "a boolean")
+        return np.array(values, dtype=np.bool_)
+    if dt in _INT_TYPES:
         if not all(type(v) is int for v in values):
-            _bad_element(values, lambda v: type(v) is int, name, dt, "an integer")
+            _first_bad(values, lambda v: type(v) is int, "an integer")
         info = np.iinfo(triton_to_numpy(dt))
         if values and (min(values) < info.min or max(values) > info.max):
-            _bad_element(values, lambda v: info.min <= v <= info.max, name, dt,
-                         f"an integer in [{info.min}, {info.max}]")
-        arr = np.array(values, dtype=triton_to_numpy(dt))
-    elif dt in _FLOAT_TYPES:
+            _first_bad(values, lambda v: info.min <= v <= info.max,
+                       f"an integer in [{info.min}, {info.max}]")
+        return np.array(values, dtype=triton_to_numpy(dt))
+    if dt in _FLOAT_TYPES:
         if not all(type(v) in (int, float) for v in values):
-            _bad_element(values, lambda v: type(v) in (int, float), name, dt, "a number")
+            _first_bad(values, lambda v: type(v) in (int, float), "a number")
         try:
             wide = np.array(values, dtype=np.float64)
         except OverflowError:
-            _bad_element(values, _fits_fp64, name, dt,
-                         "a number within the range of FP64")
+            _first_bad(values, _fits_fp64, "a number within the range of FP64")
         with np.errstate(over="ignore"):
             arr = wide.astype(triton_to_numpy(dt))
             if dt == "BF16":
@@ -193,17 +235,145 @@ def json_data_to_array(data: Any, dt: str, shape: tuple[int, ...], name: str) ->
         overflow = np.isinf(arr) & np.isfinite(wide)
         if overflow.any():
             i = int(np.argmax(overflow))
-            raise InvalidArgument(
-                f"unable to parse 'data' of input '{name}': element {i} ({values[i]}) is out of "
-                f"the range of datatype {dt}")
-    elif dt == "BYTES":
+            raise _OutOfRange(i, values[i])
+        return arr
+    if dt == "BYTES":
         if not all(type(v) is str for v in values):
-            _bad_element(values, lambda v: type(v) is str, name, dt, "a string")
-        arr = np.empty(count, dtype=np.object_)
+            _first_bad(values, lambda v: type(v) is str, "a string")
+        arr = np.empty(len(values), dtype=np.object_)
         arr[:] = [v.encode("utf-8") for v in values]
-    else:  # pragma: no cover - datatype validated by the caller
-        raise InvalidArgument(f"invalid datatype '{dt}' for input '{name}'")
-    return arr.reshape(shape)
+        return arr
+    raise InvalidArgument(f"invalid datatype '{dt}' for input '{name}'")  # pragma: no cover
+
+
+# -- large JSON documents, decoded in slices ----------------------------------------------
+#
+# json.loads holds the GIL for the whole document: 60 MiB of numbers is a second or more
+# during which no other thread (the server's event loop included) runs, even when the
+# decode was handed to a worker thread. So a large document is decoded in slices of a few
+# milliseconds each: the long runs of numbers inside arrays (what makes a request large) are
+# cut out and replaced by a marker, the small remaining skeleton is parsed in one go, and
+# each run is parsed and converted slice by slice, the GIL free for others in between.
+
+SLICED_MIN = 1 << 20          # documents below this are parsed in one go
+_RUN_MIN = 64 * 1024          # a run of numbers must fill a whole window of this size
+_SLICE = 64 * 1024            # bytes of numbers parsed per slice (a few ms)
+_NUMERIC = b"0123456789+-.eE,\t\n\r "
+_MASK = bytes(48 if i in _NUMERIC else 49 for i in range(256))    # b"0" numeric, b"1" not
+
+
+class _Hole:
+    """The text of one long run of numbers (an array's inside), decoded on demand."""
+
+    def __init__(self, text: bytes, start: int, end: int) -> None:
+        self.text, self.start, self.end = text, start, end
+
+    def slices(self):
+        """The run's values, one list per slice (each a short json.loads)."""
+        text, pos, end = self.text, self.start, self.end
+        if not text[pos:end].strip():
+            return
+        while pos < end:
+            cut = end if end - pos <= _SLICE else text.rfind(b",", pos, pos + _SLICE)
+            if cut <= pos:                      # no comma in a whole slice: not a number list
+                cut = end
+            piece = text[pos:cut]
+            if not piece.strip():
+                raise InvalidArgument("failed to parse the request JSON buffer: an array "
+                                      "element is missing")
+            yield _parse_json(b"[" + piece + b"]")
+            pos = cut + 1
+        if text[end - 1:end] == b",":
+            raise InvalidArgument("failed to parse the request JSON buffer: trailing comma "
+                                  "in an array")
+
+    def to_list(self) -> list:
+        out: list = []
+        for values in self.slices():
+            out.extend(values)
+        return out
+
+    def to_array(self, dt: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+        count = element_count(shape)
+        parts, seen = [], 0
+        for values in self.slices():
+            if seen + len(values) <= count:
+                parts.append(_values_to_array(values, dt, name, seen))
+            seen += len(values)
+        if seen != count:
+            raise InvalidArgument(_count_message(name, shape, count, seen))
+        if not parts:
+            return np.zeros(shape, dtype=triton_to_numpy(dt))
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(shape)
+
+
+def _number_runs(text: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each long run of number text directly inside ``[`` ... ``]``."""
+    runs = []
+    n, w = len(text), _RUN_MIN
+    k = 0
+    while k * w < n:
+        if b"1" in text[k * w:(k + 1) * w].translate(_MASK):
+            k += 1
+            continue
+        j = k + 1
+        while j * w < n and b"1" not in text[j * w:(j + 1) * w].translate(_MASK):
+            j += 1
+        left = text[max(0, (k - 1) * w):k * w].translate(_MASK).rfind(b"1")
+        left = -1 if left < 0 else left + max(0, (k - 1) * w)
+        right = text[j * w:(j + 1) * w].translate(_MASK).find(b"1")
+        right = -1 if right < 0 else right + j * w
+        if left >= 0 and right >= 0 and text[left] == 0x5B and text[right] == 0x5D:
+            runs.append((left + 1, right))
+        k = j + 1
+    return runs
+
+
+def _parse_large_json(text: bytes) -> Any:
+    """json.loads(text), except that a long number run which is an input's ``data`` stays
+    a _Hole (decoded later, slice by slice, straight into its array)."""
+    runs = _number_runs(text)
+    if not runs:
+        return _parse_json(text)
+    # A marker cannot stand for a run that was really inside a string: its quote would end
+    # that string and the backslash after it is invalid JSON outside one.
+    key = "\\u0001hole-" + secrets.token_hex(8)
+    parts, pos = [], 0
+    for i, (start, end) in enumerate(runs):
+        parts += [text[pos:start], b'{"%s":%d}' % (key.encode(), i)]
+        pos = end
+    parts.append(text[pos:])
+    try:
+        doc = json.loads(b"".join(parts))
+    except (ValueError, RecursionError):
+        return _parse_json(text)    # the whole parse names the error exactly
+    marker = "\x01hole-" + key[len("\\u0001hole-"):]
+    holes = [_Hole(text, s, e) for s, e in runs]
+    found: list[int] = []
+
+    def fill(node: Any, as_data: bool = False) -> Any:
+        if isinstance(node, list):
+            if len(node) == 1 and isinstance(node[0], dict) and marker in node[0]:
+                i = node[0][marker]
+                found.append(i)
+                if type(i) is not int or not 0 <= i < len(holes):
+                    return node
+                return holes[i] if as_data else holes[i].to_list()
+            return [fill(x) for x in node]
+        if isinstance(node, dict):
+            return {k: fill(v) for k, v in node.items()}
+        return node
+
+    if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
+        doc = {k: ([{kk: fill(vv, kk == "data") for kk, vv in item.items()}
+                    if isinstance(item, dict) else fill(item) for item in v]
+                   if k == "inputs" else fill(v))
+               for k, v in doc.items()}
+    else:
+        doc = fill(doc)
+    if sorted(found) != list(range(len(holes))):
+        return _parse_json(text)
+    return doc
 
 
 _CONTENT_FIELDS = "Input must set only one of the following fields: 'data', 'binary_data_size' " \
@@ -298,7 +468,8 @@ def decode_infer_request(body: bytes | memoryview, header_length: int | None, mo
     elif header_length < 0 or header_length > total:
         raise InvalidArgument(
             f"inference header size should be in range (0, {total}), got: {header_length}")
-    doc = _parse_json(bytes(view[:header_length]))
+    text = body if isinstance(body, bytes) and header_length == total else bytes(view[:header_length])
+    doc = _parse_large_json(text) if header_length >= SLICED_MIN else _parse_json(text)
     if not isinstance(doc, dict):
         raise InvalidArgument(
             f"failed to parse the request JSON buffer: expected an object, got {_json_type(doc)}")
@@ -431,6 +602,19 @@ def _json_data(tensor: InferTensor) -> list | None:
     return np.asarray(arr, dtype=triton_to_numpy(tensor.datatype)).ravel().tolist()
 
 
+_SLICED_ELEMENTS = 1 << 18      # outputs with more elements than this are encoded in slices
+
+
+def _json_data_slices(tensor: InferTensor) -> list[bytes]:
+    arr = np.asarray(tensor.data)
+    if tensor.datatype == "BF16":
+        arr = round_to_bf16(arr.astype(np.float32))
+    flat = np.asarray(arr, dtype=triton_to_numpy(tensor.datatype)).ravel()
+    step = _SLICED_ELEMENTS // 16
+    return [json.dumps(flat[i:i + step].tolist(), separators=(",", ":"))[1:-1].encode()
+            for i in range(0, flat.size, step)]
+
+
 def encode_infer_response(response: InferResponse, request: InferRequest
                           ) -> tuple[bytes, int | None]:
     """The response body and its Inference-Header-Content-Length (None: all JSON).
@@ -443,19 +627,29 @@ def encode_infer_response(response: InferResponse, request: InferRequest
     default_binary = bool(request.parameters.get("binary_data_output", False))
     outputs = []
     buffers: list[bytes | memoryview] = []
+    # Large JSON outputs are written slice by slice (json.dumps holds the GIL throughout),
+    # then spliced into the document where their marker string stands.
+    spliced: dict[bytes, list[bytes]] = {}
+    nonce = secrets.token_hex(8)
     for t in response.outputs:
         binary = requested.get(t.name, {}).get("binary_data", default_binary)
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype,
                                  "shape": [int(d) for d in t.shape]}
         params = dict(t.parameters)
-        data = None if binary or t.data is None else _json_data(t)
+        if not binary and t.datatype != "BYTES" and np.asarray(t.data).size >= _SLICED_ELEMENTS:
+            key = f"\x01data-{nonce}-{len(spliced)}"
+            spliced[json.dumps(key).encode()] = _json_data_slices(t)
+            entry["data"] = key
+            data: list | None = []
+        else:
+            data = None if binary or t.data is None else _json_data(t)
         if t.data is None:      # written to a shared memory region: no data in the body
             pass
         elif data is None:
             buf = tensor_wire_buffer(t.data, t.datatype)
             params["binary_data_size"] = memoryview(buf).nbytes
             buffers.append(buf)
-        else:
+        elif "data" not in entry:
             entry["data"] = data
         if params:
             entry["parameters"] = params
@@ -469,6 +663,9 @@ def encode_infer_response(response: InferResponse, request: InferRequest
         doc["parameters"] = response.parameters
     doc["outputs"] = outputs
     header = json.dumps(doc, separators=(",", ":"), default=_json_default).encode()
+    for marker, slices in spliced.items():
+        before, _, after = header.partition(marker)
+        header = b"".join([before, b"[", b",".join(slices), b"]", after])
     if not buffers:
         return header, None
     return b"".join([header, *buffers]), len(header)
