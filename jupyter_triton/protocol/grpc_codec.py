@@ -12,7 +12,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from .datatypes import element_count, is_valid_datatype, tensor_from_wire, tensor_to_wire
-from .errors import InvalidArgument, Unsupported
+from .errors import InvalidArgument
 from .http_codec import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
@@ -121,9 +121,12 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
     parameters = check_request_parameters(
         {k: parameter_value(v) for k, v in req.parameters.items()})
     raw = req.raw_input_contents
-    if len(raw) and len(raw) != len(req.inputs):
+    # an input in a shared memory region has no entry in raw_input_contents
+    in_body = [i for i, inp in enumerate(req.inputs) if "shared_memory_region" not in inp.parameters]
+    raw_index = {i: k for k, i in enumerate(in_body)}
+    if len(raw) and len(raw) != len(in_body):
         raise InvalidArgument(
-            f"expected {len(req.inputs)} inputs but got {len(raw)} inputs in "
+            f"expected {len(in_body)} inputs but got {len(raw)} inputs in "
             f"'raw_input_contents' for model '{model}'")
 
     specs = []
@@ -137,10 +140,6 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
         names.add(name)
         shape = _check_shape(list(inp.shape), name, max_elements)
         tparams = {k: parameter_value(v) for k, v in inp.parameters.items()}
-        if "shared_memory_region" in tparams:
-            raise Unsupported(
-                f"input '{name}' uses 'shared_memory_region': shared memory is not supported by "
-                "this server; send the data in the request")
         if len(raw) and inp.HasField("contents"):
             raise InvalidArgument(
                 f"contents field must not be specified when using raw_input_contents for "
@@ -150,8 +149,10 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
     inputs = []
     for i, name, dt, shape, tparams in specs:
         inp = req.inputs[i]
-        if len(raw):
-            arr = tensor_from_wire(raw[i], dt, shape, name, model)
+        if "shared_memory_region" in tparams:
+            arr = None      # the engine reads it from the region (engine/shared_memory.py)
+        elif len(raw):
+            arr = tensor_from_wire(raw[raw_index[i]], dt, shape, name, model)
         else:
             arr = _from_contents(inp.contents, dt, shape, name, model)
         inputs.append(InferTensor(name=name, datatype=dt, shape=shape, data=arr,
@@ -164,10 +165,6 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
             raise InvalidArgument(f"output '{out.name}' is requested more than once")
         seen.add(out.name)
         oparams = {k: parameter_value(v) for k, v in out.parameters.items()}
-        if "shared_memory_region" in oparams:
-            raise Unsupported(
-                f"output '{out.name}' uses 'shared_memory_region': shared memory is not "
-                "supported by this server")
         cls = oparams.get("classification")
         if cls is not None and (isinstance(cls, bool) or not isinstance(cls, int) or cls < 0):
             raise InvalidArgument(
@@ -191,5 +188,6 @@ def encode_grpc_response(resp: InferResponse, request: InferRequest
         out = msg.outputs.add(name=t.name, datatype=t.datatype, shape=[int(d) for d in t.shape])
         for key, value in t.parameters.items():
             set_parameter(out.parameters[key], value)
-        msg.raw_output_contents.append(tensor_to_wire(t.data, t.datatype))
+        # an output written to a shared memory region keeps an empty entry, as in Triton
+        msg.raw_output_contents.append(b"" if t.data is None else tensor_to_wire(t.data, t.datatype))
     return msg
