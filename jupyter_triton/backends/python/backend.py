@@ -8,6 +8,31 @@ config asks for it, in the instance's own thread::
 
 Like Triton, ``execute`` gets every request of a batch and returns one response per
 request; nothing is merged here.
+
+Bounds, as config ``parameters`` (seconds, ``string_value``; "0" means no bound)::
+
+    parameters { key: "execute_timeout_seconds" value: { string_value: "600" } }
+    parameters { key: "initialize_timeout_seconds" value: { string_value: "600" } }
+    parameters { key: "finalize_timeout_seconds" value: { string_value: "5" } }
+
+- ``execute_timeout_seconds`` (default 600): a batch whose ``execute`` has not returned by
+  then fails with DeadlineExceeded (504) naming the model and the bound; the worker is
+  killed and a new one started, which serves the next batch. Long enough for a slow model on
+  a CPU (a large batch through a big network), short enough that a model stuck in a loop
+  or a lock gives its requests back.
+- ``initialize_timeout_seconds`` (default 600): for ``initialize`` (and
+  ``auto_complete_config``); past it the load fails with DeadlineExceeded, or a restarted
+  worker counts as one that died. Loading weights from a slow disk or network takes minutes.
+- ``finalize_timeout_seconds`` (default 5): unload waits this long for ``finalize``, then
+  kills the worker, so that unload and server shutdown finish even with a hung model. A
+  batch still executing when unload comes is not waited for (the engine has drained its
+  requests before): its worker is killed and the batch fails with Unavailable.
+
+Timeouts need a worker to kill: in thread mode they are not enforced (a thread cannot be
+stopped) and unload gives up waiting for a hung ``execute`` after ``finalize_timeout_seconds``.
+
+A batch whose tensors do not fit in /dev/shm fails with Unavailable (503) and the reason;
+the worker and the server live on.
 """
 from __future__ import annotations
 
@@ -25,18 +50,24 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ...protocol.errors import (Cancelled, Internal, InvalidArgument, NotFound, TritonError,
-                                Unavailable, Unsupported)
+from ...protocol.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
+                                TritonError, Unavailable, Unsupported)
 from ...protocol.types import InferRequest
 from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, Tensors
 from . import triton_python_backend_utils as pb_utils
 from .stub import ModelStub, RequestData, ResponseError, StubError, module_name, run_auto_complete_config
-from .worker import WorkerDied, WorkerProcess, auto_complete_in_worker, describe_exit
+from .shm import SharedMemoryFull
+from .worker import WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker, describe_exit
 
 log = logging.getLogger(__name__)
 
 EXECUTION_MODE = "EXECUTION_MODE"
 MODES = ("process", "thread")
+
+EXECUTE_TIMEOUT = "execute_timeout_seconds"
+INITIALIZE_TIMEOUT = "initialize_timeout_seconds"
+FINALIZE_TIMEOUT = "finalize_timeout_seconds"
+DEFAULT_TIMEOUTS = {EXECUTE_TIMEOUT: 600.0, INITIALIZE_TIMEOUT: 600.0, FINALIZE_TIMEOUT: 5.0}
 
 # Request parameters the protocol reserves; a model's request.parameters() shows the rest.
 _RESERVED_PARAMETERS = frozenset({
@@ -99,6 +130,23 @@ def execution_mode(config: mc.ModelConfig) -> str:
     return mode
 
 
+def timeout_parameter(config: mc.ModelConfig, key: str) -> float | None:
+    """Seconds from config ``parameters`` (the default when absent); None means no bound."""
+    param = config.parameters.get(key)
+    text = param.string_value.strip() if param is not None else ""
+    if not text:
+        seconds = DEFAULT_TIMEOUTS[key]
+    else:
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not seconds >= 0 or seconds == float("inf"):
+            raise InvalidArgument(f"model '{config.name}': parameter {key} must be a number of "
+                                  f"seconds (0 for no bound), got '{param.string_value}'")
+    return seconds or None
+
+
 def model_py_path(config: mc.ModelConfig, files: ModelFiles) -> Path:
     return files.version_dir / (files.default_filename or config.default_model_filename or "model.py")
 
@@ -123,16 +171,20 @@ class PythonBackend(Backend):
     #: a worker that dies this many times within ``death_window_s`` is not restarted again
     max_deaths: int = 3
     death_window_s: float = 60.0
-    finalize_timeout_s: float = 30.0
 
     def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
         super().__init__(config, files, instance)
         self.mode = execution_mode(config)
         self.model_py = model_py_path(config, files)
+        self.execute_timeout_s = timeout_parameter(config, EXECUTE_TIMEOUT)
+        self.initialize_timeout_s = timeout_parameter(config, INITIALIZE_TIMEOUT)
+        self.finalize_timeout_s = timeout_parameter(config, FINALIZE_TIMEOUT)
+        self._all_outputs = [o.name for o in config.output]
         self._stub: ModelStub | None = None
         self._worker: WorkerProcess | None = None
         self._deaths: collections.deque[float] = collections.deque()
         self._dead: BackendDead | None = None
+        self._closing = False
         self._lock = threading.Lock()
 
     # -- Triton's view of this instance -------------------------------------------------
@@ -165,7 +217,8 @@ class PythonBackend(Backend):
             if execution_mode(config) == "thread":
                 completed = run_auto_complete_config(str(model_py), module, triton_config_json(config))
             else:
-                completed = auto_complete_in_worker(str(model_py), module, triton_config_json(config))
+                completed = auto_complete_in_worker(str(model_py), module, triton_config_json(config),
+                                                    timeout_parameter(config, INITIALIZE_TIMEOUT))
         except StubError as err:
             log.error("model '%s': auto_complete_config failed:\n%s", files.model_name, err.traceback)
             raise InvalidArgument(
@@ -174,6 +227,10 @@ class PythonBackend(Backend):
         except WorkerDied as err:
             raise Internal(f"python worker for model '{files.model_name}' died ({describe_exit(err.exitcode)}) "
                            "while running auto_complete_config") from None
+        except WorkerTimeout as err:
+            raise DeadlineExceeded(
+                f"model '{files.model_name}': TritonPythonModel.auto_complete_config did not finish "
+                f"within {err.seconds:g} s (parameter {INITIALIZE_TIMEOUT}); the worker was killed") from None
         try:
             return json_format.ParseDict(completed, mc.ModelConfig())
         except json_format.ParseError as err:
@@ -195,7 +252,7 @@ class PythonBackend(Backend):
             return
         worker = self._spawn()
         try:
-            worker.wait_ready()
+            worker.wait_ready(self.initialize_timeout_s)
         except StubError as err:
             worker.close()
             raise self._load_error(err) from None
@@ -203,6 +260,11 @@ class PythonBackend(Backend):
             worker.close()
             raise Internal(f"python worker for {self._who} died ({describe_exit(err.exitcode)}) "
                            f"during initialize{_script_hint()}") from None
+        except WorkerTimeout as err:
+            worker.close(0)
+            raise DeadlineExceeded(
+                f"{self._who}: TritonPythonModel.initialize did not finish within {err.seconds:g} s "
+                f"(parameter {INITIALIZE_TIMEOUT}); the worker was killed") from None
         self._worker = worker
 
     def execute(self, requests: list[Tensors],
@@ -228,7 +290,19 @@ class PythonBackend(Backend):
             return [self._response(r, d) for r, d in zip(results, data)]
 
     def unload(self) -> None:
-        with self._lock:
+        """Bounded: a batch still executing is not waited for (its worker is killed), and
+        ``finalize`` gets ``finalize_timeout_seconds``."""
+        self._closing = True
+        if not self._lock.acquire(blocking=False):
+            worker = self._worker
+            if worker is not None:   # the engine has drained; what still runs is stuck
+                log.warning("%s: a batch is still executing at unload; killing its worker", self._who)
+                worker.kill()
+            if not self._lock.acquire(timeout=self.finalize_timeout_s or 5.0):
+                log.error("%s: execute did not return at unload%s; leaving it behind", self._who,
+                          " (thread mode: a thread cannot be stopped)" if self.mode == "thread" else "")
+                return
+        try:
             error = None
             if self._stub is not None:
                 try:
@@ -241,6 +315,8 @@ class PythonBackend(Backend):
                 error = worker.stop(self.finalize_timeout_s)
             if error is not None:
                 log.warning("%s: finalize failed: %s\n%s", self._who, error.message, error.traceback)
+        finally:
+            self._lock.release()
 
     # -- worker processes -------------------------------------------------------------------
 
@@ -248,30 +324,57 @@ class PythonBackend(Backend):
         return WorkerProcess(str(self.model_py), self.triton_args(), self.instance.name).start()
 
     def _execute_in_worker(self, data: list[RequestData]) -> list | TritonError:
+        if self._closing:
+            return Unavailable(f"{self._who} is being unloaded")
         if self._worker is None:
             self._worker = self._spawn()
         worker = self._worker
         try:
             if not worker.ready:
                 try:
-                    worker.wait_ready()
+                    worker.wait_ready(self.initialize_timeout_s)
                 except StubError as err:   # a restart whose initialize failed counts as a death
                     log.error("%s: restart failed:\n%s", self._who, err.traceback)
                     return self._on_death(
                         f"python worker for {self._who} could not be restarted: {err.message}")
-            return worker.execute(data)
+                except WorkerTimeout as err:
+                    return self._on_death(
+                        f"python worker for {self._who} could not be restarted: initialize did not "
+                        f"finish within {err.seconds:g} s (parameter {INITIALIZE_TIMEOUT})")
+            return worker.execute(data, self.execute_timeout_s, self._all_outputs)
         except StubError as err:
             return self._execute_error(err)
+        except SharedMemoryFull as err:
+            return Unavailable(f"{self._who}: {err}; the batch of {len(data)} request(s) was not run "
+                               "(enlarge /dev/shm, e.g. docker run --shm-size, or send smaller batches)")
+        except WorkerTimeout as err:
+            return self._on_timeout(err, len(data))
         except WorkerDied as err:
+            if self._closing:
+                return Unavailable(f"{self._who} was unloaded while executing {len(data)} request(s)")
             return self._on_death(
                 f"python worker for {self._who} died ({describe_exit(err.exitcode)}) while "
                 f"executing {len(data)} request(s)")
 
+    def _on_timeout(self, err: WorkerTimeout, count: int) -> DeadlineExceeded:
+        """A stuck execute: the worker is already killed; restart it, not counted as a death
+        (a model that is sometimes slow is not broken)."""
+        self._discard_worker()
+        what = (f"{self._who}: execute did not finish within {err.seconds:g} s (parameter "
+                f"{EXECUTE_TIMEOUT}) for {count} request(s); the worker was killed")
+        log.warning("%s; restarting it", what)
+        if not self._closing:
+            self._worker = self._spawn()
+        return DeadlineExceeded(f"{what} and is being restarted")
+
+    def _discard_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.close(0)
+            self._worker = None
+
     def _on_death(self, what: str) -> Unavailable:
         """Fail the batch, restart the worker in the background, or give up for good."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self._discard_worker()
         now = time.monotonic()
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > self.death_window_s:
@@ -290,10 +393,14 @@ class PythonBackend(Backend):
     # -- conversions --------------------------------------------------------------------------
 
     def _request_data(self, inputs: Tensors, request: InferRequest | None) -> RequestData:
-        all_outputs = [o.name for o in self.config.output]
+        all_outputs = list(self._all_outputs)   # the model may change its copy
         if request is None:
             return RequestData(inputs=inputs, requested_output_names=all_outputs)
         params = request.parameters or {}
+        if not params:
+            return RequestData(inputs=inputs, request_id=request.id,
+                               requested_output_names=[o.name for o in request.outputs]
+                               if request.outputs else all_outputs)
         flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) \
             | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0)
         return RequestData(

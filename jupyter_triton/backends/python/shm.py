@@ -5,21 +5,40 @@ nothing); the worker only attaches. A region is reused for every batch and repla
 bigger one when a batch does not fit. Only ``TensorRef`` tuples (name, dtype, shape,
 offset, size) cross the pipe; the bytes stay in the region. BYTES tensors are stored in
 Triton's serialized form (4-byte little-endian length before each element).
+
+Segments are named ``jt_<server pid>_<random>``. A server killed with SIGKILL cannot unlink
+its own, so every server sweeps, once at its first worker start, the segments of this user
+whose server pid is no longer alive. Every region's pages are reserved when it is created
+(``posix_fallocate``): on a full /dev/shm (64 MiB in Docker and Kubernetes by default) that is
+an error for the batch that asked, where touching an only ``ftruncate``d page would be a
+SIGBUS that kills the whole server.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import re
 import secrets
+import threading
 from multiprocessing import shared_memory
 from typing import NamedTuple
 
 import numpy as np
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+log = logging.getLogger(__name__)
+
 ALIGN = 64
 MIN_REGION_BYTES = 1 << 20
 PREFIX = "jt_"
 BYTES = "BYTES"
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)_[0-9a-f]+")
+
+
+class SharedMemoryFull(Exception):
+    """No room in /dev/shm for a region: the message says how much was asked and is free."""
 
 
 class TensorRef(NamedTuple):
@@ -67,6 +86,99 @@ def region_size_for(nbytes: int) -> int:
     return size
 
 
+def _exact_size_for(nbytes: int) -> int:
+    return max(MIN_REGION_BYTES, -(-nbytes // MIN_REGION_BYTES) * MIN_REGION_BYTES)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def shm_free_bytes() -> int | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink this user's ``jt_<pid>_*`` segments whose pid is dead; returns their names."""
+    try:
+        names = os.listdir(directory)
+    except OSError:   # no /dev/shm (macOS): segments live elsewhere and the OS reclaims them
+        return []
+    uid, swept, alive = os.getuid(), [], {}
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid not in alive:
+            alive[pid] = _pid_alive(pid)
+        if alive[pid]:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        swept.append(name)
+    if swept:
+        log.info("removed %d shared-memory segment(s) left by dead servers: %s", len(swept),
+                 ", ".join(sorted(swept)[:8]) + (" ..." if len(swept) > 8 else ""))
+    return swept
+
+
+_swept = threading.Event()
+_sweep_lock = threading.Lock()
+
+
+def sweep_once() -> None:
+    """``sweep_stale_segments`` the first time a server of this process needs a region."""
+    if _swept.is_set():
+        return
+    with _sweep_lock:
+        if not _swept.is_set():
+            sweep_stale_segments()
+            _swept.set()
+
+
+def _reserve(shm: shared_memory.SharedMemory) -> None:
+    fd = getattr(shm, "_fd", -1)
+    if fd < 0 or not hasattr(os, "posix_fallocate"):
+        return
+    while True:
+        try:
+            os.posix_fallocate(fd, 0, shm.size)
+            return
+        except InterruptedError:
+            continue
+        except OSError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return   # a file system without fallocate: nothing to reserve with
+            raise
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class ShmRegion:
     """One named shared-memory segment."""
 
@@ -76,9 +188,31 @@ class ShmRegion:
 
     @classmethod
     def create(cls, nbytes: int) -> "ShmRegion":
-        name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        return cls(shared_memory.SharedMemory(name=name, create=True, size=region_size_for(nbytes)),
-                   owner=True)
+        """A region of at least ``nbytes``, its pages reserved; ``SharedMemoryFull`` when
+        /dev/shm has no room for it (never a signal later)."""
+        sizes = [region_size_for(nbytes)]
+        if _exact_size_for(nbytes) < sizes[0]:
+            sizes.append(_exact_size_for(nbytes))   # the headroom does not fit: the bare need may
+        for size in sizes:
+            name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+            try:
+                shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            except OSError as err:
+                if err.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                continue
+            try:
+                _reserve(shm)
+            except OSError as err:
+                cls(shm, owner=True).close()
+                if err.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                continue
+            return cls(shm, owner=True)
+        free = shm_free_bytes()
+        raise SharedMemoryFull(
+            f"cannot allocate {_mib(_exact_size_for(nbytes))} of shared memory in {SHM_DIR} "
+            f"(No space left on device; {_mib(free) if free is not None else 'unknown'} free)")
 
     @classmethod
     def attach(cls, name: str) -> "ShmRegion":
@@ -92,7 +226,8 @@ class ShmRegion:
     def size(self) -> int:
         return self._shm.size
 
-    def write(self, staged: list[Staged]) -> list[TensorRef]:
+    def write(self, staged: list[Staged]) -> list[tuple]:
+        """Copies in; returns the layout as plain tuples (what crosses the wire)."""
         buf = self._shm.buf
         for ref, payload in staged:
             if ref.nbytes == 0:
@@ -103,21 +238,22 @@ class ShmRegion:
                 view = np.ndarray(payload.shape, payload.dtype, buffer=buf, offset=ref.offset)
                 np.copyto(view, payload, casting="no")
                 del view   # a live view would keep the segment from closing
-        return [s.ref for s in staged]
+        return [tuple(s.ref) for s in staged]
 
-    def read(self, refs: list[TensorRef]) -> dict[str, np.ndarray]:
-        """Copies out: the region is overwritten by the next batch."""
+    def read(self, refs: list[tuple]) -> dict[str, np.ndarray]:
+        """Copies out: the region is overwritten by the next batch. ``refs`` are
+        ``TensorRef``s or the plain tuples they travel as."""
         buf = self._shm.buf
         out = {}
-        for ref in refs:
-            raw = buf[ref.offset:ref.offset + ref.nbytes]
-            if ref.dtype == BYTES:
-                array = deserialize_bytes_tensor(bytes(raw)).reshape(ref.shape) if ref.nbytes \
-                    else np.empty(ref.shape, dtype=np.object_)
+        for name, dtype, shape, offset, nbytes in refs:
+            if not nbytes:
+                array = np.empty(shape, dtype=np.object_ if dtype == BYTES else dtype)
+            elif dtype == BYTES:
+                array = deserialize_bytes_tensor(bytes(buf[offset:offset + nbytes])).reshape(shape)
             else:
-                array = np.frombuffer(raw, dtype=np.dtype(ref.dtype)).reshape(ref.shape).copy()
-            raw.release()
-            out[ref.name] = array
+                array = np.frombuffer(buf, dtype=dtype, count=_count(shape), offset=offset) \
+                    .reshape(shape).copy()
+            out[name] = array
         return out
 
     def close(self) -> None:

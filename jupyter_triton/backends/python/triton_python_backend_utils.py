@@ -50,14 +50,15 @@ def triton_to_numpy_type(data_type: int) -> Any:
     return _TRITON_ENUM_TO_NUMPY.get(data_type)
 
 
+_NUMPY_TO_TRITON_ENUM: dict[np.dtype, int] = {
+    np.dtype(t): code for code, t in _TRITON_ENUM_TO_NUMPY.items() if code != 13}
+
+
 def numpy_to_triton_type(data_type: Any) -> int | None:
-    dt = np.dtype(data_type)
+    dt = data_type if isinstance(data_type, np.dtype) else np.dtype(data_type)
     if dt.kind in "OS":
         return 13
-    for code, np_type in _TRITON_ENUM_TO_NUMPY.items():
-        if code != 13 and dt == np.dtype(np_type):
-            return code
-    return None
+    return _NUMPY_TO_TRITON_ENUM.get(dt)
 
 
 class TritonError:

@@ -1,40 +1,72 @@
 """A model instance's worker process, both ends of it.
 
 ``worker_main`` runs in the child (spawned, never forked: the server is threaded) and
-serves one ``ModelStub``. ``WorkerProcess`` is the server's handle: it moves tensors
-through shared memory and small metadata through a pipe, and every wait also watches the
-process sentinel, so a worker that dies (segfault, ``os._exit``, the OOM killer) is
-noticed at once instead of hanging the instance.
+serves one ``ModelStub``. ``WorkerProcess`` is the server's handle: tensors travel through
+two shared-memory regions (inputs, outputs) that live as long as the worker and grow when a
+batch does not fit; a small header travels through a socket. One batch costs one write and
+one read on each side, and nothing polls: the server blocks in ``poll`` on the socket and the
+process sentinel together, so a worker that dies (segfault, ``os._exit``, the OOM killer) is
+noticed at once, and a worker past its deadline is killed.
 
-Pipe protocol, one exchange at a time:
-    server -> worker  ("execute", in_region, out_region, [request meta])  ("out", region)  ("finalize",)
-    worker -> server  ("ready", pid)  ("result", [("ok", refs) | ("error", code, msg)])
-                      ("grow", nbytes)  ("error", StubError tuple)  ("done",)
+A worker dies with its server: it asks the kernel for SIGKILL when its parent goes
+(``PR_SET_PDEATHSIG`` on Linux, armed from a spawner thread that lives as long as the server,
+because the kernel ties that signal to the thread that started the child), and it leaves its
+loop when the socket reports end-of-file.
+
+Wire format: a 4-byte little-endian length, then a pickle of a tuple of plain values (no
+classes: they cost several times more to pickle). A tensor is (name, dtype, shape, offset,
+nbytes) in a region.
+    server -> worker  ("x", in_region, out_region, [meta])   one batch; meta is a list of tensors,
+                      or (tensors, id, correlation id, parameters, output names, flags)
+                      ("o", region | None)   the bigger output region asked for (None: no room)
+                      ("r",)   release every mapped region     ("f",)   finalize and leave
+    worker -> server  ("ready", pid)  ("error", StubError tuple)  ("res", [tensors | (code, msg)])
+                      ("grow", nbytes)  ("r",)  ("done",)
 """
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import ctypes
 import logging
 import multiprocessing
 import os
+import pickle
+import queue
+import select
 import signal
+import struct
 import sys
+import threading
+import time
 import weakref
-from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, Callable
 
-from .shm import ShmRegion, stage
+from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
 from .stub import ModelStub, RequestData, ResponseError, StubError, run_auto_complete_config
 
 log = logging.getLogger(__name__)
 
 _CONTEXT = multiprocessing.get_context("spawn")
+_LEN = struct.Struct("<I")
+_READ_CHUNK = 1 << 16
+PR_SET_PDEATHSIG = 1
 
 
 class WorkerDied(Exception):
     def __init__(self, exitcode: int | None) -> None:
         super().__init__(f"worker died (exit code {exitcode})")
         self.exitcode = exitcode
+
+
+class WorkerTimeout(Exception):
+    """The worker did not answer within its bound; it has been killed."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(f"{what} did not finish within {seconds:g} s")
+        self.what = what
+        self.seconds = seconds
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -50,96 +82,212 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+# ----------------------------------------------------------------------------- the wire
+
+class Channel:
+    """Length-prefixed pickles over one socket, with raw ``os.read``/``os.write`` (no
+    ``multiprocessing.Connection`` layers, no selector built per wait)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buf = bytearray()
+
+    def send(self, msg: Any) -> None:
+        data = pickle.dumps(msg, protocol=5)
+        frame = memoryview(_LEN.pack(len(data)) + data)
+        while frame:
+            frame = frame[os.write(self.fd, frame):]
+
+    def take(self) -> Any:
+        """The next whole message already read, or ``None``."""
+        buf = self._buf
+        if len(buf) < 4:
+            return None
+        end = 4 + _LEN.unpack_from(buf)[0]
+        if len(buf) < end:
+            return None
+        msg = pickle.loads(bytes(buf[4:end]))
+        del buf[:end]
+        return msg
+
+    def fill(self) -> bool:
+        """One read; False at end-of-file."""
+        need = 4 + _LEN.unpack_from(self._buf)[0] - len(self._buf) if len(self._buf) >= 4 else 0
+        chunk = os.read(self.fd, max(_READ_CHUNK, need))
+        if not chunk:
+            return False
+        self._buf += chunk
+        return True
+
+    def recv(self) -> Any:
+        """Blocking; ``EOFError`` when the other end is gone."""
+        while True:
+            msg = self.take()
+            if msg is not None:
+                return msg
+            if not self.fill():
+                raise EOFError
+
+
 # ----------------------------------------------------------------------------- child side
 
-def worker_main(conn: Connection, job: str, model_py: str, payload: Any) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:   # the server went before the signal was armed
+        os._exit(0)
+
+
+def worker_main(conn: Connection, job: str, model_py: str, payload: Any, parent_pid: int = 0) -> None:
     """Entry point of the child. ``job`` is "serve" (payload: Triton's args) or
     "auto_complete" (payload: (module name, config JSON))."""
+    if parent_pid:
+        _die_with_parent(parent_pid)
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [python backend worker %(process)d] %(levelname)s %(message)s")
+    chan = Channel(conn.fileno())
     if job == "auto_complete":
         try:
-            conn.send(("ok", run_auto_complete_config(model_py, *payload)))
+            chan.send(("ok", run_auto_complete_config(model_py, *payload)))
         except StubError as err:
-            conn.send(("error", err.to_tuple()))
+            chan.send(("error", err.to_tuple()))
         return
     try:
         stub = ModelStub(model_py, payload)
     except StubError as err:
-        conn.send(("error", err.to_tuple()))
+        chan.send(("error", err.to_tuple()))
         return
-    conn.send(("ready", os.getpid()))
+    chan.send(("ready", os.getpid()))
     regions: dict[str, ShmRegion] = {}
     try:
-        _serve(conn, stub, regions)
+        _serve(chan, stub, regions, _output_names(payload))
     finally:
         for region in regions.values():
             region.close()
+        conn.close()
+
+
+def _output_names(args: dict[str, str]) -> list[str]:
+    import json
+    try:
+        return [o["name"] for o in json.loads(args["model_config"]).get("output", [])]
+    except (KeyError, TypeError, ValueError):
+        return []
 
 
 def _region(regions: dict[str, ShmRegion], name: str) -> ShmRegion:
-    if name not in regions:
-        regions[name] = ShmRegion.attach(name)
-    return regions[name]
+    region = regions.get(name)
+    if region is None:
+        region = regions[name] = ShmRegion.attach(name)
+    return region
 
 
-def _serve(conn: Connection, stub: ModelStub, regions: dict[str, ShmRegion]) -> None:
+def _serve(chan: Channel, stub: ModelStub, regions: dict[str, ShmRegion], all_outputs: list[str]) -> None:
     while True:
         try:
-            msg = conn.recv()
+            msg = chan.recv()
         except (EOFError, OSError):   # the server went away: nothing left to serve
             return
-        if msg[0] == "finalize":
+        kind = msg[0]
+        if kind == "f":
             try:
                 stub.finalize()
-                conn.send(("done",))
+                chan.send(("done",))
             except StubError as err:
-                conn.send(("error", err.to_tuple()))
+                chan.send(("error", err.to_tuple()))
             return
+        if kind == "r":
+            for region in regions.values():
+                region.close()
+            regions.clear()
+            chan.send(("r",))
+            continue
         _, in_name, out_name, metas = msg
-        for stale in [n for n in regions if n not in (in_name, out_name)]:
-            regions.pop(stale).close()
+        if in_name not in regions or out_name not in regions:
+            for stale in [n for n in regions if n != in_name and n != out_name]:
+                regions.pop(stale).close()
         in_region = _region(regions, in_name) if in_name else None
-        requests = [RequestData(inputs=in_region.read(refs) if in_region and refs else {},
-                                request_id=rid, correlation_id=cid, parameters=params,
-                                requested_output_names=names, flags=flags)
-                    for refs, rid, cid, params, names, flags in metas]
+        requests = []
+        for meta in metas:
+            if type(meta) is list:
+                refs, rid, cid, params, names, flags = meta, "", 0, "{}", None, 0
+            else:
+                refs, rid, cid, params, names, flags = meta
+            requests.append(RequestData(
+                inputs=in_region.read(refs) if in_region is not None and refs else {},
+                request_id=rid, correlation_id=cid, parameters=params,
+                requested_output_names=all_outputs if names is None else names, flags=flags))
         try:
             results = stub.execute(requests)
         except StubError as err:
-            conn.send(("error", err.to_tuple()))
+            chan.send(("error", err.to_tuple()))
             continue
-        _send_results(conn, regions, out_name, results)
+        _send_results(chan, regions, out_name, results)
 
 
-def _send_results(conn: Connection, regions: dict[str, ShmRegion], out_name: str,
+def _send_results(chan: Channel, regions: dict[str, ShmRegion], out_name: str,
                   results: list[dict | ResponseError]) -> None:
     layouts: list[Any] = []
     end = 0
     for result in results:
         if isinstance(result, ResponseError):
-            layouts.append(("error", result.code, result.message))
+            layouts.append((result.code, result.message))
             continue
         try:
             staged, end = stage(result, end)
         except Exception as err:   # e.g. an output whose dtype Triton has no name for
-            layouts.append(("error", 1, f"cannot return outputs: {type(err).__name__}: {err}"))
+            layouts.append((1, f"cannot return outputs: {type(err).__name__}: {err}"))
             continue
-        layouts.append(("ok", staged))
+        layouts.append(staged)
     out_region = _region(regions, out_name)
     if end > out_region.size:
-        conn.send(("grow", end))
-        _, out_name = conn.recv()
-        regions.pop(out_region.name).close()
-        out_region = _region(regions, out_name)
-    reply = [(kind, out_region.write(rest[0])) if kind == "ok" else (kind, *rest)
-             for kind, *rest in layouts]
-    conn.send(("result", reply))
+        # Let go of the small region first: its pages count against /dev/shm until unmapped.
+        regions.pop(out_name).close()
+        chan.send(("grow", end))
+        msg = chan.recv()
+        if msg[1] is None:    # no room: the server fails this batch
+            return
+        out_region = _region(regions, msg[1])
+    reply = [out_region.write(item) if type(item) is list else item for item in layouts]
+    chan.send(("res", reply))
 
 
 # ---------------------------------------------------------------------------- server side
+
+class _Spawner:
+    """Starts every worker from one daemon thread: PR_SET_PDEATHSIG fires when the thread
+    that forked the child ends, and a pool or instance thread may end long before the server."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="triton-python-spawner", daemon=True)
+                self._thread.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future.result()
+
+    def _loop(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            try:
+                future.set_result(fn())
+            except BaseException as err:
+                future.set_exception(err)
+
+
+_SPAWNER = _Spawner()
 
 _LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
 
@@ -148,8 +296,20 @@ _LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
 def _stop_all() -> None:
     # Runs before multiprocessing's own exit hook, which would otherwise wait forever on
     # non-daemon workers still blocked reading their pipe.
-    for worker in list(_LIVE):
+    workers = list(_LIVE)
+    for worker in workers:
+        worker.hang_up()   # every idle worker sees end-of-file and leaves at once
+    for worker in workers:
         worker.close()
+
+
+def _start_process(target: Callable, name: str, args: tuple) -> tuple[Connection, Any]:
+    conn, child = _CONTEXT.Pipe(duplex=True)
+    # Not a daemon: a model may start processes of its own (DataLoader workers...).
+    process = _CONTEXT.Process(target=target, name=name, args=(child, *args, os.getpid()))
+    _SPAWNER.run(process.start)
+    child.close()   # so the socket reports end-of-file when the worker goes
+    return conn, process
 
 
 class WorkerProcess:
@@ -161,6 +321,8 @@ class WorkerProcess:
         self.label = label
         self.ready = False
         self._conn: Connection | None = None
+        self._chan: Channel | None = None
+        self._poll: Any = None
         self._process: Any = None
         self._in: ShmRegion | None = None
         self._out: ShmRegion | None = None
@@ -171,112 +333,169 @@ class WorkerProcess:
 
     def start(self) -> "WorkerProcess":
         """Spawn the process; ``wait_ready`` waits for ``initialize`` to finish."""
-        self._conn, child = _CONTEXT.Pipe(duplex=True)
-        # Not a daemon: a model may start processes of its own (DataLoader workers...).
-        self._process = _CONTEXT.Process(target=worker_main, name=f"triton-python-{self.label}",
-                                         args=(child, "serve", self.model_py, self.args))
-        self._process.start()
-        child.close()   # so the pipe reports EOF when the worker goes
+        sweep_once()
+        self._conn, self._process = _start_process(
+            worker_main, f"triton-python-{self.label}", ("serve", self.model_py, self.args))
+        self._chan = Channel(self._conn.fileno())
+        self._poll = select.poll()
+        self._poll.register(self._chan.fd, select.POLLIN)
+        self._poll.register(self._process.sentinel, select.POLLIN)
         _LIVE.add(self)
         return self
 
-    def wait_ready(self) -> None:
-        msg = self._recv()
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Raises ``StubError`` (initialize failed), ``WorkerDied`` or ``WorkerTimeout``."""
+        msg = self._recv("initialize", timeout)
         if msg[0] == "error":
             raise StubError(*msg[1])
         self.ready = True
 
-    def execute(self, requests: list[RequestData]) -> list[dict | ResponseError]:
-        """Run one batch; raises ``StubError`` when execute raised, ``WorkerDied`` on death."""
-        staged, end, layout = [], 0, []
+    def execute(self, requests: list[RequestData], timeout: float | None = None,
+                all_outputs: list[str] | None = None) -> list[dict | ResponseError]:
+        """Run one batch. Raises ``StubError`` when execute raised, ``WorkerDied`` on death,
+        ``WorkerTimeout`` past ``timeout`` seconds (the worker is killed), and
+        ``SharedMemoryFull`` when the batch does not fit in /dev/shm (the worker lives on)."""
+        staged, end, metas = [], 0, []
         for req in requests:
             s, end = stage(req.inputs, end)
             staged.extend(s)
-            layout.append(([x.ref for x in s], req.request_id, req.correlation_id,
-                           req.parameters, req.requested_output_names, req.flags))
+            refs = [tuple(x.ref) for x in s]
+            names = None if all_outputs is not None and req.requested_output_names == all_outputs \
+                else req.requested_output_names
+            if not req.request_id and not req.correlation_id and req.parameters == "{}" \
+                    and names is None and not req.flags:
+                metas.append(refs)
+            else:
+                metas.append((refs, req.request_id, req.correlation_id, req.parameters, names, req.flags))
         if staged and (self._in is None or self._in.size < end):
-            self._replace("_in", end)
-        if self._in is not None and staged:
+            self._grow("_in", end)
+        if staged:
             self._in.write(staged)
         if self._out is None:
-            self._replace("_out", 0)
-        self._send(("execute", self._in.name if self._in else "", self._out.name, layout))
-        msg = self._recv()
+            self._grow("_out", 0)
+        deadline = None if not timeout else time.monotonic() + timeout
+        self._send(("x", self._in.name if self._in is not None else "", self._out.name, metas))
+        msg = self._recv("execute", timeout, deadline)
         if msg[0] == "grow":
-            self._replace("_out", msg[1])
-            self._send(("out", self._out.name))
-            msg = self._recv()
+            self._out.close()   # its content is not needed: free its pages before asking for more
+            self._out = None
+            try:
+                self._out = ShmRegion.create(msg[1])
+            except SharedMemoryFull:
+                self._send(("o", None))
+                raise
+            self._send(("o", self._out.name))
+            msg = self._recv("execute", timeout, deadline)
         if msg[0] == "error":
             raise StubError(*msg[1])
-        results: list[dict | ResponseError] = []
-        for kind, *rest in msg[1]:
-            if kind == "ok":
-                results.append(self._out.read(rest[0]))
-            else:
-                results.append(ResponseError(rest[0], rest[1]))
-        return results
+        out = self._out
+        return [out.read(item) if type(item) is list else ResponseError(*item)
+                for item in msg[1]]
 
-    def _replace(self, attr: str, nbytes: int) -> None:
+    def _grow(self, attr: str, nbytes: int) -> None:
         old = getattr(self, attr)
-        setattr(self, attr, ShmRegion.create(nbytes))
         if old is not None:
-            old.close()   # unlinks the name; the worker's mapping lives until it detaches
+            setattr(self, attr, None)
+            old.close()   # unlinks the name; the worker's mapping lives until it lets go
+        try:
+            setattr(self, attr, ShmRegion.create(nbytes))
+            return
+        except SharedMemoryFull:
+            if old is None:
+                raise
+        # The worker still maps the old region, whose pages count until it lets go of them.
+        self._send(("r",))
+        self._recv("release")
+        setattr(self, attr, ShmRegion.create(nbytes))
 
     def _send(self, msg: Any) -> None:
         try:
-            self._conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            self._chan.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
             raise WorkerDied(self._reap()) from None
 
-    def _recv(self) -> Any:
+    def _recv(self, what: str, timeout: float | None = None, deadline: float | None = None) -> Any:
+        """The next message; ``WorkerTimeout`` (after killing the worker) past ``deadline``
+        (or ``timeout`` seconds from now), ``WorkerDied`` when the worker goes."""
+        if deadline is None and timeout:
+            deadline = time.monotonic() + timeout
+        chan = self._chan
         while True:
-            ready = wait([self._conn, self._process.sentinel])
-            if self._conn in ready or self._conn.poll(0):
+            msg = chan.take()
+            if msg is not None:
+                return msg
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            events = self._poll.poll(wait_ms)
+            if not events:
+                if time.monotonic() >= deadline:
+                    self.kill()
+                    self._reap()
+                    raise WorkerTimeout(what, timeout or 0)
+                continue
+            # Only the sentinel fired: the worker is gone (a child it forked may still hold
+            # the socket open, so end-of-file alone is not to be waited for).
+            if any(fd == chan.fd for fd, _ in events):
                 try:
-                    return self._conn.recv()
-                except (EOFError, OSError):
-                    raise WorkerDied(self._reap()) from None
+                    if chan.fill():
+                        continue
+                except OSError:
+                    pass
             raise WorkerDied(self._reap())
+
+    def kill(self) -> None:
+        """SIGKILL now; safe from another thread while a batch waits on this worker."""
+        process = self._process
+        if process is not None and process.pid is not None and process.exitcode is None:
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def hang_up(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+            self._conn = None
 
     def _reap(self) -> int | None:
         self._process.join(5)
-        if self._process.is_alive():   # closed its pipe but lives on: not ours to trust
+        if self._process.is_alive():   # closed its socket but lives on: not ours to trust
             self._process.kill()
             self._process.join(5)
         return self._process.exitcode
 
-    def stop(self, timeout: float = 30.0) -> StubError | None:
+    def stop(self, timeout: float = 5.0) -> StubError | None:
         """Run ``finalize`` (bounded by ``timeout``), then end the process and free its regions."""
         error = None
+        grace = 2.0
         try:
-            if self.ready and self._process.is_alive():
-                self._send(("finalize",))
-                if wait([self._conn, self._process.sentinel], timeout):
-                    msg = self._recv()
-                    if msg[0] == "error":
-                        error = StubError(*msg[1])
-                else:
-                    log.warning("python worker %s: finalize did not return within %.0f s",
-                                self.label, timeout)
+            if self.ready and self._process is not None and self._process.is_alive():
+                self._send(("f",))
+                msg = self._recv("finalize", timeout)
+                if msg[0] == "error":
+                    error = StubError(*msg[1])
+        except WorkerTimeout:
+            log.warning("python worker %s: finalize did not return within %g s; killed it",
+                        self.label, timeout)
+            grace = 0
         except WorkerDied:
             pass
         finally:
-            self.close()
+            self.close(grace)
         return error
 
-    def close(self) -> None:
-        """End the process (politely, then not) and unlink both regions. Idempotent."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def close(self, grace: float = 2.0) -> None:
+        """End the process (end-of-file, then SIGKILL after ``grace`` s) and unlink both
+        regions. Idempotent."""
+        self.hang_up()
         if self._process is not None:
-            self._process.join(2)
-            if self._process.is_alive():
-                self._process.terminate()
-                self._process.join(2)
+            if grace > 0:
+                self._process.join(grace)
             if self._process.is_alive():
                 self._process.kill()
-                self._process.join(2)
+                self._process.join(5)
             self._process = None
         for attr in ("_in", "_out"):
             region = getattr(self, attr)
@@ -286,18 +505,18 @@ class WorkerProcess:
         _LIVE.discard(self)
 
 
-def auto_complete_in_worker(model_py: str, module: str, config_json: str) -> dict:
+def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeout: float | None = None) -> dict:
     """Run ``auto_complete_config`` in a short-lived worker, so model.py's imports and
     side effects stay out of the server process."""
-    conn, child = _CONTEXT.Pipe(duplex=True)
-    process = _CONTEXT.Process(target=worker_main, name="triton-python-autocomplete",
-                               args=(child, "auto_complete", model_py, (module, config_json)))
-    process.start()
-    child.close()
+    conn, process = _start_process(worker_main, "triton-python-autocomplete",
+                                   ("auto_complete", model_py, (module, config_json)))
+    chan = Channel(conn.fileno())
     try:
-        wait([conn, process.sentinel])
+        if not conn.poll(timeout):
+            process.kill()
+            raise WorkerTimeout("auto_complete_config", timeout or 0)
         try:
-            msg = conn.recv()
+            msg = chan.recv()
         except (EOFError, OSError):
             process.join(5)
             raise WorkerDied(process.exitcode) from None
