@@ -212,13 +212,48 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self.engine.unload_model(request.model_name, unload_dependents=unload_dependents)
         return pb.RepositoryModelUnloadResponse()
 
+    # -- shared memory: the engine's regions (engine/shared_memory.py) -------------------
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context
+                                       ) -> pb.SystemSharedMemoryStatusResponse:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.engine.shared_memory.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context) -> pb.SystemSharedMemoryRegisterResponse:
+        self.engine.shared_memory.register(request.name, request.key, request.offset,
+                                           request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.engine.shared_memory.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest, context
+                                     ) -> pb.CudaSharedMemoryStatusResponse:
+        self.engine.shared_memory.cuda_status(request.name)     # none registered, ever
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @_rpc
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest, context
+                                       ) -> pb.CudaSharedMemoryRegisterResponse:
+        self.engine.shared_memory.cuda_register(request.name)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context) -> pb.CudaSharedMemoryUnregisterResponse:
+        self.engine.shared_memory.cuda_unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # -- not offered ----------------------------------------------------------------------
-    SystemSharedMemoryStatus = _unimplemented("system shared memory")
-    SystemSharedMemoryRegister = _unimplemented("system shared memory")
-    SystemSharedMemoryUnregister = _unimplemented("system shared memory")
-    CudaSharedMemoryStatus = _unimplemented("CUDA shared memory")
-    CudaSharedMemoryRegister = _unimplemented("CUDA shared memory")
-    CudaSharedMemoryUnregister = _unimplemented("CUDA shared memory")
     TraceSetting = _unimplemented("trace setting")
     LogSettings = _unimplemented("log settings")
 
