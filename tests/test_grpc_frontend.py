@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
+from jupyter_triton.engine.shared_memory import SharedMemoryRegistry
 from jupyter_triton.frontends.grpc import start_grpc_server
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
@@ -27,6 +28,7 @@ class FakeEngine:
         self.loaded: list[tuple] = []
         self.unloaded: list[tuple] = []
         self.seen: list[InferRequest] = []
+        self.shared_memory = SharedMemoryRegistry()
 
     def _check(self, name: str) -> None:
         if name not in ("identity", "boom"):
@@ -268,9 +270,11 @@ def test_repository_index_load_and_unload(served):
     assert e.value.status() == "StatusCode.NOT_FOUND"
 
 
-def test_shared_memory_is_unimplemented(served):
+def test_cuda_shared_memory_is_refused_without_a_gpu(served):
     _, client, _ = served
+    assert not client.get_system_shared_memory_status().regions
+    client.unregister_cuda_shared_memory()          # nothing registered: nothing to do
     with pytest.raises(InferenceServerException) as e:
-        client.get_system_shared_memory_status()
-    assert e.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "shared memory" in e.value.message()
+        client.register_cuda_shared_memory("r", b"\0" * 64, 0, 64)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "GPUs not supported" in e.value.message()
