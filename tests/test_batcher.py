@@ -3,6 +3,7 @@ instances run a recording backend (each request carries its id as data)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.backends.base import Backend, InstanceSpec, ModelFiles
-from jupyter_triton.engine.batcher import DynamicBatcher
+from jupyter_triton.engine.batcher import DEFAULT_MAX_QUEUE_SIZE, DynamicBatcher
 from jupyter_triton.engine.instances import Instance, InstancePool
 from jupyter_triton.engine.rate_limiter import RateLimiter, instance_resources
 from jupyter_triton.engine.scheduler import Pending
@@ -80,6 +81,15 @@ async def occupy(b: DynamicBatcher, log: list, rows: int = 1) -> Pending:
             break
         await asyncio.sleep(0.002)
     return first
+
+
+def held_by(gate: threading.Event):
+    """Request 0 keeps the instance busy until ``gate`` is set (10 s at most)."""
+    def seconds(ids: list[int]) -> float:
+        if 0 in ids:
+            gate.wait(10)
+        return 0.0
+    return seconds
 
 
 def busy_first(seconds: float):
@@ -210,6 +220,56 @@ def test_full_queue_answers_503_at_once():
     assert failure_reason(refused) == "REJECTED"
     assert all(isinstance(e, Unavailable) for e in closed)   # close() fails what was queued
     assert log == []
+
+
+def test_without_max_queue_size_a_version_still_queues_at_most_the_default_bound():
+    async def main():
+        # Triton would queue without end here (no max_queue_size); the default bound refuses.
+        gate = threading.Event()          # request 0 holds the only instance until the end
+        b, log, _ = batcher("max_batch_size: 1 dynamic_batching { }", seconds=held_by(gate))
+        running = await occupy(b, log)
+        queued = [pending(i) for i in range(1, DEFAULT_MAX_QUEUE_SIZE + 1)]
+        for p in queued:
+            await b.submit(p)
+        with pytest.raises(Unavailable) as refused:
+            await b.submit(pending(DEFAULT_MAX_QUEUE_SIZE + 1))
+        gate.set()
+        await b.close()
+        await asyncio.gather(running.future, *(p.future for p in queued), return_exceptions=True)
+        return refused.value
+
+    refused = asyncio.run(asyncio.wait_for(main(), 30))
+    assert DEFAULT_MAX_QUEUE_SIZE == 4096
+    assert refused.status == 503 and str(refused).startswith("Exceeds maximum queue size")
+    assert f"already queues {DEFAULT_MAX_QUEUE_SIZE} requests" in str(refused)
+    assert failure_reason(refused) == "REJECTED"
+
+
+def test_the_default_bound_is_a_parameter_counted_over_every_priority_level():
+    async def main():
+        gate = threading.Event()
+        b, log, _ = batcher('max_batch_size: 1 dynamic_batching { priority_levels: 2 } '
+                            'parameters { key: "default_max_queue_size" value: { string_value: "3" } }',
+                            seconds=held_by(gate))
+        running = await occupy(b, log)
+        queued = [pending(1, priority=1), pending(2, priority=2), pending(3, priority=2)]
+        for p in queued:
+            await b.submit(p)
+        with pytest.raises(Unavailable) as refused:
+            await b.submit(pending(4, priority=1))
+        gate.set()
+        unbounded, _, _ = batcher('max_batch_size: 1 dynamic_batching { } parameters { key: '
+                                  '"default_max_queue_size" value: { string_value: "0" } }')
+        await b.close()
+        await asyncio.gather(running.future, *(p.future for p in queued), return_exceptions=True)
+        return refused.value, unbounded.default_max_queue_size
+
+    refused, unbounded = run(main())
+    assert refused.status == 503 and "already queues 3 requests (default_max_queue_size 3)" in str(refused)
+    assert unbounded == 0
+    with pytest.raises(InvalidArgument, match="default_max_queue_size"):
+        batcher('max_batch_size: 1 dynamic_batching { } parameters { key: '
+                '"default_max_queue_size" value: { string_value: "-1" } }')
 
 
 def test_timeout_reject_fails_the_queued_request_with_503():

@@ -11,9 +11,16 @@ way Triton's ``DynamicBatchScheduler::GetDynamicBatch`` does:
   found leaves at once;
 * otherwise it waits until the oldest request taken has been queued
   ``max_queue_delay_microseconds`` (0: no wait) or until more requests arrive, then sends
-  whatever it has.
+  whatever it has. The wait ends on a ``timer.Alarm`` (tens of microseconds late), not on
+  an asyncio timer (up to a millisecond late).
 
 Without ``preferred_batch_size`` Triton prefers ``max_batch_size``; so do we.
+
+A queue policy's ``max_queue_size`` bounds its priority level, as in Triton. Where it is 0
+(Triton: unbounded) a version-wide bound applies instead, so that a flood of requests cannot
+grow the server's memory without end: ``parameters { key: "default_max_queue_size" }``,
+``DEFAULT_MAX_QUEUE_SIZE`` (4096) requests by default, 0 for none. Past it a request is
+refused with Unavailable (503) "Exceeds maximum queue size", like Triton's full queue.
 
 The batcher only raises: a request it refuses (bad priority, full queue, unloading) makes
 ``submit`` raise; a request it drops (timeout REJECT, unload) gets the error on its future.
@@ -32,12 +39,16 @@ from typing import Iterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..backends.signature import int_parameter
 from ..protocol.errors import Internal, InvalidArgument, Unavailable
 from .instances import Instance, InstancePool
 from .scheduler import Pending, Scheduler
 from .statistics import ModelStatistics, mark_failure
+from .timer import Alarm
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE_SIZE = 4096             # queued requests per version, where no policy bounds them
 
 
 class _Level:
@@ -73,6 +84,11 @@ class DynamicBatcher(Scheduler):
         self.preferred_batch_sizes = preferred
         self.max_preferred_batch_size = max(preferred)
         self.delay_ns = db.max_queue_delay_microseconds * 1000
+        bound = int_parameter(config, "default_max_queue_size")
+        if bound is not None and bound < 0:
+            raise InvalidArgument(f"model '{config.name}': parameter 'default_max_queue_size' "
+                                  f"must be 0 (unbounded) or more, got {bound}")
+        self.default_max_queue_size = DEFAULT_MAX_QUEUE_SIZE if bound is None else bound
         self.preserve_ordering = db.preserve_ordering
         self.priority_levels = db.priority_levels
         self.default_priority_level = db.default_priority_level or 1
@@ -87,6 +103,7 @@ class DynamicBatcher(Scheduler):
         self._where: dict[Pending, _Level] = {}
         self._timed = 0                   # queued requests carrying a timeout still to enforce
         self._wake = asyncio.Event()
+        self._alarm = Alarm(self._wake.set)  # sub-ms deadlines (asyncio's are ms-late)
         self._task: asyncio.Task | None = None
         self._inflight: set[asyncio.Task] = set()
         self._order: deque[tuple[Pending, asyncio.Future]] = deque()
@@ -101,12 +118,7 @@ class DynamicBatcher(Scheduler):
                 f"inference requests"), "REJECTED")
         level = self._levels[self._resolve_priority(pending)]
         pending.timeout_ns = self._resolve_timeout(pending, level.policy)
-        max_queue = level.policy.max_queue_size
-        if max_queue and len(level) >= max_queue:
-            where = f" at priority level {level.level}" if level.level else ""
-            raise mark_failure(Unavailable(
-                f"Exceeds maximum queue size: model '{self.model}' already queues {len(level)} "
-                f"requests{where} (max_queue_size {max_queue})"), "REJECTED")
+        self._check_queue_size(level)
         level.queue.append(pending)
         self._where[pending] = level
         if pending.timeout_ns:
@@ -115,6 +127,18 @@ class DynamicBatcher(Scheduler):
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
         self._wake.set()
+
+    def _check_queue_size(self, level: _Level) -> None:
+        if level.policy.max_queue_size:
+            bound, queued, name = level.policy.max_queue_size, len(level), "max_queue_size"
+            where = f" at priority level {level.level}" if level.level else ""
+        else:
+            bound, queued, name = self.default_max_queue_size, len(self._where), "default_max_queue_size"
+            where = ""
+        if bound and queued >= bound:
+            raise mark_failure(Unavailable(
+                f"Exceeds maximum queue size: model '{self.model}' already queues {queued} "
+                f"requests{where} ({name} {bound})"), "REJECTED")
 
     def _resolve_priority(self, p: Pending) -> int:
         """Triton's level for ``p.priority`` (the request's 'priority' parameter, 0 if absent)."""
@@ -205,16 +229,17 @@ class DynamicBatcher(Scheduler):
             if batch:
                 for p in batch:
                     self._unqueue(p, self._where[p])
+                if self._alarm.deadline_ns is not None:
+                    self._alarm.cancel()      # its requests have left: no wake-up for nothing
                 return batch
-            timeout_s = wait_ns / 1e9
-            next_timeout = self._until_next_timeout()
+            deadline = now + wait_ns
+            next_timeout = self._next_timeout_ns()
             if next_timeout is not None:
-                timeout_s = min(timeout_s, next_timeout)
+                deadline = min(deadline, next_timeout)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+            # Usually the deadline already set (oldest request + delay): then a no-op.
+            self._alarm.set(deadline)
+            await self._wake.wait()
 
     def _ordered(self) -> Iterator[Pending]:
         return chain.from_iterable(self._levels[lvl] for lvl in sorted(self._levels))
@@ -276,11 +301,14 @@ class DynamicBatcher(Scheduler):
                             f"the queue longer than its timeout of {p.timeout_ns // 1000} us"),
                             "REJECTED"))
 
-    def _until_next_timeout(self) -> float | None:
+    def _next_timeout_ns(self) -> int | None:
         if not self._timed:
             return None
-        deadline = min(p.enqueue_ns + p.timeout_ns for p in self._where if p.timeout_ns)
-        return max(0.0, (deadline - time.monotonic_ns()) / 1e9)
+        return min(p.enqueue_ns + p.timeout_ns for p in self._where if p.timeout_ns)
+
+    def _until_next_timeout(self) -> float | None:
+        deadline = self._next_timeout_ns()
+        return None if deadline is None else max(0.0, (deadline - time.monotonic_ns()) / 1e9)
 
     # -- running batches ---------------------------------------------------------------
 
@@ -337,6 +365,7 @@ class DynamicBatcher(Scheduler):
         """Refuse new requests, fail queued ones with Unavailable, stop forming batches,
         and wait for the batches already running to finish."""
         self._closed = True
+        self._alarm.close()
         self._fail_queued(Unavailable(
             f"model '{self.model}' was unloaded before the request could be scheduled"), "REJECTED")
         if self._task is not None:

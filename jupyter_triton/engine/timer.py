@@ -1,0 +1,132 @@
+"""A sub-millisecond alarm on the event loop (the dynamic batcher's queue delay).
+
+asyncio's timers sleep in ``epoll_wait``, which counts whole milliseconds: a 500 us
+``max_queue_delay_microseconds`` became a 1 ms sleep plus the loop's latency, ~1.3 ms in
+the queue. On Linux an ``Alarm`` is a ``timerfd`` (nanosecond deadline, CLOCK_MONOTONIC)
+watched by the loop's own selector: the kernel makes it readable on time and
+``epoll_wait`` returns, whatever its millisecond timeout. No thread, no spinning; one
+wake-up of the loop per deadline.
+
+Measured on the 2-core dev box (500 waits, loaded): lateness p50 ~40 us with the timerfd,
+~100 us with a timer thread handing over by ``call_soon_threadsafe``, ~700 us with
+``asyncio.wait_for`` at 500 us.
+
+Elsewhere (no timerfd, or a loop without ``add_reader``) it falls back to ``loop.call_at``;
+kqueue (macOS) and the Proactor (Windows) already sleep with sub-millisecond timeouts.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import time
+import weakref
+from typing import Callable
+
+_CLOCK_MONOTONIC = 1
+_TFD_NONBLOCK = os.O_NONBLOCK
+_TFD_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+_TFD_TIMER_ABSTIME = 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.timerfd_create, libc.timerfd_settime   # noqa: B018 -- Linux only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def _timerfd() -> int | None:
+    if _LIBC is None:
+        return None
+    fd = _LIBC.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+    return fd if fd >= 0 else None
+
+
+def _settime(fd: int, deadline_ns: int) -> None:
+    """Arm ``fd`` for the absolute monotonic ``deadline_ns`` (0 disarms it)."""
+    value = _Timespec(deadline_ns // 1_000_000_000, deadline_ns % 1_000_000_000)
+    spec = _Itimerspec(_Timespec(0, 0), value)
+    if _LIBC.timerfd_settime(fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class Alarm:
+    """Calls ``callback`` on the running loop once ``time.monotonic_ns()`` reaches the
+    deadline given to ``set``; one deadline at a time (``set`` replaces it). Use it from
+    the loop's thread only; ``close`` it when done."""
+
+    def __init__(self, callback: Callable[[], object]) -> None:
+        self._callback = callback
+        self.deadline_ns: int | None = None      # armed and not yet fired
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def set(self, deadline_ns: int) -> None:
+        if deadline_ns == self.deadline_ns:
+            return
+        if self._loop is None:
+            self._attach(asyncio.get_running_loop())
+        self.deadline_ns = deadline_ns
+        if self._fd is not None:
+            # A deadline already past still fires (at once): 0 is the only "disarm" value.
+            _settime(self._fd, max(deadline_ns, 1))
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        delay_s = (deadline_ns - time.monotonic_ns()) / 1e9
+        self._handle = self._loop.call_at(self._loop.time() + delay_s, self._fire)
+
+    def cancel(self) -> None:
+        self.deadline_ns = None
+        if self._fd is not None:
+            _settime(self._fd, 0)
+        elif self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def close(self) -> None:
+        self.cancel()
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._finalizer()
+            self._fd = None
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        fd = _timerfd()
+        if fd is None:
+            return
+        try:
+            loop.add_reader(fd, self._fire)
+        except (NotImplementedError, RuntimeError):
+            os.close(fd)
+            return
+        self._fd = fd
+        # A batcher dropped without close() still gives its descriptor back.
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def _fire(self) -> None:
+        if self._fd is not None:
+            try:
+                os.read(self._fd, 8)
+            except BlockingIOError:       # re-armed or cancelled after it became readable
+                return
+        self._handle = None
+        self.deadline_ns = None
+        self._callback()
