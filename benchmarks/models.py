@@ -1,104 +1,95 @@
-"""The benchmark's two models, built here with the onnx helper (nothing is downloaded).
+"""The benchmark's model, in every form it is served (built here, nothing is downloaded).
 
-* ``small``: y = x·W, W 256x256 fp32, one row per request: almost no compute, so what the
-  server adds around the model (HTTP, decode, queue, encode) dominates.
-* ``mlp``: 1024 -> 2048 -> 2048 -> 1024 with ReLUs (about 8.4 M weights): a batch of 64
-  takes several milliseconds in onnxruntime on a small CPU, so batching pays.
+y = x·W, W 256x256 fp32 (the same W everywhere: numpy's default_rng(0), scaled by 1/16), one
+[1, 256] row per request, max_batch_size 64, dynamic_batching with a 0.5 ms queue delay, one
+CPU instance. Almost no compute: what a server adds around the model (transport, decode,
+queue, batching, worker hand-off, encode) is what gets measured.
 
-Each is written twice, with and without ``dynamic_batching``, so one server measures both.
+* ``matmul_onnx``: the ONNX model (a MatMul node), onnxruntime backend;
+* ``matmul_python``: Triton's python backend, a ``model.py`` that concatenates the batch's
+  rows, multiplies once and splits the result back (what PyTriton's ``@batch`` does);
+* the peer (``pytriton_peer.py``) serves the same function as a PyTriton ``@batch`` model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
+FEATURES = 256
 MAX_BATCH_SIZE = 64
+QUEUE_DELAY_US = 500
+ONNX_MODEL = "matmul_onnx"
+PYTHON_MODEL = "matmul_python"
+DESCRIPTION = (f"y = x·W, W {FEATURES}x{FEATURES} fp32, one [1,{FEATURES}] row per request, "
+               f"max_batch_size {MAX_BATCH_SIZE}, dynamic_batching max_queue_delay_microseconds "
+               f"{QUEUE_DELAY_US}, one CPU instance")
 
 
-@dataclass(frozen=True)
-class BenchModel:
-    name: str               # the model's base name; <name>_batched and <name>_plain are served
-    features_in: int
-    features_out: int
-    description: str
-
-    def served_name(self, batching: bool) -> str:
-        return f"{self.name}_{'batched' if batching else 'plain'}"
+def weights() -> np.ndarray:
+    """The one W every server multiplies by (pytriton_peer.py computes the same)."""
+    return (np.random.default_rng(0).standard_normal((FEATURES, FEATURES)) / 16).astype(np.float32)
 
 
-SMALL = BenchModel("small", 256, 256, "y = x·W, W 256x256 fp32 (overhead-bound)")
-MLP = BenchModel("mlp", 1024, 1024, "MLP 1024-2048-2048-1024, ReLU (compute-bound)")
-MODELS = (SMALL, MLP)
+def onnx_bytes() -> bytes:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
 
-
-def _save(graph: onnx.GraphProto) -> bytes:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["INPUT0", "W"], ["OUTPUT0"])], "matmul",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", FEATURES])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", FEATURES])],
+        [numpy_helper.from_array(weights(), "W")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model.SerializeToString()
 
 
-def small_onnx(seed: int = 0) -> bytes:
-    w = np.random.default_rng(seed).standard_normal((256, 256)).astype(np.float32) / 16
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["INPUT0", "W"], ["OUTPUT0"])], "small",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 256])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 256])],
-        [numpy_helper.from_array(w, "W")])
-    return _save(graph)
+# Triton's python backend hands execute() every request of the batch the dynamic batcher
+# formed; one matmul over all rows, as PyTriton's @batch does, keeps the two models' work equal.
+MODEL_PY = '''\
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
 
-def mlp_onnx(seed: int = 0, widths: tuple[int, ...] = (1024, 2048, 2048, 1024)) -> bytes:
-    rng = np.random.default_rng(seed)
-    nodes, inits = [], []
-    x = "INPUT0"
-    for i, (n_in, n_out) in enumerate(zip(widths[:-1], widths[1:])):
-        w = (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
-        b = np.zeros(n_out, dtype=np.float32)
-        inits += [numpy_helper.from_array(w, f"W{i}"), numpy_helper.from_array(b, f"B{i}")]
-        last = i == len(widths) - 2
-        y = "OUTPUT0" if last else f"H{i}"
-        nodes.append(helper.make_node("Gemm", [x, f"W{i}", f"B{i}"], [y if last else f"G{i}"]))
-        if not last:
-            nodes.append(helper.make_node("Relu", [f"G{i}"], [y]))
-        x = y
-    graph = helper.make_graph(
-        nodes, "mlp",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", widths[0]])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", widths[-1]])],
-        inits)
-    return _save(graph)
+class TritonPythonModel:
+    def initialize(self, args):
+        self.w = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
 
-
-ONNX = {"small": small_onnx, "mlp": mlp_onnx}
-
-
-def config_text(model: BenchModel, batching: bool) -> str:
-    # max_queue_delay 0 (Triton's default): a batch is whatever queued while the instance
-    # was busy, so batching never adds latency at low load.
-    batcher = "dynamic_batching { max_queue_delay_microseconds: 0 }" if batching else ""
-    return f'''name: "{model.served_name(batching)}"
-backend: "onnxruntime"
-max_batch_size: {MAX_BATCH_SIZE}
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {model.features_in} ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {model.features_out} ] }} ]
-instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-{batcher}
+    def execute(self, requests):
+        xs = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        y = np.concatenate(xs) @ self.w if len(xs) > 1 else xs[0] @ self.w
+        responses, start = [], 0
+        for x in xs:
+            out = pb_utils.Tensor("OUTPUT0", y[start:start + len(x)])
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+            start += len(x)
+        return responses
 '''
 
 
-def build_repository(root: Path) -> dict[str, bytes]:
-    """Write every model, batched and plain, under ``root``; returns the ONNX bytes by base name."""
-    onnx_bytes = {}
-    for model in MODELS:
-        data = onnx_bytes[model.name] = ONNX[model.name]()
-        for batching in (True, False):
-            served = root / model.served_name(batching)
-            (served / "1").mkdir(parents=True, exist_ok=True)
-            (served / "1" / "model.onnx").write_bytes(data)
-            (served / "config.pbtxt").write_text(config_text(model, batching))
-    return onnx_bytes
+def config_text(name: str, backend: str) -> str:
+    return f'''name: "{name}"
+backend: "{backend}"
+max_batch_size: {MAX_BATCH_SIZE}
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {FEATURES} ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {FEATURES} ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+dynamic_batching {{ max_queue_delay_microseconds: {QUEUE_DELAY_US} }}
+'''
+
+
+def build_repository(root: Path, models: tuple[str, ...] = (ONNX_MODEL, PYTHON_MODEL)) -> None:
+    """Write ``models`` under ``root`` as a Triton model repository."""
+    data = onnx_bytes()
+    for name in models:
+        version = root / name / "1"
+        version.mkdir(parents=True, exist_ok=True)
+        if name == ONNX_MODEL:
+            (version / "model.onnx").write_bytes(data)
+            backend = "onnxruntime"
+        else:
+            (version / "model.py").write_text(MODEL_PY)
+            backend = "python"
+        (root / name / "config.pbtxt").write_text(config_text(name, backend))

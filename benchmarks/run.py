@@ -1,16 +1,25 @@
-"""Benchmark harness: `jupyter-triton serve` on loopback, driven by Triton's perf_analyzer
-(or, without it, a plain tritonclient loop), for an overhead-bound and a compute-bound model,
-with dynamic batching on and off, at concurrency 1, 8 and 32.
+"""Benchmark what users run, side by side with PyTriton, in one run.
 
-For each run it records the client's view (throughput, p50/p99) and the server's, from the
-statistics extension (deltas of GET v2/models/<m>/stats around the run): time per request
-outside the model (request - compute: queue, validation, response building), the batch
-sizes the dynamic batcher formed. Then it times each model called directly through
-onnxruntime at those batch sizes: the most the server could deliver with those batches.
+One model (models.py: y = x·W, 256x256 fp32, one row per request, max_batch_size 64, dynamic
+batching with a 0.5 ms queue delay, one CPU instance), served by
 
-    .venv/bin/python benchmarks/run.py            (./dev bench)
+* ours, standalone: `jupyter-triton serve` (the ONNX model and a python-backend model.py),
+  over HTTP and gRPC, plus a `--shared-memory system` row where the server advertises the
+  system_shared_memory extension;
+* ours through the Jupyter server's own routes (`jupyter server` with the extension, the
+  ONNX model, a token header): the URL the product advertises;
+* the peer, PyTriton 0.7.0 (tritonserver + the same function as a @batch model), in its own
+  venv that this script creates when missing (skipped with a line where it does not install),
 
-Writes benchmarks/results/bench.json and bench.md. Loopback only; about 3-5 minutes.
+each driven by Triton's perf_analyzer at concurrency 1 and 32, in alternating rounds (every
+server in turn, then again). Per row: throughput, p50/p99, server CPU us per inference (the
+whole server process tree from /proc, over the server's own inference count), peak RSS of
+the tree, queue time per inference (server statistics) and the batches formed.
+
+    .venv/bin/python benchmarks/run.py            (./dev bench; about 8-10 min on 2 cores)
+    .venv/bin/python benchmarks/run.py --quick    (a smoke run, ~2 min; not figures to quote)
+
+Writes benchmarks/results/bench.md and bench.json (--quick: benchmarks/results/quick.tmp/).
 """
 from __future__ import annotations
 
@@ -19,6 +28,8 @@ import csv
 import json
 import os
 import platform
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -26,23 +37,82 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MAX_BATCH_SIZE, MODELS, build_repository  # noqa: E402
+from models import (DESCRIPTION, FEATURES, ONNX_MODEL, PYTHON_MODEL, QUEUE_DELAY_US,  # noqa: E402
+                    build_repository, onnx_bytes)
 
 HERE = Path(__file__).resolve().parent
-CONCURRENCY = (1, 8, 32)
+ROOT = HERE.parent
 HOST = "127.0.0.1"
+PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
+PYTRITON_MODEL = "matmul_pytriton"
+DEFAULT_PYTRITON_VENV = Path.home() / ".cache" / "jupyter-triton-bench" / "pytriton-venv"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-# -- the server ----------------------------------------------------------------------------
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# -- the server process tree, from /proc ------------------------------------------------------
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2:].split()   # the command name may hold spaces and ')'
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live descendant: a server's workers, tritonserver, the python stubs."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """utime+stime of the live tree, plus cutime+cstime: children that exited and were reaped
+    inside the tree keep counting (their time moved to their parent's c-fields)."""
+    ticks = 0
+    for pid in process_tree(root):
+        fields = _stat_fields(pid)
+        if fields:
+            ticks += sum(int(v) for v in fields[11:15])
+    return ticks / CLK_TCK
+
+
+def tree_peak_rss_mib(root: int) -> float:
+    """Sum of each live process's peak RSS (VmHWM): the tree's peak, where its processes peak
+    together (a server under steady load); an upper bound otherwise."""
+    kib = 0
+    for pid in process_tree(root):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    kib += int(line.split()[1])
+        except OSError:
+            pass
+    return kib / 1024
+
+
+# -- servers -----------------------------------------------------------------------------------
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -50,43 +120,72 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.load(resp)
+class Target:
+    """One server under test, started per round in its own process group."""
 
+    name = ""
+    label = ""
 
-class Server:
-    """``jupyter-triton serve`` in a subprocess (its own interpreter and GIL, as deployed)."""
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.http_port = self.grpc_port = 0
+        self.headers: dict[str, str] = {}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / f"{self.name}.log"
 
-    def __init__(self, repository: Path, log_path: Path) -> None:
-        self.port = free_port()
-        exe = Path(sys.executable).with_name("jupyter-triton")
-        cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else
-               ["-m", "jupyter_triton.cli"]),
-               "serve", "--model-repository", str(repository), "--http-address", HOST,
-               "--http-port", str(self.port), "--allow-grpc", "false", "--allow-metrics", "false"]
-        self.log = log_path.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://{HOST}:{self.port}"
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
 
-    def wait_ready(self, models: list[str], timeout: float = 120.0) -> None:
+    def models(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.http_port, self.grpc_port = free_port(), free_port()
+        cmd, env = self.command()
+        with self.log_path.open("a") as out:
+            out.write(f"\n$ {' '.join(cmd)}\n")
+            out.flush()
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=self.workdir, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                index = {m["name"]: m.get("state") for m in _post_json(f"{self.url}/v2/repository/index")}
-                if all(index.get(m) == "READY" for m in models):
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"models {models} not READY within {timeout} s")
+                raise RuntimeError(f"{self.label} exited with {self.proc.returncode} at start:\n"
+                                   + self.log_tail())
+            if all(self._ready(m) for m in self.models()):
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.label}: models {self.models()} not ready within {timeout:.0f} s:\n"
+                           + self.log_tail())
+
+    def _ready(self, model: str) -> bool:
+        try:
+            self.get(f"/v2/models/{model}/ready")
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def get(self, path: str) -> dict:
+        req = urllib.request.Request(f"http://{HOST}:{self.http_port}{path}", headers=self.headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            body = resp.read()
+        return json.loads(body) if body else {}
 
     def stats(self, model: str) -> dict:
-        return get_json(f"{self.url}/v2/models/{model}/stats")["model_stats"][0]
+        return self.get(f"/v2/models/{model}/stats")["model_stats"][0]
+
+    def extensions(self) -> list[str]:
+        return list(self.get("/v2").get("extensions", []))
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
 
     def stop(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -94,30 +193,137 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        try:      # whatever the server left behind in its own group (workers, stubs)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc = None
 
 
-def _post_json(url: str) -> list:
-    req = urllib.request.Request(url, data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.load(resp)
+class Ours(Target):
+    """One standalone server per model: another model's idle worker would count in the CPU
+    and RSS of the tree, and the peer serves one model too."""
+
+    name = "ours"
+    label = "ours, standalone (jupyter-triton serve)"
+
+    def __init__(self, workdir: Path, repository: Path, model: str) -> None:
+        super().__init__(workdir)
+        self.repository = repository
+        self.model = model
+        self.label = f"{self.label}, {MODEL_LABEL[model]}"
+        self.log_path = workdir / f"ours-{model}.log"
+
+    def models(self) -> list[str]:
+        return [self.model]
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        exe = Path(sys.executable).with_name("jupyter-triton")
+        base = [str(exe)] if exe.exists() else [sys.executable, "-m", "jupyter_triton.cli"]
+        return [*base, "serve", "--model-repository", str(self.repository),
+                "--http-address", HOST, "--http-port", str(self.http_port),
+                "--grpc-address", HOST, "--grpc-port", str(self.grpc_port),
+                "--allow-metrics", "false"], dict(os.environ)
 
 
-# -- load generators -----------------------------------------------------------------------
+class Jupyter(Target):
+    name = "jupyter"
+    label = "ours, Jupyter server routes (token header)"
 
-@dataclass
-class ClientView:
-    throughput: float          # inferences (= requests, one row each) per second
-    p50_us: float
-    p99_us: float
-    mean_us: float
-    driver: str
-    stable: bool = True        # perf_analyzer found 3 windows within 30 % of each other
+    def __init__(self, workdir: Path, repository: Path) -> None:
+        super().__init__(workdir)
+        self.repository = repository
+        self.token = secrets.token_hex(16)
+        self.headers = {"Authorization": f"token {self.token}"}
 
+    def models(self) -> list[str]:
+        return [ONNX_MODEL]
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        home = self.workdir / "jupyter"
+        for sub in ("config", "data", "runtime", "root"):
+            (home / sub).mkdir(parents=True, exist_ok=True)
+        config = {
+            "ServerApp": {"ip": HOST, "port": self.http_port, "port_retries": 0, "base_url": "/",
+                          "open_browser": False, "allow_root": True, "root_dir": str(home / "root"),
+                          "jpserver_extensions": {"jupyter_triton": True}},
+            "IdentityProvider": {"token": self.token},
+            "JupyterTriton": {"model_repository": str(self.repository), "create_demo_model": False,
+                              "load_models": [ONNX_MODEL]},
+        }
+        path = home / "config" / "jupyter_server_config.json"
+        path.write_text(json.dumps(config, indent=1))
+        # Its own config/data/runtime dirs: nothing of the user's Jupyter set-up is read or written.
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"),
+                   JUPYTER_DATA_DIR=str(home / "data"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+        exe = Path(sys.executable).with_name("jupyter-server")
+        base = [str(exe)] if exe.exists() else [sys.executable, "-m", "jupyter_server"]
+        return [*base, f"--config={path}"], env
+
+
+class PyTriton(Target):
+    name = "pytriton"
+    label = "PyTriton 0.7.0 (tritonserver 2.51 + @batch)"
+
+    def __init__(self, workdir: Path, python: Path) -> None:
+        super().__init__(workdir)
+        self.python = python
+        self.runs = 0
+
+    def models(self) -> list[str]:
+        return [PYTRITON_MODEL]
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        self.runs += 1
+        # A scratch workspace per start (PyTriton copies tritonserver there; it must not exist).
+        workspace = self.workdir / f"pytriton-workspace-{self.runs}"
+        return [str(self.python), str(HERE / "pytriton_peer.py"), "--http-port", str(self.http_port),
+                "--grpc-port", str(self.grpc_port), "--workspace", str(workspace)], dict(os.environ)
+
+
+def ensure_pytriton(venv: Path, workdir: Path) -> tuple[Path | None, str]:
+    """PyTriton's interpreter, installing ``nvidia-pytriton`` into ``venv`` when missing.
+    Returns (python, version) or (None, the reason it is not there)."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import importlib.metadata as m, pytriton.triton; "
+             "print(m.version('nvidia-pytriton'))"]
+
+    def version() -> str | None:
+        if not python.exists():
+            return None
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    found = version()
+    if found == PYTRITON_REQUIREMENT.split("==")[1]:
+        return python, found
+    log(f"installing {PYTRITON_REQUIREMENT} into {venv} (its own venv: it pins numpy<2) ...")
+    install_log = workdir / "pytriton-install.log"
+    base = getattr(sys, "_base_executable", sys.executable)
+    steps = ([] if python.exists() else [[base, "-m", "venv", str(venv)]]) + [
+        [str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        [str(python), "-m", "pip", "install", "-q", PYTRITON_REQUIREMENT]]
+    with install_log.open("w") as out:
+        for step in steps:
+            try:
+                rc = subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return None, f"`{' '.join(step)}` failed: {e}"
+            if rc != 0:
+                tail = [line for line in install_log.read_text(errors="replace").splitlines()
+                        if line.strip() and not line.startswith("WARNING:")][-2:]
+                return None, f"`{' '.join(step[-3:])}` exited with {rc}: " + " / ".join(tail)
+    found = version()
+    if found is None:
+        return None, f"{PYTRITON_REQUIREMENT} installed but `import pytriton` fails"
+    return python, found
+
+
+# -- the load generator ------------------------------------------------------------------------
 
 def find_perf_analyzer() -> str | None:
-    for path in (os.environ.get("PERF_ANALYZER"),
+    for path in (os.environ.get("PERF_ANALYZER"), str(Path(sys.executable).with_name("perf_analyzer")),
+                 str(ROOT / ".venv" / "bin" / "perf_analyzer"),
                  str(Path.home() / ".cache" / "perf_analyzer" / "perf_analyzer"),
                  shutil.which("perf_analyzer")):
         if path and os.access(path, os.X_OK):
@@ -125,301 +331,437 @@ def find_perf_analyzer() -> str | None:
     return None
 
 
-def drive_perf_analyzer(pa: str, url: str, model: str, concurrency: int, workdir: Path,
-                        interval_ms: int) -> ClientView:
-    report = workdir / f"{model}_c{concurrency}.csv"
-    # A 2-core machine that also runs the server is noisy: ask for 3 windows within 30 % of
-    # each other; failing that, take the average of 3 windows as they come (recorded).
-    for stability in ("30", "1000"):
-        cmd = [pa, "-m", model, "-u", url.removeprefix("http://"), "-i", "http", "-b", "1",
-               "--concurrency-range", str(concurrency), "--measurement-interval", str(interval_ms),
-               "--stability-percentage", stability, "--max-trials", "6", "-f", str(report)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-        if proc.returncode == 0 and report.exists():
-            break
-    else:
-        raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+@dataclass
+class ClientView:
+    throughput: float
+    p50_us: float
+    p99_us: float
+    window_spread: float      # (max - min) / mean of the windows' throughputs
+
+
+PASS_RE = re.compile(r"Pass \[\d+\] throughput: ([0-9.]+) infer/sec")
+
+
+# perf_analyzer reports the last 3 windows once they are within --stability-percentage of each
+# other; with a criterion that cannot fail it stops after exactly 3, which keeps every row
+# bounded in time. How much the windows differ is recorded instead (flagged when > 30 %).
+WINDOWS = 3
+
+
+def perf_analyzer(pa: str, target: Target, model: str, protocol: str, concurrency: int, shm: bool,
+                  interval_ms: int, report: Path, warmup: bool = False) -> ClientView:
+    port = target.http_port if protocol == "http" else target.grpc_port
+    cmd = [pa, "-v", "-m", model, "-u", f"{HOST}:{port}", "-i", protocol, "-b", "1",
+           "--concurrency-range", str(concurrency), "--stability-percentage", "10000",
+           "--max-trials", str(WINDOWS), "-f", str(report)]
+    # A warm-up is a few requests counted, not timed: first-call work in the server
+    # (allocations, a worker's first batch) stays out of the first row.
+    cmd += (["--measurement-mode", "count_windows", "--measurement-request-count", "30"] if warmup
+            else ["--measurement-interval", str(interval_ms)])
+    for key, value in target.headers.items():
+        cmd += ["-H", f"{key}: {value}"]
+    if shm:
+        cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(4 * FEATURES * 64)]
+    report.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=60 + WINDOWS * interval_ms / 1000 * 3)
+    if proc.returncode != 0 or not report.exists():
+        out = (proc.stdout + proc.stderr).strip().splitlines()
+        raise RuntimeError(f"perf_analyzer exited with {proc.returncode}: " + " / ".join(out[-4:]))
     with report.open() as f:
         row = next(csv.DictReader(f))
-    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
-             "Server Compute Infer", "Server Compute Output", "Client Recv")
+    passes = [float(v) for v in PASS_RE.findall(proc.stdout)][-WINDOWS:]
+    spread = (max(passes) - min(passes)) / statistics.fmean(passes) if passes else float("nan")
     return ClientView(throughput=float(row["Inferences/Second"]), p50_us=float(row["p50 latency"]),
-                      p99_us=float(row["p99 latency"]), mean_us=sum(float(row[p]) for p in parts),
-                      driver="perf_analyzer", stable=stability == "30")
+                      p99_us=float(row["p99 latency"]), window_spread=spread)
 
 
-def drive_tritonclient(url: str, model: str, features: int, concurrency: int,
-                       seconds: float) -> ClientView:
-    """Fallback: ``concurrency`` threads, one tritonclient each, for ``seconds`` after a warmup.
-    Python clients share the machine's cores (and a GIL) with nothing else of the server, but
-    they are slower than perf_analyzer: figures are lower bounds."""
-    import tritonclient.http as httpclient
-
-    x = np.random.default_rng(0).standard_normal((1, features)).astype(np.float32)
-    latencies: list[list[float]] = [[] for _ in range(concurrency)]
-    window: dict[str, float] = {}
-
-    def open_window() -> None:       # runs once, when every client is warm
-        window["start"] = time.monotonic() + 0.5
-        window["end"] = window["start"] + seconds
-
-    start_barrier = threading.Barrier(concurrency + 1, action=open_window)
-
-    def worker(i: int) -> None:
-        client = httpclient.InferenceServerClient(url.removeprefix("http://"), network_timeout=60)
-        inp = httpclient.InferInput("INPUT0", [1, features], "FP32")
-        inp.set_data_from_numpy(x)
-        try:
-            for _ in range(3):
-                client.infer(model, [inp])
-            start_barrier.wait(timeout=60)
-            while time.monotonic() < window["end"]:
-                t0 = time.monotonic()
-                client.infer(model, [inp])
-                t1 = time.monotonic()
-                if t0 >= window["start"] and t1 <= window["end"]:
-                    latencies[i].append(t1 - t0)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    start_barrier.wait(timeout=60)
-    for t in threads:
-        t.join(timeout=seconds + 60)
-    flat = sorted(v for per in latencies for v in per)
-    if not flat:
-        raise RuntimeError(f"no request to {model} finished within the window")
-    return ClientView(throughput=len(flat) / seconds, p50_us=1e6 * flat[len(flat) // 2],
-                      p99_us=1e6 * flat[min(len(flat) - 1, int(0.99 * len(flat)))],
-                      mean_us=1e6 * statistics.fmean(flat), driver="tritonclient")
-
-
-# -- the server's view ---------------------------------------------------------------------
+# -- rows --------------------------------------------------------------------------------------
 
 @dataclass
-class ServerView:
-    requests: int
-    request_us: float          # in the engine, arrival to response built
-    queue_us: float
-    compute_us: float          # compute input + infer + output charged to each request
-    outside_model_us: float    # request - compute: queue, validation, scheduling, response
-    executions: int
-    mean_batch: float
-    batch_sizes: dict[int, int]   # batch size -> executions
+class Measurement:
+    round: int
+    throughput: float = 0.0
+    p50_us: float = 0.0
+    p99_us: float = 0.0
+    window_spread: float = 0.0
+    inferences: int = 0                    # the server's own count over the run
+    cpu_us_per_inference: float = 0.0      # the server's process tree, /proc
+    queue_us: float = 0.0                  # server statistics: queue ns / queue count
+    mean_batch: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    peak_rss_mib: float = 0.0
+    error: str = ""
 
 
-def server_view(before: dict, after: dict) -> ServerView:
-    def delta(path: str, key: str) -> int:
-        return after["inference_stats"][path][key] - before["inference_stats"][path][key]
+SUMMARY_KEYS = ("throughput", "p50_us", "p99_us", "cpu_us_per_inference", "queue_us", "mean_batch",
+                "peak_rss_mib", "window_spread")
 
-    n = max(1, delta("success", "count"))
-    compute_ns = sum(delta(k, "ns") for k in ("compute_input", "compute_infer", "compute_output"))
-    old = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
-    sizes = {b["batch_size"]: b["compute_infer"]["count"] - old.get(b["batch_size"], 0)
-             for b in after["batch_stats"]}
-    sizes = {k: v for k, v in sorted(sizes.items()) if v}
+
+@dataclass
+class Row:
+    target: str          # ours | jupyter | pytriton
+    model: str           # the served model's name
+    protocol: str        # http | grpc
+    concurrency: int
+    shm: bool = False
+    rounds: list[Measurement] = field(default_factory=list)
+    median: dict[str, float] = field(default_factory=dict)
+    skipped: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}/{self.model}/{self.protocol}{'+shm' if self.shm else ''}/c={self.concurrency}"
+
+
+MODEL_LABEL = {ONNX_MODEL: "ONNX", PYTHON_MODEL: "python model.py", PYTRITON_MODEL: "@batch python"}
+
+
+def plan(targets: list[str], protocols: list[str], concurrency: list[int]) -> list[Row]:
+    rows = []
+    for c in concurrency:
+        for p in protocols:
+            if "ours" in targets:
+                rows += [Row("ours", ONNX_MODEL, p, c), Row("ours", PYTHON_MODEL, p, c),
+                         Row("ours", ONNX_MODEL, p, c, shm=True)]
+            if "jupyter" in targets and p == "http":
+                rows.append(Row("jupyter", ONNX_MODEL, p, c))
+            if "pytriton" in targets:
+                rows.append(Row("pytriton", PYTRITON_MODEL, p, c))
+    return rows
+
+
+def measure(pa: str, target: Target, row: Row, rnd: int, interval_ms: int) -> Measurement:
+    m = Measurement(round=rnd)
+    pid = target.proc.pid
+    before = target.stats(row.model)
+    cpu0 = tree_cpu_seconds(pid)
+    client = perf_analyzer(pa, target, row.model, row.protocol, row.concurrency, row.shm,
+                           interval_ms, target.workdir / "pa.csv")
+    cpu1 = tree_cpu_seconds(pid)
+    after = target.stats(row.model)
+    m.peak_rss_mib = tree_peak_rss_mib(pid)
+    m.throughput, m.p50_us, m.p99_us, m.window_spread = (client.throughput, client.p50_us,
+                                                         client.p99_us, client.window_spread)
+    m.inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
-    inferences = after["inference_count"] - before["inference_count"]
-    request_us = delta("success", "ns") / n / 1e3
-    compute_us = compute_ns / n / 1e3
-    return ServerView(requests=n, request_us=request_us,
-                      queue_us=delta("queue", "ns") / max(1, delta("queue", "count")) / 1e3,
-                      compute_us=compute_us, outside_model_us=request_us - compute_us,
-                      executions=executions, mean_batch=inferences / max(1, executions),
-                      batch_sizes=sizes)
+    m.cpu_us_per_inference = (cpu1 - cpu0) * 1e6 / max(1, m.inferences)
+    q = {k: after["inference_stats"]["queue"][k] - before["inference_stats"]["queue"][k] for k in ("count", "ns")}
+    m.queue_us = q["ns"] / max(1, q["count"]) / 1e3
+    m.mean_batch = m.inferences / max(1, executions)
+    old = {b["batch_size"]: b["compute_infer"]["count"] for b in before.get("batch_stats", [])}
+    sizes = {int(b["batch_size"]): b["compute_infer"]["count"] - old.get(b["batch_size"], 0)
+             for b in after.get("batch_stats", [])}
+    m.batch_sizes = {k: v for k, v in sorted(sizes.items()) if v}
+    return m
 
 
-# -- the limit: the model alone ------------------------------------------------------------
+def summarize(row: Row) -> None:
+    good = [m for m in row.rounds if not m.error]
+    if good:
+        row.median = {k: statistics.median(getattr(m, k) for m in good) for k in SUMMARY_KEYS}
+        row.median["rounds"] = len(good)
+        tps = [m.throughput for m in good]
+        row.median["round_spread"] = (max(tps) - min(tps)) / statistics.fmean(tps) if len(tps) > 1 else 0.0
 
-def time_raw(onnx_bytes: bytes, features: int, batch_sizes: list[int],
-             budget_s: float = 0.25) -> dict[int, float]:
-    """Best-of-N seconds per onnxruntime call at each batch size, with the server's default
-    session options (one CPU instance: onnxruntime's own thread count). Best, not median:
-    this is the limit, and a shared machine only ever makes a call slower."""
+
+# -- the model alone ---------------------------------------------------------------------------
+
+def time_raw(onnx: bytes, batch_sizes: list[int], budget_s: float = 0.2) -> dict[int, float]:
+    """Best-of-N seconds per onnxruntime call at each batch size (default session options).
+    Best, not median: this is the limit, and a shared machine only ever makes a call slower."""
+    import numpy as np
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(onnx_bytes, options, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    result = {}
+    session = ort.InferenceSession(onnx, options, providers=["CPUExecutionProvider"])
+    out = {}
     for b in sorted(set(batch_sizes)):
-        x = rng.standard_normal((b, features)).astype(np.float32)
-        for _ in range(3):
-            session.run(None, {"INPUT0": x})
+        x = np.random.default_rng(0).standard_normal((b, FEATURES)).astype(np.float32)
         times = []
         deadline = time.perf_counter() + budget_s
         while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 500):
             t0 = time.perf_counter()
             session.run(None, {"INPUT0": x})
             times.append(time.perf_counter() - t0)
-        result[b] = min(times)
-    return result
+        out[b] = min(times)
+    return out
 
 
-def raw_rows_per_second(sizes: dict[int, int], raw: dict[int, float]) -> float:
-    rows = sum(b * n for b, n in sizes.items())
-    seconds = sum(raw[b] * n for b, n in sizes.items())
-    return rows / seconds if seconds else float("nan")
+# -- the run -----------------------------------------------------------------------------------
 
-
-# -- the run -------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    model: str
-    served: str
-    batching: bool
-    concurrency: int
-    client: ClientView
-    server: ServerView
-    raw_rows_per_s: float = 0.0      # onnxruntime alone at the batch sizes the server formed
-    served_over_raw: float = 0.0
-
-
-@dataclass
-class Results:
-    machine: dict
-    driver: str
-    runs: list[Run] = field(default_factory=list)
-    raw_seconds: dict[str, dict[int, float]] = field(default_factory=dict)
-    ratios: dict[str, float] = field(default_factory=dict)
+def machine_info(pa: str) -> dict:
+    info: dict = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["mem_gib"] = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    info["loadavg_at_start"] = os.getloadavg()
+    proc = subprocess.run([pa, "--version"], capture_output=True, text=True)
+    found = re.search(r"Version \S+", proc.stdout + proc.stderr)
+    info["perf_analyzer"] = f"perf_analyzer {found.group(0)}" if found else "perf_analyzer (version unknown)"
+    git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    info["jupyter_triton_commit"] = git.stdout.strip()
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--interval-ms", type=int, default=1000,
-                        help="perf_analyzer measurement window (or the loop's seconds x 1000)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
-    parser.add_argument("--client", choices=("auto", "perf_analyzer", "tritonclient"), default="auto")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 1 round, 1 s windows, results under results/quick.tmp/")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 2; --quick 1)")
+    parser.add_argument("--interval-ms", type=int, help="perf_analyzer window (default 3000; --quick 1000)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
+    parser.add_argument("--targets", nargs="+", choices=("ours", "jupyter", "pytriton"),
+                        default=["ours", "pytriton", "jupyter"])
+    parser.add_argument("--pytriton-venv", type=Path,
+                        default=Path(os.environ.get("PYTRITON_VENV", DEFAULT_PYTRITON_VENV)),
+                        help="PyTriton's own venv, created when missing (env PYTRITON_VENV)")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: results/quick.tmp)")
     args = parser.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 2)
+    interval_ms = args.interval_ms or (1000 if args.quick else 3000)
+    out_dir = args.out or (HERE / "results" / ("quick.tmp" if args.quick else ""))
 
-    pa = find_perf_analyzer() if args.client != "tritonclient" else None
-    if args.client == "perf_analyzer" and pa is None:
-        parser.error("perf_analyzer not found (PERF_ANALYZER, ~/.cache/perf_analyzer/perf_analyzer)")
-    driver = "perf_analyzer" if pa else "tritonclient"
-    print(f"driver: {driver}{f' ({pa})' if pa else ''}", flush=True)
-    results = Results(machine={"cpus": os.cpu_count(), "python": platform.python_version(),
-                               "platform": platform.platform()}, driver=driver)
+    pa = find_perf_analyzer()
+    if pa is None:
+        print("perf_analyzer not found ($PERF_ANALYZER, .venv/bin, ~/.cache/perf_analyzer); install it "
+              "with tools/install-perf-analyzer.sh (./dev bench does)", file=sys.stderr)
+        return 2
     started = time.monotonic()
+    notes: list[str] = []
+    info = machine_info(pa)
+    log(f"perf_analyzer: {pa} ({info['perf_analyzer']}); {rounds} round(s), {WINDOWS} x "
+        f"{interval_ms} ms windows per row")
+    rows = plan(args.targets, args.protocols, args.concurrency)
     with tempfile.TemporaryDirectory(prefix="jt-bench-") as tmp:
         workdir = Path(tmp)
-        onnx_bytes = build_repository(workdir / "models")
-        server = Server(workdir / "models", workdir / "server.log")
-        try:
-            served = [m.served_name(b) for m in MODELS for b in (True, False)]
-            server.wait_ready(served)
-            for model in MODELS:
-                for batching in (False, True):
-                    name = model.served_name(batching)
-                    for c in args.concurrency:
-                        before = server.stats(name)
-                        if pa:
-                            client = drive_perf_analyzer(pa, server.url, name, c, workdir, args.interval_ms)
+        repositories = {m: workdir / f"repository-{m}" for m in (ONNX_MODEL, PYTHON_MODEL)}
+        for model, repository in repositories.items():
+            build_repository(repository, (model,))
+        onnx = onnx_bytes()
+        targets: list[Target] = []
+        for name in args.targets:
+            if name == "ours":
+                targets += [Ours(workdir, repositories[m], m) for m in (ONNX_MODEL, PYTHON_MODEL)]
+            elif name == "jupyter":
+                targets.append(Jupyter(workdir, repositories[ONNX_MODEL]))
+            else:
+                python, detail = ensure_pytriton(args.pytriton_venv, workdir)
+                if python is None:
+                    note = f"PyTriton peer skipped: {detail}"
+                    log(note)
+                    notes.append(note)
+                    for row in rows:
+                        if row.target == "pytriton":
+                            row.skipped = note
+                    continue
+                info["pytriton"] = detail
+                targets.append(PyTriton(workdir, python))
+        for rnd in range(1, rounds + 1):
+            for target in targets:
+                mine = [r for r in rows if r.target == target.name and r.model in target.models()
+                        and not r.skipped]
+                if not mine:
+                    continue
+                log(f"round {rnd}: starting {target.label}")
+                try:
+                    target.start()
+                    extensions = target.extensions()
+                    perf_analyzer(pa, target, mine[0].model, "http", 1, False, interval_ms,
+                                  workdir / "warmup.csv", warmup=True)
+                    for row in mine:
+                        if row.shm and "system_shared_memory" not in extensions:
+                            row.skipped = (f"{target.label} does not advertise the system_shared_memory "
+                                           "extension: no --shared-memory system row")
+                            continue
+                        try:
+                            m = measure(pa, target, row, rnd, interval_ms)
+                        except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as e:
+                            m = Measurement(round=rnd, error=str(e)[:500])
+                            log(f"  {row.key}: FAILED: {m.error}")
                         else:
-                            client = drive_tritonclient(server.url, name, model.features_in, c,
-                                                        args.interval_ms / 1000 * 2)
-                        view = server_view(before, server.stats(name))
-                        run = Run(model.name, name, batching, c, client, view)
-                        results.runs.append(run)
-                        print(f"{name:13s} c={c:<3d} {client.throughput:8.0f} infer/s  "
-                              f"p50 {client.p50_us / 1e3:7.2f} ms  p99 {client.p99_us / 1e3:7.2f} ms  "
-                              f"outside model {view.outside_model_us:7.0f} us  "
-                              f"batch {view.mean_batch:5.1f}", flush=True)
-        finally:
-            server.stop()
-            if server.proc.returncode not in (0, -signal.SIGTERM):
-                print((workdir / "server.log").read_text()[-3000:], file=sys.stderr)
-        # The model alone, with the server gone (nothing else on the cores).
-        for model in MODELS:
-            sizes = {1} | {b for r in results.runs if r.model == model.name
-                           for b in r.server.batch_sizes}
-            results.raw_seconds[model.name] = time_raw(onnx_bytes[model.name], model.features_in,
-                                                       sorted(sizes))
-    for run in results.runs:
-        raw = results.raw_seconds[run.model]
-        run.raw_rows_per_s = raw_rows_per_second(run.server.batch_sizes or {1: 1}, raw)
-        run.served_over_raw = run.client.throughput / run.raw_rows_per_s
-    results.ratios = ratios(results)
+                            log(f"  {row.key:32s} {m.throughput:7.0f} infer/s  p50 {m.p50_us / 1e3:6.2f} ms  "
+                                f"p99 {m.p99_us / 1e3:6.2f} ms  CPU {m.cpu_us_per_inference:6.0f} us/inf  "
+                                f"queue {m.queue_us:5.0f} us  batch {m.mean_batch:4.1f}  "
+                                f"RSS {m.peak_rss_mib:5.0f} MiB")
+                        row.rounds.append(m)
+                except (RuntimeError, OSError, TimeoutError) as e:
+                    note = f"round {rnd}: {target.label} did not start: {str(e)[:1500]}"
+                    log(note)
+                    notes.append(note)
+                finally:
+                    target.stop()
+        for row in rows:
+            if row.skipped and row.skipped not in notes:
+                log(row.skipped)
+                notes.append(row.skipped)
+            summarize(row)
+        sizes = {1} | {b for r in rows if r.model == ONNX_MODEL for m in r.rounds for b in m.batch_sizes}
+        raw = time_raw(onnx, sorted(sizes))
+    info["loadavg_at_end"] = os.getloadavg()
     elapsed = time.monotonic() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = asdict(results) | {"elapsed_s": round(elapsed, 1)}
-    (args.out / "bench.json").write_text(json.dumps(payload, indent=1) + "\n")
-    table = markdown(results, elapsed)
-    (args.out / "bench.md").write_text(table)
-    print()
-    print(table)
+    ratios = peer_ratios(rows)
+    aims = check_aims(rows, ratios)
+    payload = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": args.quick, "rounds": rounds, "interval_ms": interval_ms, "windows": WINDOWS,
+        "model": DESCRIPTION, "machine": info, "elapsed_s": round(elapsed, 1),
+        "rows": [asdict(r) | {"key": r.key} for r in rows],
+        "ratios_vs_pytriton": ratios, "aims": aims, "notes": notes,
+        "onnx_alone_us": {b: round(t * 1e6, 1) for b, t in raw.items()},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(payload, indent=1) + "\n")
+    table = markdown(payload, rows)
+    (out_dir / "bench.md").write_text(table)
+    log("")
+    log(table)
+    log(f"written: {out_dir / 'bench.md'}, {out_dir / 'bench.json'} ({elapsed:.0f} s)")
     return 0
 
 
-def _find(results: Results, model: str, batching: bool, c: int) -> Run | None:
-    for r in results.runs:
-        if r.model == model and r.batching == batching and r.concurrency == c:
+# -- ratios and aims ---------------------------------------------------------------------------
+
+def _row(rows: list[Row], target: str, model: str, protocol: str, c: int, shm: bool = False) -> Row | None:
+    for r in rows:
+        if (r.target, r.model, r.protocol, r.concurrency, r.shm) == (target, model, protocol, c, shm) and r.median:
             return r
     return None
 
 
-def ratios(results: Results) -> dict[str, float]:
-    out: dict[str, float] = {}
-    top = max(r.concurrency for r in results.runs)
-    low = min(r.concurrency for r in results.runs)
-    for model in MODELS:
-        on, off = _find(results, model.name, True, top), _find(results, model.name, False, top)
-        if on and off:
-            out[f"{model.name}: batching on/off throughput at c={top}"] = on.client.throughput / off.client.throughput
-        if on and model.name == "mlp":     # the small model's limit is not the model
-            out[f"{model.name}: served/raw at c={top}, batching on"] = on.served_over_raw
-    small = _find(results, "small", False, low)
-    if small:
-        raw1 = results.raw_seconds["small"][1] * 1e6
-        out[f"small: per-request overhead at c={low}, us (client mean latency - model)"] = small.client.mean_us - raw1
-        out[f"small: server-side time outside the model at c={low}, us"] = small.server.outside_model_us
+def _ours_variants(rows: list[Row]) -> list[tuple[str, str, str, bool]]:
+    seen = []
+    for r in rows:
+        v = (r.target, r.model, r.protocol, r.shm)
+        if r.target != "pytriton" and r.median and v not in seen:
+            seen.append(v)
+    return seen
+
+
+def variant_label(target: str, model: str, protocol: str, shm: bool) -> str:
+    where = "Jupyter routes" if target == "jupyter" else "standalone"
+    return f"ours {where}, {MODEL_LABEL[model]}, {protocol.upper() if protocol == 'http' else 'gRPC'}" + \
+        (" + system shm" if shm else "")
+
+
+def peer_ratios(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """ours / PyTriton on the same protocol and concurrency: throughput (higher is better),
+    p50 and CPU per inference (lower is better)."""
+    out: dict[str, dict[str, float]] = {}
+    levels = sorted({r.concurrency for r in rows})
+    for target, model, protocol, shm in _ours_variants(rows):
+        ratios: dict[str, float] = {}
+        for c in levels:
+            ours, peer = _row(rows, target, model, protocol, c, shm), _row(rows, "pytriton", PYTRITON_MODEL, protocol, c)
+            if ours and peer:
+                ratios[f"throughput c={c}"] = ours.median["throughput"] / peer.median["throughput"]
+                ratios[f"p50 c={c}"] = ours.median["p50_us"] / peer.median["p50_us"]
+                ratios[f"cpu/inf c={c}"] = ours.median["cpu_us_per_inference"] / max(1e-9, peer.median["cpu_us_per_inference"])
+        if ratios:
+            out[variant_label(target, model, protocol, shm)] = ratios
     return out
 
 
-AIMS = (("batching on/off", ">=", 4.0), ("served/raw", ">=", 0.8), ("per-request overhead", "<", 1000.0))
+def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]]) -> list[dict]:
+    """Issue 8's "done when", where this run has the rows to tell."""
+    aims = []
+
+    def aim(what: str, value: float | None, ok: bool | None) -> None:
+        if value is not None:
+            aims.append({"aim": what, "value": round(value, 2), "met": bool(ok)})
+
+    for protocol in ("http", "grpc"):
+        r = ratios.get(variant_label("ours", ONNX_MODEL, protocol, False), {})
+        v = r.get("throughput c=1")
+        aim(f"ONNX {protocol}: throughput c=1 ours/PyTriton >= 5", v, v is not None and v >= 5)
+        v = r.get("throughput c=32")
+        aim(f"ONNX {protocol}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
+        r = ratios.get(variant_label("ours", PYTHON_MODEL, protocol, False), {})
+        v = r.get("throughput c=32")
+        aim(f"python model {protocol}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
+        for model in (ONNX_MODEL, PYTHON_MODEL):
+            v = ratios.get(variant_label("ours", model, protocol, False), {}).get("cpu/inf c=32")
+            aim(f"{MODEL_LABEL[model]} {protocol}: CPU per inference c=32 ours/PyTriton <= 0.5", v,
+                v is not None and v <= 0.5)
+    v = ratios.get(variant_label("jupyter", ONNX_MODEL, "http", False), {}).get("throughput c=32")
+    aim("Jupyter routes: throughput c=32 ours/PyTriton >= 1", v, v is not None and v >= 1)
+    for r in rows:
+        if r.target != "pytriton" and r.concurrency == 1 and r.median and not r.shm:
+            q = r.median["queue_us"]
+            aim(f"queue time at c=1 within 100 us of {QUEUE_DELAY_US} us: {r.key}", q,
+                abs(q - QUEUE_DELAY_US) <= 100)
+    return aims
 
 
-def markdown(results: Results, elapsed: float) -> str:
+# -- the report --------------------------------------------------------------------------------
+
+def markdown(p: dict, rows: list[Row]) -> str:
+    m = p["machine"]
     lines = [
-        "# jupyter_triton benchmark",
+        "# jupyter_triton vs PyTriton: the model users run",
         "",
-        f"Driver: {results.driver}; machine: {results.machine['cpus']} CPUs, Python "
-        f"{results.machine['python']}; server: `jupyter-triton serve` on loopback (HTTP, binary "
-        f"tensors), one CPU instance per model, max_batch_size {MAX_BATCH_SIZE}; "
-        f"{elapsed:.0f} s in all.",
+        *(["**Quick smoke run (`--quick`): one round, short windows: not figures to quote.**", ""]
+          if p["quick"] else []),
+        f"Command: `{p['command']}` ({p['started_utc']}, {p['elapsed_s']:.0f} s; commit "
+        f"{m.get('jupyter_triton_commit', '?')}).",
+        f"Machine: {m['cpus']} CPUs ({m.get('cpu', '?')}), {m.get('mem_gib', '?')} GiB, Python {m['python']}, "
+        f"{m['platform']}; load average at start {m['loadavg_at_start'][0]:.1f}, at end "
+        f"{m['loadavg_at_end'][0]:.1f}.",
+        f"Client: {m['perf_analyzer']} on the same machine, one [1,256] row per request, "
+        f"{p['windows']} windows of {p['interval_ms']} ms per row, {p['rounds']} alternating round(s) "
+        f"(every server in turn, then again); figures are medians over rounds.",
+        f"Model: {p['model']}. Peer: PyTriton {m.get('pytriton', '(skipped)')}.",
         "",
-        "Models: " + "; ".join(f"**{m.name}**: {m.description}" for m in MODELS) + ".",
-        "",
-        "| model | batching | c | infer/s | p50 ms | p99 ms | server: request us | queue us | "
-        "compute us | outside model us | mean batch | raw infer/s at those batches | served/raw |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | model | protocol | c | infer/s | p50 ms | p99 ms | server CPU us/inf | "
+        "queue us/inf | mean batch | peak RSS MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results.runs:
-        s = r.server
+    flagged = False
+    labels = {"ours": "ours standalone", "jupyter": "ours, Jupyter server (token)", "pytriton": "PyTriton"}
+    for r in sorted(rows, key=lambda r: (r.concurrency, r.protocol, r.target != "pytriton", r.target, r.model, r.shm)):
+        if not r.median:
+            continue
+        s = r.median
+        mark = ""
+        if s["window_spread"] > 0.3 or s.get("round_spread", 0) > 0.3:
+            mark, flagged = "*", True
+        proto = ("HTTP" if r.protocol == "http" else "gRPC") + (" + shm" if r.shm else "")
         lines.append(
-            f"| {r.model} | {'on' if r.batching else 'off'} | {r.concurrency} | "
-            f"{r.client.throughput:.0f}{'' if r.client.stable else '*'} | {r.client.p50_us / 1e3:.2f} | {r.client.p99_us / 1e3:.2f} | "
-            f"{s.request_us:.0f} | {s.queue_us:.0f} | {s.compute_us:.0f} | {s.outside_model_us:.0f} | "
-            f"{s.mean_batch:.1f} | {r.raw_rows_per_s:.0f} | {r.served_over_raw:.2f} |")
-    if not all(r.client.stable for r in results.runs):
-        lines += ["", "\\* perf_analyzer found no 3 windows within 30 % of each other: the mean of 3 "
-                  "windows as they came (a busy machine)."]
-    lines += ["", "Model alone (onnxruntime, same session options, best of many calls), ms per call:", ""]
-    for model, raw in results.raw_seconds.items():
-        shown = {b: raw[b] for b in sorted(raw) if b in (1, 2, 4, 8, 16, 32, 64) or b == max(raw)}
-        lines.append(f"- {model}: " + ", ".join(f"b={b}: {t * 1e3:.3f}" for b, t in shown.items()))
-    lines += ["", "| ratio | value | aim |", "|---|---:|---|"]
-    for key, value in results.ratios.items():
-        aim = next((f"{op} {target:g}" + (" us" if "us" in key else "")
-                    for word, op, target in AIMS if word in key), "")
-        if aim:
-            met = value >= float(aim.split()[1]) if aim.startswith(">=") else value < float(aim.split()[1])
-            aim += " (met)" if met else " (NOT met)"
-        lines.append(f"| {key} | {value:.2f} | {aim} |")
+            f"| {labels[r.target]} | {MODEL_LABEL[r.model]} | {proto} | {r.concurrency} | "
+            f"{s['throughput']:.0f}{mark} | {s['p50_us'] / 1e3:.2f} | {s['p99_us'] / 1e3:.2f} | "
+            f"{s['cpu_us_per_inference']:.0f} | {s['queue_us']:.0f} | {s['mean_batch']:.1f} | "
+            f"{s['peak_rss_mib']:.0f} |")
+    if flagged:
+        lines += ["", "\\* perf_analyzer's windows or the rounds differ by more than 30 % (a busy machine)."]
+    failed = [f"- {r.key}, round {x.round}: {x.error}" for r in rows for x in r.rounds if x.error]
+    if failed:
+        lines += ["", "Failed measurements:", *failed]
+    ratios = p["ratios_vs_pytriton"]
+    if ratios:
+        cols = list(dict.fromkeys(k for v in ratios.values() for k in v))
+        lines += ["", "Ours / PyTriton, same protocol and concurrency (throughput: higher is better; "
+                  "p50 and CPU per inference: lower is better):", "",
+                  "| ours | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        for name, v in ratios.items():
+            lines.append(f"| {name} | " + " | ".join(f"{v[c]:.2f}" if c in v else "" for c in cols) + " |")
+    if p["aims"]:
+        lines += ["", "Issue 8's aims:", "", "| aim | value | |", "|---|---:|---|"]
+        lines += [f"| {a['aim']} | {a['value']:g} | {'met' if a['met'] else 'NOT met'} |" for a in p["aims"]]
+    alone = p["onnx_alone_us"]
+    lines += ["", "The ONNX model alone (onnxruntime in the harness, best of many calls), at the batch "
+              "sizes the servers formed: "
+              + ", ".join(f"b={b}: {t:.0f} us" for b, t in alone.items() if b in (1, 2, 4, 8, 16, 32, 64))
+              + ": what a server adds is nearly all of every figure above."]
+    if p["notes"]:
+        lines += ["", "Notes:", *(f"- {n}" for n in p["notes"])]
     return "\n".join(lines) + "\n"
 
 
