@@ -157,9 +157,13 @@ class SharedMemoryRegistry:
 
     # -- tensor bytes ------------------------------------------------------------------------
     def check(self, name: Any, offset: int, byte_size: int) -> None:
-        """That ``[offset, offset + byte_size)`` lies inside the registered region ``name``."""
+        """That ``[offset, offset + byte_size)`` lies inside the registered region ``name``, and
+        inside its object as it is now (before a model runs for a result nobody could store)."""
         region = self._acquire(name, offset, byte_size)
-        self._release(region)
+        try:
+            self._checked_start(region, offset, byte_size)
+        finally:
+            self._release(region)
 
     def read(self, name: str, offset: int, byte_size: int) -> bytearray:
         """A copy of ``byte_size`` bytes at ``offset`` in region ``name``."""
