@@ -96,6 +96,9 @@ def config_from_json(obj: str | bytes | dict[str, Any], model_name: str) -> mc.M
         except ValueError as err:
             raise InvalidArgument(
                 f"model '{model_name}': config is not valid JSON: {err}") from None
+        except RecursionError:
+            raise InvalidArgument(f"model '{model_name}': config JSON is nested too "
+                                  f"deeply") from None
     if not isinstance(obj, dict):
         raise InvalidArgument(
             f"model '{model_name}': config must be a JSON object, got {type(obj).__name__}")
@@ -107,6 +110,8 @@ def config_from_json(obj: str | bytes | dict[str, Any], model_name: str) -> mc.M
     except (TypeError, ValueError, AttributeError) as err:
         # ParseDict lets a few wrong-type errors escape as plain Python exceptions.
         raise InvalidArgument(f"model '{model_name}': invalid config: {err}") from None
+    except RecursionError:
+        raise InvalidArgument(f"model '{model_name}': config JSON is nested too deeply") from None
     return _check_name(config, model_name)
 
 

@@ -26,6 +26,7 @@ def validate_config(config: mc.ModelConfig, complete: bool = True) -> None:
     if config.max_batch_size < 0:
         raise _fail(config, "max_batch_size", "'max_batch_size' must be non-negative value")
     _validate_version_policy(config)
+    _validate_file_names(config)
     _validate_io(config, complete)
     _validate_batch_io(config)
     _validate_dynamic_batching(config, complete)
@@ -36,6 +37,21 @@ def validate_config(config: mc.ModelConfig, complete: bool = True) -> None:
         raise _fail(config, "response_cache",
                     "Response Cache does not currently support models with 'decoupled' "
                     "transaction policy. Please disable the response cache.")
+
+
+def _validate_file_names(config: mc.ModelConfig) -> None:
+    """Files a config names live inside the model directory: no absolute path, no '..'
+    (the engine also checks where a symlink leads, at load)."""
+    named = [("default_model_filename", config.default_model_filename)]
+    named += [(f"output '{o.name}' label_filename", o.label_filename) for o in config.output]
+    for field, value in named:
+        if not value:
+            continue
+        parts = value.replace("\\", "/").split("/")
+        if value.startswith(("/", "\\")) or (len(value) > 1 and value[1] == ":") \
+                or ".." in parts or "\0" in value:
+            raise _fail(config, field, f"'{value}' must be a path inside the model directory "
+                                       f"(relative, without '..')")
 
 
 def _validate_version_policy(config: mc.ModelConfig) -> None:

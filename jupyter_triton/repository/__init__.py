@@ -157,9 +157,9 @@ class Repository:
                      files: Mapping[str, object] | None) -> list[int]:
         """Persist what ``load_model(name, config=..., files=...)`` sends, committed at once.
 
-        Each uploaded version becomes a NEW version directory: if any uploaded version
-        number is already taken, the uploaded versions are renumbered, in order, to the
-        numbers after the highest one on disk (so a "latest" policy serves the upload).
+        Each uploaded version becomes a NEW version directory: unless every uploaded version
+        number is above the highest on disk, the uploaded versions are renumbered, in order,
+        to the numbers after the highest one on disk (so a "latest" policy serves the upload).
         A config naming the uploaded versions in a ``specific`` policy is rewritten to the
         new numbers. Returns the version numbers written, ascending.
         """
@@ -482,7 +482,9 @@ def _taken_versions(model_dir: Path) -> set[int]:
 
 
 def _assign_versions(uploaded: list[int], taken: set[int]) -> dict[int, int]:
-    if not any(v in taken for v in uploaded):
+    # an upload is always the newest: a number at or below one on disk (taken, or freed by
+    # keep_versions or a failed load) is renumbered after the highest
+    if not taken or min(uploaded) > max(taken):
         return {v: v for v in uploaded}
     start = max(taken) + 1
     return {v: start + i for i, v in enumerate(sorted(uploaded))}
