@@ -310,3 +310,90 @@ def test_upload_files_are_durable_plain_files(repo):
     path = repo.root / "adder/1/model.onnx"
     assert path.read_bytes() == b"bytes-like"
     assert not path.is_symlink() and os.stat(path).st_nlink == 1
+
+
+# ---- uncommitted uploads: commit, abort, recover after a crash -------------------------
+
+def test_an_upload_not_committed_is_taken_back_at_the_next_start(repo):
+    repo.write_upload("adder", json.dumps(CONFIG), {"file:1/model.onnx": b"v1"})
+    before = (repo.root / "adder" / "config.pbtxt").read_text()
+    pending = repo.stage_upload("adder", json.dumps(dict(CONFIG, max_batch_size=2)),
+                                {"file:1/model.onnx": b"v2", "file:2/model.onnx": b"v3"})
+    assert pending.versions == [2, 3] and repo.versions_on_disk("adder") == [1, 2, 3]
+    # the server dies here; the next one starts on the same repository
+    fresh = Repository(repo.root)
+    assert fresh.recover() == ["adder"]
+    assert fresh.versions_on_disk("adder") == [1]
+    assert (repo.root / "adder" / "config.pbtxt").read_text() == before
+    aside = fresh.set_aside("adder")
+    assert sorted(v for v, _, _ in aside) == [2, 3]
+    assert all("stopped before" in reason for _, reason, _ in aside)
+    assert all((repo.root / where / "model.onnx").is_file() for _, _, where in aside)
+    assert fresh.recover() == []                      # nothing left to take back
+
+
+def test_a_committed_upload_leaves_no_journal_or_marker(repo):
+    pending = repo.stage_upload("adder", json.dumps(CONFIG), {"file:1/model.onnx": b"v1"})
+    pending.commit()
+    assert sorted(p.name for p in (repo.root / "adder").iterdir()) == ["1", "config.pbtxt"]
+    assert sorted(p.name for p in (repo.root / "adder" / "1").iterdir()) == ["config.pbtxt", "model.onnx"]
+    assert Repository(repo.root).recover() == []
+    assert repo.versions_on_disk("adder") == [1]
+
+
+def test_abort_of_a_new_model_leaves_no_model_behind(repo):
+    pending = repo.stage_upload("fresh", json.dumps(dict(CONFIG, name="fresh")),
+                                {"file:1/model.onnx": b"x"})
+    moved = pending.abort("it did not load")
+    assert not (repo.root / "fresh").exists() and repo.model_names() == []
+    assert [(v, r) for v, r, _ in repo.set_aside("fresh")] == [(1, "it did not load")]
+    assert moved and (repo.root / moved[0] / "model.onnx").read_bytes() == b"x"
+
+
+def test_abort_never_touches_versions_it_did_not_write(repo):
+    make_model(repo.root, "adder", versions=(1,))
+    pending = repo.stage_upload("adder", None, {"file:1/model.onnx": b"mine"})
+    make_model(repo.root / "elsewhere", "x")          # unrelated
+    (repo.root / "adder" / "9").mkdir()               # a user's version written meanwhile
+    (repo.root / "adder" / "9" / "model.onnx").write_bytes(b"user")
+    pending.abort("failed")
+    assert repo.versions_on_disk("adder") == [1, 9]
+
+
+def test_recover_leaves_a_live_servers_load_alone(repo):
+    pending = repo.stage_upload("adder", json.dumps(CONFIG), {"file:1/model.onnx": b"v1"})
+    journal = repo.root / "adder" / ".pending-load.json"
+    data = json.loads(journal.read_text())
+    journal.write_text(json.dumps(dict(data, pid=os.getppid())))   # a live process's load
+    assert Repository(repo.root).recover() == []
+    assert repo.versions_on_disk("adder") == [1]
+    pending.commit()
+    assert not journal.exists()
+
+
+def test_staging_left_by_a_crash_is_swept(repo):
+    make_model(repo.root, "adder", versions=(1,))
+    stale = repo.root / "adder" / ".upload-0123" / "2"
+    stale.mkdir(parents=True)
+    (stale / "model.onnx").write_bytes(b"half")
+    (repo.root / "adder" / ".config.pbtxt.0123.tmp").write_bytes(b"torn")
+    assert repo.recover() == ["adder"]
+    assert sorted(p.name for p in (repo.root / "adder").iterdir()) == ["1"]
+
+
+def test_version_fingerprint_ignores_bytecode_and_hidden_files(repo):
+    make_model(repo.root, "m", versions=(1,))
+    first = repo.version_fingerprint("m", 1)
+    (repo.root / "m" / "1" / "__pycache__").mkdir()
+    (repo.root / "m" / "1" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")
+    (repo.root / "m" / "1" / ".jupyter-triton-upload").write_bytes(b"id")
+    assert repo.version_fingerprint("m", 1) == first
+    (repo.root / "m" / "1" / "extra.txt").write_bytes(b"data")
+    assert repo.version_fingerprint("m", 1) != first
+
+
+def test_model_names_with_control_characters_are_refused(repo):
+    for name in ("a\nb", "a\rb", "tab\there", "bell\x07", "del\x7f"):
+        with pytest.raises(InvalidArgument, match="control characters"):
+            repo.write_upload(name, None, {"file:1/model.onnx": b"x"})
+    assert not repo.root.exists() or repo.model_names() == []
