@@ -290,6 +290,26 @@ def test_triton_session_parameters_are_applied(tmp_path):
     assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
+def test_runtime_threads_do_not_spin_unless_the_config_asks(tmp_path):
+    files = write(tmp_path, linear_model())
+    spinning = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning")
+
+    def entries(text: str = "") -> list[str]:
+        cfg = OnnxRuntimeBackend.auto_complete_config(config(text), files)
+        options = loaded(cfg, files)._session.get_session_options()
+        return [options.get_session_config_entry(key) for key in spinning]
+
+    assert entries() == ["0", "0"]
+    assert entries('parameters { key: "session.intra_op.allow_spinning" value { string_value: "1" } } '
+                   'parameters { key: "session.inter_op.allow_spinning" value { string_value: "1" } }'
+                   ) == ["1", "1"]
+    # any other ORT session entry passes through as given
+    cfg = OnnxRuntimeBackend.auto_complete_config(config(
+        'parameters { key: "session.set_denormal_as_zero" value { string_value: "1" } }'), files)
+    options = loaded(cfg, files)._session.get_session_options()
+    assert options.get_session_config_entry("session.set_denormal_as_zero") == "1"
+
+
 def test_several_cpu_instances_share_the_cores(tmp_path):
     files = write(tmp_path, linear_model())
     cores = len(os.sched_getaffinity(0))
@@ -308,6 +328,8 @@ def test_several_cpu_instances_share_the_cores(tmp_path):
     ('parameters { key: "intra_op_thread_count" value { string_value: "many" } }', InvalidArgument,
      "'intra_op_thread_count' must be an integer"),
     ('optimization { graph { level: 7 } }', InvalidArgument, "level must be -1, 0, 1 or 2"),
+    ('parameters { key: "session.intra_op.allow_spinning" value { string_value: "yes" } }',
+     InvalidArgument, "'session.intra_op.allow_spinning' must be \"0\" or \"1\""),
     ('optimization { execution_accelerators { cpu_execution_accelerator { name: "openvino" } } }',
      Unsupported, "'openvino' needs onnxruntime-openvino"),
     ('optimization { execution_accelerators { cpu_execution_accelerator { name: "fast" } } }',

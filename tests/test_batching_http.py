@@ -40,6 +40,9 @@ MODELS = {
     "delayed": (0.0, 8, 1, "dynamic_batching { preferred_batch_size: [ 4 ] "
                            "max_queue_delay_microseconds: 600000 }"),
     "bounded": (0.8, 1, 1, "dynamic_batching { default_queue_policy { max_queue_size: 2 } }"),
+    "bounded_default": (0.8, 1, 1, 'dynamic_batching { } parameters { key: "default_max_queue_size" '
+                                   'value: { string_value: "2" } }'),
+    "precise": (0.0, 8, 1, "dynamic_batching { max_queue_delay_microseconds: 500 }"),
     "reject": (0.6, 1, 1, "dynamic_batching { default_queue_policy { timeout_action: REJECT "
                           "default_timeout_microseconds: 200000 } }"),
     "delay": (0.5, 1, 1, "dynamic_batching { default_queue_policy { timeout_action: DELAY "
@@ -159,15 +162,35 @@ def test_a_lone_request_leaves_after_the_queue_delay(server, client):
     assert stats["inference_stats"]["queue"]["ns"] >= 0.55e9
 
 
-def test_a_full_queue_answers_503_at_once(server, client):
-    # one runs (0.8 s), two wait (max_queue_size 2), the fourth finds the queue full
+def test_a_lone_request_waits_the_configured_delay_not_a_millisecond_more(server, client):
+    # One request at a time (c=1): each one's queue time, from the server's own statistics,
+    # is the 500 us delay plus the loop's wake-up. asyncio's timers (epoll, whole ms) made it
+    # at least 1 ms every time. The median keeps a loaded machine's stray stalls out.
+    delay_ns = 500_000
+    queue_ns = []
+    before = model_stats(client, "precise")["inference_stats"]["queue"]
+    for i in range(60):
+        client.infer("precise", request(i))
+        after = model_stats(client, "precise")["inference_stats"]["queue"]
+        assert after["count"] == before["count"] + 1
+        queue_ns.append(after["ns"] - before["ns"])
+        before = after
+    assert min(queue_ns) >= delay_ns                 # a batch never leaves before its delay
+    median = sorted(queue_ns)[len(queue_ns) // 2]
+    assert median < delay_ns + 300_000, f"median queue {median / 1e3:.0f} us for a 500 us delay"
+
+
+@pytest.mark.parametrize("model", ["bounded", "bounded_default"])
+def test_a_full_queue_answers_503_at_once(server, client, model):
+    # one runs (0.8 s), two wait (max_queue_size 2, or the default bound set to 2 where no
+    # policy sets one), the fourth finds the queue full
     calls = [Call(1), Call(2, at=0.2), Call(3, at=0.2), Call(4, at=0.4)]
-    first, second, third, refused = run_calls(server, "bounded", calls)
+    first, second, third, refused = run_calls(server, model, calls)
     assert refused.error is not None and refused.error.status() == "503"
     assert "Exceeds maximum queue size" in refused.error.message()
     assert refused.elapsed < 0.3
     assert all(o.error is None for o in (first, second, third))
-    failures = model_stats(client, "bounded")["inference_stats"]["fail"]
+    failures = model_stats(client, model)["inference_stats"]["fail"]
     assert failures["count"] == 1
 
 
