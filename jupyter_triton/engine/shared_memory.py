@@ -13,7 +13,8 @@ Inputs and outputs name a region with the parameters ``shared_memory_region``,
 input's ``data`` as None; ``resolve_inputs`` fills it before the model runs, and
 ``place_outputs`` writes each output asked for in a region there and leaves its ``data`` None,
 which the encoders send as no data (an empty ``raw_output_contents`` entry over gRPC, as Triton
-does). The output's parameters then name the region and the bytes written.
+does) and no added parameters: Triton adds none, and perf_analyzer's HTTP client requires
+``binary_data_size`` in any output ``parameters`` it finds.
 
 CUDA shared memory needs a GPU and CUDA IPC; on this server its status is empty, its unregister
 a no-op (tritonclient's examples call it unconditionally) and its register a clear 400.
@@ -302,9 +303,6 @@ async def place_outputs(response: InferResponse, request: InferRequest,
         for t, region, offset, buf, nbytes in writes:
             registry.write(region, offset, buf)
             t.data = None
-            t.parameters = {**t.parameters, REGION: region, BYTE_SIZE: nbytes}
-            if offset:
-                t.parameters[OFFSET] = offset
 
     if sum(w[4] for w in writes) > INLINE_BYTES:
         await asyncio.get_running_loop().run_in_executor(None, store)
