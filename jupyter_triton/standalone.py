@@ -1,6 +1,8 @@
-"""The standalone server's wiring: the same v2 handlers on their own tornado app, plus the
-metrics port and the gRPC port. Used by ``jupyter-triton serve`` and, in a background
-thread, by a kernel that finds no Jupyter server extension to talk to."""
+"""The standalone server's wiring: the v2 data plane on its own HTTP port (the httptools front,
+or the tornado skin with ``http_front="tornado"``), plus the metrics port and the gRPC port.
+Used by ``jupyter-triton serve`` and, in a background thread, by a kernel that finds no
+Jupyter server extension to talk to (with a token, ``check_host`` and
+``strict_content_type``: a browser page or another local user must not reach it)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +14,15 @@ from prometheus_client import CollectorRegistry
 from tornado import httpserver, netutil, web
 
 from .engine import Engine, EngineOptions
+from .frontends.auth import AccessPolicy
+from .frontends.dataplane import DataPlane
+from .frontends.fasthttp import HTTPFront
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 from .frontends.metrics import exposition, metrics_registry
+
+HTTP_FRONTS = ("fast", "tornado")
+# A client that stops sending mid-body must not hold a connection (and its buffer) forever.
+BODY_TIMEOUT_S, IDLE_TIMEOUT_S = 60.0, 300.0
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +48,7 @@ class StandaloneServer:
     http_port: int
     metrics_port: int | None = None
     grpc_port: int | None = None
+    plane: DataPlane | None = None
     _servers: list = field(default_factory=list)
     _grpc: object | None = None
 
@@ -53,6 +63,8 @@ class StandaloneServer:
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         await self.engine.stop()
+        if self.plane is not None:
+            self.plane.close()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop a server that ``start_in_thread`` runs, from any other thread, and end its loop."""
@@ -61,27 +73,56 @@ class StandaloneServer:
 
 
 def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[httpserver.HTTPServer, int]:
-    # A client that stops sending mid-body must not hold a connection (and its buffer) forever.
     server = httpserver.HTTPServer(app, max_body_size=max_body, decompress_request=False,
-                                   body_timeout=60.0, idle_connection_timeout=300.0)
+                                   body_timeout=BODY_TIMEOUT_S, idle_connection_timeout=IDLE_TIMEOUT_S)
     sockets = netutil.bind_sockets(port, address=host)
     server.add_sockets(sockets)
     return server, sockets[0].getsockname()[1]
 
 
+def _loopback_hosts(host: str, port: int) -> frozenset[str]:
+    """The Host header values a client of ``host:port`` sends; a page served from another
+    name (DNS rebinding) sends its own and is refused."""
+    names = {"127.0.0.1", "localhost", "[::1]"}
+    if host not in ("", "0.0.0.0", "::"):
+        names.add(f"[{host}]" if ":" in host else host)
+    return frozenset(f"{name}:{port}".lower() for name in names)
+
+
 async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_port: int = 8000,
                            metrics_port: int | None = 8002, grpc_port: int | None = 8001,
-                           access_log: bool = True) -> StandaloneServer:
+                           access_log: bool = True, *, access: AccessPolicy | None = None,
+                           grpc_access: AccessPolicy | None = None, grpc_host: str | None = None,
+                           check_host: bool = False, strict_content_type: bool = False,
+                           http_front: str = "fast") -> StandaloneServer:
     """Start the engine and its listeners on the running loop; port 0 picks a free port.
-    ``access_log=False`` keeps request lines out of a notebook's cell output (in-kernel use)."""
+
+    ``access`` guards the HTTP routes and ``grpc_access`` the gRPC port (None: open, as
+    tritonserver). ``check_host`` refuses (403) a Host header other than the loopback names and
+    the bound address with the bound port; ``strict_content_type`` refuses (415) a POST whose
+    Content-Type is neither JSON nor octet-stream (a browser's ``text/plain`` form). ``http_front``:
+    "fast" (httptools) or "tornado". ``access_log=False`` keeps request lines out of a
+    notebook's cell output (in-kernel use)."""
+    if http_front not in HTTP_FRONTS:
+        raise ValueError(f"http_front must be one of {HTTP_FRONTS}, got {http_front!r}")
     engine = Engine(options)
     await engine.start()
     state = FrontendState(engine=engine, max_input_size=options.max_input_size,
-                          allow_anonymous_inference=True)
-    quiet = {} if access_log else {"log_function": lambda handler: None}
-    app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
-    http, bound_http = _listen(app, host, http_port, options.max_input_size)
-    result = StandaloneServer(engine, host, bound_http, _servers=[http])
+                          allow_anonymous_inference=True, access=access,
+                          body_timeout=BODY_TIMEOUT_S, strict_content_type=strict_content_type)
+    plane = state.plane
+    if http_front == "fast":
+        front = HTTPFront(plane, body_timeout=BODY_TIMEOUT_S, idle_timeout=IDLE_TIMEOUT_S,
+                          access_log=access_log)
+        bound_http = await front.listen(host, http_port)
+        http = front
+    else:
+        quiet = {} if access_log else {"log_function": lambda handler: None}
+        app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
+        http, bound_http = _listen(app, host, http_port, options.max_input_size)
+    if check_host:
+        plane.allowed_hosts = _loopback_hosts(host, bound_http)
+    result = StandaloneServer(engine, host, bound_http, plane=plane, _servers=[http])
     if metrics_port is not None:
         registry = metrics_registry(engine)
         mapp = web.Application([(r"/metrics", _Metrics, {"registry": registry})])
@@ -89,16 +130,26 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
         result._servers.append(mserver)
     if grpc_port is not None:
         from .frontends.grpc import start_grpc_server
-        result._grpc, result.grpc_port = await start_grpc_server(engine, host, grpc_port)
-    log.info("serving %s (HTTP %s, gRPC %s, metrics %s)", options.model_repository,
-             result.http_port, result.grpc_port, result.metrics_port)
+        # access= exists once the gRPC front checks credentials; never drop a policy silently.
+        guard = {} if grpc_access is None else {"access": grpc_access}
+        result._grpc, result.grpc_port = await start_grpc_server(
+            engine, grpc_host if grpc_host is not None else host, grpc_port, **guard)
+    log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s)", options.model_repository,
+             result.http_port, http_front, result.grpc_port, result.metrics_port)
     return result
 
 
 def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: int = 0,
                     metrics_port: int | None = 0, grpc_port: int | None = None,
-                    timeout: float = 60.0, access_log: bool = True) -> StandaloneServer:
-    """Run a standalone server on its own loop in a daemon thread (the kernel fallback)."""
+                    timeout: float = 60.0, access_log: bool = True, *,
+                    access: AccessPolicy | None = None, grpc_access: AccessPolicy | None = None,
+                    grpc_host: str | None = None, check_host: bool = False,
+                    strict_content_type: bool = False, http_front: str = "fast") -> StandaloneServer:
+    """Run a standalone server on its own loop in a daemon thread (the kernel fallback);
+    the keywords are ``start_standalone``'s."""
+    keywords = dict(access=access, grpc_access=grpc_access, grpc_host=grpc_host,
+                    check_host=check_host, strict_content_type=strict_content_type,
+                    http_front=http_front)
     ready: dict = {}
     started = threading.Event()
 
@@ -107,7 +158,8 @@ def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: 
         asyncio.set_event_loop(loop)
         try:
             ready["server"] = loop.run_until_complete(
-                start_standalone(options, host, http_port, metrics_port, grpc_port, access_log))
+                start_standalone(options, host, http_port, metrics_port, grpc_port, access_log,
+                                 **keywords))
             ready["loop"] = loop
         except BaseException as err:  # handed to the caller
             ready["error"] = err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,17 @@ from jupyter_triton.engine import EngineOptions
 from onnx_models import add_sub, identity, linear
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+# The standalone HTTP skin every test server gets: JUPYTER_TRITON_HTTP_FRONT=tornado runs the
+# whole suite on the tornado skin (the default is the product's, the httptools front). Test
+# modules that start servers themselves get it too, through start_standalone's default.
+HTTP_FRONT = os.environ.get("JUPYTER_TRITON_HTTP_FRONT", "fast")
+if HTTP_FRONT not in ("fast", "tornado"):
+    raise RuntimeError(f"JUPYTER_TRITON_HTTP_FRONT must be fast or tornado, not {HTTP_FRONT!r}")
+import jupyter_triton.standalone as _standalone  # noqa: E402
+
+for _fn in (_standalone.start_standalone, _standalone.start_in_thread):
+    _fn.__kwdefaults__["http_front"] = HTTP_FRONT
 
 W = np.arange(16 * 4, dtype=np.float32).reshape(16, 4) / 64.0
 TOKEN = "test-token"
@@ -42,23 +54,35 @@ def model_repo(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def standalone(model_repo: Path):
+def http_front() -> str:
+    """The HTTP skin of the ``standalone`` fixture; a module that must pass on both
+    overrides it with ``pytest.fixture(params=BOTH_FRONTS)``."""
+    return HTTP_FRONT
+
+
+BOTH_FRONTS = ["fast", "tornado"]
+
+
+@pytest.fixture
+def standalone(model_repo: Path, http_front: str):
     """A standalone server on 127.0.0.1 (free ports), explicit mode, every model loaded."""
     from jupyter_triton.standalone import start_in_thread
     server = start_in_thread(EngineOptions(model_repository=model_repo, model_control_mode="explicit",
                                            load_models=["*"]),
-                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0)
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0,
+                             http_front=http_front)
     yield server
     server.close()
 
 
-def serve(repo: Path, **options):
+def serve(repo: Path, http_front: str | None = None, **options):
     """A standalone server on 127.0.0.1 (HTTP only, a free port) and a tritonclient for it;
     stop it with ``server.close()``."""
     import tritonclient.http as httpclient
     from jupyter_triton.standalone import start_in_thread
     server = start_in_thread(EngineOptions(model_repository=repo, **options), host="127.0.0.1",
-                             http_port=0, metrics_port=None, grpc_port=None)
+                             http_port=0, metrics_port=None, grpc_port=None,
+                             http_front=http_front or HTTP_FRONT)
     return server, httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
 
 

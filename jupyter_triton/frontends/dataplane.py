@@ -1,0 +1,485 @@
+"""Triton's v2 HTTP operations, each written once over (method, path parameters, headers,
+body bytes) -> Reply(status, headers, body bytes): admission (Host, Content-Type, credentials,
+body size, bytes in flight), decode, one engine call, encode, and the error rendered as
+``{"error": "..."}`` with the status its TritonError carries.
+
+The skins (``frontends.http``: tornado handlers for the Jupyter server and the standalone
+server; ``frontends.fasthttp``: the standalone's httptools front) only move bytes: they match
+a route of ``ROUTES``, collect the body under ``DataPlane.admit``'s ticket, and write the
+Reply that ``DataPlane.handle`` returns.
+
+A data path for one request, in the order it flows: the skin (fasthttp.py or http.py), this
+file, protocol/http_codec.py, engine/__init__.py (Engine.infer), the model's scheduler.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import re
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+from ..config import config_to_json
+from ..engine import Engine
+from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
+from ..protocol.types import InferRequest, InferResponse
+from .auth import (HEALTH, INFERENCE, METADATA, MODEL_CONFIG, MODEL_REPOSITORY, SHARED_MEMORY,
+                   STATISTICS, AccessPolicy, PermissionDenied)
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+OCTET = "application/octet-stream"
+# Bodies (in or out) above this size are decoded / encoded on a codec thread, so that the
+# event loop (the whole Jupyter server, when mounted there) keeps answering meanwhile.
+OFFLOAD_BYTES = 1 << 20
+
+
+class RequestTimeout(TritonError):
+    """A client that did not send its whole body in time (the connection is closed)."""
+    status = 408
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class UnsupportedMediaType(TritonError):
+    status = 415
+    grpc_code = "INVALID_ARGUMENT"
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    close: bool = False         # the skin closes the connection after writing it
+
+
+def json_reply(obj: Any, status: int = 200) -> Reply:
+    return Reply(status, json.dumps(obj, separators=(",", ":")).encode(), {"Content-Type": JSON})
+
+
+def error_reply(err: TritonError | str, status: int | None = None) -> Reply:
+    code = status if status is not None else (err.status if isinstance(err, TritonError) else 500)
+    return Reply(code, json.dumps({"error": str(err)}).encode(), {"Content-Type": JSON},
+                 close=isinstance(err, RequestTimeout))
+
+
+@dataclass
+class Call:
+    """One request as the data plane sees it. ``headers`` is any mapping answering
+    lower-case names (tornado's HTTPHeaders, or the fast front's dict)."""
+    method: str
+    path: str
+    params: dict[str, str]
+    headers: Mapping[str, str]
+    body: bytes | list[bytes] = b""
+    ticket: "BodyTicket | None" = None
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name)
+
+
+Operation = Callable[["DataPlane", Call], Awaitable[Reply]]
+
+
+@dataclass(frozen=True)
+class Route:
+    pattern: str                 # relative to the mount point, tornado's regex syntax
+    name: str                    # the handler class name the tornado skin gives it
+    api_group: str               # frontends.auth group: what credential reaches it
+    methods: dict[str, Operation]
+    scope: str = "infer"         # serverext's older split: "infer" | "admin"
+    streams_body: bool = False   # the body is received under the infer route's own cap
+
+
+class BodyBudget:
+    """Bytes of request bodies being received or decoded, server-wide, under one cap: a burst
+    of large uploads is refused with 503 rather than held in memory all at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> "BodyTicket":
+        ticket = BodyTicket(self)
+        ticket.grow(nbytes)
+        return ticket
+
+
+class BodyTicket:
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.held = 0
+
+    def grow(self, nbytes: int) -> None:
+        b = self.budget
+        # A body alone larger than the whole budget is still let through when nothing else
+        # is in flight: a limit set below --http-max-input-size means "one at a time".
+        if nbytes and b.held + nbytes > b.limit and b.held > self.held:
+            raise Unavailable(
+                f"the server is receiving {b.held} bytes of request bodies, and {nbytes} more "
+                f"would pass its limit of {b.limit} bytes in flight; retry later")
+        b.held += nbytes
+        self.held += nbytes
+
+    def release(self) -> None:
+        self.budget.held -= self.held
+        self.held = 0
+
+
+class DataPlane:
+    """The engine behind every HTTP skin, with the server's admission rules."""
+
+    def __init__(self, engine: Engine, *, access: AccessPolicy | None = None,
+                 max_input_size: int = 64 * 1024 * 1024, max_inflight_bytes: int | None = None,
+                 allowed_hosts: frozenset[str] | None = None,
+                 strict_content_type: bool = False) -> None:
+        self.engine = engine
+        self.access = access if access is not None else AccessPolicy.open()
+        self.max_input_size = max_input_size
+        self.budget = BodyBudget(max_inflight_bytes if max_inflight_bytes is not None
+                                 else 4 * max_input_size)
+        # None: any Host. Otherwise the exact "host:port" values accepted (DNS rebinding).
+        self.allowed_hosts = allowed_hosts
+        self.strict_content_type = strict_content_type
+        self._codec_pool: ThreadPoolExecutor | None = None
+
+    # -- routing ---------------------------------------------------------------------------
+    def match(self, path: str) -> tuple[Route, dict[str, str]]:
+        """The route for an absolute path under '/' (the fast front's matcher)."""
+        route = _EXACT.get(path)
+        if route is not None:
+            return route, {}
+        for regex, route in _COMPILED:
+            m = regex.fullmatch(path)
+            if m is not None:
+                return route, {k: v for k, v in m.groupdict().items() if v is not None}
+        return NOT_FOUND, {}
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, route: Route, method: str, headers: Mapping[str, str],
+              content_length: int | None, body_limit: int | None = None) -> "BodyTicket":
+        """Everything that can be refused before a body byte is read; returns the ticket
+        under which the body is received (release it when done)."""
+        if self.allowed_hosts is not None and \
+                (headers.get("host") or "").lower() not in self.allowed_hosts:
+            raise PermissionDenied(
+                f"Host '{headers.get('host') or ''}' is not this server's address")
+        if self.strict_content_type and method == "POST":
+            ctype = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+            if ctype and ctype not in (JSON, OCTET):
+                raise UnsupportedMediaType(
+                    f"Content-Type '{ctype}' is not accepted: send {JSON} or {OCTET}")
+        self.access.check(route.api_group, headers)
+        cap = self.max_input_size if body_limit is None else body_limit
+        if content_length is not None and content_length > cap:
+            raise InvalidArgument(
+                f"request body of {content_length} bytes exceeds the maximum input size of "
+                f"{cap} bytes (--http-max-input-size)")
+        return self.budget.take(content_length or 0)
+
+    def receive(self, ticket: "BodyTicket", received: int, chunk: int) -> None:
+        """Account ``chunk`` more bytes of a body (``received`` so far, before it) whose
+        length was not announced; refuse it past the cap or the bytes-in-flight limit."""
+        if received + chunk > self.max_input_size:
+            raise InvalidArgument(
+                f"request body exceeds the maximum input size of {self.max_input_size} bytes "
+                "(--http-max-input-size)")
+        ticket.grow(chunk)
+
+    # -- one request ---------------------------------------------------------------------------
+    async def handle(self, route: Route, call: Call) -> Reply:
+        """The Reply for ``call``; never raises (except CancelledError when the skin cancels
+        a request whose client went away)."""
+        try:
+            if call.ticket is None:
+                size = _body_size(call.body)
+                call.ticket = self.admit(route, call.method, call.headers, size)
+            op = route.methods.get(call.method) or (
+                route.methods.get("GET") if call.method == "HEAD" else None)
+            if op is None:
+                return error_reply("Method Not Allowed", 405)
+            return await op(self, call)
+        except TritonError as err:
+            log.debug("%s %s -> %d %s", call.method, call.path, err.status, err)
+            return error_reply(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:        # a bug: say which, never a traceback to the client
+            log.error("unhandled error in %s %s", call.method, call.path, exc_info=True)
+            return error_reply(f"internal error: {type(err).__name__}", 500)
+        finally:
+            if call.ticket is not None:
+                call.ticket.release()
+
+    def refuse(self, err: Exception) -> Reply:
+        """The Reply for an error a skin met outside ``handle`` (admission, body)."""
+        if isinstance(err, TritonError):
+            return error_reply(err)
+        log.error("unhandled error while receiving a request", exc_info=err)
+        return error_reply(f"internal error: {type(err).__name__}", 500)
+
+    # -- codec helpers -----------------------------------------------------------------------------
+    async def offload(self, large: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        if not large:
+            return fn(*args)
+        if self._codec_pool is None:
+            self._codec_pool = ThreadPoolExecutor(2, thread_name_prefix="triton-codec")
+        return await asyncio.get_running_loop().run_in_executor(self._codec_pool, fn, *args)
+
+    def close(self) -> None:
+        if self._codec_pool is not None:
+            self._codec_pool.shutdown(wait=False)
+
+    async def body(self, call: Call) -> bytes:
+        """The request body, joined and decompressed (off the loop when large)."""
+        size = _body_size(call.body)
+        encoding = (call.header("content-encoding") or "").lower()
+        if encoding in ("", "identity"):
+            if isinstance(call.body, bytes):
+                return call.body
+            return await self.offload(size > OFFLOAD_BYTES, b"".join, call.body)
+        if encoding not in ("gzip", "deflate"):
+            raise InvalidArgument(f"unsupported Content-Encoding '{encoding}'")
+        return await self.offload(size > OFFLOAD_BYTES // 8, _inflate, call.body, encoding,
+                                  self.max_input_size)
+
+    async def json_body(self, call: Call) -> dict:
+        raw = await self.body(call)
+        if not raw:
+            return {}
+        body = await self.offload(len(raw) > OFFLOAD_BYTES, _loads, raw)
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+
+def _body_size(body: bytes | list[bytes]) -> int:
+    return len(body) if isinstance(body, bytes) else sum(map(len, body))
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise InvalidArgument(f"failed to parse the request JSON buffer: {err}") from None
+
+
+def _inflate(body: bytes | list[bytes], encoding: str, limit: int) -> bytes:
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    data = body if isinstance(body, bytes) else b"".join(body)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as err:
+        raise InvalidArgument(f"failed to decompress the request body: {err}") from None
+    if len(out) > limit:
+        raise InvalidArgument("decompressed request body exceeds the maximum input size")
+    return out
+
+
+# -- the operations ---------------------------------------------------------------------------
+
+def _version(call: Call) -> str:
+    return call.params.get("version") or ""
+
+
+async def health_live(plane: DataPlane, call: Call) -> Reply:
+    return Reply(200 if plane.engine.live() else 400)
+
+
+async def health_ready(plane: DataPlane, call: Call) -> Reply:
+    return Reply(200 if plane.engine.ready() else 400)
+
+
+async def server_metadata(plane: DataPlane, call: Call) -> Reply:
+    return json_reply(plane.engine.server_metadata())
+
+
+async def model_metadata(plane: DataPlane, call: Call) -> Reply:
+    return json_reply(plane.engine.model_metadata(call.params["model"], _version(call)))
+
+
+async def model_ready(plane: DataPlane, call: Call) -> Reply:
+    return Reply(200 if plane.engine.model_ready(call.params["model"], _version(call)) else 400)
+
+
+async def model_config(plane: DataPlane, call: Call) -> Reply:
+    return json_reply(config_to_json(plane.engine.model_config(call.params["model"], _version(call))))
+
+
+async def model_stats(plane: DataPlane, call: Call) -> Reply:
+    return json_reply(plane.engine.statistics(call.params.get("model", ""), _version(call)))
+
+
+async def repository_index(plane: DataPlane, call: Call) -> Reply:
+    body = await plane.json_body(call)
+    ready = body.get("ready", False)
+    if not isinstance(ready, bool):
+        raise InvalidArgument("'ready' must be a boolean")
+    return json_reply(plane.engine.repository_index(ready_only=ready))
+
+
+_B64_SLICE = 4 << 20        # characters of base64 decoded per call (a multiple of 4)
+
+
+def _load_files(params: dict) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    for key, value in params.items():
+        if key.startswith("file:"):
+            if not isinstance(value, str):
+                raise InvalidArgument(f"load parameter '{key}' must be base64 text")
+            try:
+                # In slices: one b64decode of a large file would hold the GIL throughout.
+                files[key] = b"".join(base64.b64decode(value[i:i + _B64_SLICE], validate=True)
+                                      for i in range(0, len(value), _B64_SLICE))
+            except (binascii.Error, ValueError):
+                raise InvalidArgument(f"load parameter '{key}' is not valid base64") from None
+    return files
+
+
+async def repository_load(plane: DataPlane, call: Call) -> Reply:
+    params = (await plane.json_body(call)).get("parameters", {}) or {}
+    if not isinstance(params, dict):
+        raise InvalidArgument("'parameters' must be a JSON object")
+    config = params.get("config")
+    if config is not None and not isinstance(config, (str, dict)):
+        raise InvalidArgument("load parameter 'config' must be a JSON string")
+    if isinstance(config, dict):
+        config = json.dumps(config)
+    files = await plane.offload(_body_size(call.body) > OFFLOAD_BYTES, _load_files, params)
+    await plane.engine.load_model(call.params["model"], config=config, files=files)
+    return Reply(200)
+
+
+async def repository_unload(plane: DataPlane, call: Call) -> Reply:
+    params = (await plane.json_body(call)).get("parameters", {}) or {}
+    if not isinstance(params, dict):
+        raise InvalidArgument("'parameters' must be a JSON object")
+    dependents = params.get("unload_dependents", False)
+    if not isinstance(dependents, bool):
+        raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
+    await plane.engine.unload_model(call.params["model"], unload_dependents=dependents)
+    return Reply(200)
+
+
+async def model_infer(plane: DataPlane, call: Call) -> Reply:
+    """The data path's front door: decode, run, encode."""
+    body = await plane.body(call)
+    model, version = call.params["model"], _version(call)
+    header = call.header("inference-header-content-length")
+    large = len(body) > OFFLOAD_BYTES
+    if header is None:
+        request = await plane.offload(large, decode_infer_request, body, None, model, version)
+    else:
+        if not header.strip().isdigit():
+            raise InvalidArgument("Inference-Header-Content-Length must be a non-negative integer")
+        length = int(header)
+        if length == 0:
+            name, datatype, dims = plane.engine.raw_input(model, version)
+            request = await plane.offload(large, decode_raw_infer_request, body, model, version,
+                                          name, datatype, dims)
+        else:
+            request = await plane.offload(large, decode_infer_request, body, length, model, version)
+    if call.ticket is not None:
+        call.ticket.release()           # decoded: its bytes no longer count as in flight
+    response = await plane.engine.infer(request)
+    payload, json_length = await plane.offload(_output_bytes(response) > OFFLOAD_BYTES,
+                                               encode_infer_response, response, request)
+    if json_length is None:
+        return Reply(200, payload, {"Content-Type": JSON})
+    return Reply(200, payload, {"Content-Type": OCTET,
+                                "Inference-Header-Content-Length": str(json_length)})
+
+
+def _output_bytes(response: InferResponse) -> int:
+    # BYTES outputs are object arrays (8 bytes a pointer): count them as 16 bytes an element.
+    return sum(t.data.nbytes if t.data.dtype.kind != "O" else 16 * t.data.size
+               for t in response.outputs if t.data is not None)
+
+
+async def shm_status(plane: DataPlane, call: Call) -> Reply:
+    return json_reply(plane.engine.shared_memory.status(call.params.get("region", "")))
+
+
+async def shm_register(plane: DataPlane, call: Call) -> Reply:
+    body = await plane.json_body(call)
+    plane.engine.shared_memory.register(call.params["region"], body.get("key"),
+                                        body.get("offset", 0), body.get("byte_size"))
+    return Reply(200)
+
+
+async def shm_unregister(plane: DataPlane, call: Call) -> Reply:
+    plane.engine.shared_memory.unregister(call.params.get("region", ""))
+    return Reply(200)
+
+
+async def cuda_shm_status(plane: DataPlane, call: Call) -> Reply:
+    return json_reply(plane.engine.shared_memory.cuda_status(call.params.get("region", "")))
+
+
+async def cuda_shm_register(plane: DataPlane, call: Call) -> Reply:
+    await plane.json_body(call)
+    plane.engine.shared_memory.cuda_register(call.params["region"])
+    return Reply(200)
+
+
+async def cuda_shm_unregister(plane: DataPlane, call: Call) -> Reply:
+    plane.engine.shared_memory.cuda_unregister(call.params.get("region", ""))
+    return Reply(200)
+
+
+async def unknown_route(plane: DataPlane, call: Call) -> Reply:
+    raise NotFound(f"unknown route: {call.method} {call.path}")
+
+
+# -- the route table --------------------------------------------------------------------------
+
+_MODEL = r"(?P<model>[^/]+)"
+_VERSION = r"(?:/versions/(?P<version>[0-9]+))?"
+_REGION = r"(?:/region/(?P<region>[^/]+))?"
+_REGION1 = r"/region/(?P<region>[^/]+)"
+INFER, ADMIN = "infer", "admin"
+
+ROUTES: list[Route] = [
+    Route(r"v2/health/live", "HealthLive", HEALTH, {"GET": health_live}),
+    Route(r"v2/health/ready", "HealthReady", HEALTH, {"GET": health_ready}),
+    Route(r"v2/?", "ServerMetadata", METADATA, {"GET": server_metadata}),
+    Route(r"v2/models/stats", "ModelStats", STATISTICS, {"GET": model_stats}, ADMIN),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/stats", "ModelStats", STATISTICS, {"GET": model_stats}, ADMIN),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/ready", "ModelReady", HEALTH, {"GET": model_ready}),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/config", "ModelConfig", MODEL_CONFIG, {"GET": model_config}),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/infer", "ModelInfer", INFERENCE, {"POST": model_infer},
+          streams_body=True),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/?", "ModelMetadata", METADATA, {"GET": model_metadata}),
+    Route(r"v2/repository/index", "RepositoryIndex", MODEL_REPOSITORY, {"POST": repository_index}, ADMIN),
+    Route(rf"v2/repository/models/{_MODEL}/load", "RepositoryLoad", MODEL_REPOSITORY,
+          {"POST": repository_load}, ADMIN),
+    Route(rf"v2/repository/models/{_MODEL}/unload", "RepositoryUnload", MODEL_REPOSITORY,
+          {"POST": repository_unload}, ADMIN),
+    Route(rf"v2/systemsharedmemory{_REGION}/status", "SystemSharedMemoryStatus", SHARED_MEMORY,
+          {"GET": shm_status}),
+    Route(rf"v2/systemsharedmemory{_REGION1}/register", "SystemSharedMemoryRegister", SHARED_MEMORY,
+          {"POST": shm_register}),
+    Route(rf"v2/systemsharedmemory{_REGION}/unregister", "SystemSharedMemoryUnregister",
+          SHARED_MEMORY, {"POST": shm_unregister}),
+    Route(rf"v2/cudasharedmemory{_REGION}/status", "CudaSharedMemoryStatus", SHARED_MEMORY,
+          {"GET": cuda_shm_status}),
+    Route(rf"v2/cudasharedmemory{_REGION1}/register", "CudaSharedMemoryRegister", SHARED_MEMORY,
+          {"POST": cuda_shm_register}),
+    Route(rf"v2/cudasharedmemory{_REGION}/unregister", "CudaSharedMemoryUnregister", SHARED_MEMORY,
+          {"POST": cuda_shm_unregister}),
+    Route(r"v2/.*", "NotFoundRoute", HEALTH, {m: unknown_route for m in ("GET", "POST", "PUT", "DELETE")}),
+]
+NOT_FOUND = ROUTES[-1]
+
+# The fast front's matcher: static paths by dict, the rest by regex in table order.
+_EXACT = {"/" + r.pattern: r for r in ROUTES if not any(c in r.pattern for c in "()?*+[\\.")}
+_EXACT.update({"/v2": ROUTES[2], "/v2/": ROUTES[2]})
+_COMPILED = [(re.compile("/" + r.pattern), r) for r in ROUTES]
