@@ -33,8 +33,7 @@ from .engine import CONTROL_MODES, Engine, EngineOptions
 from .frontends import auth
 from .frontends.auth import (GROUPS, HEALTH, INFERENCE, INFERENCE_SCOPE, METADATA, MODEL_CONFIG,
                              MODEL_REPOSITORY, STATISTICS, AccessPolicy)
-from .frontends.http import (SETTINGS_KEY, FrontendState, RepositoryIndex, RepositoryLoad,
-                             RepositoryUnload, route_table)
+from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 
 AUTH_RESOURCE = "jupyter_triton"
 ACCESS_KEY = "jupyter_triton_access"        # settings key of our own credentials' policy
@@ -50,6 +49,9 @@ _GROUP_OF = {"HealthLive": HEALTH, "HealthReady": HEALTH, "ModelReady": HEALTH,
              "RepositoryIndex": MODEL_REPOSITORY, "RepositoryLoad": MODEL_REPOSITORY,
              "RepositoryUnload": MODEL_REPOSITORY}
 _READ_GROUPS = frozenset({HEALTH, METADATA, MODEL_CONFIG, STATISTICS})
+# Route classes (by their Triton-spelled names) whose POST changes nothing ("read"), and
+# those that load or unload a model: code execution, an action of its own.
+_READ_ROUTES, _EXECUTE_ROUTES = frozenset({"RepositoryIndex"}), frozenset({"RepositoryLoad", "RepositoryUnload"})
 
 
 def api_group(handler: type) -> str:
@@ -65,9 +67,9 @@ def api_group(handler: type) -> str:
 
 def auth_action(handler: type, method: str) -> str:
     """The Jupyter authorizer action of a route: load/unload are "execute" (they run code)."""
-    if issubclass(handler, (RepositoryLoad, RepositoryUnload)):
+    if handler.__name__ in _EXECUTE_ROUTES:
         return EXECUTE
-    if issubclass(handler, RepositoryIndex) or api_group(handler) in _READ_GROUPS:
+    if handler.__name__ in _READ_ROUTES or api_group(handler) in _READ_GROUPS:
         return READ
     return READ if method in ("GET", "HEAD", "OPTIONS") else WRITE
 

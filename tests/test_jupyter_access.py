@@ -1,0 +1,168 @@
+"""Who reaches what on the Jupyter server's v2 routes: an inference key is enough for
+Triton's own load generator (statistics are in its scope, load is not); load/unload are
+their own authorizer action ("execute"); a header-token API call is as checked as Jupyter
+checks it, without a login cookie minted for a client that never sends it back."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from http.cookies import SimpleCookie
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from jupyter_server.auth import Authorizer
+from tornado.httpclient import HTTPClientError
+from tritonclient.utils import InferenceServerException
+
+from conftest import INFER_KEY, TOKEN, W, in_thread
+from onnx_models import linear
+from test_perf_analyzer import PERF_ANALYZER, requires_perf_analyzer
+
+AUTH = {"Authorization": f"token {TOKEN}"}
+KEY = {"Authorization": f"Bearer {INFER_KEY}"}
+ROW = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                              "data": [1.0] * 16}]})
+
+
+class RecordingAuthorizer(Authorizer):
+    """Jupyter's authorizer hook as a deployment would configure it: records what it was
+    asked and refuses the actions in ``denied``."""
+    denied: set[str] = set()
+    asked: list[tuple[str, str]] = []
+
+    def is_authorized(self, handler, user, action, resource) -> bool:
+        RecordingAuthorizer.asked.append((action, resource))
+        return action not in RecordingAuthorizer.denied
+
+
+@pytest.fixture
+def jp_server_config(jp_server_config):
+    RecordingAuthorizer.denied, RecordingAuthorizer.asked = set(), []
+    return {**jp_server_config,
+            "ServerApp": {**jp_server_config["ServerApp"], "authorizer_class": RecordingAuthorizer}}
+
+
+def client(port: int, base: str) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(f"127.0.0.1:{port}{base.rstrip('/')}", network_timeout=60)
+
+
+def one_row() -> list[httpclient.InferInput]:
+    inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+    return [inp]
+
+
+async def test_an_inference_key_reads_statistics_but_never_loads(jp_triton, jp_http_port, jp_base_url):
+    def story():
+        c = client(jp_http_port, jp_base_url)
+        try:
+            out = c.infer("linear", one_row(), headers=dict(KEY)).as_numpy("OUTPUT0")
+            stats = c.get_inference_statistics("linear", headers=dict(KEY))
+            config = c.get_model_config("linear", headers=dict(KEY))
+            refused = []
+            for call in (lambda: c.load_model("linear", headers=dict(KEY)),
+                         lambda: c.unload_model("linear", headers=dict(KEY)),
+                         lambda: c.get_model_repository_index(headers=dict(KEY))):
+                with pytest.raises(InferenceServerException) as err:
+                    call()
+                refused.append((err.value.status(), err.value.message()))
+            return out, stats, config, refused
+        finally:
+            c.close()
+
+    out, stats, config, refused = await in_thread(story)
+    np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
+    assert stats["model_stats"][0]["inference_stats"]["success"]["count"] == 1
+    assert config["name"] == "linear"
+    assert [status for status, _ in refused] == ["403"] * 3
+    assert all("does not reach the 'model-repository' API" in message for _, message in refused)
+
+
+@requires_perf_analyzer
+async def test_perf_analyzer_with_an_inference_key(jp_triton, jp_http_port, jp_base_url, tmp_path):
+    # perf_analyzer reads /v2, the model's config and metadata, and /stats (statistics).
+    # A fixed count of requests, stability not required: what is tested is access, not speed.
+    cmd = [PERF_ANALYZER, "-m", "linear", "-u", f"127.0.0.1:{jp_http_port}{jp_base_url.rstrip('/')}",
+           "-H", f"Authorization: Bearer {INFER_KEY}", "--concurrency-range", "1",
+           "--measurement-mode", "count_windows", "--measurement-request-count", "30",
+           "--max-trials", "6", "--stability-percentage", "1000", "-f", str(tmp_path / "r.csv")]
+    proc = await in_thread(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=120))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    with (tmp_path / "r.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+    assert "Server:" in proc.stdout and "Successful request count" in proc.stdout
+
+
+async def test_load_is_the_execute_action_apart_from_inference(jp_triton, jp_http_port, jp_base_url):
+    RecordingAuthorizer.denied = {"execute"}
+
+    def story():
+        c = client(jp_http_port, jp_base_url)
+        try:
+            out = c.infer("linear", one_row(), headers=dict(AUTH)).as_numpy("OUTPUT0")
+            names = {row["name"] for row in c.get_model_repository_index(headers=dict(AUTH))}
+            with pytest.raises(InferenceServerException) as load:
+                c.load_model("linear_copy", headers=dict(AUTH), config=json.dumps(
+                    {"name": "linear_copy", "backend": "onnxruntime", "max_batch_size": 8}),
+                    files={"file:1/model.onnx": linear(W)})
+            with pytest.raises(InferenceServerException) as unload:
+                c.unload_model("linear", headers=dict(AUTH))
+            return out, names, load.value, unload.value, c.is_model_ready("linear", headers=dict(AUTH))
+        finally:
+            c.close()
+
+    out, names, load, unload, still_ready = await in_thread(story)
+    np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
+    assert "linear" in names                                   # the index is a read
+    assert load.status() == "403" and "not authorized to execute jupyter_triton" in load.message()
+    assert unload.status() == "403" and still_ready
+    asked = {action for action, resource in RecordingAuthorizer.asked if resource == "jupyter_triton"}
+    assert asked == {"read", "write", "execute"}
+
+    RecordingAuthorizer.denied = {"write"}                     # inference refused, reads still fine
+    def refused_infer():
+        c = client(jp_http_port, jp_base_url)
+        try:
+            with pytest.raises(InferenceServerException) as err:
+                c.infer("linear", one_row(), headers=dict(AUTH))
+            return err.value, c.is_model_ready("linear", headers=dict(AUTH))
+        finally:
+            c.close()
+    err, ready = await in_thread(refused_infer)
+    assert err.status() == "403" and ready
+
+
+async def test_a_header_token_call_gets_no_cookie_and_every_check(jp_triton, jp_fetch):
+    resp = await jp_fetch("v2/models/linear/infer", method="POST", body=ROW, headers=AUTH)
+    assert resp.code == 200 and "Set-Cookie" not in resp.headers
+    assert json.loads(resp.body)["outputs"][0]["shape"] == [1, 4]
+
+    # the same token from a name this server is not (DNS rebinding): refused as Jupyter does
+    for headers in ({**AUTH, "Host": "attacker.example"}, {**KEY, "Host": "attacker.example"}):
+        with pytest.raises(HTTPClientError) as err:
+            await jp_fetch("v2/models/linear/infer", method="POST", body=ROW, headers=headers)
+        assert err.value.code == 403
+    with pytest.raises(HTTPClientError) as err:
+        await jp_fetch("v2/models/linear/infer", method="POST", body=ROW,
+                       headers={"Authorization": f"token {TOKEN}x"})
+    assert err.value.code == 403
+
+    # ?token= is Jupyter's own path (and it logs the browser in, with a cookie) ...
+    resp = await jp_fetch("v2/models/linear/ready", headers={"Authorization": ""},
+                          params={"token": TOKEN})
+    assert resp.code == 200
+    cookie = SimpleCookie()
+    for header in resp.headers.get_list("Set-Cookie"):
+        cookie.load(header)
+    login = "; ".join(f"{k}={m.value}" for k, m in cookie.items())
+    assert login
+    # ... whose cookie reads, but cannot POST without Jupyter's XSRF token
+    resp = await jp_fetch("v2/models/linear/config", headers={"Authorization": "", "Cookie": login})
+    assert json.loads(resp.body)["name"] == "linear"
+    with pytest.raises(HTTPClientError) as err:
+        await jp_fetch("v2/models/linear/infer", method="POST", body=ROW,
+                       headers={"Authorization": "", "Cookie": login})
+    assert err.value.code == 403
