@@ -16,7 +16,9 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from ..protocol.errors import InvalidArgument, TritonError
+from ..protocol.errors import InvalidArgument, TritonError, Unsupported
+from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
+                   SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 
 log = logging.getLogger(__name__)
@@ -33,62 +35,86 @@ def _internal_message(err: BaseException) -> str:
         f"internal error: {type(err).__name__}"
 
 
-def _rpc(method: Callable) -> Callable:
-    """Run a unary RPC, mapping its errors to gRPC statuses."""
-    @functools.wraps(method)
-    async def wrapper(self: "GRPCInferenceService", request: Any, context: grpc.aio.ServicerContext):
-        try:
-            return await method(self, request, context)
-        except TritonError as err:
-            await context.abort(grpc.StatusCode[err.grpc_code], str(err))
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - rendered without a traceback
-            log.exception("gRPC %s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, _internal_message(err))
-    return wrapper
+def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's metadata as headers (keys arrive lower-case; binary ``-bin`` values are
+    never credentials)."""
+    return {key: value for key, value in context.invocation_metadata() or ()
+            if isinstance(value, str)}
 
 
-def _unimplemented(what: str) -> Callable:
+def _rpc(group: str) -> Callable[[Callable], Callable]:
+    """Run a unary RPC of Triton's API ``group``: check the caller's access, then map errors
+    to gRPC statuses."""
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        async def wrapper(self: "GRPCInferenceService", request: Any,
+                          context: grpc.aio.ServicerContext):
+            try:
+                self.authorize(group, context)
+                return await method(self, request, context)
+            except TritonError as err:
+                await context.abort(grpc.StatusCode[err.grpc_code], str(err))
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - rendered without a traceback
+                log.exception("gRPC %s failed", method.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, _internal_message(err))
+        return wrapper
+    return decorate
+
+
+def _unimplemented(group: str, what: str) -> Callable:
+    @_rpc(group)
     async def method(self: "GRPCInferenceService", request: Any, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not supported by this server")
+        raise Unsupported(f"{what} is not supported by this server")
     return method
 
 
 class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Triton's inference service; ``engine`` is jupyter_triton.engine.Engine's public API."""
 
-    def __init__(self, engine: Any, max_elements: int | None = None) -> None:
+    def __init__(self, engine: Any, max_elements: int | None = None,
+                 access: AccessPolicy | None = None) -> None:
         self.engine = engine
+        self.access = access
         self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
 
+    def authorize(self, group: str, context: grpc.aio.ServicerContext) -> None:
+        """Raise Unauthenticated / PermissionDenied unless the caller may reach ``group``."""
+        access = self.access
+        # An open group with no header rule needs no look at the metadata (the infer path
+        # of an open server pays one set lookup).
+        if access is None or (group in access.anonymous and not access.restrictions):
+            return
+        access.check(group, _headers(context))
+
     # -- health and metadata ----------------------------------------------------------
-    @_rpc
+    @_rpc(HEALTH)
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.engine.live())
 
-    @_rpc
+    @_rpc(HEALTH)
     async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.engine.ready())
 
-    @_rpc
+    @_rpc(HEALTH)
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
 
-    @_rpc
+    @_rpc(METADATA)
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context
                              ) -> pb.ServerMetadataResponse:
         return json_format.ParseDict(self.engine.server_metadata(), pb.ServerMetadataResponse(),
                                      ignore_unknown_fields=True)
 
-    @_rpc
+    @_rpc(METADATA)
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context
                             ) -> pb.ModelMetadataResponse:
         meta = dict(self.engine.model_metadata(request.name, request.version))
         meta["versions"] = [str(v) for v in meta.get("versions", [])]
         return json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
-    @_rpc
+    @_rpc(MODEL_CONFIG)
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
         config = self.engine.model_config(request.name, request.version)
         response = pb.ModelConfigResponse()
@@ -98,7 +124,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             response.config.ParseFromString(config.SerializeToString())
         return response
 
-    @_rpc
+    @_rpc(STATISTICS)
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context
                               ) -> pb.ModelStatisticsResponse:
         stats = self.engine.statistics(request.name, request.version)
@@ -106,7 +132,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                                      ignore_unknown_fields=True)
 
     # -- inference ----------------------------------------------------------------------
-    @_rpc
+    @_rpc(INFERENCE)
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         infer_request = decode_grpc_request(request, **self._decode_kwargs)
         response = await self.engine.infer(infer_request)
@@ -136,6 +162,10 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request is answered on the stream as soon as it completes (so possibly out of
         order, as in Triton: clients match responses by ``id``)."""
+        try:
+            self.authorize(INFERENCE, context)
+        except TritonError as err:
+            await context.abort(grpc.StatusCode[err.grpc_code], str(err))
         results: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_CONCURRENCY)
         tasks: set[asyncio.Task] = set()
@@ -169,7 +199,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
     # -- model repository ---------------------------------------------------------------
-    @_rpc
+    @_rpc(MODEL_REPOSITORY)
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context
                               ) -> pb.RepositoryIndexResponse:
         response = pb.RepositoryIndexResponse()
@@ -178,7 +208,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                                    if m.get(k) is not None})
         return response
 
-    @_rpc
+    @_rpc(MODEL_REPOSITORY)
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context
                                   ) -> pb.RepositoryModelLoadResponse:
         config: str | None = None
@@ -200,7 +230,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self.engine.load_model(request.model_name, config=config, files=files or None)
         return pb.RepositoryModelLoadResponse()
 
-    @_rpc
+    @_rpc(MODEL_REPOSITORY)
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context
                                     ) -> pb.RepositoryModelUnloadResponse:
         unload_dependents = False
@@ -213,7 +243,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory: the engine's regions (engine/shared_memory.py) -------------------
-    @_rpc
+    @_rpc(SHARED_MEMORY)
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context
                                        ) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
@@ -222,40 +252,40 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
         return response
 
-    @_rpc
+    @_rpc(SHARED_MEMORY)
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context) -> pb.SystemSharedMemoryRegisterResponse:
         self.engine.shared_memory.register(request.name, request.key, request.offset,
                                            request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    @_rpc
+    @_rpc(SHARED_MEMORY)
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
                                            context) -> pb.SystemSharedMemoryUnregisterResponse:
         self.engine.shared_memory.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    @_rpc
+    @_rpc(SHARED_MEMORY)
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest, context
                                      ) -> pb.CudaSharedMemoryStatusResponse:
         self.engine.shared_memory.cuda_status(request.name)     # none registered, ever
         return pb.CudaSharedMemoryStatusResponse()
 
-    @_rpc
+    @_rpc(SHARED_MEMORY)
     async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest, context
                                        ) -> pb.CudaSharedMemoryRegisterResponse:
         self.engine.shared_memory.cuda_register(request.name)
         return pb.CudaSharedMemoryRegisterResponse()
 
-    @_rpc
+    @_rpc(SHARED_MEMORY)
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context) -> pb.CudaSharedMemoryUnregisterResponse:
         self.engine.shared_memory.cuda_unregister(request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- not offered ----------------------------------------------------------------------
-    TraceSetting = _unimplemented("trace setting")
-    LogSettings = _unimplemented("log settings")
+    TraceSetting = _unimplemented(TRACE, "trace setting")
+    LogSettings = _unimplemented(LOGGING, "log settings")
 
 
 def _max_input_size(engine: Any) -> int:
@@ -264,13 +294,15 @@ def _max_input_size(engine: Any) -> int:
 
 
 async def start_grpc_server(engine: Any, host: str, port: int,
-                            max_receive_message_size: int | None = None
+                            max_receive_message_size: int | None = None, *,
+                            access: AccessPolicy | None = None
                             ) -> tuple[grpc.aio.Server, int]:
     """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
 
     Returns the started server and the port it bound; stop it with ``await server.stop(grace)``.
     The receive limit is ``max_receive_message_size``, else ``engine.options.max_input_size``,
-    else 64 MiB.
+    else 64 MiB. ``access`` is checked on every RPC against its Triton API group, from the
+    ``authorization`` (and restricted-API header) metadata; None serves everyone.
     """
     limit = max_receive_message_size or _max_input_size(engine)
     server = grpc.aio.server(options=[
@@ -278,7 +310,7 @@ async def start_grpc_server(engine: Any, host: str, port: int,
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_SIZE),
     ])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        GRPCInferenceService(engine), server)
+        GRPCInferenceService(engine, access=access), server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
