@@ -254,9 +254,7 @@ async def resolve_inputs(request: InferRequest, registry: SharedMemoryRegistry) 
     reads = []
     for t in request.inputs:
         if REGION in t.parameters:
-            region, offset, size = _placement(t.parameters, f"input '{t.name}'")
-            registry.check(region, offset, size)
-            reads.append((t, region, offset, size))
+            reads.append((t, *_placement(t.parameters, f"input '{t.name}'")))
     for o in request.outputs or ():
         if REGION in o.parameters:
             if o.parameters.get("classification"):
