@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -593,9 +592,11 @@ def main(argv: list[str] | None = None) -> int:
                                 f"RSS {m.peak_rss_mib:5.0f} MiB")
                         row.rounds.append(m)
                 except (RuntimeError, OSError, TimeoutError) as e:
-                    note = f"round {rnd}: {target.label} did not start: {str(e)[:1500]}"
-                    log(note)
-                    notes.append(note)
+                    log(f"round {rnd}: {target.label} did not start: {e}")
+                    # The report keeps the first line and the end of the log (the error itself).
+                    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+                    notes.append(f"round {rnd}: {target.label} did not start: "
+                                 + " / ".join(lines[:1] + lines[-2:])[:600])
                 finally:
                     target.stop()
         for row in rows:
