@@ -20,7 +20,7 @@ from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs, 
 # Advertised only because each works end to end (perf_analyzer reads this list).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)",
               "schedule_policy", "model_configuration", "binary_tensor_data", "parameters",
-              "statistics"]
+              "statistics", "system_shared_memory"]
 
 
 class Engine(ModelLifecycle):
