@@ -680,18 +680,18 @@ def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]]) -> list[dic
             aims.append({"aim": what, "value": round(value, 2), "met": bool(ok)})
 
     for protocol in ("http", "grpc"):
-        r = ratios.get(variant_label("ours", ONNX_MODEL, protocol, False), {})
-        v = r.get("throughput c=1")
-        aim(f"ONNX {protocol}: throughput c=1 ours/PyTriton >= 5", v, v is not None and v >= 5)
-        v = r.get("throughput c=32")
-        aim(f"ONNX {protocol}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
-        r = ratios.get(variant_label("ours", PYTHON_MODEL, protocol, False), {})
-        v = r.get("throughput c=32")
-        aim(f"python model {protocol}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
-        for model in (ONNX_MODEL, PYTHON_MODEL):
-            v = ratios.get(variant_label("ours", model, protocol, False), {}).get("cpu/inf c=32")
-            aim(f"{MODEL_LABEL[model]} {protocol}: CPU per inference c=32 ours/PyTriton <= 0.5", v,
-                v is not None and v <= 0.5)
+        name = "HTTP" if protocol == "http" else "gRPC"
+        onnx = ratios.get(variant_label("ours", ONNX_MODEL, protocol, False), {})
+        python = ratios.get(variant_label("ours", PYTHON_MODEL, protocol, False), {})
+        v = onnx.get("throughput c=1")
+        aim(f"ONNX, {name}: throughput c=1 ours/PyTriton >= 5", v, v is not None and v >= 5)
+        v = onnx.get("throughput c=32")
+        aim(f"ONNX, {name}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
+        v = python.get("throughput c=32")
+        aim(f"python model.py, {name}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
+        for label, r in (("ONNX", onnx), ("python model.py", python)):
+            v = r.get("cpu/inf c=32")
+            aim(f"{label}, {name}: CPU per inference c=32 ours/PyTriton <= 0.5", v, v is not None and v <= 0.5)
     v = ratios.get(variant_label("jupyter", ONNX_MODEL, "http", False), {}).get("throughput c=32")
     aim("Jupyter routes: throughput c=32 ours/PyTriton >= 1", v, v is not None and v >= 1)
     for r in rows:
@@ -727,7 +727,8 @@ def markdown(p: dict, rows: list[Row]) -> str:
     ]
     flagged = False
     labels = {"ours": "ours standalone", "jupyter": "ours, Jupyter server (token)", "pytriton": "PyTriton"}
-    for r in sorted(rows, key=lambda r: (r.concurrency, r.protocol, r.target != "pytriton", r.target, r.model, r.shm)):
+    order = {"pytriton": 0, "ours": 1, "jupyter": 2}
+    for r in sorted(rows, key=lambda r: (r.concurrency, r.protocol != "http", order[r.target], r.model, r.shm)):
         if not r.median:
             continue
         s = r.median
@@ -759,7 +760,7 @@ def markdown(p: dict, rows: list[Row]) -> str:
     alone = p["onnx_alone_us"]
     lines += ["", "The ONNX model alone (onnxruntime in the harness, best of many calls), at the batch "
               "sizes the servers formed: "
-              + ", ".join(f"b={b}: {t:.0f} us" for b, t in alone.items() if b in (1, 2, 4, 8, 16, 32, 64))
+              + ", ".join(f"b={b}: {t:.0f} us" for b, t in alone.items() if int(b) in (1, 2, 4, 8, 16, 32, 64))
               + ": what a server adds is nearly all of every figure above."]
     if p["notes"]:
         lines += ["", "Notes:", *(f"- {n}" for n in p["notes"])]
