@@ -13,6 +13,9 @@ from ..protocol.errors import InvalidArgument
 from ..protocol.types import InferRequest
 
 
+MAX_DIM = 1 << 32      # the codecs' element limit: no dimension of a real tensor exceeds it
+
+
 def _fmt(shape) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
@@ -45,6 +48,12 @@ def check_request(config: mc.ModelConfig, request: InferRequest) -> tuple[dict[s
                 f"inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
                 f"expects '{want}'")
         shape = tuple(int(d) for d in tensor.shape)
+        if any(d < 0 or d > MAX_DIM for d in shape):
+            # requests made in-process (ensemble steps, python models' BLS) skip the codecs'
+            # checks: an absurd dimension must still be a 400, not numpy's error later
+            raise InvalidArgument(
+                f"input '{name}' of model '{model}' has shape {_fmt(shape)}: each dimension "
+                f"must be between 0 and {MAX_DIM}")
         dims = list(cfg.dims)
         if config.max_batch_size > 0:
             if not shape:
