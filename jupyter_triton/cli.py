@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
 
 from .engine import CONTROL_MODES, EngineOptions
+from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
+from .protocol.errors import InvalidArgument
 
 # An instance thread whose runtime has released the GIL waits up to the switch interval
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
@@ -22,6 +25,46 @@ def _bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def _restriction(text: str) -> Restriction:
+    try:
+        return Restriction.parse(text)
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_open_repository(args: argparse.Namespace) -> list[str]:
+    """Loudly (log and stderr) say where the model-repository API, which loads code in
+    explicit mode, is open to anyone who reaches a non-loopback address. Returns the lines."""
+    if args.model_control_mode != "explicit":
+        return []            # other modes refuse load/unload: the repository API runs no code
+    listeners = []
+    if args.allow_http:
+        listeners.append(("HTTP", args.http_address, args.http_restricted_api, "--http-restricted-api"))
+    if args.allow_grpc:
+        listeners.append(("gRPC", args.grpc_address, args.grpc_restricted_protocol,
+                          "--grpc-restricted-protocol"))
+    lines = []
+    for name, address, restrictions, flag in listeners:
+        if not _loopback(address) and not any(MODEL_REPOSITORY in r.groups for r in restrictions):
+            lines.append(
+                f"WARNING: the model-repository API (load/unload: it runs the model's code) is open "
+                f"to anyone who can reach {name} {address or '0.0.0.0'}; restrict it with "
+                f"{flag} model-repository:<header>=<secret>, or bind 127.0.0.1")
+    for line in lines:
+        logging.warning(line)
+        print(line, file=sys.stderr, flush=True)
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-config", action="append", default=[],
                        help="e.g. summary_latencies=true")
     serve.add_argument("--log-verbose", type=int, default=0)
+    restricted = "<api>[,<api>...]:<key>=<value>: those API groups need that request header " \
+                 "(as tritonserver; groups: health, metadata, inference, shared-memory, " \
+                 "model-config, model-repository, statistics, trace, logging)"
+    serve.add_argument("--http-restricted-api", action="append", default=[], type=_restriction,
+                       metavar="<api>[,<api>...]:<key>=<value>", help=restricted)
+    serve.add_argument("--grpc-restricted-protocol", action="append", default=[], type=_restriction,
+                       metavar="<api>[,<api>...]:<key>=<value>", help=restricted + " (gRPC metadata)")
     export = sub.add_parser(
         "export", help="copy a repository into the form NVIDIA Triton and KServe serve as is")
     export.add_argument("--model-repository", required=True)
@@ -88,10 +138,13 @@ async def _serve(args: argparse.Namespace) -> None:
     from .standalone import start_standalone
     if args.metrics_address not in (None, args.http_address):
         logging.warning("--metrics-address is served on --http-address here")
+    warn_open_repository(args)
     server = await start_standalone(
         options_from(args), host=args.http_address, http_port=args.http_port,
         metrics_port=args.metrics_port if args.allow_metrics else None,
-        grpc_port=args.grpc_port if args.allow_grpc else None)
+        grpc_port=args.grpc_port if args.allow_grpc else None,
+        access=AccessPolicy.open(args.http_restricted_api),
+        grpc_access=AccessPolicy.open(args.grpc_restricted_protocol), grpc_host=args.grpc_address)
     print(f"jupyter-triton: HTTP {server.url}  gRPC {server.grpc_port}  metrics {server.metrics_port}",
           flush=True)
     stop = asyncio.Event()

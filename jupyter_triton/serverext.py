@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import inspect
 import json
 import os
 import secrets
@@ -286,9 +285,6 @@ class JupyterTriton(ExtensionApp):
         self._grpc = None
         if self.grpc_port >= 0:
             from .frontends.grpc import start_grpc_server
-            if "access" not in inspect.signature(start_grpc_server).parameters:
-                raise RuntimeError("jupyter_triton: grpc_port is set but this gRPC frontend checks "
-                                   "no credentials; not opening an unauthenticated port")
             self._grpc, self.bound_grpc_port = await start_grpc_server(
                 self.engine, self.grpc_address, self.grpc_port,
                 access=self.grpc_access(serverapp.identity_provider))

@@ -12,6 +12,8 @@ import os
 import re
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -21,6 +23,7 @@ import torch
 import tritonclient.http as httpclient
 from jupyter_client import BlockingKernelClient
 from jupyter_client.manager import start_new_kernel
+from tritonclient.utils import InferenceServerException
 
 from conftest import TOKEN
 from jupyter_triton.kernel import discovery
@@ -273,14 +276,34 @@ def test_without_the_extension_the_kernel_serves_itself(tmp_path):
         started = time.monotonic()
         cell = kernel.ok(SOFTMAX_CELL)
         url = cell.url("softmax")
+        token = json.loads(kernel.ok("import os; os.environ['JUPYTER_TRITON_TOKEN']").text.replace("'", '"'))
+        auth = {"Authorization": f"token {token}"}
         x = np.random.default_rng(4).standard_normal((3, 5)).astype(np.float32)
-        got = call(url, {"logits": x}, "OUTPUT__0")                  # no credentials needed
+        got = call(url, {"logits": x}, "OUTPUT__0", auth)
         print(f"\nin-kernel server: %%serve (numpy function) -> first remote call: "
               f"{time.monotonic() - started:.2f} s")
         np.testing.assert_allclose(got, softmax(x), rtol=1e-5)
         assert re.search(r"no Jupyter server extension found: serving from this kernel at "
                          r"http://127\.0\.0\.1:\d+/", cell.stdout)
-        assert url.startswith("http://127.0.0.1:") and "Authorization" not in cell.text
+        assert url.startswith("http://127.0.0.1:") and token not in cell.text + cell.stdout
+        assert f'-H "Authorization: token $JUPYTER_TRITON_TOKEN" {url}/infer' in cell.text
+        assert 'os.environ["JUPYTER_TRITON_TOKEN"]' in cell.text
+        # the curl line the handle shows works as shown, from the kernel's own shell
+        curl = cell.text[cell.text.index("curl -s"):].split("tritonclient:")[0]
+        shown = kernel.ok("import subprocess\nprint(subprocess.run(" + repr(curl.replace("\\\n", " ")) +
+                          ", shell=True, capture_output=True, text=True, timeout=30).stdout)")
+        assert json.loads(shown.stdout)["outputs"][0]["name"] == "OUTPUT__0"
+
+        with pytest.raises(InferenceServerException) as err:
+            call(url, {"logits": x}, "OUTPUT__0")                       # no credential
+        assert err.value.status() == "401"
+        load = url.replace("/v2/models/softmax", "/v2/repository/models/softmax/load")
+        for headers, status in [({**auth, "Content-Type": "text/plain"}, 415),       # no preflight
+                                ({**auth, "Host": "rebound.example"}, 403),            # DNS rebinding
+                                ({"Content-Type": "application/json"}, 401)]:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(load, data=b"{}", headers=headers), timeout=10)
+            assert refused.value.code == status, headers
         again = kernel.ok(SOFTMAX_CELL)
         assert "version 2 READY" in again.text and "serving from this kernel" not in again.stdout
         problem = kernel.run("%%serve nothing\nimport numpy as np\nnp.ones(3)")
@@ -337,3 +360,34 @@ def test_serve_magic_maps_knobs_and_takes_the_cells_value(monkeypatch):
         ip.run_cell_magic("serve", "m4", "print('hi')")
     with pytest.raises(UsageError, match="no variable 'missing'"):
         ip.run_cell_magic("serve", "m5 --example missing", "g")
+
+
+def test_the_magic_in_a_plain_ipython_shell_serves_from_a_guarded_server(monkeypatch, tmp_path, capsys):
+    from IPython.testing.globalipapp import get_ipython
+    for name in [k for k in os.environ if k.startswith(("JUPYTER_TRITON_", "JUPYTERHUB_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    discovery.reset()
+    ip = get_ipython()
+    try:
+        ip.run_line_magic("load_ext", "jupyter_triton")
+        name_line, _, body = ONNX_CELL.format(name="plain", scale=2.0).partition("\n")
+        handle = ip.run_cell_magic("serve", name_line.split(maxsplit=1)[1], body)
+        conn = handle.connection
+        assert conn.mode == discovery.IN_KERNEL and "serving from this kernel" in capsys.readouterr().out
+        x = np.ones((2, 4), np.float32)
+        np.testing.assert_allclose(handle.infer(x), x @ onnx_w(2.0), rtol=1e-5)     # the handle
+        auth = {"Authorization": f"token {os.environ['JUPYTER_TRITON_TOKEN']}"}
+        np.testing.assert_allclose(call(handle.url, {"x": x}, "y", auth), x @ onnx_w(2.0), rtol=1e-5)
+        with pytest.raises(InferenceServerException) as err:
+            call(handle.url, {"x": x}, "y")
+        assert err.value.status() == "401"
+        shown = repr(handle)
+        assert '"Authorization: token $JUPYTER_TRITON_TOKEN"' in shown and conn.token not in shown
+        assert conn.token not in repr(conn)
+        import jupyter_triton
+        assert [(m["name"], m["state"]) for m in jupyter_triton.models()] == [("plain", "READY")]
+    finally:
+        discovery.stop_in_kernel()
+        discovery.reset()
+    assert "JUPYTER_TRITON_URL" not in os.environ

@@ -9,6 +9,11 @@ In order, the first one that answers ``GET v2/health/ready``:
 3. JupyterHub's single-user server (``JUPYTERHUB_SERVICE_URL`` + ``JUPYTERHUB_API_TOKEN``);
 4. a server started inside this kernel (``standalone.start_in_thread``, 127.0.0.1, a free
    port, a temporary repository): plain IPython, nbval, front ends without the extension.
+   Loading a model runs code, and any local user (or a web page, or a DNS-rebinding host)
+   can reach a loopback port: this server takes only its own random token, checks the Host
+   header and takes only JSON / octet-stream bodies. The token is in this kernel's
+   environment (``JUPYTER_TRITON_TOKEN``, with ``JUPYTER_TRITON_URL``), so the kernel's own
+   subprocesses (``!curl``, scripts) find and reach it, and nobody else does.
 
 Models live in the server, not the kernel, so in modes 1-3 they survive a kernel restart.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -30,12 +36,13 @@ ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
 SERVER_EXTENSION, RUNTIME_FILE, JUPYTERHUB, IN_KERNEL = (
     "server-extension", "runtime-file", "jupyterhub", "in-kernel")
 READY_TIMEOUT = 3.0
+_IN_KERNEL: dict[str, "Connection"] = {}      # url -> the servers this process started
 
 
 @dataclass
 class Connection:
     url: str                      # server root, ending in "/": v2 routes are {url}v2/...
-    token: str = ""
+    token: str = field(default="", repr=False)       # a secret: never in a repr or a log
     mode: str = SERVER_EXTENSION
     metrics_url: str = ""         # Prometheus text reachable with ``headers``; "" when none is
     repository: str = ""          # the model repository on disk, when known
@@ -54,7 +61,9 @@ class Connection:
 
     def describe(self) -> str:
         if self.mode == IN_KERNEL:
-            return f"no Jupyter server extension found: serving from this kernel at {self.url}"
+            return (f"no Jupyter server extension found: serving from this kernel at {self.url} "
+                    f"(credential: 'Authorization: token ${ENV_TOKEN}', set in this kernel's "
+                    "environment)")
         return f"serving from the Jupyter server at {self.url} ({self.mode})"
 
 
@@ -72,7 +81,8 @@ def from_environment(environ: dict[str, str] | None = None) -> Connection | None
     env = os.environ if environ is None else environ
     url, token = env.get(ENV_URL), env.get(ENV_TOKEN, "")
     if url and is_ready(url, token):
-        return Connection(url, token, SERVER_EXTENSION)
+        # this process's own in-kernel server advertises itself the same way
+        return _IN_KERNEL.get(url) or Connection(url, token, SERVER_EXTENSION)
     return None
 
 
@@ -149,12 +159,19 @@ def start_in_kernel(repository: str | Path | None = None) -> Connection:
     else:
         repo = Path(tempfile.mkdtemp(prefix="jupyter_triton-"))
         atexit.register(shutil.rmtree, repo, ignore_errors=True)   # it dies with the kernel
+    from ..frontends.auth import GROUPS, AccessPolicy
+    token = secrets.token_urlsafe(32)
     server = standalone.start_in_thread(
         standalone.EngineOptions(model_repository=repo, model_control_mode="explicit",
                                  load_models=[]),
-        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None, access_log=False)
-    return Connection(server.url, "", IN_KERNEL, metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics",
+        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None, access_log=False,
+        access=AccessPolicy(tokens={token: GROUPS}), check_host=True, strict_content_type=True)
+    conn = Connection(server.url, token, IN_KERNEL,
+                      metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics",
                       repository=str(repo), server=server)
+    os.environ[ENV_URL], os.environ[ENV_TOKEN] = conn.url, token
+    _IN_KERNEL[conn.url] = conn
+    return conn
 
 
 _LOCK = threading.Lock()
@@ -190,3 +207,17 @@ def reset() -> None:
     global _CONNECTION
     with _LOCK:
         _CONNECTION = None
+
+
+def stop_in_kernel() -> None:
+    """Stop the servers this process started (``start_in_kernel``) and forget them."""
+    global _CONNECTION
+    with _LOCK:
+        for url, conn in list(_IN_KERNEL.items()):
+            conn.server.close()
+            del _IN_KERNEL[url]
+            if os.environ.get(ENV_URL) == url:
+                os.environ.pop(ENV_URL, None)
+                os.environ.pop(ENV_TOKEN, None)
+            if _CONNECTION is conn:
+                _CONNECTION = None

@@ -13,8 +13,9 @@ from ..protocol.errors import InvalidArgument, TritonError
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 
-#: shown instead of the real secret: other services bring their own Jupyter token or key
-TOKEN_PLACEHOLDER = "$JUPYTER_TOKEN"
+#: shown instead of the real secret: other services bring their own Jupyter token or key;
+#: an in-kernel server's token is in the kernel's environment (``discovery.start_in_kernel``)
+TOKEN_VARIABLE, IN_KERNEL_TOKEN_VARIABLE = "JUPYTER_TOKEN", "JUPYTER_TRITON_TOKEN"
 _INLINE_ELEMENTS = 16
 
 
@@ -186,9 +187,18 @@ def _example_shape(shape: list[int]) -> list[int]:
     return [1 if int(d) < 0 else int(d) for d in shape] or [1]
 
 
+def _token_variable(connection: Connection) -> str:
+    """The environment variable the snippets read the credential from ('' when none)."""
+    if not connection.token:
+        return ""
+    return IN_KERNEL_TOKEN_VARIABLE if connection.mode == IN_KERNEL else TOKEN_VARIABLE
+
+
 def _curl(model: ServedModel, inputs: list[dict]) -> str:
-    auth = "" if model.connection.mode == IN_KERNEL or not model.connection.token else \
-        f'-H "Authorization: token {TOKEN_PLACEHOLDER}" '
+    variable = _token_variable(model.connection)
+    # curl -d alone says application/x-www-form-urlencoded, which the server refuses
+    auth = '-H "Content-Type: application/json" ' + (
+        f'-H "Authorization: token ${variable}" ' if variable else "")
     tensors, generated = [], False
     for t in inputs:
         shape = _example_shape(t["shape"])
@@ -216,9 +226,10 @@ def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict]) -
     ssl = ", ssl=True" if parts.scheme == "https" else ""
     lines = ["import numpy as np, os, tritonclient.http as httpclient",
              f'client = httpclient.InferenceServerClient("{target}"{ssl})']
-    uses_token = model.connection.mode != IN_KERNEL and model.connection.token
+    variable = _token_variable(model.connection)
+    uses_token = bool(variable)
     if uses_token:
-        lines.append('headers = {"Authorization": "token " + os.environ["JUPYTER_TOKEN"]}')
+        lines.append(f'headers = {{"Authorization": "token " + os.environ["{variable}"]}}')
     from tritonclient.utils import triton_to_np_dtype
     names = []
     for i, t in enumerate(inputs):
