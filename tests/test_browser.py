@@ -154,7 +154,9 @@ KERNEL_FALLBACK = [
     "load = {'parameters': {'config': json.dumps({'name': 'ident', 'backend': 'onnxruntime', 'max_batch_size': 8}),\n"
     "                       'file:1/model.onnx': base64.b64encode(m.SerializeToString()).decode()}}\n"
     "urllib.request.urlopen(urllib.request.Request(conn.url + 'v2/repository/models/ident/load',\n"
-    "                                              data=json.dumps(load).encode()), timeout=60).read()\n"
+    "                                              data=json.dumps(load).encode(),\n"
+    "                                              headers={**conn.headers, 'Content-Type': 'application/json'}),\n"
+    "                       timeout=60).read()\n"
     "dash = Dashboard(conn, interval=0.3)\n"
     "dash",
 
@@ -162,7 +164,8 @@ KERNEL_FALLBACK = [
     "body = json.dumps({'inputs': [{'name': 'INPUT0', 'shape': [1, 4], 'datatype': 'FP32', 'data': [1, 2, 3, 4]}]}).encode()\n"
     "end = time.monotonic() + 6\n"
     "while time.monotonic() < end:\n"
-    "    urllib.request.urlopen(urllib.request.Request(conn.url + 'v2/models/ident/infer', data=body), timeout=10).read()\n"
+    "    urllib.request.urlopen(urllib.request.Request(conn.url + 'v2/models/ident/infer', data=body,\n"
+    "                           headers={**conn.headers, 'Content-Type': 'application/json'}), timeout=10).read()\n"
     "    time.sleep(0.002)\n"
     "print('done')",
 ]
