@@ -193,6 +193,20 @@ def test_registration_is_bounds_checked(server, regions, protocol):
     for key in ("/../../etc/passwd", "/a/b", "/", "/.."):
         assert_client_error(error_of(lambda: c.register_system_shared_memory(name, key, 8)),
                             protocol, "invalid shared memory key")
+    # nor a way out of it through a link, nor a FIFO that would block the server on open
+    tag = uuid.uuid4().hex[:10]
+    link, fifo = Path(f"/dev/shm/test_link_{tag}"), Path(f"/dev/shm/test_fifo_{tag}")
+    target = Path(f"/dev/shm/{key[1:]}")
+    link.symlink_to(target)
+    os.mkfifo(fifo)
+    try:
+        assert_client_error(error_of(lambda: c.register_system_shared_memory(name, f"/{link.name}", 8)),
+                            protocol, f"Unable to open shared memory region: '/{link.name}'")
+        assert_client_error(error_of(lambda: c.register_system_shared_memory(name, f"/{fifo.name}", 8)),
+                            protocol, "not a shared memory object")
+    finally:
+        link.unlink()
+        fifo.unlink()
     assert status_names(c.get_system_shared_memory_status()) == set()
     assert_serving(server)
 

@@ -102,7 +102,8 @@ class SharedMemoryRegistry:
             if name in self._regions:
                 raise AlreadyExists(f"shared memory region '{name}' already in manager")
             try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                # no symlink out of /dev/shm; a FIFO planted there must not block the loop
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError as err:
                 raise InvalidArgument(
                     f"Unable to open shared memory region: '{key}' ({err.strerror})") from None
