@@ -2,6 +2,10 @@
 (auto-completed like ONNX); outputs equal the torch module's own."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +251,52 @@ def test_thread_parameters_are_applied(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+LOAD_IN_A_FRESH_PROCESS = """
+import json, os, sys
+from pathlib import Path
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from jupyter_triton.backends.base import InstanceSpec, ModelFiles
+from jupyter_triton.backends.pytorch import PyTorchBackend
+assert "torch" not in sys.modules
+files = ModelFiles("ts", 1, Path(sys.argv[1]).parent, Path(sys.argv[1]), "model.pt")
+cfg = PyTorchBackend.auto_complete_config(text_format.Parse(sys.argv[2], mc.ModelConfig()), files)
+backend = PyTorchBackend(cfg, files, InstanceSpec("ts_0_0"))
+backend.load()
+print(json.dumps(os.environ.get("OMP_WAIT_POLICY")))
+"""
+
+
+@pytest.mark.parametrize("environ, parameter, spins, environ_after", [
+    (None, None, False, None),              # ours: PASSIVE, and the environment untouched
+    ("PASSIVE", "ACTIVE", True, "PASSIVE"),  # the model's parameter wins over the environment
+])
+def test_openmp_threads_sleep_unless_the_model_asks_them_to_spin(tmp_path, environ, parameter,
+                                                                  spins, environ_after):
+    files = script(tmp_path, Linear())
+    text = 'name: "ts" ' + TS_CONFIG
+    if parameter:
+        text += f'parameters {{ key: "OMP_WAIT_POLICY" value {{ string_value: "{parameter}" }} }}'
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"      # libgomp prints its settings when torch loads it
+    if environ:
+        env["OMP_WAIT_POLICY"] = environ
+    done = subprocess.run([sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(files.version_dir), text],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    # PASSIVE is a spin count of 0; libgomp's default and ACTIVE spin
+    assert ("GOMP_SPINCOUNT = '0'" not in done.stderr) == spins, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == environ_after
+
+
+def test_a_wait_policy_other_than_passive_or_active_is_refused(tmp_path):
+    files = script(tmp_path, Linear())
+    cfg = config(TS_CONFIG + 'parameters { key: "OMP_WAIT_POLICY" value { string_value: "sometimes" } }',
+                 "ts")
+    with pytest.raises(InvalidArgument, match="'OMP_WAIT_POLICY' must be PASSIVE or ACTIVE"):
+        PyTorchBackend.auto_complete_config(cfg, files)
 
 
 def test_missing_artifact_names_model_version_and_file(tmp_path):
