@@ -13,6 +13,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.backends.base import Backend, InstanceSpec, ModelFiles
+from jupyter_triton.engine import timer
 from jupyter_triton.engine.batcher import DEFAULT_MAX_QUEUE_SIZE, DynamicBatcher
 from jupyter_triton.engine.instances import Instance, InstancePool
 from jupyter_triton.engine.rate_limiter import RateLimiter, instance_resources
@@ -473,3 +474,36 @@ def test_warmup_errors_name_the_sample_and_input(tmp_path: Path):
     escaping = WARMUP.replace('"ints"', '"../config.pbtxt"')
     with pytest.raises(InvalidArgument, match="under the model's warmup/ directory"):
         warmup_samples(text_format.Parse(escaping, mc.ModelConfig()), tmp_path)
+
+
+# -- the queue delay's alarm -------------------------------------------------------------------
+
+@pytest.mark.parametrize("timerfd", [True, False], ids=["timerfd", "loop-timer"])
+def test_the_alarm_fires_once_at_its_latest_deadline_and_never_after_cancel(monkeypatch, timerfd):
+    if timerfd and timer._LIBC is None:
+        pytest.skip("no timerfd on this platform")
+    if not timerfd:
+        monkeypatch.setattr(timer, "_LIBC", None)      # the fallback other platforms take
+
+    async def main():
+        fired: list[int] = []
+        alarm = timer.Alarm(lambda: fired.append(time.monotonic_ns()))
+        start = time.monotonic_ns()
+        alarm.set(start + 300_000_000)
+        alarm.set(start + 20_000_000)                  # replaces the first deadline
+        assert alarm.deadline_ns == start + 20_000_000
+        await asyncio.sleep(0.4)
+        once = list(fired)
+        alarm.set(time.monotonic_ns() + 20_000_000)
+        alarm.cancel()
+        await asyncio.sleep(0.1)
+        past = time.monotonic_ns() - 1                 # a deadline already gone fires at once
+        alarm.set(past)
+        await asyncio.sleep(0.05)
+        alarm.close()
+        return start, once, fired
+
+    start, once, fired = run(main())
+    assert len(once) == 1 and once[0] >= start + 20_000_000
+    assert once[0] < start + 300_000_000              # the replaced deadline did not wait
+    assert len(fired) == 2                             # the cancelled one never fired

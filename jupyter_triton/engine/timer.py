@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import sys
 import time
 import weakref
 from typing import Callable
 
+# <sys/timerfd.h> on Linux (the only place these are used)
 _CLOCK_MONOTONIC = 1
-_TFD_NONBLOCK = os.O_NONBLOCK
-_TFD_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+_TFD_NONBLOCK = 0o4000
+_TFD_CLOEXEC = 0o2000000
 _TFD_TIMER_ABSTIME = 1
 
 
@@ -38,9 +40,11 @@ class _Itimerspec(ctypes.Structure):
 
 
 def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.timerfd_create, libc.timerfd_settime   # noqa: B018 -- Linux only
+        libc.timerfd_create, libc.timerfd_settime   # noqa: B018 -- missing in some libcs
         return libc
     except (OSError, AttributeError):
         return None
