@@ -23,8 +23,10 @@ from onnx import TensorProto
 from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
+from conftest import TOKEN
 from jupyter_triton.engine import EngineOptions
-from onnx_models import add_sub
+from jupyter_triton.engine.shared_memory import INLINE_BYTES
+from onnx_models import add_sub, identity
 from test_perf_analyzer import PERF_ANALYZER
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,6 +62,8 @@ output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 16 ] },
 parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
 '''
 
+# past the size at which region reads and writes leave the event loop
+LARGE = 2 * INLINE_BYTES // 4
 IN0 = np.arange(16, dtype=np.int32).reshape(1, 16)
 IN1 = np.ones((1, 16), dtype=np.int32)
 NBYTES = IN0.nbytes
@@ -71,6 +75,7 @@ def server(tmp_path_factory):
     from jupyter_triton.standalone import start_in_thread
     repo = tmp_path_factory.mktemp("models")
     add_sub(repo / "simple" / "1" / "model.onnx", dims=16, elem=TensorProto.INT32)
+    identity(TensorProto.FLOAT, repo / "identity_large" / "1" / "model.onnx", dims=LARGE)
     (repo / "simple_string" / "1").mkdir(parents=True)
     (repo / "simple_string" / "1" / "model.py").write_text(SIMPLE_STRING_PY)
     (repo / "simple_string" / "config.pbtxt").write_text(SIMPLE_STRING_CONFIG)
@@ -300,6 +305,57 @@ def test_bytes_tensors_in_shared_memory(server, regions, protocol):
             assert field(result.get_output(out), "datatype") == "BYTES"
     finally:
         c.unregister_system_shared_memory()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_large_tensors_in_shared_memory(server, regions, protocol):
+    lib, c = client(server, protocol)
+    x = np.random.default_rng(0).standard_normal((1, LARGE)).astype(np.float32)
+    in_name, in_key, in_handle = regions(x.nbytes)
+    out_name, out_key, out_handle = regions(x.nbytes)
+    shm.set_shared_memory_region(in_handle, [x])
+    c.register_system_shared_memory(in_name, in_key, x.nbytes)
+    c.register_system_shared_memory(out_name, out_key, x.nbytes)
+    try:
+        inp = lib.InferInput("INPUT0", [1, LARGE], "FP32")
+        inp.set_shared_memory(in_name, x.nbytes)
+        out = lib.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory(out_name, x.nbytes)
+        c.infer("identity_large", [inp], outputs=[out])
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.float32, [1, LARGE]), x)
+    finally:
+        c.unregister_system_shared_memory()
+
+
+async def test_shared_memory_through_the_jupyter_server(jp_triton, jp_http_port, jp_base_url, regions):
+    """The extension's routes serve the same regions, behind the Jupyter server's credentials."""
+    import asyncio
+    base = f"127.0.0.1:{jp_http_port}{jp_base_url.rstrip('/')}"
+    x = np.array([[7, -8, 9]], dtype=np.int32)
+    in_name, in_key, in_handle = regions(x.nbytes)
+    out_name, out_key, out_handle = regions(x.nbytes)
+    shm.set_shared_memory_region(in_handle, [x])
+
+    def story() -> None:
+        c = httpclient.InferenceServerClient(base, network_timeout=60)
+        auth = {"Authorization": f"token {TOKEN}"}
+        try:
+            err = error_of(lambda: c.register_system_shared_memory(in_name, in_key, x.nbytes))
+            assert err.status() in ("401", "403")
+            c.register_system_shared_memory(in_name, in_key, x.nbytes, headers=dict(auth))
+            c.register_system_shared_memory(out_name, out_key, x.nbytes, headers=dict(auth))
+            inp = httpclient.InferInput("INPUT0", [1, 3], "INT32")
+            inp.set_shared_memory(in_name, x.nbytes)
+            out = httpclient.InferRequestedOutput("OUTPUT0")
+            out.set_shared_memory(out_name, x.nbytes)
+            c.infer("identity_int32", [inp], outputs=[out], headers=dict(auth))
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.int32, [1, 3]), x)
+            assert status_names(c.get_system_shared_memory_status(headers=dict(auth))) == {in_name, out_name}
+        finally:
+            c.unregister_system_shared_memory(headers=dict(auth))
+            c.close()
+
+    await asyncio.to_thread(story)
 
 
 # -- what must be a 400, never a crash -----------------------------------------------------
