@@ -556,3 +556,54 @@ def test_grpc_raw_contents_errors():
     msg.parameters["priority"].string_param = "high"
     with pytest.raises(InvalidArgument, match="'priority'"):
         decode_grpc_request(msg)
+
+
+# -- large documents: decoded and encoded in slices (the GIL is free between them) -------------
+
+def _large(data_text: bytes, shape: list[int], dt: str = "FP32", extra: bytes = b"") -> bytes:
+    return (b'{"id":"big",' + extra + b'"inputs":[{"name":"I","shape":' + json.dumps(shape).encode()
+            + b',"datatype":"' + dt.encode() + b'","data":[' + data_text + b"]}]}")
+
+
+def test_large_json_decodes_exactly_as_small_json():
+    from jupyter_triton.protocol.http_codec import SLICED_MIN
+    x = (np.arange(400_000) % 97 / 8 - 6).astype(np.float32)
+    body = _large(",".join(map(repr, x.tolist())).encode(), [100_000, 4],
+                  extra=b'"parameters":{"pad":[' + b"1," * 40_000 + b'2]},')
+    assert len(body) > SLICED_MIN
+    request = decode_infer_request(body, None, "m", "")
+    np.testing.assert_array_equal(request.inputs[0].data, x.reshape(100_000, 4))
+    assert request.inputs[0].data.dtype == np.float32 and request.id == "big"
+    assert request.parameters["pad"] == [1] * 40_000 + [2]     # a long run elsewhere stays a list
+
+
+@pytest.mark.parametrize("data,count,needle", [
+    (b"1," * 300_000 + b"1.5," + b"2," * 299_999 + b"2", 600_001, "element 300000 is a number (1.5)"),
+    (b"1," * 300_000 + b"1", 600_000, "expects 600000 elements, got 300001"),
+    (b"1,," + b"1," * 600_000 + b"1", 600_002, "failed to parse the request JSON buffer"),
+    (b"1," * 600_000, 600_000, "failed to parse the request JSON buffer"),     # trailing comma
+    (b"1," * 600_000 + b"99999999999", 600_001, "expected an integer in"),
+])
+def test_large_json_errors_name_the_element(data, count, needle):
+    with pytest.raises(InvalidArgument) as err:
+        decode_infer_request(_large(data, [count], "INT32"), None, "m", "")
+    assert needle in str(err.value)
+
+
+def test_a_number_run_inside_a_string_is_not_mistaken_for_data():
+    text = b"[" + b"1," * 600_000 + b"2]"
+    body = b'{"parameters":{"note":"' + text + b'"},"inputs":[{"name":"I","shape":[1],"datatype":"INT32","data":[5]}]}'
+    request = decode_infer_request(body, None, "m", "")
+    assert request.parameters["note"] == text.decode()
+    np.testing.assert_array_equal(request.inputs[0].data, [5])
+
+
+def test_large_json_output_encodes_exactly_as_json_dumps():
+    x = np.random.default_rng(3).standard_normal((300_000, 2)).astype(np.float32)
+    response = InferResponse("m", "1", outputs=[InferTensor("O", "FP32", x.shape, x)])
+    body, header_length = encode_infer_response(response, InferRequest("m"))
+    assert header_length is None
+    expected = json.dumps({"model_name": "m", "model_version": "1", "outputs": [
+        {"name": "O", "datatype": "FP32", "shape": [300_000, 2], "data": x.ravel().tolist()}]},
+        separators=(",", ":")).encode()
+    assert body == expected

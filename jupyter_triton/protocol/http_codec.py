@@ -9,6 +9,7 @@ request is allocated.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any, NoReturn
 
@@ -259,6 +260,7 @@ SLICED_MIN = 1 << 20          # documents below this are parsed in one go
 _RUN_MIN = 64 * 1024          # a run of numbers must fill a whole window of this size
 _SLICE = 64 * 1024            # bytes of numbers parsed per slice (a few ms)
 _NUMERIC = b"0123456789+-.eE,\t\n\r "
+_NOT_SPACE = re.compile(rb"[^ \t\n\r]")
 _MASK = bytes(48 if i in _NUMERIC else 49 for i in range(256))    # b"0" numeric, b"1" not
 
 
@@ -271,7 +273,7 @@ class _Hole:
     def slices(self):
         """The run's values, one list per slice (each a short json.loads)."""
         text, pos, end = self.text, self.start, self.end
-        if not text[pos:end].strip():
+        if _NOT_SPACE.search(text, pos, end) is None:        # "[ ]": an empty array
             return
         while pos < end:
             cut = end if end - pos <= _SLICE else text.rfind(b",", pos, pos + _SLICE)
