@@ -144,6 +144,9 @@ def test_a_multi_version_upload_commits_all_or_nothing(model_repo):
                               files={"file:1/model.onnx": linear(W), "file:2/model.onnx": b"junk"})
         assert not client.is_model_ready("pair")
         assert not (model_repo / "pair").exists()           # nothing of it is served later
+        rows = [r for r in client.get_model_repository_index() if r["name"] == "pair"]
+        assert sorted(r["version"] for r in rows) == ["1", "2"]
+        assert all(r["state"] == "UNAVAILABLE" and "set aside" in r["reason"] for r in rows)
         client.load_model("pair", config=config,
                           files={"file:1/model.onnx": linear(W), "file:2/model.onnx": linear(2 * W)})
         assert client.get_model_metadata("pair")["versions"] == ["1", "2"]

@@ -90,7 +90,8 @@ class Engine(ModelLifecycle):
         """Triton's index; versions a failed load set aside (this run or an earlier one)
         are listed UNAVAILABLE with their reason."""
         rows = []
-        names = sorted(set(self.repository.model_names()) | set(self._entries))
+        names = sorted(set(self.repository.model_names()) | set(self._entries)
+                       | set(self.repository.set_aside_models()))
         for name in names:
             entry = self._entries.get(name)
             status = dict(entry.status) if entry else {}

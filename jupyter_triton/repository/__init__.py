@@ -258,6 +258,13 @@ class Repository:
             changed.append(entry.name)
         return sorted(set(changed))
 
+    def set_aside_models(self) -> list[str]:
+        """Names with versions set aside (a model whose only upload failed has no directory)."""
+        try:
+            return sorted(e.name for e in os.scandir(self.root / FAILED_DIR) if e.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def set_aside(self, name: str) -> list[tuple[int, str, str]]:
         """Versions whose load failed, newest first: (version, reason, where)."""
         folder = self.root / FAILED_DIR / name
