@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.auth import IdentityProvider, User
+from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
@@ -254,12 +255,21 @@ class JupyterTriton(ExtensionApp):
         tokens[self.server_token] = GROUPS
         return AccessPolicy(tokens=tokens)
 
-    def grpc_access(self, identity_provider: IdentityProvider) -> AccessPolicy:
-        """The gRPC port's policy: exactly the HTTP routes' credentials and scopes (the
-        Jupyter server's token reaches every API, as it does over HTTP)."""
+    def grpc_access(self, identity_provider: IdentityProvider, authorizer: Authorizer) -> AccessPolicy:
+        """The gRPC port's policy: exactly the HTTP routes' credentials and scopes. The
+        Jupyter server's token reaches every API, as over HTTP with Jupyter's default
+        authorizer; a custom authorizer cannot be asked without an HTTP handler, so with one
+        the Jupyter token is not taken here (inference keys and the server token are)."""
+        stock = type(authorizer) is AllowAllAuthorizer
+        if not stock:
+            self.log.warning("jupyter_triton: the gRPC port does not take the Jupyter token: "
+                             "ServerApp.authorizer_class %s is custom, and gRPC has no handler to "
+                             "ask it about; use an inference key or the server token",
+                             type(authorizer).__name__)
+
         def jupyter_token(credential: str) -> frozenset[str] | None:
             token = identity_provider.token
-            if token and hmac.compare_digest(credential.encode(), token.encode()):
+            if stock and token and hmac.compare_digest(credential.encode(), token.encode()):
                 return GROUPS
             return None
         own = self.own_credentials()
@@ -287,7 +297,7 @@ class JupyterTriton(ExtensionApp):
             from .frontends.grpc import start_grpc_server
             self._grpc, self.bound_grpc_port = await start_grpc_server(
                 self.engine, self.grpc_address, self.grpc_port,
-                access=self.grpc_access(serverapp.identity_provider))
+                access=self.grpc_access(serverapp.identity_provider, serverapp.authorizer))
         self._advertise(serverapp)
         ready = [m.name for m in self.engine.models() if m.ready]
         self.log.info("jupyter_triton: %d model(s) ready (%s) from %s at %sv2/", len(ready),

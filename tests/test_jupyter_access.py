@@ -9,10 +9,12 @@ import json
 import subprocess
 from http.cookies import SimpleCookie
 
+import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from jupyter_server.auth import Authorizer
+from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from tornado.httpclient import HTTPClientError
 from tritonclient.utils import InferenceServerException
 
@@ -38,10 +40,17 @@ class RecordingAuthorizer(Authorizer):
 
 
 @pytest.fixture
-def jp_server_config(jp_server_config):
+def authorizer(request) -> type[Authorizer]:
+    """The server's authorizer class: RecordingAuthorizer unless a test parametrizes it."""
+    return getattr(request, "param", RecordingAuthorizer)
+
+
+@pytest.fixture
+def jp_server_config(jp_server_config, authorizer):
     RecordingAuthorizer.denied, RecordingAuthorizer.asked = set(), []
     return {**jp_server_config,
-            "ServerApp": {**jp_server_config["ServerApp"], "authorizer_class": RecordingAuthorizer}}
+            "ServerApp": {**jp_server_config["ServerApp"], "authorizer_class": authorizer},
+            "JupyterTriton": {**jp_server_config["JupyterTriton"], "grpc_port": 0}}
 
 
 def client(port: int, base: str) -> httpclient.InferenceServerClient:
@@ -166,3 +175,53 @@ async def test_a_header_token_call_gets_no_cookie_and_every_check(jp_triton, jp_
         await jp_fetch("v2/models/linear/infer", method="POST", body=ROW,
                        headers={"Authorization": "", "Cookie": login})
     assert err.value.code == 403
+
+
+@pytest.mark.parametrize("authorizer", [AllowAllAuthorizer, RecordingAuthorizer], indirect=True)
+async def test_the_grpc_port_takes_exactly_the_http_credentials(jp_triton, authorizer):
+    (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
+    assert ext.grpc_address == "127.0.0.1"                       # loopback unless configured
+    server_token = ext.server_token
+    denied, unauthenticated = str(grpc.StatusCode.PERMISSION_DENIED), str(grpc.StatusCode.UNAUTHENTICATED)
+
+    def story():
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{ext.bound_grpc_port}")
+        bearer = lambda t: {"authorization": f"Bearer {t}"}      # noqa: E731
+        row = [grpcclient.InferInput("INPUT0", [1, 16], "FP32")]
+        row[0].set_data_from_numpy(np.ones((1, 16), np.float32))
+        outcome = {}
+
+        def attempt(label, fn):
+            try:
+                outcome[label] = ("ok", fn())
+            except InferenceServerException as err:
+                outcome[label] = (err.status(), err.message())
+        try:
+            attempt("live, nothing", lambda: g.is_server_live())
+            attempt("infer, nothing", lambda: g.infer("linear", row))
+            attempt("infer, wrong", lambda: g.infer("linear", row, headers=bearer("nope")))
+            attempt("infer, key", lambda: g.infer("linear", row, headers=bearer(INFER_KEY)).as_numpy("OUTPUT0"))
+            attempt("stats, key", lambda: g.get_inference_statistics("linear", headers=bearer(INFER_KEY),
+                                                                     as_json=True))
+            attempt("load, key", lambda: g.load_model("linear", headers=bearer(INFER_KEY)))
+            attempt("load, jupyter token", lambda: g.load_model("linear", headers={"authorization": f"token {TOKEN}"}))
+            attempt("unload, server token", lambda: g.unload_model("simple", headers=bearer(server_token)))
+            attempt("ready, server token", lambda: g.is_model_ready("simple", headers=bearer(server_token)))
+        finally:
+            g.close()
+        return outcome
+
+    outcome = await in_thread(story)
+    assert outcome["live, nothing"][0] == unauthenticated
+    assert outcome["infer, nothing"][0] == unauthenticated
+    assert outcome["infer, wrong"][0] == unauthenticated
+    status, out = outcome["infer, key"]
+    assert status == "ok"
+    np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
+    assert outcome["stats, key"][0] == "ok"
+    assert outcome["load, key"][0] == denied
+    # Jupyter's token is what it is over HTTP with the default authorizer; a custom one
+    # cannot be asked over gRPC, so there the Jupyter token is not taken at all
+    assert outcome["load, jupyter token"][0] == ("ok" if authorizer is AllowAllAuthorizer else unauthenticated)
+    assert outcome["unload, server token"][0] == "ok"
+    assert outcome["ready, server token"] == ("ok", False)
