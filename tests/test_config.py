@@ -321,3 +321,26 @@ def test_enable_default_batching():
     enable_default_batching(sequence, 8)
     assert sequence.max_batch_size == 8
     assert sequence.WhichOneof("scheduling_choice") == "sequence_batching"
+
+
+def test_deeply_nested_config_json_is_a_clear_error():
+    from jupyter_triton.config import config_from_json
+    for text in ("[" * 100_000, '{"parameters": ' * 50_000 + "1" + "}" * 50_000):
+        with pytest.raises(InvalidArgument, match="nested too deeply"):
+            config_from_json(text, "m")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("default_model_filename", "../model.onnx"), ("default_model_filename", "/etc/passwd"),
+    ("default_model_filename", "a/../../b"), ("label_filename", "../../labels.txt"),
+    ("label_filename", "/tmp/labels.txt")])
+def test_files_a_config_names_stay_inside_the_model(field, value):
+    config = mc.ModelConfig(name="m")
+    if field == "label_filename":
+        config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[4], label_filename=value)
+    else:
+        config.default_model_filename = value
+    with pytest.raises(InvalidArgument, match="inside the model directory"):
+        validate_config(config, complete=False)
+    ok = mc.ModelConfig(name="m", default_model_filename="sub/model.onnx")
+    validate_config(ok, complete=False)

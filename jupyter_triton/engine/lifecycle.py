@@ -304,14 +304,12 @@ class ModelLifecycle:
             raise InvalidArgument(f"at least one version must be available under the version "
                                   f"policy of model '{name}'")
         cls = backend_class(backend)
-        _check_inside(config, model_dir, versions)
         latest = max(versions)
         files = ModelFiles(name, latest, model_dir, model_dir / str(latest),
                            config.default_model_filename or cls.default_filename)
         config = cls.auto_complete_config(config, files)
         config = fill_defaults(config)
         validate_config(config)
-        _check_inside(config, model_dir, versions)
         return config, backend, versions
 
     def _stamp(self, name: str, config: mc.ModelConfig, versions: list[int]) -> dict[int, str]:
@@ -343,24 +341,6 @@ class ModelLifecycle:
                     log.error("failed to load model '%s': %s", name, err)
         for name in set(self._entries) - on_disk:
             await self._unload(name)
-
-
-def _check_inside(config: mc.ModelConfig, model_dir: Path, versions: list[int]) -> None:
-    """default_model_filename and label_filename name files of the model: a path that
-    leaves the model directory (absolute, '..', a symlink out) is refused at load."""
-    root = model_dir.resolve()
-    checks = []
-    if config.default_model_filename:
-        checks += [("default_model_filename", config.default_model_filename, model_dir / str(v))
-                   for v in versions]
-    for out in config.output:
-        if out.label_filename:
-            checks.append((f"output '{out.name}' label_filename", out.label_filename, model_dir))
-    for what, value, base in checks:
-        target = (base / value).resolve()
-        if Path(value).is_absolute() or not (target == root or root in target.parents):
-            raise InvalidArgument(f"model '{config.name}': {what} '{value}' points outside "
-                                  f"the model directory")
 
 
 def _copy(config: mc.ModelConfig) -> mc.ModelConfig:
