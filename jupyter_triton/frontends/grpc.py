@@ -1,8 +1,15 @@
 """Triton's GRPCInferenceService over the engine, on ``grpc.aio``.
 
-Every RPC is a thin skin: decode, one engine call, encode. Errors are rendered once, in
-``_rpc``: a TritonError aborts with its own status code and message; anything else is
-logged here and reaches the client as INTERNAL with its message only.
+Every RPC is a thin skin: check access, decode, one engine call, encode. Errors are rendered
+once, in ``_rpc``: a TritonError aborts with its own status code and message; anything else
+is logged here and reaches the client as INTERNAL with its message only.
+
+What it costs per RPC (measured, docs in the report of issue 8): the handlers are served as one
+*generic* handler, not as grpc's registered methods: grpc.aio keeps one pending accept per
+registered method and waits on all of them (``asyncio.wait``) for every call, ~20 futures for
+this service, which cost about a quarter of the event loop's time per RPC. ModelInfer and
+ModelStreamInfer take the raw request bytes: their size is charged to the bytes-in-flight
+budget before anything is parsed, and a message that does not parse is INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
@@ -16,7 +23,9 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from ..protocol.errors import InvalidArgument, TritonError, Unsupported
+from google.protobuf.message import DecodeError
+
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
@@ -28,6 +37,42 @@ DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
 MAX_SEND_MESSAGE_SIZE = 2**31 - 1
 # ModelStreamInfer requests of one stream in flight at once; further reads wait.
 STREAM_CONCURRENCY = 64
+# RPCs (a stream counts once) in flight at once; beyond, RESOURCE_EXHAUSTED at once.
+DEFAULT_MAX_CONCURRENT_RPCS = 1024
+# Request bytes held by inference RPCs in flight, in multiples of the receive limit:
+# decoded requests keep views of their bytes while they queue for a batch.
+DEFAULT_INFLIGHT_MESSAGES = 4
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+
+class ResourceExhausted(Unavailable):
+    """A bound of this server is reached; the client may retry later."""
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class _ByteBudget:
+    """Request bytes of the inference RPCs in flight (all on one event loop: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        if self.used and self.used + n > self.limit:
+            raise ResourceExhausted(
+                f"the server holds {self.used} bytes of requests in flight; {n} more would pass "
+                f"its limit of {self.limit} bytes; retry later")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+def _parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
+    try:
+        return pb.ModelInferRequest.FromString(raw)
+    except DecodeError as err:
+        raise InvalidArgument(f"unable to parse the ModelInferRequest message: {err}") from None
 
 
 def _internal_message(err: BaseException) -> str:
@@ -74,9 +119,12 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Triton's inference service; ``engine`` is jupyter_triton.engine.Engine's public API."""
 
     def __init__(self, engine: Any, max_elements: int | None = None,
-                 access: AccessPolicy | None = None) -> None:
+                 access: AccessPolicy | None = None,
+                 max_inflight_bytes: int = DEFAULT_INFLIGHT_MESSAGES * DEFAULT_MAX_INPUT_SIZE
+                 ) -> None:
         self.engine = engine
         self.access = access
+        self.inflight = _ByteBudget(max_inflight_bytes)
         self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
 
     def authorize(self, group: str, context: grpc.aio.ServicerContext) -> None:
@@ -133,13 +181,20 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ----------------------------------------------------------------------
     @_rpc(INFERENCE)
-    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        infer_request = decode_grpc_request(request, **self._decode_kwargs)
-        response = await self.engine.infer(infer_request)
-        return encode_grpc_response(response, infer_request)
-
-    async def _stream_one(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+    async def ModelInfer(self, raw: bytes, context) -> pb.ModelInferResponse:
+        size = len(raw)
+        self.inflight.take(size)
         try:
+            infer_request = decode_grpc_request(_parse_infer_request(raw), **self._decode_kwargs)
+            response = await self.engine.infer(infer_request)
+            return encode_grpc_response(response, infer_request)
+        finally:
+            self.inflight.give(size)
+
+    async def _stream_one(self, raw: bytes) -> pb.ModelStreamInferResponse:
+        request = pb.ModelInferRequest()
+        try:
+            request = _parse_infer_request(raw)
             infer_request = decode_grpc_request(request, **self._decode_kwargs)
             response = await self.engine.infer(infer_request)
             return pb.ModelStreamInferResponse(
@@ -158,7 +213,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     model_name=request.model_name, model_version=request.model_version,
                     id=request.id))
 
-    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[bytes],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request is answered on the stream as soon as it completes (so possibly out of
         order, as in Triton: clients match responses by ``id``)."""
@@ -171,17 +226,24 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
         done = object()
 
-        async def answer(request: pb.ModelInferRequest) -> None:
+        async def answer(raw: bytes) -> None:
             try:
-                await results.put(await self._stream_one(request))
+                await results.put(await self._stream_one(raw))
             finally:
+                self.inflight.give(len(raw))
                 slots.release()
 
         async def read() -> None:
             try:
-                async for request in request_iterator:
+                async for raw in request_iterator:
                     await slots.acquire()
-                    task = asyncio.create_task(answer(request))
+                    try:
+                        self.inflight.take(len(raw))
+                    except ResourceExhausted as err:
+                        slots.release()
+                        await results.put(pb.ModelStreamInferResponse(error_message=str(err)))
+                        continue
+                    task = asyncio.create_task(answer(raw))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
@@ -288,6 +350,25 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     LogSettings = _unimplemented(LOGGING, "log settings")
 
 
+def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
+    """Every RPC of Triton's service (from its descriptor) -> the handler over ``service``."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        behaviour = getattr(service, method.name)
+        # the inference RPCs get bytes: sized before they are parsed
+        raw = method.name in ("ModelInfer", "ModelStreamInfer")
+        request_type = getattr(pb, method.input_type.name)
+        deserializer = None if raw else request_type.FromString
+        serializer = getattr(pb, method.output_type.name).SerializeToString
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                behaviour, request_deserializer=deserializer, response_serializer=serializer)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                behaviour, request_deserializer=deserializer, response_serializer=serializer)
+    return handlers
+
+
 def _max_input_size(engine: Any) -> int:
     size = getattr(getattr(engine, "options", None), "max_input_size", None)
     return int(size) if size else DEFAULT_MAX_INPUT_SIZE
@@ -295,22 +376,30 @@ def _max_input_size(engine: Any) -> int:
 
 async def start_grpc_server(engine: Any, host: str, port: int,
                             max_receive_message_size: int | None = None, *,
-                            access: AccessPolicy | None = None
+                            access: AccessPolicy | None = None,
+                            max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+                            max_inflight_bytes: int | None = None
                             ) -> tuple[grpc.aio.Server, int]:
     """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
 
     Returns the started server and the port it bound; stop it with ``await server.stop(grace)``.
     The receive limit is ``max_receive_message_size``, else ``engine.options.max_input_size``,
     else 64 MiB. ``access`` is checked on every RPC against its Triton API group, from the
-    ``authorization`` (and restricted-API header) metadata; None serves everyone.
+    ``authorization`` (and restricted-API header) metadata; None serves everyone. Beyond
+    ``max_concurrent_rpcs`` RPCs at once, or ``max_inflight_bytes`` of inference requests
+    (default: 4x the receive limit), an RPC fails at once with RESOURCE_EXHAUSTED.
     """
     limit = max_receive_message_size or _max_input_size(engine)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_SIZE),
-    ])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        GRPCInferenceService(engine, access=access), server)
+    ], maximum_concurrent_rpcs=max_concurrent_rpcs)
+    service = GRPCInferenceService(
+        engine, access=access,
+        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)
+    # generic, not registered: see the module's docstring
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service)),))
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
