@@ -130,6 +130,8 @@ class Target:
         self.http_port = self.grpc_port = 0
         self.headers: dict[str, str] = {}
         self.proc: subprocess.Popen | None = None
+        self.log_name = self.name
+        self.starts = 0
         self.log_path = workdir / f"{self.name}.log"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
@@ -140,8 +142,10 @@ class Target:
 
     def start(self, timeout: float = 180.0) -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
+        self.starts += 1
+        self.log_path = self.workdir / f"{self.log_name}-{self.starts}.log"
         cmd, env = self.command()
-        with self.log_path.open("a") as out:
+        with self.log_path.open("w") as out:
             out.write(f"\n$ {' '.join(cmd)}\n")
             out.flush()
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -151,11 +155,18 @@ class Target:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.label} exited with {self.proc.returncode} at start:\n"
                                    + self.log_tail())
+            failure = self.start_failure()
+            if failure:
+                raise RuntimeError(f"{self.label}: {failure}")
             if all(self._ready(m) for m in self.models()):
                 return
             time.sleep(0.3)
         raise TimeoutError(f"{self.label}: models {self.models()} not ready within {timeout:.0f} s:\n"
                            + self.log_tail())
+
+    def start_failure(self) -> str | None:
+        """A failure seen in the log while the process lives on (then waiting is pointless)."""
+        return None
 
     def _ready(self, model: str) -> bool:
         try:
@@ -211,7 +222,7 @@ class Ours(Target):
         self.repository = repository
         self.model = model
         self.label = f"{self.label}, {MODEL_LABEL[model]}"
-        self.log_path = workdir / f"ours-{model}.log"
+        self.log_name = f"ours-{model}"
 
     def models(self) -> list[str]:
         return [self.model]
@@ -237,6 +248,13 @@ class Jupyter(Target):
 
     def models(self) -> list[str]:
         return [ONNX_MODEL]
+
+    def start_failure(self) -> str | None:
+        # Jupyter logs an extension that fails to import or load and serves on without it.
+        for line in self.log_tail(20000).splitlines():
+            if "jupyter_triton |" in line and ("error" in line or "fail" in line):
+                return line.strip()[:400]
+        return None
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         home = self.workdir / "jupyter"
@@ -267,15 +285,13 @@ class PyTriton(Target):
     def __init__(self, workdir: Path, python: Path) -> None:
         super().__init__(workdir)
         self.python = python
-        self.runs = 0
 
     def models(self) -> list[str]:
         return [PYTRITON_MODEL]
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        self.runs += 1
         # A scratch workspace per start (PyTriton copies tritonserver there; it must not exist).
-        workspace = self.workdir / f"pytriton-workspace-{self.runs}"
+        workspace = self.workdir / f"pytriton-workspace-{self.starts}"
         return [str(self.python), str(HERE / "pytriton_peer.py"), "--http-port", str(self.http_port),
                 "--grpc-port", str(self.grpc_port), "--workspace", str(workspace)], dict(os.environ)
 
