@@ -9,10 +9,10 @@ config entry, our addition); ``optimization.graph.level``; and
 Default (ours, not ORT's): ``session.intra_op.allow_spinning`` and
 ``session.inter_op.allow_spinning`` are "0": ORT's pool threads sleep between operators
 instead of spinning for a while, which on a machine shared with the front end (HTTP, gRPC,
-Jupyter) burns the cores it needs. Measured on 2 cores, a 256x256 MatMul at 500 us batch
-delay: server CPU per inference 680-1,070 us instead of 1,140-2,470 at c=1 (same latency),
-206-225 us instead of 506-631 at c=16 with more throughput. Set either to "1" in
-``parameters`` for ORT's spinning (a dedicated machine, many tiny operators).
+Jupyter) burns the cores it needs. Measured on 2 busy cores, a 256x256 MatMul, 500 us batch
+delay, A/B rounds: server CPU per inference 680-1,370 us instead of 820-2,470 at c=1 (same
+latency), 206-281 us instead of 450-631 at c=16, with more throughput. Set either to "1"
+in ``parameters`` for ORT's spinning (a dedicated machine, many tiny operators).
 """
 from __future__ import annotations
 
