@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hmac
 import json
+import logging
 import os
 import secrets
 import stat
@@ -26,6 +27,8 @@ from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.log import log_request as jupyter_log_request
+from jupyter_server.prometheus.log_functions import prometheus_log_method
 from tornado import web
 from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
@@ -92,6 +95,18 @@ def _stock_token_auth(provider: IdentityProvider) -> bool:
                for name in ("get_user", "_get_user", "get_user_token", "get_token"))
 
 
+def _shows_debug(logger: logging.Logger) -> bool:
+    """Whether a DEBUG record of ``logger`` reaches any handler that would write it."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return False
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(h.level <= logging.DEBUG for h in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
 class TritonJupyterHandler(JupyterHandler):
     """Host base class for the v2 mixins on the Jupyter server."""
 
@@ -134,6 +149,21 @@ class TritonJupyterHandler(JupyterHandler):
             # a fresh one per request; one per server is as anonymous and costs nothing).
             cache["token_user"] = provider.generate_anonymous_user(self)
         return cache["token_user"]
+
+    def _log(self) -> None:
+        # Jupyter's access log writes successes at DEBUG, which its default logging config
+        # drops at the handler after the record and the message are built: on the data path
+        # that is ~10% of a small request's CPU. When no handler would show that line, keep
+        # only what it records (Jupyter's request-duration metric); otherwise, Jupyter's own.
+        log_function = self.settings.get("log_function")
+        status = self.get_status()
+        if (status < 300 and isinstance(log_function, functools.partial)
+                and log_function.func is jupyter_log_request and not log_function.args
+                and not _shows_debug(self.log)):
+            if log_function.keywords.get("record_prometheus_metrics", True):
+                prometheus_log_method(self)
+            return
+        super()._log()
 
     async def prepare(self) -> None:
         group = api_group(type(self))

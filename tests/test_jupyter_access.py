@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import subprocess
 from http.cookies import SimpleCookie
 
@@ -225,3 +226,27 @@ async def test_the_grpc_port_takes_exactly_the_http_credentials(jp_triton, autho
     assert outcome["load, jupyter token"][0] == ("ok" if authorizer is AllowAllAuthorizer else unauthenticated)
     assert outcome["unload, server token"][0] == "ok"
     assert outcome["ready, server token"] == ("ok", False)
+
+
+async def test_the_access_log_and_request_metric_of_the_data_path(jp_triton, jp_fetch, caplog):
+    def infers_logged() -> int:
+        return sum("200 POST /user/alice/v2/models/linear/infer" in r.getMessage() for r in caplog.records)
+
+    def duration_count() -> float:
+        from prometheus_client import REGISTRY
+        return REGISTRY.get_sample_value("http_request_duration_seconds_count", {
+            "handler": "jupyter_triton.frontends.http.ModelInfer", "method": "POST",
+            "status_code": "200"}) or 0.0
+
+    before = duration_count()
+    caplog.set_level(logging.DEBUG)                 # someone reads DEBUG: Jupyter's own line
+    await jp_fetch("v2/models/linear/infer", method="POST", body=ROW, headers=AUTH)
+    assert infers_logged() == 1
+    caplog.set_level(logging.INFO)                  # nobody does: the line is not even built
+    caplog.clear()
+    await jp_fetch("v2/models/linear/infer", method="POST", body=ROW, headers=AUTH)
+    assert infers_logged() == 0
+    with pytest.raises(HTTPClientError):            # a failure is logged as Jupyter logs it
+        await jp_fetch("v2/models/linear/infer", method="POST", body=b"{oops", headers=AUTH)
+    assert any("400 POST /user/alice/v2/models/linear/infer" in r.getMessage() for r in caplog.records)
+    assert duration_count() == before + 2           # Jupyter's request metric counts both

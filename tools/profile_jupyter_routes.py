@@ -2,6 +2,7 @@
 against the standalone server's, and (``--profile``) where the Jupyter route spends it.
 
     .venv/bin/python tools/profile_jupyter_routes.py --front jupyter --requests 1000
+    .venv/bin/python tools/profile_jupyter_routes.py --front standalone-tornado --requests 1000
     .venv/bin/python tools/profile_jupyter_routes.py --front standalone --requests 1000
     .venv/bin/python tools/profile_jupyter_routes.py --front jupyter --profile /tmp/j.prof
 
@@ -72,10 +73,21 @@ def serve(front: str, port: int, repo: str, home: str, profile: str) -> None:
             '--ServerApp.jpserver_extensions={"jupyter_triton": True}',
             f"--JupyterTriton.model_repository={repo}"])
     else:
-        from jupyter_triton.cli import main
-        main(["serve", "--model-repository", repo, "--http-address", "127.0.0.1",
-              "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false",
-              "--model-control-mode", "explicit", "--load-model", "linear"])
+        import asyncio
+
+        from jupyter_triton.cli import SWITCH_INTERVAL_S
+        from jupyter_triton.engine import EngineOptions
+        from jupyter_triton.standalone import start_standalone
+        sys.setswitchinterval(SWITCH_INTERVAL_S)       # as jupyter-triton serve runs
+
+        async def run() -> None:
+            await start_standalone(
+                EngineOptions(model_repository=repo, model_control_mode="explicit",
+                              load_models=["linear"]),
+                host="127.0.0.1", http_port=port, metrics_port=None, grpc_port=None,
+                access_log=False, http_front=front.partition("-")[2] or "fast")
+            await asyncio.Event().wait()
+        asyncio.run(run())
 
 
 def cpu_seconds(pid: int) -> float:
@@ -157,7 +169,8 @@ def _drive(child: subprocess.Popen, port: int, front: str, requests: int, profil
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--front", choices=["jupyter", "standalone"], default="jupyter")
+    parser.add_argument("--front", choices=["jupyter", "standalone", "standalone-tornado"],
+                        default="jupyter", help="standalone: its default (fast) HTTP front")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", default="", help="write the child's cProfile stats here")
