@@ -16,7 +16,7 @@ server in turn, then again). Per row: throughput, p50/p99, server CPU us per inf
 whole server process tree from /proc, over the server's own inference count), peak RSS of
 the tree, queue time per inference (server statistics) and the batches formed.
 
-    .venv/bin/python benchmarks/run.py            (./dev bench; about 8-10 min on 2 cores)
+    .venv/bin/python benchmarks/run.py            (./dev bench; about 7-9 min on 2 cores)
     .venv/bin/python benchmarks/run.py --quick    (a smoke run, ~2 min; not figures to quote)
 
 Writes benchmarks/results/bench.md and bench.json (--quick: benchmarks/results/quick.tmp/).
@@ -550,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
               "with tools/install-perf-analyzer.sh (./dev bench does)", file=sys.stderr)
         return 2
     started = time.monotonic()
+    started_utc = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     notes: list[str] = []
     info = machine_info(pa)
     log(f"perf_analyzer: {pa} ({info['perf_analyzer']}); {rounds} round(s), {WINDOWS} x "
@@ -627,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = peer_ratios(rows)
     aims = check_aims(rows, ratios)
     payload = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
-        "started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT))
+                             else sys.executable, *sys.argv] if argv is None else argv),
+        "started_utc": started_utc,
         "quick": args.quick, "rounds": rounds, "interval_ms": interval_ms, "windows": WINDOWS,
         "model": DESCRIPTION, "machine": info, "elapsed_s": round(elapsed, 1),
         "rows": [asdict(r) | {"key": r.key} for r in rows],
@@ -735,7 +737,7 @@ def markdown(p: dict, rows: list[Row]) -> str:
         f"Client: {m['perf_analyzer']} on the same machine, one [1,256] row per request, "
         f"{p['windows']} windows of {p['interval_ms']} ms per row, {p['rounds']} alternating round(s) "
         f"(every server in turn, then again); figures are medians over rounds.",
-        f"Model: {p['model']}. Peer: PyTriton {m.get('pytriton', '(skipped)')}.",
+        f"Model: {p['model']}. Peer: PyTriton {m.get('pytriton', '(not run)')}.",
         "",
         "| server | model | protocol | c | infer/s | p50 ms | p99 ms | server CPU us/inf | "
         "queue us/inf | mean batch | peak RSS MiB |",
