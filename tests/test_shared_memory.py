@@ -64,6 +64,20 @@ parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
 
 # past the size at which region reads and writes leave the event loop
 LARGE = 2 * INLINE_BYTES // 4
+# one step over "simple": regions are the ensemble's inputs and outputs, its steps never see them
+SIMPLE_ENSEMBLE_CONFIG = '''
+name: "simple_ensemble"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+        { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+         { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+ensemble_scheduling { step [ { model_name: "simple" model_version: -1
+  input_map { key: "INPUT0" value: "INPUT0" } input_map { key: "INPUT1" value: "INPUT1" }
+  output_map { key: "OUTPUT0" value: "OUTPUT0" } output_map { key: "OUTPUT1" value: "OUTPUT1" } } ] }
+'''
+
 IN0 = np.arange(16, dtype=np.int32).reshape(1, 16)
 IN1 = np.ones((1, 16), dtype=np.int32)
 NBYTES = IN0.nbytes
@@ -79,6 +93,8 @@ def server(tmp_path_factory):
     (repo / "simple_string" / "1").mkdir(parents=True)
     (repo / "simple_string" / "1" / "model.py").write_text(SIMPLE_STRING_PY)
     (repo / "simple_string" / "config.pbtxt").write_text(SIMPLE_STRING_CONFIG)
+    (repo / "simple_ensemble" / "1").mkdir(parents=True)
+    (repo / "simple_ensemble" / "config.pbtxt").write_text(SIMPLE_ENSEMBLE_CONFIG)
     srv = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
                                         load_models=["*"]),
                           host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
@@ -227,8 +243,9 @@ def test_cuda_shared_memory_is_refused_without_a_gpu(server, protocol):
 
 # -- inference -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("model", ["simple", "simple_ensemble"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_inputs_and_outputs_in_shared_memory(server, regions, protocol):
+def test_inputs_and_outputs_in_shared_memory(server, regions, protocol, model):
     lib, c = client(server, protocol)
     in_name, in_key, in_handle = regions(2 * NBYTES)
     out_name, out_key, out_handle = regions(2 * NBYTES)
@@ -240,7 +257,7 @@ def test_inputs_and_outputs_in_shared_memory(server, regions, protocol):
     try:
         for round_ in range(3):         # the same objects again and again, as reuse_infer_objects
             shm.set_shared_memory_region(in_handle, [IN0 * round_])
-            result = c.infer("simple", inputs, outputs=outputs)
+            result = c.infer(model, inputs, outputs=outputs)
             out0, out1 = (result.get_output(n) for n in ("OUTPUT0", "OUTPUT1"))
             assert [int(d) for d in field(out0, "shape")] == [1, 16]
             dtype = utils.triton_to_np_dtype(field(out0, "datatype"))
