@@ -26,11 +26,13 @@ max_batch_size: 0
 input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1, 16 ] } ]
 output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1, 16 ] } ]
 """
-# The bounds the test asserts, well above the 50 ms aim so that a loaded box does not flake
-# (measured figures are printed, pytest -s): 99% of event-loop stalls and of the polls'
-# answers under STALL_BOUND_S, none over WORST_BOUND_S. Decoding on the loop stalls it for
-# the whole decode (seconds), which both catch.
-STALL_BOUND_S, WORST_BOUND_S = 0.25, 1.0
+# What the test asserts is looser than the 50 ms aim, so that a loaded box (8 agents on 2
+# cores: the OS alone then delays a thread by 100s of ms) does not flake; the figures are
+# printed (pytest -s). 99% of event-loop stalls and of the polls' answers are under
+# STALL_BOUND_S, none over WORST_BOUND_S, and stalls longer than 0.1 s add up to less than a
+# tenth of the request's time. A decode or encode on the loop stalls it for seconds, most
+# of the request's time, which each of these catches.
+STALL_BOUND_S, WORST_BOUND_S = 0.25, 2.0
 
 
 @pytest.fixture
@@ -96,11 +98,13 @@ async def test_jupyter_answers_while_a_60_mib_json_request_is_decoded(jp_triton,
     print(f"\n60 MiB JSON infer took {result['seconds']:.2f} s; {len(answers['api/status'])} polls; "
           f"worst answer api/status {worst['api/status'] * 1000:.0f} ms, v2/health/live "
           f"{worst['v2/health/live'] * 1000:.0f} ms; worst event-loop stall {max(lags) * 1000:.0f} ms; "
-          f"p99 stall {sorted(lags)[int(len(lags) * 0.99)] * 1000:.0f} ms")
+          f"p99 stall {sorted(lags)[int(len(lags) * 0.99)] * 1000:.0f} ms; stalls > 0.1 s sum to "
+          f"{sum(lag for lag in lags if lag > 0.1):.2f} s")
     assert len(answers["api/status"]) >= 10          # the polls really ran while it was served
     for samples in (lags, *answers.values()):
         assert sorted(samples)[int(len(samples) * 0.99)] < STALL_BOUND_S
         assert max(samples) < WORST_BOUND_S
+    assert sum(lag for lag in lags if lag > 0.1) < 0.1 * result["seconds"]
 
 
 def _open_body(port: int, base: str, length: int, first: bytes) -> socket.socket:
