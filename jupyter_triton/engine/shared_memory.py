@@ -87,9 +87,12 @@ class SharedMemoryRegistry:
     """The system shared memory regions clients registered. Thread-safe: the event loop
     registers and looks up, executor threads may read and write concurrently."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_input_size: int | None = None) -> None:
         self._regions: dict[str, _Region] = {}
         self._lock = threading.Lock()
+        # Inputs are copied out of their regions: the same bound as a request body's, so that
+        # no request makes the server allocate more than the operator allowed.
+        self.max_input_size = max_input_size
 
     # -- the extension's API --------------------------------------------------------------
     def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
@@ -265,6 +268,12 @@ async def resolve_inputs(request: InferRequest, registry: SharedMemoryRegistry) 
             registry.check(*_placement(o.parameters, f"output '{o.name}'"))
     if not reads:
         return
+    total = sum(r[3] for r in reads)
+    cap = registry.max_input_size
+    if cap is not None and total > cap:
+        raise InvalidArgument(
+            f"the inputs of this request in shared memory total {total} bytes, more than the "
+            f"maximum input size of {cap} bytes (--http-max-input-size)")
 
     def load() -> None:
         for t, region, offset, size in reads:
@@ -272,7 +281,7 @@ async def resolve_inputs(request: InferRequest, registry: SharedMemoryRegistry) 
                                       t.name, request.model_name)
             t.parameters = {k: v for k, v in t.parameters.items() if k not in _SHM_KEYS}
 
-    if sum(r[3] for r in reads) > INLINE_BYTES:
+    if total > INLINE_BYTES:
         await asyncio.get_running_loop().run_in_executor(None, load)
     else:
         load()
