@@ -28,7 +28,7 @@ class Engine(ModelLifecycle):
         if options.model_control_mode not in CONTROL_MODES:
             raise ValueError(f"model control mode must be one of {CONTROL_MODES}")
         super().__init__(options)
-        self.shared_memory = SharedMemoryRegistry()
+        self.shared_memory = SharedMemoryRegistry(max_input_size=options.max_input_size)
 
     async def stop(self) -> None:
         await super().stop()
