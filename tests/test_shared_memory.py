@@ -344,6 +344,25 @@ def test_large_tensors_in_shared_memory(server, regions, protocol):
         c.unregister_system_shared_memory()
 
 
+def test_inputs_in_shared_memory_are_bounded_like_a_request_body(server, regions):
+    """They are copied out of the region: no more than --http-max-input-size a request."""
+    from jupyter_triton.standalone import start_in_thread
+    small = start_in_thread(EngineOptions(model_repository=server.engine.options.model_repository,
+                                          model_control_mode="explicit", load_models=["identity_large"],
+                                          max_input_size=INLINE_BYTES),
+                            host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
+    try:
+        _, c = client(small, "http")
+        name, key, _ = regions(LARGE * 4)
+        c.register_system_shared_memory(name, key, LARGE * 4)
+        inp = httpclient.InferInput("INPUT0", [1, LARGE], "FP32")
+        inp.set_shared_memory(name, LARGE * 4)
+        err = error_of(lambda: c.infer("identity_large", [inp]))
+        assert_client_error(err, "http", f"more than the maximum input size of {INLINE_BYTES} bytes")
+    finally:
+        small.close()
+
+
 async def test_shared_memory_through_the_jupyter_server(jp_triton, jp_http_port, jp_base_url, regions):
     """The extension's routes serve the same regions, behind the Jupyter server's credentials."""
     import asyncio
