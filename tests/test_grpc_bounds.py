@@ -129,3 +129,22 @@ def test_a_body_that_is_no_infer_request_is_invalid_argument(slow_repo):
         assert served.client.is_model_ready("slow")
     finally:
         served.close()
+
+
+def test_stream_requests_share_the_byte_bound(slow_repo):
+    """Over the limit, a stream request is answered with an error on the stream; the stream
+    and the request already held go on."""
+    served = Served(slow_repo, max_inflight_bytes=150)
+    results: queue.Queue = queue.Queue()
+    served.client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        served.client.async_stream_infer("slow", _x(), request_id="held")
+        time.sleep(HOLD_S / 3)
+        served.client.async_stream_infer("slow", _x(), request_id="refused")
+        result, error = results.get(timeout=10 * HOLD_S)
+        assert result is None and "bytes of requests in flight" in error.message()
+        result, error = results.get(timeout=10 * HOLD_S)
+        assert error is None and result.get_response().id == "held"
+    finally:
+        served.client.stop_stream()
+        served.close()

@@ -4,12 +4,12 @@ Every RPC is a thin skin: check access, decode, one engine call, encode. Errors 
 once, in ``_rpc``: a TritonError aborts with its own status code and message; anything else
 is logged here and reaches the client as INTERNAL with its message only.
 
-What it costs per RPC (measured, docs in the report of issue 8): the handlers are served as one
-*generic* handler, not as grpc's registered methods: grpc.aio keeps one pending accept per
-registered method and waits on all of them (``asyncio.wait``) for every call, ~20 futures for
-this service, which cost about a quarter of the event loop's time per RPC. ModelInfer and
-ModelStreamInfer take the raw request bytes: their size is charged to the bytes-in-flight
-budget before anything is parsed, and a message that does not parse is INVALID_ARGUMENT.
+Why the handlers are one *generic* handler and not grpc's registered methods: grpc.aio keeps
+one pending accept per registered method and waits on all of them (``asyncio.wait``) for every
+call, ~20 futures for this service; that was about a fifth of the event loop's time per RPC
+(measured with perf_analyzer over a trivial engine). ModelInfer and ModelStreamInfer take the
+raw request bytes: their size is charged to the bytes-in-flight budget before anything is
+parsed, and a message that does not parse is INVALID_ARGUMENT rather than grpc's INTERNAL.
 """
 from __future__ import annotations
 
@@ -20,15 +20,14 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from google.protobuf.message import DecodeError
-
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
+from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
-from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 
 log = logging.getLogger(__name__)
 
