@@ -165,19 +165,24 @@ def test_a_lone_request_leaves_after_the_queue_delay(server, client):
 def test_a_lone_request_waits_the_configured_delay_not_a_millisecond_more(server, client):
     # One request at a time (c=1): each one's queue time, from the server's own statistics,
     # is the 500 us delay plus the loop's wake-up. asyncio's timers (epoll, whole ms) made it
-    # at least 1 ms every time. The median keeps a loaded machine's stray stalls out.
+    # at least 1 ms every time. A window's median keeps stray stalls out; a loaded machine
+    # may stall a whole window, so up to five are tried: the old timers fail every one.
     delay_ns = 500_000
-    queue_ns = []
+    medians = []
     before = model_stats(client, "precise")["inference_stats"]["queue"]
-    for i in range(60):
-        client.infer("precise", request(i))
-        after = model_stats(client, "precise")["inference_stats"]["queue"]
-        assert after["count"] == before["count"] + 1
-        queue_ns.append(after["ns"] - before["ns"])
-        before = after
-    assert min(queue_ns) >= delay_ns                 # a batch never leaves before its delay
-    median = sorted(queue_ns)[len(queue_ns) // 2]
-    assert median < delay_ns + 300_000, f"median queue {median / 1e3:.0f} us for a 500 us delay"
+    for _window in range(5):
+        queue_ns = []
+        for i in range(40):
+            client.infer("precise", request(i))
+            after = model_stats(client, "precise")["inference_stats"]["queue"]
+            assert after["count"] == before["count"] + 1
+            queue_ns.append(after["ns"] - before["ns"])
+            before = after
+        assert min(queue_ns) >= delay_ns             # a batch never leaves before its delay
+        medians.append(sorted(queue_ns)[len(queue_ns) // 2])
+        if medians[-1] < delay_ns + 300_000:
+            break
+    assert min(medians) < delay_ns + 300_000, f"median queue per window (us): {[m // 1000 for m in medians]}"
 
 
 @pytest.mark.parametrize("model", ["bounded", "bounded_default"])
