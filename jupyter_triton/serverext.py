@@ -119,18 +119,18 @@ class TritonJupyterHandler(JupyterHandler):
         return self._key_authorizer or super().authorizer
 
     def check_host(self) -> bool:
-        # The answer for a given Host header is constant (settings are fixed at start), except
-        # for UNIX-socket paths, which Jupyter checks on disk each time.
-        hosts: dict[str, bool] = self.settings[CACHE_KEY]["hosts"]
+        # Allowing a given Host header is constant (settings are fixed at start), except for
+        # UNIX-socket paths, which Jupyter checks on disk each time. Refusals are not cached:
+        # Jupyter logs each one.
+        hosts: set[str] = self.settings[CACHE_KEY]["hosts"]
         host = self.request.host
-        known = hosts.get(host)
-        if known is not None:
-            return known
+        if host in hosts:
+            return True
         allowed = super().check_host()
-        if not host.startswith(("/", "%2F", "%2f")):
+        if allowed and not host.startswith(("/", "%2F", "%2f")):
             if len(hosts) >= 256:          # bounded: the Host header is the client's choice
                 hosts.clear()
-            hosts[host] = allowed
+            hosts.add(host)
         return allowed
 
     def _jupyter_token_user(self, credential: str) -> User | None:
@@ -139,11 +139,14 @@ class TritonJupyterHandler(JupyterHandler):
         without minting a login cookie for a client that never sends cookies back."""
         provider = self.identity_provider
         token = provider.token
-        if (not token or self.request.headers.get("Cookie") is not None
-                or "token" in self.request.query_arguments or not _stock_token_auth(provider)
+        cache = self.settings[CACHE_KEY]
+        stock = cache.get("stock")
+        if stock is None:
+            stock = cache["stock"] = _stock_token_auth(provider)
+        if (not stock or not token or self.request.headers.get("Cookie") is not None
+                or "token" in self.request.query_arguments
                 or not hmac.compare_digest(credential.encode(), token.encode())):
             return None
-        cache = self.settings[CACHE_KEY]
         if cache.get("token_user") is None:
             # What Jupyter does for a token without a cookie: an anonymous user (Jupyter makes
             # a fresh one per request; one per server is as anonymous and costs nothing).
@@ -232,11 +235,12 @@ class JupyterTriton(ExtensionApp):
     load_models = List(Unicode(), ["*"], help="explicit mode: models loaded at start ('*': all)").tag(config=True)
     repository_poll_secs = Float(15.0, help="poll mode: seconds between repository scans").tag(config=True)
     http_max_input_size = Int(64 * 1024 * 1024, help="largest accepted infer request body, bytes").tag(config=True)
-    inference_keys = List(Unicode(), help="keys accepted as 'Authorization: Bearer <key>' on the inference and "
-                                          "metadata routes only (never load/unload, never the rest of Jupyter)"
-                          ).tag(config=True)
-    allow_anonymous_inference = Bool(False, help="let requests without credentials reach the inference and "
-                                                 "metadata routes").tag(config=True)
+    inference_keys = List(Unicode(), help="keys accepted as 'Authorization: Bearer <key>' (HTTP header or gRPC "
+                                          "metadata) on what a client and perf_analyzer use: health, metadata, "
+                                          "config, inference, statistics, shared memory; never the repository "
+                                          "API (load/unload, index), never the rest of Jupyter").tag(config=True)
+    allow_anonymous_inference = Bool(False, help="let requests without credentials reach what an inference key "
+                                                 "reaches").tag(config=True)
     summary_latencies = Bool(False, help="also export Triton's latency summaries").tag(config=True)
     create_demo_model = Bool(True, help="write a small demo model into a new, empty default repository"
                              ).tag(config=True)
@@ -276,7 +280,7 @@ class JupyterTriton(ExtensionApp):
             inference_keys=frozenset(self.inference_keys), server_token=self.server_token,
             allow_anonymous_inference=self.allow_anonymous_inference)
         self.settings[ACCESS_KEY] = self.own_credentials()
-        self.settings[CACHE_KEY] = {"hosts": {}, "token_user": None}
+        self.settings[CACHE_KEY] = {"hosts": set(), "token_user": None, "stock": None}
 
     def own_credentials(self) -> AccessPolicy:
         """The credentials of ours the v2 routes take before Jupyter's: the server token
