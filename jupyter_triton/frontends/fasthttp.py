@@ -254,6 +254,9 @@ class _Connection(asyncio.Protocol):
         head.append(b"\r\n")
         if m.method == "HEAD" or not reply.body:
             self.transport.write(b"".join(head))
+        elif len(reply.body) < 65536:           # one send, one segment
+            head.append(reply.body)
+            self.transport.write(b"".join(head))
         else:
             self.transport.writelines([b"".join(head), reply.body])
         if self.front.access_log and access_log.isEnabledFor(logging.INFO):
