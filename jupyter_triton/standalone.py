@@ -130,10 +130,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
         result._servers.append(mserver)
     if grpc_port is not None:
         from .frontends.grpc import start_grpc_server
-        # access= exists once the gRPC front checks credentials; never drop a policy silently.
-        guard = {} if grpc_access is None else {"access": grpc_access}
         result._grpc, result.grpc_port = await start_grpc_server(
-            engine, grpc_host if grpc_host is not None else host, grpc_port, **guard)
+            engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access)
     log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s)", options.model_repository,
              result.http_port, http_front, result.grpc_port, result.metrics_port)
     return result

@@ -243,3 +243,23 @@ def test_in_kernel_guards_token_host_and_content_type(model_repo, http_front):
         assert status == 200
     finally:
         server.close()
+
+
+def test_grpc_access_and_grpc_host_reach_the_grpc_port(model_repo):
+    import tritonclient.grpc as grpcclient
+    policy = AccessPolicy(tokens={"g-token": INFERENCE_SCOPE})
+    server = start_in_thread(EngineOptions(model_repository=model_repo, model_control_mode="none"),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0,
+                             grpc_access=policy, grpc_host="127.0.0.1")
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        with pytest.raises(InferenceServerException) as err:
+            client.is_server_live()
+        assert "UNAUTHENTICATED" in str(err.value.status())
+        assert client.is_server_live(headers={"authorization": "Bearer g-token"})
+        client.close()
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        assert http.is_server_live()              # access=None: the HTTP port stays open
+        http.close()
+    finally:
+        server.close()
