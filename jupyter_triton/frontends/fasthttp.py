@@ -48,6 +48,8 @@ class _Message:
                  "ticket", "refused", "keep_alive", "path")
 
     def __init__(self) -> None:
+        self.method = "GET"
+        self.path = ""
         self.url = b""
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
@@ -281,7 +283,6 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, err: TritonError) -> None:
         m = self.message or _Message()
-        m.method, m.path = getattr(m, "method", "GET"), getattr(m, "path", "")
         m.refused = error_reply(err)
         self._answer_then_close(m)
 

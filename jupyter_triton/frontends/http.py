@@ -23,7 +23,8 @@ from tornado.ioloop import IOLoop
 from ..engine import Engine
 from ..protocol.errors import TritonError
 from .auth import AccessPolicy
-from .dataplane import ADMIN, INFER, Call, DataPlane, Reply, RequestTimeout, Route, error_reply
+from .dataplane import (ADMIN, INFER, BodyTicket, Call, DataPlane, Reply, RequestTimeout, Route,
+                        error_reply)
 from .dataplane import ROUTES as PLANE_ROUTES
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class StreamedBody(V2Handler):
     flight, credentials checked before a byte is read), within a deadline, and a client that
     hangs up cancels its request."""
 
+    _task: asyncio.Future | None = None
+    _deadline: object | None = None
+    _ticket: BodyTicket | None = None
+
     async def prepare(self) -> None:
         result = super().prepare()
         if inspect.isawaitable(result):
@@ -128,8 +133,6 @@ class StreamedBody(V2Handler):
         self._chunks: list[bytes] = []
         self._received = 0
         self._body_error: TritonError | None = None
-        self._task: asyncio.Future | None = None
-        self._deadline = None
         plane = self.state.plane
         length = self.request.headers.get("Content-Length")
         self._length = int(length) if length is not None and length.isdigit() else None
@@ -159,9 +162,8 @@ class StreamedBody(V2Handler):
             self._ticket.release()
 
     def _stop_clock(self) -> None:
-        deadline = getattr(self, "_deadline", None)
-        if deadline is not None:
-            IOLoop.current().remove_timeout(deadline)
+        if self._deadline is not None:
+            IOLoop.current().remove_timeout(self._deadline)
             self._deadline = None
 
     async def _serve(self, body: bytes | list[bytes], ticket=None, **params: str | None) -> None:
@@ -187,9 +189,8 @@ class StreamedBody(V2Handler):
         # The client went away: cancelling its task drops it from the batcher's queue
         # (or discards its result), so nobody computes for a closed socket.
         self._release()
-        task = getattr(self, "_task", None)
-        if task is not None and not task.done():
-            task.cancel()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
         super().on_connection_close()
 
     def on_finish(self) -> None:
@@ -198,9 +199,8 @@ class StreamedBody(V2Handler):
 
     def _release(self) -> None:
         self._stop_clock()
-        ticket = getattr(self, "_ticket", None)
-        if ticket is not None:
-            ticket.release()
+        if self._ticket is not None:
+            self._ticket.release()
 
 
 HTTP_METHODS = ("get", "post", "put", "delete", "patch", "head")
@@ -230,7 +230,7 @@ def route_table(base: type, prefix: str = "/", guard=None) -> list[tuple[str, ty
     table = []
     for pattern, handler in ROUTES:
         # The mixins don't derive from RequestHandler: what they have, they define.
-        methods = {m: guard(getattr(handler, m)) for m in HTTP_METHODS
+        methods = {m: guard(vars(handler)[m]) for m in HTTP_METHODS
                    if guard is not None and m in vars(handler)}
         cls = type(handler.__name__, (handler, base), {"__module__": __name__, **methods})
         if handler.route.streams_body:
