@@ -1,4 +1,5 @@
-"""Server CPU per request of the two standalone HTTP skins (httptools front vs tornado).
+"""Server CPU per request of the two standalone HTTP skins (httptools front vs tornado), for
+an infer call and for v2/health/live (the front alone, no engine work).
 
 Each front serves the same tiny ONNX model (y = x @ W, one [1, 16] row) from its own
 subprocess; a tritonclient in this process sends N sequential requests; the server's CPU is
@@ -56,7 +57,7 @@ def main() -> None:
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
         servers[front] = (proc, int(proc.stdout.readline()))
     x = np.ones((1, 16), np.float32)
-    results: dict[str, list[tuple[float, float]]] = {f: [] for f in servers}
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     try:
         for _ in range(args.rounds):
             for front, (proc, port) in servers.items():
@@ -65,22 +66,25 @@ def main() -> None:
                 inp.set_data_from_numpy(x)
                 for _ in range(50):                    # warm: connection, first-call paths
                     client.infer("linear", [inp])
-                cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-                for _ in range(args.requests):
-                    client.infer("linear", [inp])
-                wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
+                calls = {"infer": lambda: client.infer("linear", [inp]),
+                         "health/live": client.is_server_live}
+                for what, call in calls.items():
+                    cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
+                    for _ in range(args.requests):
+                        call()
+                    wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
+                    results.setdefault((front, what), []).append(
+                        (cpu / args.requests * 1e6, wall / args.requests * 1e6))
                 client.close()
-                results[front].append((cpu / args.requests * 1e6, wall / args.requests * 1e6))
     finally:
         for proc, _ in servers.values():
             proc.terminate()
-    for front, rows in results.items():
+    for (front, what), rows in results.items():
         cpu = sorted(r[0] for r in rows)
         wall = sorted(r[1] for r in rows)
-        print(f"{front:8s} server CPU/request: median {cpu[len(cpu) // 2]:6.0f} us "
+        print(f"{front:8s} {what:12s} server CPU/request: median {cpu[len(cpu) // 2]:6.0f} us "
               f"(rounds {', '.join(f'{c:.0f}' for c in cpu)}); wall/request median "
               f"{wall[len(wall) // 2]:6.0f} us")
-
 
 if __name__ == "__main__":
     main()
