@@ -94,14 +94,17 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
                            access_log: bool = True, *, access: AccessPolicy | None = None,
                            grpc_access: AccessPolicy | None = None, grpc_host: str | None = None,
                            check_host: bool = False, strict_content_type: bool = False,
-                           http_front: str = "fast") -> StandaloneServer:
+                           http_front: str = "fast", max_inflight_bytes: int | None = None
+                           ) -> StandaloneServer:
     """Start the engine and its listeners on the running loop; port 0 picks a free port.
 
     ``access`` guards the HTTP routes and ``grpc_access`` the gRPC port (None: open, as
     tritonserver). ``check_host`` refuses (403) a Host header other than the loopback names and
     the bound address with the bound port; ``strict_content_type`` refuses (415) a POST whose
     Content-Type is neither JSON nor octet-stream (a browser's ``text/plain`` form). ``http_front``:
-    "fast" (httptools) or "tornado". ``access_log=False`` keeps request lines out of a
+    "fast" (httptools) or "tornado". ``max_inflight_bytes`` bounds the request body bytes being
+    received or decoded at once, server-wide (None: 4 x max_input_size; past it, 503).
+    ``access_log=False`` keeps request lines out of a
     notebook's cell output (in-kernel use)."""
     if http_front not in HTTP_FRONTS:
         raise ValueError(f"http_front must be one of {HTTP_FRONTS}, got {http_front!r}")
@@ -109,6 +112,7 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     await engine.start()
     state = FrontendState(engine=engine, max_input_size=options.max_input_size,
                           allow_anonymous_inference=True, access=access,
+                          max_inflight_bytes=max_inflight_bytes,
                           body_timeout=BODY_TIMEOUT_S, strict_content_type=strict_content_type)
     plane = state.plane
     if http_front == "fast":
@@ -142,12 +146,13 @@ def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: 
                     timeout: float = 60.0, access_log: bool = True, *,
                     access: AccessPolicy | None = None, grpc_access: AccessPolicy | None = None,
                     grpc_host: str | None = None, check_host: bool = False,
-                    strict_content_type: bool = False, http_front: str = "fast") -> StandaloneServer:
+                    strict_content_type: bool = False, http_front: str = "fast",
+                    max_inflight_bytes: int | None = None) -> StandaloneServer:
     """Run a standalone server on its own loop in a daemon thread (the kernel fallback);
     the keywords are ``start_standalone``'s."""
     keywords = dict(access=access, grpc_access=grpc_access, grpc_host=grpc_host,
                     check_host=check_host, strict_content_type=strict_content_type,
-                    http_front=http_front)
+                    http_front=http_front, max_inflight_bytes=max_inflight_bytes)
     ready: dict = {}
     started = threading.Event()
 

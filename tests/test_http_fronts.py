@@ -39,7 +39,7 @@ def start(model_repo, http_front, **keywords):
 
 @pytest.fixture
 def server(model_repo, http_front):
-    s = start(model_repo, http_front)
+    s = start(model_repo, http_front, max_inflight_bytes=50_000)
     yield s
     s.close()
 
@@ -163,7 +163,7 @@ def test_malformed_requests_get_400_and_server_keeps_serving(server):
 
 
 def test_bytes_in_flight_are_bounded(server):
-    server.plane.budget.limit = 50_000
+    assert server.plane.budget.limit == 50_000
     slow = connect(server)     # 40 kB announced, 10 received: the rest is still to come
     slow.sendall(post("/v2/models/linear/infer", b"", port=server.http_port)
                  .replace(b"Content-Length: 0", b"Content-Length: 40000") + b"x" * 10)

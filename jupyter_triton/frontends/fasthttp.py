@@ -261,8 +261,11 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"".join(head))
         else:
             self.transport.writelines([b"".join(head), reply.body])
-        if self.front.access_log and access_log.isEnabledFor(logging.INFO):
-            access_log.info("%d %s %s (%s)", status, m.method, m.path, self.peer)
+        if self.front.access_log:
+            # tornado's levels: client errors are warnings, server errors errors
+            level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "%d %s %s (%s)", status, m.method, m.path, self.peer)
         if close:
             self._close_after_write()
         elif self.queue:
