@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import ctypes
+import json
 import logging
 import multiprocessing
 import os
@@ -174,7 +175,6 @@ def worker_main(conn: Connection, job: str, model_py: str, payload: Any, parent_
 
 
 def _output_names(args: dict[str, str]) -> list[str]:
-    import json
     try:
         return [o["name"] for o in json.loads(args["model_config"]).get("output", [])]
     except (KeyError, TypeError, ValueError):
@@ -222,7 +222,7 @@ def _serve(chan: Channel, stub: ModelStub, regions: dict[str, ShmRegion], all_ou
             requests.append(RequestData(
                 inputs=in_region.read(refs) if in_region is not None and refs else {},
                 request_id=rid, correlation_id=cid, parameters=params,
-                requested_output_names=all_outputs if names is None else names, flags=flags))
+                requested_output_names=list(all_outputs) if names is None else names, flags=flags))
         try:
             results = stub.execute(requests)
         except StubError as err:
