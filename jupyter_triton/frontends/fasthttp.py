@@ -272,7 +272,7 @@ class _Connection(asyncio.Protocol):
             self._next()
         else:
             self.transport.resume_reading()
-            if self.message is None:
+            if self.timer is None:              # no body under its deadline: idle (or slow headers)
                 self._arm(self.front.idle_timeout, self._idle)
 
     def _answer_then_close(self, m: _Message) -> None:
