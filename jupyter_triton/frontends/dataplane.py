@@ -28,7 +28,7 @@ from ..config import config_to_json
 from ..engine import Engine
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
-from ..protocol.types import InferRequest, InferResponse
+from ..protocol.types import InferResponse
 from .auth import (HEALTH, INFERENCE, METADATA, MODEL_CONFIG, MODEL_REPOSITORY, SHARED_MEMORY,
                    STATISTICS, AccessPolicy, PermissionDenied)
 
