@@ -249,6 +249,11 @@ class JupyterTriton(ExtensionApp):
     grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds (loopback by default; it takes "
                                              "the same credentials as the HTTP routes, in 'authorization' "
                                              "metadata)").tag(config=True)
+    http_data_port = Int(-1, help="also serve the v2 routes on this port with the fast HTTP front, for "
+                                  "high-rate clients (-1: off, 0: any free port); it takes inference keys "
+                                  "and the server token only (not the Jupyter token: no Jupyter in that "
+                                  "path)").tag(config=True)
+    http_data_address = Unicode("127.0.0.1", help="address the HTTP data port binds").tag(config=True)
     gil_switch_interval = Float(
         0.0005, allow_none=True,
         help="sys.setswitchinterval for the server process (None: leave Python's 5 ms). Instance "
@@ -288,6 +293,11 @@ class JupyterTriton(ExtensionApp):
         tokens = {key: INFERENCE_SCOPE for key in self.inference_keys if key}
         tokens[self.server_token] = GROUPS
         return AccessPolicy(tokens=tokens)
+
+    def data_port_access(self) -> AccessPolicy:
+        """The HTTP data port's policy: our own credentials, nothing of Jupyter's."""
+        return AccessPolicy(tokens=self.own_credentials().tokens,
+                            anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
     def grpc_access(self, identity_provider: IdentityProvider, authorizer: Authorizer) -> AccessPolicy:
         """The gRPC port's policy: exactly the HTTP routes' credentials and scopes. The
@@ -332,6 +342,15 @@ class JupyterTriton(ExtensionApp):
             self._grpc, self.bound_grpc_port = await start_grpc_server(
                 self.engine, self.grpc_address, self.grpc_port,
                 access=self.grpc_access(serverapp.identity_provider, serverapp.authorizer))
+        self._data_front = None
+        if self.http_data_port >= 0:
+            from .frontends.dataplane import DataPlane
+            from .frontends.fasthttp import HTTPFront
+            plane = DataPlane(self.engine, access=self.data_port_access(),
+                              max_input_size=self.http_max_input_size, strict_content_type=True)
+            self._data_front = HTTPFront(plane, access_log=False)
+            self.bound_http_data_port = await self._data_front.listen(self.http_data_address,
+                                                                      self.http_data_port)
         self._advertise(serverapp)
         ready = [m.name for m in self.engine.models() if m.ready]
         self.log.info("jupyter_triton: %d model(s) ready (%s) from %s at %sv2/", len(ready),
@@ -352,6 +371,9 @@ class JupyterTriton(ExtensionApp):
                        "model_repository": str(self.engine.options.model_repository)}, f)
 
     async def stop_extension(self) -> None:
+        if getattr(self, "_data_front", None) is not None:
+            self._data_front.stop()
+            self._data_front.plane.close()
         if getattr(self, "_grpc", None) is not None:
             await self._grpc.stop(grace=1.0)
         if getattr(self, "_collector", None) is not None:

@@ -51,7 +51,7 @@ def jp_server_config(jp_server_config, authorizer):
     RecordingAuthorizer.denied, RecordingAuthorizer.asked = set(), []
     return {**jp_server_config,
             "ServerApp": {**jp_server_config["ServerApp"], "authorizer_class": authorizer},
-            "JupyterTriton": {**jp_server_config["JupyterTriton"], "grpc_port": 0}}
+            "JupyterTriton": {**jp_server_config["JupyterTriton"], "grpc_port": 0, "http_data_port": 0}}
 
 
 def client(port: int, base: str) -> httpclient.InferenceServerClient:
@@ -250,3 +250,38 @@ async def test_the_access_log_and_request_metric_of_the_data_path(jp_triton, jp_
         await jp_fetch("v2/models/linear/infer", method="POST", body=b"{oops", headers=AUTH)
     assert any("400 POST /user/alice/v2/models/linear/infer" in r.getMessage() for r in caplog.records)
     assert duration_count() == before + 2           # Jupyter's request metric counts both
+
+
+async def test_the_data_port_takes_inference_keys_and_the_server_token_only(jp_triton):
+    (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
+    assert ext.http_data_address == "127.0.0.1"
+
+    def story():
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{ext.bound_http_data_port}", network_timeout=60)
+        bearer = lambda t: {"Authorization": f"Bearer {t}"}      # noqa: E731
+        outcome = {}
+
+        def attempt(label, fn):
+            try:
+                outcome[label] = ("ok", fn())
+            except InferenceServerException as err:
+                outcome[label] = (err.status(), err.message())
+        try:
+            attempt("infer, nothing", lambda: c.infer("linear", one_row()))
+            attempt("infer, jupyter token", lambda: c.infer("linear", one_row(), headers=dict(AUTH)))
+            attempt("infer, key", lambda: c.infer("linear", one_row(), headers=bearer(INFER_KEY)).as_numpy("OUTPUT0"))
+            attempt("stats, key", lambda: c.get_inference_statistics("linear", headers=bearer(INFER_KEY)))
+            attempt("load, key", lambda: c.load_model("linear", headers=bearer(INFER_KEY)))
+            attempt("load, server token", lambda: c.load_model("linear", headers=bearer(ext.server_token)))
+        finally:
+            c.close()
+        return outcome
+
+    outcome = await in_thread(story)
+    assert outcome["infer, nothing"][0] == "401" and outcome["infer, jupyter token"][0] == "401"
+    status, out = outcome["infer, key"]
+    assert status == "ok"
+    np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
+    assert outcome["stats, key"][0] == "ok"
+    assert outcome["load, key"][0] == "403" and "model-repository" in outcome["load, key"][1]
+    assert outcome["load, server token"][0] == "ok"

@@ -4,6 +4,7 @@ against the standalone server's, and (``--profile``) where the Jupyter route spe
     .venv/bin/python tools/profile_jupyter_routes.py --front jupyter --requests 1000
     .venv/bin/python tools/profile_jupyter_routes.py --front standalone-tornado --requests 1000
     .venv/bin/python tools/profile_jupyter_routes.py --front standalone --requests 1000
+    .venv/bin/python tools/profile_jupyter_routes.py --front jupyter-data --requests 1000
     .venv/bin/python tools/profile_jupyter_routes.py --front jupyter --profile /tmp/j.prof
 
 The server runs in a child process (this script, ``--serve``); the client is one keep-alive
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 TOKEN = "profile-token-0123456789"
+KEY = "profile-inference-key-0123456789"
 CONFIG = """name: "linear"
 backend: "onnxruntime"
 max_batch_size: 8
@@ -65,10 +67,13 @@ def serve(front: str, port: int, repo: str, home: str, profile: str) -> None:
     profiler = cProfile.Profile()
     signal.signal(signal.SIGRTMIN, lambda *_: profiler.enable())
     signal.signal(signal.SIGRTMAX, lambda *_: (profiler.disable(), profiler.dump_stats(profile)))
-    if front == "jupyter":
+    if front.startswith("jupyter"):
         from jupyter_server.serverapp import ServerApp
+        # jupyter-data: the client talks to the extension's HTTP data port (``port``)
+        web_port = free_port() if front == "jupyter-data" else port
         ServerApp.launch_instance(argv=[
-            f"--port={port}", "--ip=127.0.0.1", "--no-browser", "--allow-root", f"--ServerApp.root_dir={home}",
+            f"--port={web_port}", f"--JupyterTriton.http_data_port={port if web_port != port else -1}",
+            f"--JupyterTriton.inference_keys={KEY}", "--ip=127.0.0.1", "--no-browser", "--allow-root", f"--ServerApp.root_dir={home}",
             f"--IdentityProvider.token={TOKEN}",
             '--ServerApp.jpserver_extensions={"jupyter_triton": True}',
             f"--JupyterTriton.model_repository={repo}"])
@@ -122,6 +127,8 @@ def _drive(child: subprocess.Popen, port: int, front: str, requests: int, profil
     headers = {"Content-Type": "application/json"}
     if front == "jupyter":
         headers["Authorization"] = f"token {TOKEN}"
+    elif front == "jupyter-data":
+        headers["Authorization"] = f"Bearer {KEY}"
     body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                    "data": [1.0] * 16}]}).encode()
     deadline = time.monotonic() + 120
@@ -173,8 +180,9 @@ def _drive(child: subprocess.Popen, port: int, front: str, requests: int, profil
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--front", choices=["jupyter", "standalone", "standalone-tornado"],
-                        default="jupyter", help="standalone: its default (fast) HTTP front")
+    parser.add_argument("--front", choices=["jupyter", "jupyter-data", "standalone", "standalone-tornado"],
+                        default="jupyter", help="jupyter-data: the extension's http_data_port, with an "
+                                                "inference key; standalone: its default (fast) HTTP front")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--profile", default="", help="write the child's cProfile stats here")
