@@ -402,3 +402,16 @@ def test_a_batch_larger_than_dev_shm_is_a_503_and_the_server_lives(tmp_path):
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_the_sweep_spares_live_servers_and_other_pid_namespaces(tmp_path):
+    from jupyter_triton.backends.python.shm import segment_prefix, sweep_stale_segments
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ours_dead = segment_prefix(dead.pid) + "0123456789ab"
+    ours_live = segment_prefix(os.getpid()) + "0123456789ab"
+    other_ns = f"jt_{dead.pid}_1_0123456789ab"      # a container sharing /dev/shm
+    for name in (ours_dead, ours_live, other_ns, "unrelated_file"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sweep_stale_segments(str(tmp_path)) == [ours_dead]
+    assert sorted(os.listdir(tmp_path)) == sorted([ours_live, other_ns, "unrelated_file"])

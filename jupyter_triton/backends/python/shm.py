@@ -6,9 +6,10 @@ bigger one when a batch does not fit. Only ``TensorRef`` tuples (name, dtype, sh
 offset, size) cross the pipe; the bytes stay in the region. BYTES tensors are stored in
 Triton's serialized form (4-byte little-endian length before each element).
 
-Segments are named ``jt_<server pid>_<random>``. A server killed with SIGKILL cannot unlink
-its own, so every server sweeps, once at its first worker start, the segments of this user
-whose server pid is no longer alive. Every region's pages are reserved when it is created
+Segments are named ``jt_<server pid>_<pid namespace>_<random>``. A server killed with SIGKILL
+cannot unlink its own, so every server sweeps, once at its first worker start, the segments
+of this user, made in its own pid namespace, whose server pid is no longer alive (a pid means
+nothing across namespaces: containers that share /dev/shm never sweep each other's). Every region's pages are reserved when it is created
 (``posix_fallocate``): on a full /dev/shm (64 MiB in Docker and Kubernetes by default) that is
 an error for the batch that asked, where touching an only ``ftruncate``d page would be a
 SIGBUS that kills the whole server.
@@ -34,7 +35,21 @@ MIN_REGION_BYTES = 1 << 20
 PREFIX = "jt_"
 BYTES = "BYTES"
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(re.escape(PREFIX) + r"(\d+)_[0-9a-f]+")
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)_(\d+)_[0-9a-f]+")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:   # no procfs (macOS): names stay short, as its 31-character limit asks
+        return 0
+
+
+_PID_NS = _pid_namespace()
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    return f"{PREFIX}{os.getpid() if pid is None else pid}_{_PID_NS}_"
 
 
 class SharedMemoryFull(Exception):
@@ -121,7 +136,7 @@ def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
     uid, swept, alive = os.getuid(), [], {}
     for name in names:
         match = _NAME.fullmatch(name)
-        if match is None:
+        if match is None or int(match.group(2)) != _PID_NS:
             continue
         pid = int(match.group(1))
         if pid not in alive:
@@ -194,7 +209,7 @@ class ShmRegion:
         if _exact_size_for(nbytes) < sizes[0]:
             sizes.append(_exact_size_for(nbytes))   # the headroom does not fit: the bare need may
         for size in sizes:
-            name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+            name = segment_prefix() + secrets.token_hex(6)
             try:
                 shm = shared_memory.SharedMemory(name=name, create=True, size=size)
             except OSError as err:
