@@ -245,6 +245,10 @@ class PythonBackend(Backend):
             raise InvalidArgument(f"model '{self.files.model_name}' version {self.files.version}: "
                                   f"no {self.model_py.name} in {self.model_py.parent}")
         if self.mode == "thread":
+            bounds = [k for k in (EXECUTE_TIMEOUT, INITIALIZE_TIMEOUT) if k in self.config.parameters]
+            if bounds:
+                log.warning("%s: %s not enforced in thread mode (a thread cannot be stopped)",
+                            self._who, " and ".join(bounds))
             try:
                 self._stub = ModelStub(str(self.model_py), self.triton_args())
             except StubError as err:
