@@ -34,12 +34,12 @@ dynamic_batching {{ max_queue_delay_microseconds: {int(HOLD_S * 1e6)} }}
 class Served:
     """A real engine and gRPC server on a loop of their own (a background thread)."""
 
-    def __init__(self, repo, **grpc_options) -> None:
+    def __init__(self, repo, models: tuple[str, ...] = ("slow",), **grpc_options) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.engine = Engine(EngineOptions(model_repository=repo, model_control_mode="explicit",
-                                           load_models=["slow"]))
+                                           load_models=list(models)))
         self._run(self.engine.start())
         self.server, self.port = self._run(
             start_grpc_server(self.engine, "127.0.0.1", 0, **grpc_options))

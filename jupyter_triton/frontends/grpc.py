@@ -1,10 +1,11 @@
-"""Triton's GRPCInferenceService over the engine, on ``grpc.aio``.
+"""Triton's GRPCInferenceService over the engine, served by our own HTTP/2 front
+(frontends/grpc_h2.py; ``transport="aio"``: grpc.aio's server instead).
 
 Every RPC is a thin skin: check access, decode, one engine call, encode. Errors are rendered
 once, in ``_rpc``: a TritonError aborts with its own status code and message; anything else
 is logged here and reaches the client as INTERNAL with its message only.
 
-Why the handlers are one *generic* handler and not grpc's registered methods: grpc.aio keeps
+On grpc.aio, the handlers are one *generic* handler and not registered methods: grpc.aio keeps
 one pending accept per registered method and waits on all of them (``asyncio.wait``) for every
 call, ~20 futures for this service; that was about a fifth of the event loop's time per RPC
 (measured with perf_analyzer over a trivial engine). ModelInfer and ModelStreamInfer take the
@@ -28,6 +29,7 @@ from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsuppo
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
+from .grpc_h2 import H2GrpcServer, serve_h2
 
 log = logging.getLogger(__name__)
 
@@ -377,8 +379,8 @@ async def start_grpc_server(engine: Any, host: str, port: int,
                             max_receive_message_size: int | None = None, *,
                             access: AccessPolicy | None = None,
                             max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                            max_inflight_bytes: int | None = None
-                            ) -> tuple[grpc.aio.Server, int]:
+                            max_inflight_bytes: int | None = None, transport: str = "h2"
+                            ) -> tuple[H2GrpcServer | grpc.aio.Server, int]:
     """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
 
     Returns the started server and the port it bound; stop it with ``await server.stop(grace)``.
@@ -387,19 +389,28 @@ async def start_grpc_server(engine: Any, host: str, port: int,
     ``authorization`` (and restricted-API header) metadata; None serves everyone. Beyond
     ``max_concurrent_rpcs`` RPCs at once, or ``max_inflight_bytes`` of inference requests
     (default: 4x the receive limit), an RPC fails at once with RESOURCE_EXHAUSTED.
+    ``transport``: "h2" (ours, a third of grpc.aio's CPU per RPC) or "aio" (grpc.aio).
     """
+    if transport not in ("h2", "aio"):
+        raise ValueError(f"gRPC transport must be 'h2' or 'aio', got {transport!r}")
     limit = max_receive_message_size or _max_input_size(engine)
+    service = GRPCInferenceService(
+        engine, access=access,
+        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    if transport == "h2":
+        try:
+            return await serve_h2(method_handlers(service), SERVICE_NAME, host.strip("[]"), port,
+                                  limit, max_concurrent_rpcs)
+        except OSError as err:
+            raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_SIZE),
     ], maximum_concurrent_rpcs=max_concurrent_rpcs)
-    service = GRPCInferenceService(
-        engine, access=access,
-        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)
     # generic, not registered: see the module's docstring
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service)),))
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as err:
