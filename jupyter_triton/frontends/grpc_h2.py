@@ -31,6 +31,9 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH, PING, GOAWAY, WINDOW_UPDATE
     range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 OUR_WINDOW = 1 << 30
+MAX_FRAME = 16384                   # RFC 9113's default, which we do not raise
+# Streams one connection may have open; beyond, REFUSED_STREAM (the RPC cap is global).
+MAX_STREAMS_PER_CONNECTION = 1024
 MAX_WINDOW = (1 << 31) - 1
 
 
@@ -152,7 +155,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport      # type: ignore[assignment]
         self.server.connections.add(self)
-        settings = struct.pack(">HL", 4, OUR_WINDOW) + struct.pack(">HL", 2, 0)
+        settings = struct.pack(">HL", 4, OUR_WINDOW) + struct.pack(">HL", 3, MAX_STREAMS_PER_CONNECTION)
         self._emit(_frame(SETTINGS, 0, 0, settings)
                    + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", OUR_WINDOW - 65535)))
 
@@ -183,6 +186,9 @@ class _Connection(asyncio.Protocol):
         pos, n = 0, len(buf)
         while n - pos >= 9:
             length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+            if length > MAX_FRAME:      # never buffer more than one frame we allowed
+                del buf[:pos]
+                return self._error(6)   # FRAME_SIZE_ERROR
             if n - pos < 9 + length:
                 break
             ftype, flags = buf[pos + 3], buf[pos + 4]
@@ -209,6 +215,10 @@ class _Connection(asyncio.Protocol):
                 payload = payload[5:]
             st = self.streams.get(sid)
             if st is None:                  # request headers
+                if len(self.streams) >= MAX_STREAMS_PER_CONNECTION:
+                    self.decoder.decode(payload)    # keeps HPACK state in step
+                    self._emit(_frame(RST_STREAM, 0, sid, struct.pack(">L", 7)))
+                    return
                 st = self.streams[sid] = _Stream(sid, self.peer_window)
             st.block += payload
             if flags & END_STREAM:
