@@ -105,7 +105,7 @@ class DynamicBatcher(Scheduler):
         self._wake = asyncio.Event()
         self._alarm = Alarm(self._wake.set)  # sub-ms deadlines (asyncio's are ms-late)
         self._task: asyncio.Task | None = None
-        self._inflight: set[asyncio.Task] = set()
+        self._inflight: set[asyncio.Future] = set()
         self._order: deque[tuple[Pending, asyncio.Future]] = deque()
         self._closed = False
 
@@ -315,11 +315,11 @@ class DynamicBatcher(Scheduler):
     def _dispatch(self, instance: Instance, batch: list[Pending]) -> None:
         if self.preserve_ordering:
             batch = [self._in_order(p) for p in batch]
-        task = asyncio.ensure_future(self.pool.execute(instance, batch))
+        task = self.pool.launch(instance, batch)     # no task per batch (unless rate-limited)
         self._inflight.add(task)
         task.add_done_callback(lambda t: self._finished(t, batch))
 
-    def _finished(self, task: asyncio.Task, batch: list[Pending]) -> None:
+    def _finished(self, task: asyncio.Future, batch: list[Pending]) -> None:
         self._inflight.discard(task)
         if task.cancelled() or task.exception() is None:
             return

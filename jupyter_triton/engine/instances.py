@@ -68,20 +68,49 @@ class InstanceThread(Executor):
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``fn(*args)`` on this thread, settling an asyncio future of ``loop``: the data path's
+        hand-off. Leaner than ``run_in_executor`` (no concurrent Future chained to an asyncio
+        one, one ``call_soon_threadsafe`` back); the job runs even if the future is cancelled."""
+        if self._closed:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        future = loop.create_future()
+        self._jobs.put((future, fn, args, loop))
+        return future
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            future, fn, args, kwargs = job
+            future, fn, args, extra = job
+            if type(future) is not Future:          # call(): extra is the loop to settle on
+                try:
+                    result, error = fn(*args), None
+                except BaseException as err:
+                    result, error = None, err
+                try:
+                    extra.call_soon_threadsafe(_settle, future, result, error)
+                except RuntimeError:
+                    pass            # the loop has closed: nobody waits any more
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = fn(*args, **kwargs)
+                result = fn(*args, **extra)
             except BaseException as err:
                 future.set_exception(err)
             else:
                 future.set_result(result)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
@@ -156,26 +185,80 @@ class InstancePool:
         finally:
             self.release(instance)
 
-    async def _execute(self, instance: Instance, batch: list["Pending"]) -> None:
+    def launch(self, instance: Instance, batch: list["Pending"]) -> asyncio.Future:
+        """``execute`` without a task where no rate limiter is involved (the batcher's path):
+        the batch is handed to the instance's thread now, and its results are delivered by
+        one callback when the thread is done. The returned future ends when every request's
+        future is resolved and the instance released."""
+        if self.rate_limiter is not None and instance.resources:
+            return asyncio.ensure_future(self.execute(instance, batch))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        try:
+            live = self._begin(batch)
+            if not live:
+                self.release(instance)
+                done.set_result(None)
+                return done
+            job = instance.thread.call(loop, _run_backend, instance.backend,
+                                       [p.inputs for p in live], [p.request for p in live])
+        except BaseException as err:
+            self.release(instance)
+            done.set_exception(err)
+            return done
+
+        def finished(job: asyncio.Future) -> None:
+            try:
+                self._deliver(instance, live, job)
+            except BaseException as err:
+                done.set_exception(err)
+            else:
+                done.set_result(None)
+            finally:
+                self.release(instance)
+
+        job.add_done_callback(finished)
+        return done
+
+    def _begin(self, batch: list["Pending"]) -> list["Pending"]:
         live = [p for p in batch if not p.future.done()]   # cancelled while queued
         if not live:
-            return
+            return live
         start_ns = time.monotonic_ns()
+        stats = self.stats
         for p in live:
-            self.stats.record_queue(start_ns - p.enqueue_ns)
+            stats.record_queue(start_ns - p.enqueue_ns)
             # Triton's pending count ends when a backend is about to execute the request.
             p.started = True
-            self.stats.pending -= 1
-        loop = asyncio.get_running_loop()
+        stats.pending -= len(live)
+        return live
+
+    async def _execute(self, instance: Instance, batch: list["Pending"]) -> None:
+        live = self._begin(batch)
+        if not live:
+            return
+        job = instance.thread.call(asyncio.get_running_loop(), _run_backend, instance.backend,
+                                   [p.inputs for p in live], [p.request for p in live])
         try:
-            results, timing = await loop.run_in_executor(
-                instance.thread, _run_backend, instance.backend, [p.inputs for p in live],
-                    [p.request for p in live])
-        except TritonError as err:
+            await asyncio.shield(job)
+        finally:
+            if job.done():
+                self._deliver(instance, live, job)
+            else:       # cancelled while the thread runs: deliver whatever it brings later
+                job.add_done_callback(lambda j: self._deliver(instance, live, j))
+
+    def _deliver(self, instance: Instance, live: list["Pending"], job: asyncio.Future) -> None:
+        """Resolve each request's future from the instance thread's ``job``."""
+        err = job.exception() if not job.cancelled() else asyncio.CancelledError()
+        if err is None:
+            results, timing = job.result()
+        elif isinstance(err, TritonError):
             results, timing = [err] * len(live), None
-        except Exception as err:  # a backend bug must fail its requests, not the server
-            log.exception("instance %s failed", instance.name)
+        elif isinstance(err, Exception):   # a backend bug must fail its requests, not the server
+            log.error("instance %s failed", instance.name, exc_info=err)
             results, timing = [Internal(f"{instance.name}: {type(err).__name__}: {err}")] * len(live), None
+        else:
+            raise err
         if timing is not None:
             self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing)
         for p, result in zip(live, results):

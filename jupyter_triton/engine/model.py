@@ -18,10 +18,10 @@ from .batcher import DynamicBatcher
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .instances import Instance, InstancePool, run_in_daemon_thread
 from .rate_limiter import RateLimiter, instance_resources
-from .response import build_response
+from .response import OutputPlan, build_response
 from .scheduler import DirectScheduler, Pending, Scheduler
 from .statistics import ModelStatistics, failure_reason
-from .validation import check_request
+from .validation import InputPlan, check_request
 from .warmup import warmup_samples
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class ModelVersion:
         self.model_dir = model_dir
         self.rate_limiter = rate_limiter
         self.stats = ModelStatistics(self.name, str(version))
+        self._inputs = InputPlan(config)        # the config as each request is checked against it
+        self._outputs = OutputPlan(config)
         self.status = VersionStatus(LOADING)
         self.pool: InstancePool | None = None
         self.scheduler: Scheduler | None = None
@@ -152,8 +154,8 @@ class ModelVersion:
             raise Unavailable(f"Request for unknown model: '{self.name}' version {self.version} is not at ready state")
         start = time.monotonic_ns()
         try:
-            inputs, rows = check_request(self.config, request)
-            priority, timeout_ns = _schedule_params(request)
+            inputs, rows = check_request(self.config, request, self._inputs)
+            priority, timeout_ns = _schedule_params(request) if request.parameters else (0, 0)
         except TritonError as err:          # Triton counts refused requests too (reason OTHER)
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
             raise
@@ -167,7 +169,7 @@ class ModelVersion:
             await self.scheduler.submit(pending)
             outputs = await future
             response = build_response(self.config, self.version, self.model_dir, request, outputs,
-                                      self.max_output_size)
+                                      self.max_output_size, self._outputs)
         except asyncio.CancelledError as err:
             future.cancel()
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)

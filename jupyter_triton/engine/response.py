@@ -12,31 +12,52 @@ from ..protocol.errors import Internal, InvalidArgument, Unavailable
 from ..protocol.types import InferRequest, InferResponse, InferTensor
 
 
+class OutputPlan:
+    """What ``build_response`` needs from a config, computed once per loaded model version."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.config = config
+        self.names = [o.name for o in config.output]
+        self.by_name = {o.name: o for o in config.output}
+        self.datatypes = {o.name: config_to_triton(mc.DataType.Name(o.data_type)) for o in config.output}
+        self.dtypes = {name: triton_to_numpy(dt) for name, dt in self.datatypes.items()}
+        self.reshape = {o.name: list(o.dims) for o in config.output if o.HasField("reshape")}
+        self.batched = config.max_batch_size > 0
+
+
 def build_response(config: mc.ModelConfig, version: int, model_dir: Path, request: InferRequest,
-                   outputs: dict[str, np.ndarray], max_output_size: int = 0) -> InferResponse:
+                   outputs: dict[str, np.ndarray], max_output_size: int = 0,
+                   plan: OutputPlan | None = None) -> InferResponse:
     """``max_output_size`` (bytes, 0: no bound): outputs together larger than this fail the
-    request with Unavailable before anything is encoded."""
-    by_name = {o.name: o for o in config.output}
-    wanted = request.outputs if request.outputs is not None else None
-    names = [o.name for o in wanted] if wanted is not None else [o.name for o in config.output]
-    params = {o.name: o.parameters for o in wanted} if wanted is not None else {}
+    request with Unavailable before anything is encoded. ``plan``: ``OutputPlan(config)``,
+    when the caller keeps one."""
+    if plan is None:
+        plan = OutputPlan(config)
+    wanted = request.outputs
+    if wanted is None:
+        names, params = plan.names, None
+    else:
+        names = [o.name for o in wanted]
+        params = {o.name: o.parameters for o in wanted}
     tensors = []
     total = 0
     for name in names:
         if name not in outputs:
             raise Internal(f"model '{config.name}' did not produce output '{name}'")
-        cfg = by_name[name]
-        datatype = config_to_triton(mc.DataType.Name(cfg.data_type))
-        value = np.asarray(outputs[name])
-        if cfg.HasField("reshape") and value.ndim:
-            lead = [value.shape[0]] if config.max_batch_size > 0 else []
-            value = value.reshape(lead + list(cfg.dims))
-        want = triton_to_numpy(datatype)
+        datatype = plan.datatypes[name]
+        value = outputs[name]
+        if type(value) is not np.ndarray:
+            value = np.asarray(value)
+        dims = plan.reshape.get(name)
+        if dims is not None and value.ndim:
+            lead = [value.shape[0]] if plan.batched else []
+            value = value.reshape(lead + dims)
+        want = plan.dtypes[name]
         if value.dtype != want:
             value = value.astype(want)
-        k = int(params.get(name, {}).get("classification", 0) or 0)
+        k = int(params.get(name, {}).get("classification", 0) or 0) if params else 0
         if k:
-            value, datatype = _classify(value, k, config.max_batch_size > 0, model_dir, cfg)
+            value, datatype = _classify(value, k, plan.batched, model_dir, plan.by_name[name])
         if max_output_size:
             total += _nbytes(value)
             if total > max_output_size:
@@ -44,7 +65,7 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
                     f"model '{config.name}' returned outputs larger than the server's limit of "
                     f"{max_output_size} bytes (at output '{name}'); the limit is the engine "
                     f"option max_output_size")
-        tensors.append(InferTensor(name, datatype, tuple(value.shape), value))
+        tensors.append(InferTensor(name, datatype, value.shape, value))
     return InferResponse(config.name, str(version), request.id, tensors)
 
 

@@ -24,25 +24,45 @@ def _matches(shape: tuple[int, ...], dims: list[int]) -> bool:
     return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
 
 
-def check_request(config: mc.ModelConfig, request: InferRequest) -> tuple[dict[str, np.ndarray], int]:
-    """The backend's input dict (reshaped where the config says so) and the request's batch size."""
+class InputPlan:
+    """What ``check_request`` needs from a config, computed once per loaded model version
+    (protobuf field access and enum names cost microseconds on every request otherwise)."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.config = config
+        self.expected = {i.name: i for i in config.input}
+        self.required = [n for n, i in self.expected.items() if not i.optional]
+        self.datatypes = {i.name: config_to_triton(mc.DataType.Name(i.data_type)) for i in config.input}
+        self.dims = {i.name: list(i.dims) for i in config.input}
+        lead = [-1] if config.max_batch_size > 0 else []
+        self.full = {name: lead + dims for name, dims in self.dims.items()}
+        self.reshape = {i.name: list(i.reshape.shape) for i in config.input if i.HasField("reshape")}
+        self.known_outputs = frozenset(o.name for o in config.output)
+
+
+def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan | None = None
+                  ) -> tuple[dict[str, np.ndarray], int]:
+    """The backend's input dict (reshaped where the config says so) and the request's batch size.
+    ``plan``: ``InputPlan(config)``, when the caller keeps one."""
+    if plan is None:
+        plan = InputPlan(config)
     model = config.name
-    expected = {i.name: i for i in config.input}
+    expected = plan.expected
     given = {t.name: t for t in request.inputs}
     for name in given:
         if name not in expected:
             raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
-    missing = [n for n, i in expected.items() if n not in given and not i.optional]
-    if missing:
+    if len(given) < len(plan.required) or any(n not in given for n in plan.required):
+        missing = [n for n, i in expected.items() if n not in given and not i.optional]
         raise InvalidArgument(
             f"expected {len(expected)} inputs but got {len(given)} inputs for model '{model}'. "
             f"Got input(s) {sorted(given)}, but missing required input(s) {missing}. "
             f"Please provide all required input(s).")
+    max_batch_size = config.max_batch_size
     batch = 0
     inputs: dict[str, np.ndarray] = {}
     for name, tensor in given.items():
-        cfg = expected[name]
-        want = config_to_triton(mc.DataType.Name(cfg.data_type))
+        want = plan.datatypes[name]
         if tensor.datatype != want:
             raise InvalidArgument(
                 f"inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
@@ -54,8 +74,8 @@ def check_request(config: mc.ModelConfig, request: InferRequest) -> tuple[dict[s
             raise InvalidArgument(
                 f"input '{name}' of model '{model}' has shape {_fmt(shape)}: each dimension "
                 f"must be between 0 and {MAX_DIM}")
-        dims = list(cfg.dims)
-        if config.max_batch_size > 0:
+        dims = plan.dims[name]
+        if max_batch_size > 0:
             if not shape:
                 raise InvalidArgument(
                     f"inference input '{name}' of model '{model}' has no batch dimension; "
@@ -66,26 +86,24 @@ def check_request(config: mc.ModelConfig, request: InferRequest) -> tuple[dict[s
                     f"inputs of model '{model}' disagree on the batch size: input '{name}' has "
                     f"{rows}, another input has {batch}")
             batch = rows
-            if rows < 1 or rows > config.max_batch_size:
+            if rows < 1 or rows > max_batch_size:
                 raise InvalidArgument(
-                    f"inference request batch-size must be <= {config.max_batch_size} for "
+                    f"inference request batch-size must be <= {max_batch_size} for "
                     f"'{model}'" if rows > 0 else
                     f"inference request batch-size must be >= 1 for '{model}'")
-            full = [-1] + dims
-        else:
-            full = dims
+        full = plan.full[name]
         if not _matches(shape, full):
             raise InvalidArgument(
                 f"unexpected shape for input '{name}' for model '{model}'. "
                 f"Expected {_fmt(full)}, got {_fmt(shape)}")
         data = tensor.data
-        if cfg.HasField("reshape"):
-            target = list(cfg.reshape.shape)
-            lead = [batch] if config.max_batch_size > 0 else []
+        target = plan.reshape.get(name)
+        if target is not None:
+            lead = [batch] if max_batch_size > 0 else []
             data = data.reshape(lead + target)
         inputs[name] = data
-    known_outputs = {o.name for o in config.output}
+    known_outputs = plan.known_outputs
     for out in request.outputs or ():
         if out.name not in known_outputs:
             raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
-    return inputs, (batch if config.max_batch_size > 0 else 1)
+    return inputs, (batch if max_batch_size > 0 else 1)

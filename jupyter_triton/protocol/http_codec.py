@@ -625,20 +625,22 @@ def encode_infer_response(response: InferResponse, request: InferRequest
     ``binary_data_output`` does. A BYTES output that is not UTF-8 cannot be JSON text and is
     sent binary whatever was asked: tritonclient reads either form.
     """
-    requested = {o.name: o.parameters for o in (request.outputs or [])}
+    requested = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
     default_binary = bool(request.parameters.get("binary_data_output", False))
     outputs = []
     buffers: list[bytes | memoryview] = []
     # Large JSON outputs are written slice by slice (json.dumps holds the GIL throughout),
     # then spliced into the document where their marker string stands.
     spliced: dict[bytes, list[bytes]] = {}
-    nonce = secrets.token_hex(8)
+    nonce = ""
     for t in response.outputs:
-        binary = requested.get(t.name, {}).get("binary_data", default_binary)
+        wanted = requested.get(t.name)
+        binary = wanted.get("binary_data", default_binary) if wanted else default_binary
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype,
                                  "shape": [int(d) for d in t.shape]}
-        params = dict(t.parameters)
+        params = dict(t.parameters) if t.parameters else {}
         if not binary and t.datatype != "BYTES" and np.asarray(t.data).size >= _SLICED_ELEMENTS:
+            nonce = nonce or secrets.token_hex(8)
             key = f"\x01data-{nonce}-{len(spliced)}"
             spliced[json.dumps(key).encode()] = _json_data_slices(t)
             entry["data"] = key
