@@ -11,9 +11,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
 
+from ..backends.signature import int_parameter
+from ..protocol.errors import InvalidArgument, Unavailable
 from ..protocol.types import InferRequest
-from .instances import InstancePool
+from .instances import Instance, InstancePool
+from .statistics import mark_failure
+
+DEFAULT_MAX_QUEUE_SIZE = 4096             # queued requests per version, where nothing else bounds them
 
 
 @dataclass(eq=False)
@@ -52,9 +58,77 @@ class Scheduler:
         """Stop taking requests; fail what is still queued with Unavailable."""
 
 
+def default_max_queue_size(config: mc.ModelConfig) -> int:
+    """The version-wide bound on queued requests: ``parameters { key:
+    "default_max_queue_size" }``, ``DEFAULT_MAX_QUEUE_SIZE`` when absent, 0 for none. Without
+    it a flood of requests to a busy model grows the server's memory without end."""
+    bound = int_parameter(config, "default_max_queue_size")
+    if bound is not None and bound < 0:
+        raise InvalidArgument(f"model '{config.name}': parameter 'default_max_queue_size' "
+                              f"must be 0 (unbounded) or more, got {bound}")
+    return DEFAULT_MAX_QUEUE_SIZE if bound is None else bound
+
+
+def queue_full(model: str, queued: int, bound: int, name: str = "default_max_queue_size",
+               where: str = "") -> Unavailable:
+    """Triton's full-queue refusal (503), tagged REJECTED for the failure metric."""
+    return mark_failure(Unavailable(
+        f"Exceeds maximum queue size: model '{model}' already queues {queued} "
+        f"requests{where} ({name} {bound})"), "REJECTED")
+
+
 class DirectScheduler(Scheduler):
-    """No batching: each request runs alone on the first free instance."""
+    """No batching: each request runs alone on the first free instance, in arrival order.
+
+    While every instance is busy a request waits in a task of its own; at most
+    ``default_max_queue_size`` wait (the dynamic batcher's bound and parameter), the next
+    one is refused with Unavailable. ``submit`` never waits for an instance, so a request
+    that unload fails (a hung model holds every instance) is answered at once."""
+
+    def __init__(self, pool: InstancePool, config: mc.ModelConfig | None = None) -> None:
+        super().__init__(pool)
+        self.model = config.name if config is not None else ""
+        self.max_queue_size = (default_max_queue_size(config) if config is not None
+                               else DEFAULT_MAX_QUEUE_SIZE)
+        self._waiting: dict[Pending, asyncio.Task] = {}
+        self._closed = False
 
     async def submit(self, pending: Pending) -> None:
-        instance = await self.pool.acquire()
-        asyncio.ensure_future(self.pool.execute(instance, [pending]))
+        if self._closed:
+            raise mark_failure(Unavailable(
+                f"model '{self.model}' is unloading: its scheduler has stopped accepting new "
+                f"inference requests"), "REJECTED")
+        if not self._waiting:
+            instance = self.pool.try_acquire()
+            if instance is not None:      # the common case: no task, no wait
+                asyncio.ensure_future(self.pool.execute(instance, [pending]))
+                return
+        if self.max_queue_size and len(self._waiting) >= self.max_queue_size:
+            raise queue_full(self.model, len(self._waiting), self.max_queue_size)
+        self._waiting[pending] = asyncio.ensure_future(self._wait_and_run(pending))
+        pending.future.add_done_callback(lambda _, p=pending: self._forget(p))
+
+    async def _wait_and_run(self, pending: Pending) -> None:
+        instance: Instance = await self.pool.acquire()
+        self._waiting.pop(pending, None)   # from here on it runs: not cancelled by _forget
+        await self.pool.execute(instance, [pending])
+
+    def _forget(self, pending: Pending) -> None:
+        # Its answer is known while it still waits (client gone, unload): stop waiting, so
+        # that it no longer counts against the bound nor takes an instance later.
+        task = self._waiting.pop(pending, None)
+        if task is not None:
+            task.cancel()
+
+    @property
+    def queued_count(self) -> int:
+        return len(self._waiting)
+
+    async def close(self) -> None:
+        """Refuse new requests and fail those still waiting for an instance."""
+        self._closed = True
+        error = Unavailable(f"model '{self.model}' was unloaded before the request could run")
+        for pending in list(self._waiting):
+            if not pending.future.done():
+                pending.future.set_exception(mark_failure(error, "REJECTED"))
+            self._forget(pending)
