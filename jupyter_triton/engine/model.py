@@ -129,7 +129,7 @@ class ModelVersion:
             await loop.run_in_executor(None, self.pool.close)   # no worker outlives a failed load
             raise
         self.scheduler = (DynamicBatcher(self.config, self.pool, self.stats)
-                          if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool))
+                          if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool, self.config))
         self.load_seconds = time.monotonic() - start
         self.stats.load_seconds = self.load_seconds
         self.status = VersionStatus(READY)
