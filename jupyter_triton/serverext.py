@@ -5,7 +5,8 @@ Auth: every v2 route goes through Jupyter's identity provider and authorizer (re
 is asked for "read" (health, metadata, config, statistics, the repository index), "write"
 (inference and other data-plane calls) or "execute" (load and unload: loading a model runs
 its code). Two credentials of our own are accepted besides Jupyter's, checked first: scoped
-inference keys (``INFERENCE_SCOPE`` of ``frontends.auth``: never load/unload) and the
+inference keys (``INFERENCE_SCOPE`` of ``frontends.auth``: never load/unload, never shared
+memory registration) and the
 per-server token that kernels inherit (every v2 route, never the rest of Jupyter). The gRPC
 port takes exactly the same credentials (``grpc_access``).
 """
@@ -237,8 +238,9 @@ class JupyterTriton(ExtensionApp):
     http_max_input_size = Int(64 * 1024 * 1024, help="largest accepted infer request body, bytes").tag(config=True)
     inference_keys = List(Unicode(), help="keys accepted as 'Authorization: Bearer <key>' (HTTP header or gRPC "
                                           "metadata) on what a client and perf_analyzer use: health, metadata, "
-                                          "config, inference, statistics, shared memory; never the repository "
-                                          "API (load/unload, index), never the rest of Jupyter").tag(config=True)
+                                          "config, inference, statistics; never shared memory (a region is any "
+                                          "/dev/shm object the server can open), never the repository API "
+                                          "(load/unload, index), never the rest of Jupyter").tag(config=True)
     allow_anonymous_inference = Bool(False, help="let requests without credentials reach what an inference key "
                                                  "reaches").tag(config=True)
     summary_latencies = Bool(False, help="also export Triton's latency summaries").tag(config=True)

@@ -6,7 +6,8 @@ API groups are tritonserver's (``--http-restricted-api`` / ``--grpc-restricted-p
 a restricted group needs its header ``<key>: <value>``, as in Triton. Bearer credentials
 (``Authorization: Bearer <t>`` or ``token <t>``) reach the groups they were issued for.
 Loading a model runs code: it is the ``model-repository`` group, which no inference key
-reaches.
+reaches; nor does one reach ``shared-memory`` (a region is any /dev/shm object the server
+can open).
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ TRACE, LOGGING = "trace", "logging"
 GROUPS = frozenset({HEALTH, METADATA, INFERENCE, SHARED_MEMORY, MODEL_CONFIG, MODEL_REPOSITORY,
                     STATISTICS, TRACE, LOGGING})
 # What an inference key reaches: everything a client and perf_analyzer read, nothing that
-# loads code or changes the server.
-INFERENCE_SCOPE = frozenset({HEALTH, METADATA, INFERENCE, SHARED_MEMORY, MODEL_CONFIG, STATISTICS})
+# loads code or changes the server. Not shared memory: registering a region opens any
+# /dev/shm object the server's user can open, for a model to read or outputs to overwrite
+# (tritonserver keeps it behind --allow-client-shm); keys send their tensors inline.
+INFERENCE_SCOPE = frozenset({HEALTH, METADATA, INFERENCE, MODEL_CONFIG, STATISTICS})
 
 
 @dataclass(frozen=True)
