@@ -6,6 +6,7 @@ Jupyter server extension to talk to (with a token, ``check_host`` and
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -14,11 +15,12 @@ from prometheus_client import CollectorRegistry
 from tornado import httpserver, netutil, web
 
 from .engine import Engine, EngineOptions
-from .frontends.auth import AccessPolicy
+from .frontends.auth import STATISTICS, AccessPolicy
 from .frontends.dataplane import DataPlane
 from .frontends.fasthttp import HTTPFront
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 from .frontends.metrics import exposition, metrics_registry
+from .protocol.errors import PermissionDenied, TritonError
 
 HTTP_FRONTS = ("fast", "tornado")
 # A client that stops sending mid-body must not hold a connection (and its buffer) forever.
@@ -32,8 +34,23 @@ class _Standalone(web.RequestHandler):
 
 
 class _Metrics(web.RequestHandler):
-    def initialize(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
+    """Prometheus text. Model names and counts are the ``statistics`` group's (Triton has no
+    group of its own for metrics): where the HTTP port needs a credential, so does this."""
+
+    def initialize(self, registry: CollectorRegistry, access: AccessPolicy | None = None,
+                   allowed_hosts: frozenset[str] | None = None) -> None:
+        self.registry, self.access, self.allowed_hosts = registry, access, allowed_hosts
+
+    def prepare(self) -> None:
+        try:
+            if self.allowed_hosts is not None and self.request.host.lower() not in self.allowed_hosts:
+                raise PermissionDenied(f"Host '{self.request.host}' is not this server's address")
+            if self.access is not None:
+                self.access.check(STATISTICS, self.request.headers)
+        except TritonError as err:
+            self.set_status(err.status)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"error": str(err)}))
 
     def get(self) -> None:
         body, content_type = exposition(self.registry)
@@ -73,11 +90,15 @@ class StandaloneServer:
 
 
 def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[httpserver.HTTPServer, int]:
+    sockets = netutil.bind_sockets(port, address=host)
+    return _serve_on(app, sockets, max_body), sockets[0].getsockname()[1]
+
+
+def _serve_on(app: web.Application, sockets: list, max_body: int) -> httpserver.HTTPServer:
     server = httpserver.HTTPServer(app, max_body_size=max_body, decompress_request=False,
                                    body_timeout=BODY_TIMEOUT_S, idle_connection_timeout=IDLE_TIMEOUT_S)
-    sockets = netutil.bind_sockets(port, address=host)
     server.add_sockets(sockets)
-    return server, sockets[0].getsockname()[1]
+    return server
 
 
 def _loopback_hosts(host: str, port: int) -> frozenset[str]:
@@ -101,7 +122,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     ``access`` guards the HTTP routes and ``grpc_access`` the gRPC port (None: open, as
     tritonserver). ``check_host`` refuses (403) a Host header other than the loopback names and
     the bound address with the bound port; ``strict_content_type`` refuses (415) a POST whose
-    Content-Type is neither JSON nor octet-stream (a browser's ``text/plain`` form). ``http_front``:
+    Content-Type is neither JSON nor octet-stream (a browser's ``text/plain`` form); the metrics
+    port takes ``access`` too (as the ``statistics`` group) and ``check_host``. ``http_front``:
     "fast" (httptools) or "tornado". ``max_inflight_bytes`` bounds the request body bytes being
     received or decoded at once, server-wide (None: 4 x max_input_size; past it, 503).
     ``access_log=False`` keeps request lines out of a
@@ -115,13 +137,13 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
                           max_inflight_bytes=max_inflight_bytes,
                           body_timeout=BODY_TIMEOUT_S, strict_content_type=strict_content_type)
     plane = state.plane
+    quiet = {} if access_log else {"log_function": lambda handler: None}
     if http_front == "fast":
         front = HTTPFront(plane, body_timeout=BODY_TIMEOUT_S, idle_timeout=IDLE_TIMEOUT_S,
                           access_log=access_log)
         bound_http = await front.listen(host, http_port)
         http = front
     else:
-        quiet = {} if access_log else {"log_function": lambda handler: None}
         app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
         http, bound_http = _listen(app, host, http_port, options.max_input_size)
     if check_host:
@@ -129,9 +151,12 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     result = StandaloneServer(engine, host, bound_http, plane=plane, _servers=[http])
     if metrics_port is not None:
         registry = metrics_registry(engine)
-        mapp = web.Application([(r"/metrics", _Metrics, {"registry": registry})])
-        mserver, result.metrics_port = _listen(mapp, host, metrics_port, 1024 * 1024)
-        result._servers.append(mserver)
+        sockets = netutil.bind_sockets(metrics_port, address=host)
+        result.metrics_port = sockets[0].getsockname()[1]
+        guard = {"registry": registry, "access": access,
+                 "allowed_hosts": _loopback_hosts(host, result.metrics_port) if check_host else None}
+        mapp = web.Application([(r"/metrics", _Metrics, guard)], **quiet)
+        result._servers.append(_serve_on(mapp, sockets, 1024 * 1024))
     if grpc_port is not None:
         from .frontends.grpc import start_grpc_server
         result._grpc, result.grpc_port = await start_grpc_server(
