@@ -17,6 +17,17 @@ from .protocol.errors import InvalidArgument
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
 # wait is most of the latency (benchmarks/README.md has the figures).
 SWITCH_INTERVAL_S = 0.0005
+_DEFAULTS = EngineOptions(model_repository=".")     # the engine's defaults are the flags' defaults
+
+
+def _non_negative(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        return value
+    parse.__name__ = kind.__name__      # argparse names the type in its error message
+    return parse
 
 
 def _bool(text: str) -> bool:
@@ -89,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-config", action="append", default=[],
                        help="e.g. summary_latencies=true")
     serve.add_argument("--log-verbose", type=int, default=0)
+    serve.add_argument("--strict-readiness", type=_bool, default=_DEFAULTS.strict_readiness,
+                       help="v2/health/ready is false while a model asked to load is not ready")
+    serve.add_argument("--exit-timeout-secs", type=_non_negative(float), default=_DEFAULTS.exit_timeout_secs,
+                       help="at stop, how long models may finish what they run")
+    serve.add_argument("--unload-timeout-secs", type=_non_negative(float), default=_DEFAULTS.unload_timeout_secs,
+                       help="at unload or reload, how long requests in flight may finish")
+    serve.add_argument("--max-output-size", type=_non_negative(int), default=_DEFAULTS.max_output_size,
+                       help="bytes of outputs one response may carry (past it: 503; 0: no bound)")
+    serve.add_argument("--keep-versions", type=_non_negative(int), default=_DEFAULTS.keep_versions,
+                       help="after an upload, keep the newest N versions on disk (0: delete nothing)")
     restricted = "<api>[,<api>...]:<key>=<value>: those API groups need that request header " \
                  "(as tritonserver; groups: health, metadata, inference, shared-memory, " \
                  "model-config, model-repository, statistics, trace, logging)"
@@ -131,7 +152,10 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         model_repository=args.model_repository[0], model_control_mode=args.model_control_mode,
         load_models=args.load_model, repository_poll_secs=args.repository_poll_secs,
         summary_latencies=_bool(metrics.get("summary_latencies", "false")),
-        max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error)
+        max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error,
+        strict_readiness=args.strict_readiness, exit_timeout_secs=args.exit_timeout_secs,
+        unload_timeout_secs=args.unload_timeout_secs, max_output_size=args.max_output_size,
+        keep_versions=args.keep_versions)
 
 
 async def _serve(args: argparse.Namespace) -> None:
