@@ -31,7 +31,7 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.log import log_request as jupyter_log_request
 from jupyter_server.prometheus.log_functions import prometheus_log_method
 from tornado import web
-from traitlets import Bool, Float, Int, List, Unicode, default, validate
+from traitlets import Bool, Float, Int, List, TraitError, Unicode, default, validate
 
 from .engine import CONTROL_MODES, Engine, EngineOptions
 from .frontends import auth
@@ -256,6 +256,21 @@ class JupyterTriton(ExtensionApp):
                                   "and the server token only (not the Jupyter token: no Jupyter in that "
                                   "path)").tag(config=True)
     http_data_address = Unicode("127.0.0.1", help="address the HTTP data port binds").tag(config=True)
+    strict_readiness = Bool(True, help="as tritonserver's --strict-readiness: v2/health/ready is false while a "
+                                       "model asked to load has no ready version").tag(config=True)
+    exit_timeout_secs = Float(5.0, help="at server stop, how long models may finish what they run (a hung "
+                                        "model's requests fail after it)").tag(config=True)
+    unload_timeout_secs = Float(30.0, help="at unload or reload, how long requests in flight may finish"
+                                ).tag(config=True)
+    max_output_size = Int(1 << 30, help="bytes of outputs one response may carry (past it: 503; 0: no bound)"
+                          ).tag(config=True)
+    keep_versions = Int(0, help="after an upload, keep the newest N versions of that model on disk and delete "
+                                "older ones that are not served (0: delete nothing)").tag(config=True)
+    body_timeout = Float(60.0, help="seconds an infer request body may take to arrive (a client that "
+                                    "trickles it holds a connection and its buffer)").tag(config=True)
+    max_inflight_bytes = Int(None, allow_none=True, help="request body bytes received or decoded at once, "
+                                                         "server-wide (past it: 503; None: 4 x "
+                                                         "http_max_input_size)").tag(config=True)
     gil_switch_interval = Float(
         0.0005, allow_none=True,
         help="sys.setswitchinterval for the server process (None: leave Python's 5 ms). Instance "
@@ -271,7 +286,19 @@ class JupyterTriton(ExtensionApp):
             raise ValueError(f"model_control_mode must be one of {CONTROL_MODES}")
         return proposal["value"]
 
+    @validate("exit_timeout_secs", "unload_timeout_secs", "max_output_size", "keep_versions",
+              "body_timeout", "max_inflight_bytes")
+    def _check_non_negative(self, proposal):
+        value = proposal["value"]
+        if value is not None and value < 0:
+            raise TraitError(f"{proposal['trait'].name} must be 0 or more, got {value}")
+        return value
+
     def initialize_settings(self) -> None:
+        # Config that reached the server after this extension was linked (JupyterLab links
+        # after us and only then loads jupyter_lab_config.py) applies too; what the server
+        # already gave us (command line, jupyter_server_config) is in it, unchanged.
+        self.update_config(self.serverapp.config)
         repo = Path(self.model_repository).expanduser()
         if self.create_demo_model and not repo.exists() and repo == default_repository():
             from .demo import write_demo_repository
@@ -280,12 +307,16 @@ class JupyterTriton(ExtensionApp):
         self.engine = Engine(EngineOptions(
             model_repository=repo, model_control_mode=self.model_control_mode,
             load_models=list(self.load_models), repository_poll_secs=self.repository_poll_secs,
-            summary_latencies=self.summary_latencies, max_input_size=self.http_max_input_size))
+            summary_latencies=self.summary_latencies, max_input_size=self.http_max_input_size,
+            strict_readiness=self.strict_readiness, exit_timeout_secs=self.exit_timeout_secs,
+            unload_timeout_secs=self.unload_timeout_secs, max_output_size=self.max_output_size,
+            keep_versions=self.keep_versions))
         self.server_token = secrets.token_urlsafe(32)
         self.settings[SETTINGS_KEY] = FrontendState(
             engine=self.engine, max_input_size=self.http_max_input_size,
             inference_keys=frozenset(self.inference_keys), server_token=self.server_token,
-            allow_anonymous_inference=self.allow_anonymous_inference)
+            allow_anonymous_inference=self.allow_anonymous_inference,
+            max_inflight_bytes=self.max_inflight_bytes, body_timeout=self.body_timeout)
         self.settings[ACCESS_KEY] = self.own_credentials()
         self.settings[CACHE_KEY] = {"hosts": set(), "token_user": None, "stock": None}
 
@@ -349,8 +380,9 @@ class JupyterTriton(ExtensionApp):
             from .frontends.dataplane import DataPlane
             from .frontends.fasthttp import HTTPFront
             plane = DataPlane(self.engine, access=self.data_port_access(),
-                              max_input_size=self.http_max_input_size, strict_content_type=True)
-            self._data_front = HTTPFront(plane, access_log=False)
+                              max_input_size=self.http_max_input_size,
+                              max_inflight_bytes=self.max_inflight_bytes, strict_content_type=True)
+            self._data_front = HTTPFront(plane, access_log=False, body_timeout=self.body_timeout)
             self.bound_http_data_port = await self._data_front.listen(self.http_data_address,
                                                                       self.http_data_port)
         self._advertise(serverapp)
@@ -358,6 +390,12 @@ class JupyterTriton(ExtensionApp):
         self.log.info("jupyter_triton: %d model(s) ready (%s) from %s at %sv2/", len(ready),
                       ", ".join(sorted(set(ready))) or "none", self.engine.options.model_repository,
                       os.environ[ENV_URL])
+        # Port 0 picks a free port: the operator learns which from this line or the runtime file.
+        if self._grpc is not None:
+            self.log.info("jupyter_triton: gRPC on %s:%d", self.grpc_address, self.bound_grpc_port)
+        if self._data_front is not None:
+            self.log.info("jupyter_triton: HTTP data port on %s:%d", self.http_data_address,
+                          self.bound_http_data_port)
 
     def _advertise(self, serverapp) -> None:
         """Tell kernels (which inherit this environment) and other processes where we are."""
@@ -370,7 +408,10 @@ class JupyterTriton(ExtensionApp):
         fd = os.open(self.runtime_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR)
         with os.fdopen(fd, "w") as f:
             json.dump({"url": url, "token": self.server_token, "pid": os.getpid(),
-                       "model_repository": str(self.engine.options.model_repository)}, f)
+                       "model_repository": str(self.engine.options.model_repository),
+                       "grpc_port": self.bound_grpc_port if self._grpc is not None else None,
+                       "http_data_port": self.bound_http_data_port
+                       if self._data_front is not None else None}, f)
 
     async def stop_extension(self) -> None:
         if getattr(self, "_data_front", None) is not None:
