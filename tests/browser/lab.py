@@ -132,7 +132,7 @@ def start_lab(state: Path, root: Path, repository: Path, timeout: float = 60.0) 
         if proc.poll() is not None:
             raise RuntimeError(f"jupyter lab exited early:\n{log.read_text()[-3000:]}")
         try:
-            lab.api("v2/health/ready")
+            lab.api("v2/health/live")     # ready is false while a model failed (strict readiness)
             return lab
         except OSError:
             time.sleep(0.5)
