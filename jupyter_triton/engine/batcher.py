@@ -102,9 +102,10 @@ class DynamicBatcher(Scheduler):
             for lvl in levels}
         self._where: dict[Pending, _Level] = {}
         self._timed = 0                   # queued requests carrying a timeout still to enforce
-        self._wake = asyncio.Event()
-        self._alarm = Alarm(self._wake.set)  # sub-ms deadlines (asyncio's are ms-late)
-        self._task: asyncio.Task | None = None
+        self._alarm = Alarm(self._pump)      # sub-ms deadlines (asyncio's are ms-late)
+        self._pumping = False
+        self._pump_soon: asyncio.Handle | None = None
+        pool.on_release = self._pump
         self._inflight: set[asyncio.Future] = set()
         self._order: deque[tuple[Pending, asyncio.Future]] = deque()
         self._closed = False
@@ -124,9 +125,11 @@ class DynamicBatcher(Scheduler):
         if pending.timeout_ns:
             self._timed += 1
         pending.future.add_done_callback(lambda _, p=pending: self._forget(p))
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._run())
-        self._wake.set()
+        if len(self._where) == 1:
+            self._pump()        # alone in the queue: its batch (or its alarm) at once
+        elif self._pump_soon is None:
+            # Several requests arrive in one loop iteration: one pass over the queue for all.
+            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
 
     def _check_queue_size(self, level: _Level) -> None:
         if level.policy.max_queue_size:
@@ -176,70 +179,49 @@ class DynamicBatcher(Scheduler):
 
     # -- forming batches ---------------------------------------------------------------
 
-    async def _run(self) -> None:
+    def _pump(self) -> None:
+        """Form and send every batch that can leave now; otherwise arm the alarm for when one
+        can (the oldest request's delay, a queue timeout). Runs synchronously from ``submit``,
+        the alarm and an instance's release: no batcher task, no wake-up between them."""
+        self._pump_soon = None
+        if self._pumping:
+            return
+        self._pumping = True
         try:
-            await self._batch_forever()
-        except Exception:
-            # A bug here must not leave clients waiting forever.
-            log.exception("model '%s': dynamic batcher stopped", self.model)
-            self._fail_queued(Internal(f"model '{self.model}': dynamic batcher failed"), "OTHER")
-            self._task = None
-
-    async def _batch_forever(self) -> None:
-        while True:
-            while not self._where:
-                self._wake.clear()
-                await self._wake.wait()
-            instance = await self._acquire()
-            try:
-                batch = await self._next_batch()
-            except BaseException:
-                self.pool.release(instance)
-                raise
-            if batch:
-                self._dispatch(instance, batch)
-            else:
-                self.pool.release(instance)
-
-    async def _acquire(self) -> Instance:
-        """A free instance; while all are busy, queued requests still time out."""
-        idle = self.pool.try_acquire()
-        if idle is not None:
-            return idle
-        get = asyncio.ensure_future(self.pool.acquire())
-        try:
-            while True:
-                done, _ = await asyncio.wait({get}, timeout=self._until_next_timeout())
-                if done:
-                    return get.result()
-                self._expire(time.monotonic_ns())
-        except BaseException:
-            if get.done() and not get.cancelled() and get.exception() is None:
-                self.pool.release(get.result())
-            get.cancel()
-            raise
-
-    async def _next_batch(self) -> list[Pending]:
-        while True:
-            now = time.monotonic_ns()
-            self._expire(now)
-            if not self._where:
-                return []
-            batch, wait_ns = self._form_batch(now)
-            if batch:
+            while self._where:
+                now = time.monotonic_ns()
+                self._expire(now)
+                if not self._where:
+                    break
+                if not self.pool.idle_count():
+                    # every instance busy: a release pumps again; meanwhile only timeouts wake
+                    next_timeout = self._next_timeout_ns()
+                    if next_timeout is not None:
+                        self._alarm.set(next_timeout)
+                    elif self._alarm.deadline_ns is not None:
+                        self._alarm.cancel()
+                    return
+                batch, wait_ns = self._form_batch(now)
+                if not batch:
+                    deadline = now + wait_ns
+                    next_timeout = self._next_timeout_ns()
+                    if next_timeout is not None:
+                        deadline = min(deadline, next_timeout)
+                    # Usually the deadline already set (oldest request + delay): then a no-op.
+                    self._alarm.set(deadline)
+                    return
                 for p in batch:
                     self._unqueue(p, self._where[p])
-                if self._alarm.deadline_ns is not None:
-                    self._alarm.cancel()      # its requests have left: no wake-up for nothing
-                return batch
-            deadline = now + wait_ns
-            next_timeout = self._next_timeout_ns()
-            if next_timeout is not None:
-                deadline = min(deadline, next_timeout)
-            self._wake.clear()
-            # Usually the deadline already set (oldest request + delay): then a no-op.
-            self._alarm.set(deadline)
-            await self._wake.wait()
+                instance = self.pool.try_acquire()
+                self._dispatch(instance, batch)
+            if self._alarm.deadline_ns is not None:
+                self._alarm.cancel()          # its requests have left: no wake-up for nothing
+        except Exception:
+            # A bug here must not leave clients waiting forever.
+            log.exception("model '%s': dynamic batcher failed", self.model)
+            self._fail_queued(Internal(f"model '{self.model}': dynamic batcher failed"), "OTHER")
+        finally:
+            self._pumping = False
 
     def _ordered(self) -> Iterator[Pending]:
         return chain.from_iterable(self._levels[lvl] for lvl in sorted(self._levels))
@@ -366,14 +348,10 @@ class DynamicBatcher(Scheduler):
         and wait for the batches already running to finish."""
         self._closed = True
         self._alarm.close()
+        if self._pump_soon is not None:
+            self._pump_soon.cancel()
+            self._pump_soon = None
         self._fail_queued(Unavailable(
             f"model '{self.model}' was unloaded before the request could be scheduled"), "REJECTED")
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)

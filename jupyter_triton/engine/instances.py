@@ -7,6 +7,7 @@ statistics, and resolves each request's future with its outputs or its error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -69,14 +70,20 @@ class InstanceThread(Executor):
             self._thread.join()
 
     def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """``fn(*args)`` on this thread, settling an asyncio future of ``loop``: the data path's
-        hand-off. Leaner than ``run_in_executor`` (no concurrent Future chained to an asyncio
-        one, one ``call_soon_threadsafe`` back); the job runs even if the future is cancelled."""
+        """``fn(*args)`` on this thread, settling an asyncio future of ``loop``. Leaner than
+        ``run_in_executor`` (no concurrent Future chained to an asyncio one); the job runs
+        even if the future is cancelled."""
+        future = loop.create_future()
+        self.post(loop, functools.partial(_settle, future), fn, *args)
+        return future
+
+    def post(self, loop: asyncio.AbstractEventLoop, done: Callable[[Any, BaseException | None], Any],
+             fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on this thread, then ``done(result, error)`` on ``loop``: the data
+        path's hand-off, one ``call_soon_threadsafe`` back and no future at all."""
         if self._closed:
             raise RuntimeError("cannot schedule new work after shutdown")
-        future = loop.create_future()
-        self._jobs.put((future, fn, args, loop))
-        return future
+        self._jobs.put((done, fn, args, loop))
 
     def _run(self) -> None:
         while True:
@@ -84,13 +91,13 @@ class InstanceThread(Executor):
             if job is None:
                 return
             future, fn, args, extra = job
-            if type(future) is not Future:          # call(): extra is the loop to settle on
+            if type(future) is not Future:          # post(): extra is the loop to call back on
                 try:
                     result, error = fn(*args), None
                 except BaseException as err:
                     result, error = None, err
                 try:
-                    extra.call_soon_threadsafe(_settle, future, result, error)
+                    extra.call_soon_threadsafe(future, result, error)
                 except RuntimeError:
                     pass            # the loop has closed: nobody waits any more
                 continue
@@ -148,6 +155,8 @@ class InstancePool:
         self.stats = stats
         self.rate_limiter = rate_limiter
         self._idle: asyncio.Queue[Instance] = asyncio.Queue()
+        # The dynamic batcher's hook: called (synchronously) whenever an instance is free again.
+        self.on_release: Callable[[], Any] | None = None
         for inst in instances:
             self._idle.put_nowait(inst)
 
@@ -170,6 +179,8 @@ class InstancePool:
 
     def release(self, instance: Instance) -> None:
         self._idle.put_nowait(instance)
+        if self.on_release is not None:
+            self.on_release()
 
     async def execute(self, instance: Instance, batch: list["Pending"]) -> None:
         """Run ``batch`` on ``instance`` and resolve every future; always releases it."""
@@ -194,22 +205,10 @@ class InstancePool:
             return asyncio.ensure_future(self.execute(instance, batch))
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        try:
-            live = self._begin(batch)
-            if not live:
-                self.release(instance)
-                done.set_result(None)
-                return done
-            job = instance.thread.call(loop, _run_backend, instance.backend,
-                                       [p.inputs for p in live], [p.request for p in live])
-        except BaseException as err:
-            self.release(instance)
-            done.set_exception(err)
-            return done
 
-        def finished(job: asyncio.Future) -> None:
+        def finished(result: Any, error: BaseException | None) -> None:
             try:
-                self._deliver(instance, live, job)
+                self._deliver(instance, live, result, error)
             except BaseException as err:
                 done.set_exception(err)
             else:
@@ -217,7 +216,17 @@ class InstancePool:
             finally:
                 self.release(instance)
 
-        job.add_done_callback(finished)
+        try:
+            live = self._begin(batch)
+            if not live:
+                self.release(instance)
+                done.set_result(None)
+                return done
+            instance.thread.post(loop, finished, _run_backend, instance.backend,
+                                 [p.inputs for p in live], [p.request for p in live])
+        except BaseException as err:
+            self.release(instance)
+            done.set_exception(err)
         return done
 
     def _begin(self, batch: list["Pending"]) -> list["Pending"]:
@@ -243,15 +252,22 @@ class InstancePool:
             await asyncio.shield(job)
         finally:
             if job.done():
-                self._deliver(instance, live, job)
+                self._deliver_job(instance, live, job)
             else:       # cancelled while the thread runs: deliver whatever it brings later
-                job.add_done_callback(lambda j: self._deliver(instance, live, j))
+                job.add_done_callback(lambda j: self._deliver_job(instance, live, j))
 
-    def _deliver(self, instance: Instance, live: list["Pending"], job: asyncio.Future) -> None:
-        """Resolve each request's future from the instance thread's ``job``."""
-        err = job.exception() if not job.cancelled() else asyncio.CancelledError()
+    def _deliver_job(self, instance: Instance, live: list["Pending"], job: asyncio.Future) -> None:
+        if job.cancelled():
+            self._deliver(instance, live, None, asyncio.CancelledError())
+        else:
+            error = job.exception()
+            self._deliver(instance, live, job.result() if error is None else None, error)
+
+    def _deliver(self, instance: Instance, live: list["Pending"], outcome: Any,
+                 err: BaseException | None) -> None:
+        """Resolve each request's future from what the instance thread brought back."""
         if err is None:
-            results, timing = job.result()
+            results, timing = outcome
         elif isinstance(err, TritonError):
             results, timing = [err] * len(live), None
         elif isinstance(err, Exception):   # a backend bug must fail its requests, not the server

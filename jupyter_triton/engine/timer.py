@@ -60,11 +60,17 @@ def _timerfd() -> int | None:
     return fd if fd >= 0 else None
 
 
-def _settime(fd: int, deadline_ns: int) -> None:
-    """Arm ``fd`` for the absolute monotonic ``deadline_ns`` (0 disarms it)."""
-    value = _Timespec(deadline_ns // 1_000_000_000, deadline_ns % 1_000_000_000)
-    spec = _Itimerspec(_Timespec(0, 0), value)
-    if _LIBC.timerfd_settime(fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
+_settime_c = _LIBC.timerfd_settime if _LIBC is not None else None
+
+
+def _settime(fd: int, deadline_ns: int, spec: _Itimerspec | None = None) -> None:
+    """Arm ``fd`` for the absolute monotonic ``deadline_ns`` (0 disarms it). ``spec``: a
+    structure of the caller's to fill in place (building one costs more than the call)."""
+    if spec is None:
+        spec = _Itimerspec()
+    value = spec.it_value
+    value.tv_sec, value.tv_nsec = divmod(deadline_ns, 1_000_000_000)
+    if _settime_c(fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -80,6 +86,7 @@ class Alarm:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._handle: asyncio.TimerHandle | None = None
+        self._spec = _Itimerspec()
 
     def set(self, deadline_ns: int) -> None:
         if deadline_ns == self.deadline_ns:
@@ -89,7 +96,7 @@ class Alarm:
         self.deadline_ns = deadline_ns
         if self._fd is not None:
             # A deadline already past still fires (at once): 0 is the only "disarm" value.
-            _settime(self._fd, max(deadline_ns, 1))
+            _settime(self._fd, max(deadline_ns, 1), self._spec)
             return
         if self._handle is not None:
             self._handle.cancel()
@@ -99,7 +106,7 @@ class Alarm:
     def cancel(self) -> None:
         self.deadline_ns = None
         if self._fd is not None:
-            _settime(self._fd, 0)
+            _settime(self._fd, 0, self._spec)
         elif self._handle is not None:
             self._handle.cancel()
             self._handle = None

@@ -156,11 +156,21 @@ class DataPlane:
         route = _EXACT.get(path)
         if route is not None:
             return route, {}
+        hit = _MATCHED.get(path)
+        if hit is not None:
+            return hit[0], dict(hit[1])
+        found: tuple[Route, dict[str, str]] = (NOT_FOUND, {})
         for regex, route in _COMPILED:
             m = regex.fullmatch(path)
             if m is not None:
-                return route, {k: v for k, v in m.groupdict().items() if v is not None}
-        return NOT_FOUND, {}
+                found = route, {k: v for k, v in m.groupdict().items() if v is not None}
+                break
+        # A client repeats its few paths: the regexes run once per path. Bounded, since
+        # paths come from clients.
+        if len(_MATCHED) >= 1024:
+            _MATCHED.clear()
+        _MATCHED[path] = found[0], dict(found[1])
+        return found
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, route: Route, method: str, headers: Mapping[str, str],
@@ -483,3 +493,4 @@ NOT_FOUND = ROUTES[-1]
 _EXACT = {"/" + r.pattern: r for r in ROUTES if not any(c in r.pattern for c in "()?*+[\\.")}
 _EXACT.update({"/v2": ROUTES[2], "/v2/": ROUTES[2]})
 _COMPILED = [(re.compile("/" + r.pattern), r) for r in ROUTES]
+_MATCHED: dict[str, tuple[Route, dict[str, str]]] = {}

@@ -98,7 +98,11 @@ class _Connection(asyncio.Protocol):
         self.queue: collections.deque[_Message] = collections.deque()   # received, not answered
         self.task: asyncio.Task | None = None     # answering queue[0]
         self.closing = False                      # no more requests on this connection
+        # One lazy timer: _arm only moves the deadline; the handle is rescheduled only when a
+        # deadline comes earlier than it (two call_later and two cancels a request otherwise).
         self.timer: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None
+        self.on_timeout = None
         self.peer = ""
 
     # -- connection ---------------------------------------------------------------------
@@ -112,6 +116,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.front.connections.discard(self)
         self._disarm()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.closing = True
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -229,15 +236,20 @@ class _Connection(asyncio.Protocol):
         body = m.chunks[0] if len(m.chunks) == 1 else m.chunks
         call = Call(m.method, m.path, m.params, m.headers, body, m.ticket)
         m.chunks = []
-        self.task = self.loop.create_task(self.plane.handle(m.route, call))
-        self.task.add_done_callback(self._answered)
+        self.task = self.loop.create_task(self._answer(m.route, call))
 
-    def _answered(self, task: asyncio.Task) -> None:
-        if task.cancelled() or self.transport is None or self.transport.is_closing():
+    async def _answer(self, route, call: Call) -> None:
+        # The reply is written from the task itself: a done callback costs a loop iteration.
+        try:
+            reply = await self.plane.handle(route, call)
+        except asyncio.CancelledError:
+            self.task = None
+            raise
+        except Exception as exc:
+            reply = self.plane.refuse(exc)
+        if self.transport is None or self.transport.is_closing():
             self.task = None
             return
-        exc = task.exception()
-        reply = task.result() if exc is None else self.plane.refuse(exc)
         self._send(self.queue[0], reply)
 
     def _send(self, m: _Message, reply: Reply) -> None:
@@ -272,7 +284,7 @@ class _Connection(asyncio.Protocol):
             self._next()
         else:
             self.transport.resume_reading()
-            if self.timer is None:              # no body under its deadline: idle (or slow headers)
+            if self.deadline is None:           # no body under its deadline: idle (or slow headers)
                 self._arm(self.front.idle_timeout, self._idle)
 
     def _answer_then_close(self, m: _Message) -> None:
@@ -301,21 +313,33 @@ class _Connection(asyncio.Protocol):
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, delay: float, callback) -> None:
-        self._disarm()
-        self.timer = self.loop.call_later(delay, callback)
+        self.deadline = deadline = self.loop.time() + delay
+        self.on_timeout = callback
+        timer = self.timer
+        if timer is None or timer.when() > deadline:
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.loop.call_at(deadline, self._tick)
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadline = None                # the handle stays: it finds nothing to do
+
+    def _tick(self) -> None:
+        self.timer = None
+        deadline = self.deadline
+        if deadline is None:
+            return
+        if self.loop.time() < deadline:
+            self.timer = self.loop.call_at(deadline, self._tick)
+            return
+        callback, self.deadline, self.on_timeout = self.on_timeout, None, None
+        callback()
 
     def _idle(self) -> None:
-        self.timer = None
         if self.task is None and not self.queue and self.transport is not None:
             self.transport.close()
 
     def _body_late(self) -> None:
-        self.timer = None
         m = self.message
         if m is None:
             return
