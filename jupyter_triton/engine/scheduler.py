@@ -69,12 +69,11 @@ def default_max_queue_size(config: mc.ModelConfig) -> int:
     return DEFAULT_MAX_QUEUE_SIZE if bound is None else bound
 
 
-def queue_full(model: str, queued: int, bound: int, name: str = "default_max_queue_size",
-               where: str = "") -> Unavailable:
+def queue_full(model: str, queued: int, bound: int) -> Unavailable:
     """Triton's full-queue refusal (503), tagged REJECTED for the failure metric."""
     return mark_failure(Unavailable(
         f"Exceeds maximum queue size: model '{model}' already queues {queued} "
-        f"requests{where} ({name} {bound})"), "REJECTED")
+        f"requests (default_max_queue_size {bound})"), "REJECTED")
 
 
 class DirectScheduler(Scheduler):
@@ -120,7 +119,6 @@ class DirectScheduler(Scheduler):
         if task is not None:
             task.cancel()
 
-    @property
     def queued_count(self) -> int:
         return len(self._waiting)
 
