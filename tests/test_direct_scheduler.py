@@ -3,6 +3,8 @@ queue is bounded like the dynamic batcher's (``default_max_queue_size``), and a 
 queued behind a hung execute is answered when unload gives up on it, not never."""
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
-from python_models import request, sleepy_model
+from python_models import executions, request, sleepy_model
 from test_batching_http import Call, ids_in_execution_order, model_stats, run_calls
 
 BOUND_2 = 'parameters { key: "default_max_queue_size" value: { string_value: "2" } }'
@@ -24,6 +26,8 @@ def repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("direct") / "models"
     sleepy_model(root, "direct_bounded", sleep_s=0.8, max_batch_size=1, extra=BOUND_2)
     sleepy_model(root, "direct_hung", sleep_s=3.0, max_batch_size=1)
+    sleepy_model(root, "direct_one", sleep_s=1.0, max_batch_size=1,
+                 extra='parameters { key: "default_max_queue_size" value: { string_value: "1" } }')
     sleepy_model(root, "direct_negative", max_batch_size=1,
                  extra='parameters { key: "default_max_queue_size" value: { string_value: "-1" } }')
     return root
@@ -32,7 +36,7 @@ def repo(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(repo):
     server = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
-                                           load_models=["direct_bounded", "direct_hung"],
+                                           load_models=["direct_bounded", "direct_hung", "direct_one"],
                                            unload_timeout_secs=0.3),
                              host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
     yield server
@@ -93,3 +97,30 @@ def test_a_request_queued_behind_a_hung_execute_is_answered_by_unload(server, cl
         assert outcome.done < 1.5, outcome                  # not the 3 s execute, not never
     assert "unloaded" in waiting.error.message()
     assert unloaded and unloaded[0] < 10      # bounded, whatever the stuck thread does
+
+
+def test_a_client_that_hangs_up_while_queued_frees_its_place(server, client, repo):
+    # 'direct_one' queues one request. 1 runs (1 s); 2 waits, then its client hangs up; 3,
+    # sent after, takes the freed place instead of finding the queue full, and 2 never runs.
+    def post(ident: float) -> http.client.HTTPConnection:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("POST", "/v2/models/direct_one/infer", body=json.dumps(
+            {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [ident, 0.0]}]}))
+        return conn
+
+    first = post(1)
+    time.sleep(0.2)
+    gone = post(2)
+    time.sleep(0.2)
+    gone.close()
+    deadline = time.monotonic() + 10
+    while model_stats(client, "direct_one")["inference_stats"]["fail"]["count"] == 0:
+        assert time.monotonic() < deadline, "the hang-up was never noticed"
+        time.sleep(0.05)
+    third = post(3)
+    assert first.getresponse().status == 200
+    resp = third.getresponse()
+    assert resp.status == 200, resp.read()
+    first.close()
+    third.close()
+    assert [i for e in executions(repo / "direct_one") for ids in e["ids"] for i in ids] == [1, 3]
