@@ -235,8 +235,8 @@ class InstancePool:
             return live
         start_ns = time.monotonic_ns()
         stats = self.stats
+        stats.record_queues([start_ns - p.enqueue_ns for p in live])
         for p in live:
-            stats.record_queue(start_ns - p.enqueue_ns)
             # Triton's pending count ends when a backend is about to execute the request.
             p.started = True
         stats.pending -= len(live)

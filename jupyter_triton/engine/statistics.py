@@ -88,20 +88,46 @@ class ModelStatistics:
 
         Like Triton, every request of the batch is charged the whole batch's compute time.
         """
-        times = (int(compute_input_ns), int(compute_infer_ns), int(compute_output_ns))
+        ci, cf, co = int(compute_input_ns), int(compute_infer_ns), int(compute_output_ns)
+        n = n_requests
+        repeat = min(n, SAMPLE_WINDOW)
+        samples = self._samples
         with self._lock:
             self.execution_count += 1
             self.inference_count += batch_rows
             stat = self.batch_stats.get(batch_rows)
             if stat is None:
                 stat = self.batch_stats[batch_rows] = BatchStat(StatDuration(), StatDuration(), StatDuration())
-            for kind, per_batch, ns in zip(
-                    ("compute_input", "compute_infer", "compute_output"),
-                    (stat.compute_input, stat.compute_infer, stat.compute_output), times):
-                per_batch.add(1, ns)
-                getattr(self, kind).add(n_requests, n_requests * ns)
-                self._samples[kind].extend([ns] * min(n_requests, SAMPLE_WINDOW))
+            # unrolled: this runs once a batch on the data path
+            stat.compute_input.count += 1
+            stat.compute_input.ns += ci
+            stat.compute_infer.count += 1
+            stat.compute_infer.ns += cf
+            stat.compute_output.count += 1
+            stat.compute_output.ns += co
+            self.compute_input.count += n
+            self.compute_input.ns += n * ci
+            self.compute_infer.count += n
+            self.compute_infer.ns += n * cf
+            self.compute_output.count += n
+            self.compute_output.ns += n * co
+            if repeat == 1:
+                samples["compute_input"].append(ci)
+                samples["compute_infer"].append(cf)
+                samples["compute_output"].append(co)
+            else:
+                samples["compute_input"].extend([ci] * repeat)
+                samples["compute_infer"].extend([cf] * repeat)
+                samples["compute_output"].extend([co] * repeat)
             self.last_inference = max(self.last_inference, _now_ms())
+
+    def record_queues(self, ns: list[int]) -> None:
+        """Requests left the queue together, after ``ns`` nanoseconds each in it."""
+        ns = [max(0, int(v)) for v in ns]
+        with self._lock:
+            self.queue.count += len(ns)
+            self.queue.ns += sum(ns)
+            self._samples["queue"].extend(ns)
 
     def record_success(self, request_ns: int) -> None:
         """One request finished successfully, ``request_ns`` after it arrived."""

@@ -381,12 +381,17 @@ async def repository_unload(plane: DataPlane, call: Call) -> Reply:
 
 async def model_infer(plane: DataPlane, call: Call) -> Reply:
     """The data path's front door: decode, run, encode."""
-    body = await plane.body(call)
+    headers = call.headers
+    body = call.body
+    if type(body) is not bytes or headers.get("content-encoding"):
+        body = await plane.body(call)
     model, version = call.params["model"], _version(call)
-    header = call.header("inference-header-content-length")
+    header = headers.get("inference-header-content-length")
     large = len(body) > OFFLOAD_BYTES
+    # (small bodies, the common case, are decoded and encoded here: no coroutine of offload's)
     if header is None:
-        request = await plane.offload(large, decode_infer_request, body, None, model, version)
+        request = (await plane.offload(True, decode_infer_request, body, None, model, version)
+                   if large else decode_infer_request(body, None, model, version))
     else:
         if not header.strip().isdigit():
             raise InvalidArgument("Inference-Header-Content-Length must be a non-negative integer")
@@ -395,13 +400,17 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
             name, datatype, dims = plane.engine.raw_input(model, version)
             request = await plane.offload(large, decode_raw_infer_request, body, model, version,
                                           name, datatype, dims)
+        elif large:
+            request = await plane.offload(True, decode_infer_request, body, length, model, version)
         else:
-            request = await plane.offload(large, decode_infer_request, body, length, model, version)
+            request = decode_infer_request(body, length, model, version)
     if call.ticket is not None:
         call.ticket.release()           # decoded: its bytes no longer count as in flight
     response = await plane.engine.infer(request)
-    payload, json_length = await plane.offload(_output_bytes(response) > OFFLOAD_BYTES,
-                                               encode_infer_response, response, request)
+    if _output_bytes(response) > OFFLOAD_BYTES:
+        payload, json_length = await plane.offload(True, encode_infer_response, response, request)
+    else:
+        payload, json_length = encode_infer_response(response, request)
     if json_length is None:
         return Reply(200, payload, {"Content-Type": JSON})
     return Reply(200, payload, {"Content-Type": OCTET,
