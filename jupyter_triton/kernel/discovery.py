@@ -11,7 +11,8 @@ In order, the first one that answers ``GET v2/health/ready``:
    port, a temporary repository): plain IPython, nbval, front ends without the extension.
    Loading a model runs code, and any local user (or a web page, or a DNS-rebinding host)
    can reach a loopback port: this server takes only its own random token, checks the Host
-   header and takes only JSON / octet-stream bodies. The token is in this kernel's
+   header and takes only JSON / octet-stream bodies; its metrics port (model names and
+   counts) takes the same token and checks the Host header too. The token is in this kernel's
    environment (``JUPYTER_TRITON_TOKEN``, with ``JUPYTER_TRITON_URL``), so the kernel's own
    subprocesses (``!curl``, scripts) find and reach it, and nobody else does.
 
