@@ -27,6 +27,7 @@ access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _REASONS[499] = b"Client Closed Request"
+_HEADER_LINES: dict[tuple[str, str], bytes] = {}
 
 
 class _Date:
@@ -168,12 +169,16 @@ class _Connection(asyncio.Protocol):
             return
         m.method = self.parser.get_method().decode("latin-1")
         m.keep_alive = self.parser.should_keep_alive()
-        try:
-            m.path = httptools.parse_url(m.url).path.decode("latin-1")
-        except httptools.HttpParserInvalidURLError:
-            m.path = ""
+        url = m.url
+        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
+            m.path = url.decode("latin-1")      # origin-form, no query: the path itself
+        else:
+            try:
+                m.path = httptools.parse_url(url).path.decode("latin-1")
+            except httptools.HttpParserInvalidURLError:
+                m.path = ""
         m.route, params = self.plane.match(m.path)
-        m.params = {k: unquote(v) for k, v in params.items()}
+        m.params = {k: unquote(v) for k, v in params.items()} if params else params
         self._disarm()
         if "content-length" in m.headers or "transfer-encoding" in m.headers:
             self._arm(self.front.body_timeout, self._body_late)
@@ -261,8 +266,13 @@ class _Connection(asyncio.Protocol):
         status = reply.status
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
                 b"Date: ", _Date.now(), b"\r\nContent-Length: %d\r\n" % len(reply.body)]
-        for name, value in reply.headers.items():
-            head.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+        for item in reply.headers.items():
+            line = _HEADER_LINES.get(item)
+            if line is None:
+                line = b"%s: %s\r\n" % (item[0].encode("latin-1"), item[1].encode("latin-1"))
+                if len(_HEADER_LINES) < 512:        # the few (name, value) pairs replies repeat
+                    _HEADER_LINES[item] = line
+            head.append(line)
         if close:
             head.append(b"Connection: close\r\n")
         head.append(b"\r\n")
