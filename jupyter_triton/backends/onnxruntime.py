@@ -28,7 +28,7 @@ from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailabl
 from .base import ModelFiles, TensorBackend, Tensors
 from .devices import require_gpu, resolve_kind
 from .signature import (ModelSignature, TensorSignature, as_config_dtype, bool_parameter,
-                        check_config, complete_config, int_parameter, parameter)
+                        check_config, complete_config, int_parameter, numpy_dtype, parameter)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,9 @@ class OnnxRuntimeBackend(TensorBackend):
                     f"Python API cannot exchange with numpy")
         self._model_rank = {t.name: len(t.shape) for t in self._signature.inputs}
         self._output_types = {o.name: o.data_type for o in self._signature.outputs}
+        # numeric outputs already in the config's dtype pass through as they are
+        self._output_dtypes = {n: numpy_dtype(t) for n, t in self._output_types.items()}
+        self._output_names = list(self._output_types)
         self._output_dims = {o.name: list(o.dims) for o in self.config.output}
         self._run_options = ort.RunOptions()
         # a failing run raises with ORT's message; don't also print it to the server's stderr
@@ -269,7 +272,7 @@ class OnnxRuntimeBackend(TensorBackend):
 
     def run(self, inputs: Tensors) -> Tensors:
         feeds = {name: self._feed(name, value) for name, value in inputs.items()}
-        names = list(self._output_types)
+        names = self._output_names
         try:
             if self._binding is not None:
                 values = self._run_bound(feeds, names)
@@ -289,7 +292,9 @@ class OnnxRuntimeBackend(TensorBackend):
                 # a scalar model output is served with the config's dims ([1])
                 value = value.reshape([len(next(iter(inputs.values())))] + dims
                                       if self.config.max_batch_size > 0 else dims)
-            outputs[name] = as_config_dtype(value, self._output_types[name])
+            want = self._output_dtypes[name]
+            outputs[name] = value if value.dtype == want and want != np.object_ else \
+                as_config_dtype(value, self._output_types[name])
         return outputs
 
     def _feed(self, name: str, value: np.ndarray) -> np.ndarray:
