@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None,
                     help="the sample verdicts compare against (default: --sample-every)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--name", default="soak", help="writes <out>/<name>.md and <name>.json")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="per request")
     ap.add_argument("--max-seconds", type=float, default=3000.0, help="cap on the whole soak")
     ap.add_argument("--max-failures", type=int, default=20)
@@ -447,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             "retention": retention, "host_cpus": os.cpu_count()}
     text = report(meta, samples, verdict, stop)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.md").write_text(text)
-    (args.out / "soak.json").write_text(json.dumps(
+    (args.out / f"{args.name}.md").write_text(text)
+    (args.out / f"{args.name}.json").write_text(json.dumps(
         {"meta": meta, "samples": [asdict(s) for s in samples], "verdicts": verdict, "stop": stop},
         indent=1) + "\n")
     print(text)
