@@ -1,0 +1,74 @@
+"""Whatever bytes reach the gRPC port, the server keeps serving: our HTTP/2 front
+(frontends/grpc_h2.py) parses frames itself, so a broken or hostile peer must cost only its
+own connection. Each case opens a raw socket, sends the bytes, and then an unmodified
+tritonclient.grpc client must still get correct answers."""
+from __future__ import annotations
+
+import random
+import socket
+import struct
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import W
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def frame(ftype: int, flags: int, sid: int, payload: bytes = b"", length: int | None = None) -> bytes:
+    n = len(payload) if length is None else length
+    return struct.pack(">BHBBL", n >> 16, n & 0xFFFF, ftype, flags, sid) + payload
+
+
+rng = random.Random(7)
+CASES = {
+    "random bytes": bytes(rng.randrange(256) for _ in range(4096)),
+    "bad preface": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "frame longer than allowed": PREFACE + frame(4, 0, 0) + frame(0, 0, 1, b"", length=(1 << 24) - 1),
+    "settings of odd length": PREFACE + frame(4, 0, 0, b"\x00\x01\x00"),
+    "headers with broken hpack": PREFACE + frame(4, 0, 0) + frame(1, 0x4 | 0x1, 1, b"\xff\xff\xff\xff\x0f"),
+    "data on a stream never opened": PREFACE + frame(4, 0, 0) + frame(0, 0x1, 9, b"\x00\x00\x00\x00\x05hello"),
+    "window update overflowing": PREFACE + frame(4, 0, 0) + frame(8, 0, 0, struct.pack(">L", 0x7FFFFFFF)) * 3,
+    "padding longer than the frame": PREFACE + frame(4, 0, 0) + frame(1, 0x8 | 0x4, 1, b"\xff" + b"a" * 4),
+    "headers on stream 0": PREFACE + frame(4, 0, 0) + frame(1, 0x4, 0, b"\x82"),
+    "continuation without headers": PREFACE + frame(4, 0, 0) + frame(9, 0x4, 3, b"\x82"),
+    "half a frame header then close": PREFACE + b"\x00\x00",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import build_repository
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.standalone import start_in_thread
+    repo = build_repository(tmp_path_factory.mktemp("garbage") / "models")
+    srv = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
+                                        load_models=["*"]),
+                          host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+    yield srv
+    srv.close()
+
+
+def _infer_ok(port: int) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    x = np.ones((2, 16), np.float32)
+    inp = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
+    inp.set_data_from_numpy(x)
+    result = client.infer("linear", [inp], client_timeout=20)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), x @ W, rtol=1e-5)
+    client.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_bytes_cost_only_their_own_connection(server, case):
+    with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5) as sock:
+        sock.sendall(CASES[case])
+        sock.settimeout(3)
+        try:                       # the server answers (GOAWAY) or closes; it never hangs us forever
+            while sock.recv(65536):
+                pass
+        except (socket.timeout, ConnectionResetError):
+            pass
+    _infer_ok(server.grpc_port)
