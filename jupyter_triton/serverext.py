@@ -20,17 +20,20 @@ import os
 import secrets
 import stat
 import sys
+import time
 from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.auth import IdentityProvider, User
 from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from jupyter_server.base.call_context import CallContext
-from jupyter_server.base.handlers import JupyterHandler
+from jupyter_server.base.handlers import AuthenticatedHandler, JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.log import log_request as jupyter_log_request
+from jupyter_server.prometheus import log_functions as jupyter_prometheus
 from jupyter_server.prometheus.log_functions import prometheus_log_method
-from tornado import web
+from jupyter_server.utils import url_path_join
+from tornado import httputil, routing, web
 from traitlets import Bool, Float, Int, List, TraitError, Unicode, default, validate
 
 from .engine import CONTROL_MODES, Engine, EngineOptions
@@ -108,6 +111,106 @@ def _shows_debug(logger: logging.Logger) -> bool:
     return False
 
 
+_date: list = [-1, ""]      # [second, its HTTP date]: tornado's Date header has 1 s resolution
+# What tornado's RequestHandler.clear() sets; its fast copy below is used only where the
+# stock clear() was seen to set exactly these (another tornado falls back to its own).
+_CLEARED = frozenset({"_headers", "_write_buffer", "_status_code", "_reason"})
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _date[0] != now:
+        _date[:] = [now, httputil.format_timestamp(now)]
+    return _date[1]
+
+
+def _copy_headers(layout: dict[str, list[str]], date: str) -> httputil.HTTPHeaders:
+    headers = httputil.HTTPHeaders.__new__(httputil.HTTPHeaders)
+    as_list = {name: values[:] for name, values in layout.items()}
+    as_list["Date"] = [date]
+    headers._as_list, headers._combined_cache = as_list, {}
+    return headers
+
+
+def _default_layout(handler: web.RequestHandler, added: set[str]) -> dict[str, list[str]] | None:
+    """The headers the stock ``clear()`` just gave ``handler``, if they are the same for every
+    request of its class (Jupyter's defaults come from settings only) and can be copied."""
+    cls = type(handler)
+    headers = handler._headers
+    if (added != _CLEARED or cls.set_default_headers is not JupyterHandler.set_default_headers
+            or cls.content_security_policy is not AuthenticatedHandler.content_security_policy
+            or type(headers) is not httputil.HTTPHeaders
+            or set(vars(headers)) != {"_as_list", "_combined_cache"} or "Date" not in headers
+            or handler._status_code != 200 or handler._write_buffer):
+        return None
+    layout = {name: list(values) for name, values in headers._as_list.items()}
+    copy = _copy_headers(layout, headers["Date"])
+    return layout if list(copy.get_all()) == list(headers.get_all()) else None
+
+
+class _RememberedRoutes(routing.ReversibleRouter):
+    """Our route table's router (tornado's own, unchanged) with what each path matched
+    remembered: the match depends on the path alone (every rule is a path pattern), so the
+    same rule and arguments come out as from tornado's walk through the patterns. Paths
+    outside the literal prefix every pattern starts with match none of them."""
+
+    LIMIT = 1024                 # paths remembered (the path is the client's choice)
+
+    def __init__(self, router: routing.RuleRouter, prefix: str | None) -> None:
+        self.router, self.prefix = router, prefix
+        self.rules = router.rules
+        self.matches: dict[str, tuple] = {}
+
+    def find_handler(self, request: httputil.HTTPServerRequest, **kwargs):
+        path = request.path
+        if self.prefix is not None and not path.startswith(self.prefix):
+            return None
+        hit = self.matches.get(path)
+        if hit is None:
+            for rule in self.router.rules:
+                params = rule.matcher.match(request)
+                if params is not None:
+                    break
+            else:
+                return None
+            if len(self.matches) >= self.LIMIT:
+                self.matches.clear()
+            hit = self.matches[path] = (rule.target, tuple(params.get("path_args", ())),
+                                        params.get("path_kwargs", {}), rule.target_kwargs)
+        target, args, params, target_kwargs = hit
+        if target_kwargs:
+            return self.router.get_target_delegate(target, request, path_args=list(args),
+                                                   path_kwargs=dict(params),
+                                                   target_kwargs=target_kwargs)
+        return self.router.get_target_delegate(target, request, path_args=list(args),
+                                               path_kwargs=dict(params))
+
+    def reverse_url(self, name: str, *args):
+        return self.router.reverse_url(name, *args)
+
+
+def remember_routes(web_app: web.Application, classes: set[type]) -> bool:
+    """Put ``_RememberedRoutes`` in front of the router of our route table (in place: the
+    order of every extension's routes stays as Jupyter made it). False: not found, or a
+    rule that is not a plain path pattern to a handler class (then nothing changes)."""
+    for rule in web_app.default_router.rules:
+        router = rule.target
+        rules = getattr(router, "rules", None)
+        if (not isinstance(router, routing.RuleRouter) or not rules
+                or not {r.target for r in rules} <= classes):
+            continue
+        if not all(type(r.matcher) is routing.PathMatches for r in rules):
+            return False
+        prefix: str | None = url_path_join(web_app.settings.get("base_url", "/"), "v2")
+        # The prefix test is sound only where the prefix reads literally as a pattern.
+        if not (all(c.isalnum() or c in "/_-~" for c in prefix)
+                and all(r.matcher.regex.pattern.startswith(prefix) for r in rules)):
+            prefix = None
+        rule.target = _RememberedRoutes(router, prefix)
+        return True
+    return False
+
+
 class TritonJupyterHandler(JupyterHandler):
     """Host base class for the v2 mixins on the Jupyter server."""
 
@@ -118,6 +221,25 @@ class TritonJupyterHandler(JupyterHandler):
     @property
     def authorizer(self):
         return self._key_authorizer or super().authorizer
+
+    def clear(self) -> None:
+        # tornado's clear() (in every request's __init__) builds the default headers anew:
+        # Server, Content-Type, Date, then Jupyter's set_default_headers (X-Content-Type-
+        # Options, settings' headers, Content-Security-Policy), each name and value checked
+        # and normalised. They depend on settings alone, so the first request of a class
+        # records them and later ones copy that record, with the current Date.
+        layouts = self.settings[CACHE_KEY]["defaults"] if CACHE_KEY in self.settings else None
+        layout = layouts.get(type(self)) if layouts is not None else None
+        if layout:
+            self._headers = _copy_headers(layout, _http_date())
+            self._write_buffer = []
+            self._status_code = 200
+            self._reason = "OK"
+            return
+        before = set(vars(self))
+        super().clear()
+        if layouts is not None and layout is None:
+            layouts[type(self)] = _default_layout(self, set(vars(self)) - before) or False
 
     def check_host(self) -> bool:
         # Allowing a given Host header is constant (settings are fixed at start), except for
@@ -165,9 +287,29 @@ class TritonJupyterHandler(JupyterHandler):
                 and log_function.func is jupyter_log_request and not log_function.args
                 and not _shows_debug(self.log)):
             if log_function.keywords.get("record_prometheus_metrics", True):
-                prometheus_log_method(self)
+                self._observe_duration(status)
             return
         super()._log()
+
+    def _observe_duration(self, status: int) -> None:
+        """Jupyter's ``prometheus_log_method``: the request's duration in its histogram,
+        labelled as Jupyter labels it, through the labelled child found once (a label
+        lookup validates and locks on every call)."""
+        metric = jupyter_prometheus.HTTP_REQUEST_DURATION_SECONDS
+        if jupyter_prometheus.prometheus_log_method is not prometheus_log_method:
+            prometheus_log_method(self)       # replaced by someone: theirs, as Jupyter would
+            return
+        children: dict = self.settings[CACHE_KEY]["durations"]
+        key = (self.request.method, type(self), status)
+        entry = children.get(key)
+        if entry is None or entry[0] is not metric:
+            if len(children) >= 256:          # bounded: the method is the client's choice
+                children.clear()
+            cls = type(self)
+            entry = children[key] = (metric, metric.labels(
+                method=self.request.method, handler=f"{cls.__module__}.{cls.__name__}",
+                status_code=status))
+        entry[1].observe(self.request.request_time())
 
     async def prepare(self) -> None:
         group = api_group(type(self))
@@ -318,7 +460,8 @@ class JupyterTriton(ExtensionApp):
             allow_anonymous_inference=self.allow_anonymous_inference,
             max_inflight_bytes=self.max_inflight_bytes, body_timeout=self.body_timeout)
         self.settings[ACCESS_KEY] = self.own_credentials()
-        self.settings[CACHE_KEY] = {"hosts": set(), "token_user": None, "stock": None}
+        self.settings[CACHE_KEY] = {"hosts": set(), "token_user": None, "stock": None,
+                                    "defaults": {}, "durations": {}}
 
     def own_credentials(self) -> AccessPolicy:
         """The credentials of ours the v2 routes take before Jupyter's: the server token
@@ -354,12 +497,17 @@ class JupyterTriton(ExtensionApp):
                             anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
     def initialize_handlers(self) -> None:
-        self.handlers.extend(route_table(TritonJupyterHandler, "/", guard=_guard))
+        table = route_table(TritonJupyterHandler, "/", guard=_guard)
+        self._route_classes = {cls for _, cls in table}
+        self.handlers.extend(table)
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         if self.gil_switch_interval is not None:
             sys.setswitchinterval(self.gil_switch_interval)
         await self.engine.start()
+        # Jupyter added our routes to its web app by now (after initialize_handlers).
+        if not remember_routes(serverapp.web_app, getattr(self, "_route_classes", set())):
+            self.log.debug("jupyter_triton: route table left as tornado walks it")
         self._collector = None
         try:
             from prometheus_client import REGISTRY
