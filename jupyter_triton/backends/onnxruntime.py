@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import DATATYPES
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from .base import ModelFiles, TensorBackend, Tensors
 from .devices import require_gpu, resolve_kind
@@ -36,15 +37,7 @@ PLATFORM = "onnxruntime_onnx"
 DEFAULT_FILENAME = "model.onnx"
 
 # onnxruntime's NodeArg.type -> config data type
-_ORT_TYPES: dict[str, int] = {
-    "tensor(bool)": mc.TYPE_BOOL, "tensor(uint8)": mc.TYPE_UINT8,
-    "tensor(uint16)": mc.TYPE_UINT16, "tensor(uint32)": mc.TYPE_UINT32,
-    "tensor(uint64)": mc.TYPE_UINT64, "tensor(int8)": mc.TYPE_INT8,
-    "tensor(int16)": mc.TYPE_INT16, "tensor(int32)": mc.TYPE_INT32,
-    "tensor(int64)": mc.TYPE_INT64, "tensor(float16)": mc.TYPE_FP16,
-    "tensor(float)": mc.TYPE_FP32, "tensor(double)": mc.TYPE_FP64,
-    "tensor(string)": mc.TYPE_STRING, "tensor(bfloat16)": mc.TYPE_BF16,
-}
+_ORT_TYPES: dict[str, int] = {d.onnx: d.code for d in DATATYPES.values()}
 
 # Triton's optimization.graph.level -> onnxruntime's level name; 0 / absent is ORT_ENABLE_ALL
 _GRAPH_LEVELS = {-1: "ORT_ENABLE_BASIC", 0: "ORT_ENABLE_ALL", 1: "ORT_ENABLE_EXTENDED",

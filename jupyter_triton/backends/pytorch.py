@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import DATATYPES
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from .base import ModelFiles, TensorBackend, Tensors
 from .devices import require_gpu
@@ -52,15 +53,8 @@ EXPORT_FILENAME = "model.pt2"
 _INDEXED = re.compile(r"^.*__(\d+)$")
 _THREADS_LOCK = threading.Lock()
 
-# torch dtype name -> config data type (and back, for inputs)
-_TORCH_TYPES: dict[str, int] = {
-    "bool": mc.TYPE_BOOL, "uint8": mc.TYPE_UINT8, "uint16": mc.TYPE_UINT16,
-    "uint32": mc.TYPE_UINT32, "uint64": mc.TYPE_UINT64, "int8": mc.TYPE_INT8,
-    "int16": mc.TYPE_INT16, "int32": mc.TYPE_INT32, "int64": mc.TYPE_INT64,
-    "float16": mc.TYPE_FP16, "float32": mc.TYPE_FP32, "float64": mc.TYPE_FP64,
-    "bfloat16": mc.TYPE_BF16,
-}
-_CONFIG_TO_TORCH = {v: k for k, v in _TORCH_TYPES.items()}
+# torch dtype name -> config data type
+_TORCH_TYPES: dict[str, int] = {d.torch: d.code for d in DATATYPES.values() if d.torch}
 
 
 _WAIT_POLICIES = ("PASSIVE", "ACTIVE")

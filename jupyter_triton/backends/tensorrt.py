@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import DATATYPES
 from ..protocol.errors import Internal, InvalidArgument, Unavailable, Unsupported
 from .base import ModelFiles, TensorBackend, Tensors
 from .devices import gpu_count, require_gpu
@@ -33,11 +34,7 @@ DEFAULT_FILENAME = "model.plan"
 
 # trt.DataType name -> (config data type, torch dtype name)
 _TRT_TYPES: dict[str, tuple[int, str]] = {
-    "FLOAT": (mc.TYPE_FP32, "float32"), "HALF": (mc.TYPE_FP16, "float16"),
-    "BF16": (mc.TYPE_BF16, "bfloat16"), "INT8": (mc.TYPE_INT8, "int8"),
-    "INT32": (mc.TYPE_INT32, "int32"), "INT64": (mc.TYPE_INT64, "int64"),
-    "BOOL": (mc.TYPE_BOOL, "bool"), "UINT8": (mc.TYPE_UINT8, "uint8"),
-}
+    d.tensorrt: (d.code, d.torch) for d in DATATYPES.values() if d.tensorrt}
 
 _RUNTIME_LOCK = threading.Lock()
 

@@ -34,6 +34,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import DATATYPES
 from ..repository.callable_format import pack_callable, pack_model_py
 
 TensorSpec = tuple[str, str, list[int]]
@@ -47,10 +48,7 @@ _SERVABLE = ("an ONNX model (onnx.ModelProto, its bytes or a .onnx path), a torc
              "TorchScript module, a torch.export program, a TensorRT engine, a Python callable, or "
              "model.py source")
 
-_TORCH_DTYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
-                 "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
-                 "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64",
-                 "bfloat16": "BF16"}
+_TORCH_DTYPES = {d.torch: name for name, d in DATATYPES.items() if d.torch}
 
 
 @dataclass
@@ -124,7 +122,7 @@ def triton_dtype(value: Any) -> str:
         spelled = value.upper().removeprefix("TYPE_")
         if spelled == "STRING":
             return "BYTES"
-        if spelled in set(_TORCH_DTYPES.values()) | {"BYTES"}:
+        if spelled in DATATYPES:
             return spelled
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -7,45 +7,66 @@ element and BYTES are 4-byte little-endian length prefixes followed by the bytes
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 from tritonclient.utils import serialize_byte_tensor
 
 from .errors import InvalidArgument
 
-# Triton name -> (in-server numpy dtype, bytes per element on the wire; None = variable)
-_TABLE: dict[str, tuple[np.dtype, int | None]] = {
-    "BOOL": (np.dtype(np.bool_), 1),
-    "UINT8": (np.dtype(np.uint8), 1),
-    "UINT16": (np.dtype(np.uint16), 2),
-    "UINT32": (np.dtype(np.uint32), 4),
-    "UINT64": (np.dtype(np.uint64), 8),
-    "INT8": (np.dtype(np.int8), 1),
-    "INT16": (np.dtype(np.int16), 2),
-    "INT32": (np.dtype(np.int32), 4),
-    "INT64": (np.dtype(np.int64), 8),
-    "FP16": (np.dtype(np.float16), 2),
-    "FP32": (np.dtype(np.float32), 4),
-    "FP64": (np.dtype(np.float64), 8),
-    "BF16": (np.dtype(np.float32), 2),
-    "BYTES": (np.dtype(np.object_), None),
-}
 
-TRITON_DATATYPES: tuple[str, ...] = tuple(_TABLE)
+@dataclass(frozen=True)
+class Datatype:
+    """One Triton datatype and every spelling of it the server meets."""
+
+    name: str                # KServe v2 / tritonclient: "FP32"
+    config: str              # model_config.proto DataType name: "TYPE_FP32"
+    code: int                # that enum's value (pb_utils hands models these ints)
+    numpy: np.dtype          # in-server dtype (BF16: float32, BYTES: object)
+    size: int | None         # bytes per element on the wire; None = variable (BYTES)
+    torch: str | None        # torch dtype name, where torch has one
+    onnx: str | None         # onnxruntime NodeArg.type
+    tensorrt: str | None     # trt.DataType name, where TensorRT has one
+
+
+def _dt(name: str, config: str, code: int, numpy: type, size: int | None, torch: str | None,
+        onnx: str, tensorrt: str | None = None) -> Datatype:
+    return Datatype(name, config, code, np.dtype(numpy), size, torch, onnx, tensorrt)
+
+
+#: Triton name -> its spellings: the one table every other module derives its mappings from
+DATATYPES: dict[str, Datatype] = {d.name: d for d in (
+    _dt("BOOL", "TYPE_BOOL", 1, np.bool_, 1, "bool", "tensor(bool)", "BOOL"),
+    _dt("UINT8", "TYPE_UINT8", 2, np.uint8, 1, "uint8", "tensor(uint8)", "UINT8"),
+    _dt("UINT16", "TYPE_UINT16", 3, np.uint16, 2, "uint16", "tensor(uint16)"),
+    _dt("UINT32", "TYPE_UINT32", 4, np.uint32, 4, "uint32", "tensor(uint32)"),
+    _dt("UINT64", "TYPE_UINT64", 5, np.uint64, 8, "uint64", "tensor(uint64)"),
+    _dt("INT8", "TYPE_INT8", 6, np.int8, 1, "int8", "tensor(int8)", "INT8"),
+    _dt("INT16", "TYPE_INT16", 7, np.int16, 2, "int16", "tensor(int16)"),
+    _dt("INT32", "TYPE_INT32", 8, np.int32, 4, "int32", "tensor(int32)", "INT32"),
+    _dt("INT64", "TYPE_INT64", 9, np.int64, 8, "int64", "tensor(int64)", "INT64"),
+    _dt("FP16", "TYPE_FP16", 10, np.float16, 2, "float16", "tensor(float16)", "HALF"),
+    _dt("FP32", "TYPE_FP32", 11, np.float32, 4, "float32", "tensor(float)", "FLOAT"),
+    _dt("FP64", "TYPE_FP64", 12, np.float64, 8, "float64", "tensor(double)"),
+    _dt("BYTES", "TYPE_STRING", 13, np.object_, None, None, "tensor(string)"),
+    _dt("BF16", "TYPE_BF16", 14, np.float32, 2, "bfloat16", "tensor(bfloat16)", "BF16"),
+)}
+
+TRITON_DATATYPES: tuple[str, ...] = tuple(DATATYPES)
 
 _FROM_NUMPY: dict[np.dtype, str] = {
-    dt: name for name, (dt, _) in _TABLE.items() if name not in ("BF16",)
+    d.numpy: name for name, d in DATATYPES.items() if name not in ("BF16",)
 }
 
 
 def is_valid_datatype(dt: str) -> bool:
-    return dt in _TABLE
+    return dt in DATATYPES
 
 
 def triton_to_numpy(dt: str) -> np.dtype:
     """The numpy dtype a tensor of Triton type ``dt`` has inside the server."""
     try:
-        return _TABLE[dt][0]
+        return DATATYPES[dt].numpy
     except KeyError:
         raise InvalidArgument(f"invalid datatype '{dt}'") from None
 
@@ -73,7 +94,7 @@ def wire_dtype(dt: str) -> np.dtype:
 def element_size(dt: str) -> int | None:
     """Bytes per element on the wire; None for BYTES (variable length)."""
     try:
-        return _TABLE[dt][1]
+        return DATATYPES[dt].size
     except KeyError:
         raise InvalidArgument(f"invalid datatype '{dt}'") from None
 
@@ -84,18 +105,17 @@ def config_to_triton(config_dtype: str) -> str:
         return "BYTES"
     if config_dtype.startswith("TYPE_"):
         dt = config_dtype[len("TYPE_"):]
-        if dt in _TABLE:
+        if dt in DATATYPES:
             return dt
     raise InvalidArgument(f"unsupported data type '{config_dtype}'")
 
 
 def triton_to_config(dt: str) -> str:
     """``"FP32"`` -> ``"TYPE_FP32"``; BYTES is TYPE_STRING."""
-    if dt == "BYTES":
-        return "TYPE_STRING"
-    if dt in _TABLE:
-        return "TYPE_" + dt
-    raise InvalidArgument(f"invalid datatype '{dt}'")
+    try:
+        return DATATYPES[dt].config
+    except KeyError:
+        raise InvalidArgument(f"invalid datatype '{dt}'") from None
 
 
 # -- BF16 ------------------------------------------------------------------------------

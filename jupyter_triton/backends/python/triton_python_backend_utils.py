@@ -1,8 +1,8 @@
 """Triton's ``triton_python_backend_utils`` (``pb_utils``), the API a ``model.py`` imports.
 
 Registered under its top-level name in every process that runs a ``model.py`` so that
-Triton models run unchanged. Depends on numpy and the standard library only: this module
-is what a model sees, so it must not drag the server in with it.
+Triton models run unchanged. Depends on numpy, the standard library and the protocol's
+datatype table only: this module is what a model sees, so it must not drag the server in.
 """
 from __future__ import annotations
 
@@ -12,34 +12,22 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ...protocol.datatypes import DATATYPES
+
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
+# As Triton's pb_utils has them: no BF16 (numpy has no bfloat16), TYPE_BOOL as the builtin bool.
 TRITON_STRING_TO_NUMPY: dict[str, Any] = {
-    "TYPE_BOOL": bool,
-    "TYPE_UINT8": np.uint8,
-    "TYPE_UINT16": np.uint16,
-    "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64,
-    "TYPE_INT8": np.int8,
-    "TYPE_INT16": np.int16,
-    "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64,
-    "TYPE_FP16": np.float16,
-    "TYPE_FP32": np.float32,
-    "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-}
+    d.config: bool if d.name == "BOOL" else d.numpy.type
+    for d in DATATYPES.values() if d.name != "BF16"}
 
 # Triton's DataType enum values (model_config.proto), as pb_utils exposes them.
 _TRITON_ENUM_TO_NUMPY: dict[int, Any] = {
-    1: np.bool_, 2: np.uint8, 3: np.uint16, 4: np.uint32, 5: np.uint64, 6: np.int8,
-    7: np.int16, 8: np.int32, 9: np.int64, 10: np.float16, 11: np.float32, 12: np.float64,
-    13: np.object_,
-}
+    d.code: d.numpy.type for d in DATATYPES.values() if d.name != "BF16"}
 
 
 def triton_string_to_numpy(triton_type_string: str) -> Any:
