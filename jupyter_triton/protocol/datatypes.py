@@ -25,7 +25,7 @@ class Datatype:
     numpy: np.dtype          # in-server dtype (BF16: float32, BYTES: object)
     size: int | None         # bytes per element on the wire; None = variable (BYTES)
     torch: str | None        # torch dtype name, where torch has one
-    onnx: str | None         # onnxruntime NodeArg.type
+    onnx: str                # onnxruntime NodeArg.type
     tensorrt: str | None     # trt.DataType name, where TensorRT has one
 
 
