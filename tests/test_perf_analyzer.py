@@ -37,10 +37,12 @@ requires_perf_analyzer = pytest.mark.skipif(
 
 
 def run(args: list[str], tmp_path: Path) -> tuple[str, list[dict]]:
-    """Run perf_analyzer briefly; its stdout and the rows of its CSV report."""
+    """Run perf_analyzer briefly; its stdout and the rows of its CSV report. Stability is a
+    speed question (benchmarks/): any windows count as stable here, so a busy CI machine
+    cannot fail a test of what the server answers."""
     report = tmp_path / "report.csv"
     cmd = [PERF_ANALYZER, *args, "--measurement-interval", "500", "--max-trials", "8",
-           "--stability-percentage", "50", "-f", str(report)]
+           "--stability-percentage", "10000", "-f", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     with report.open() as f:

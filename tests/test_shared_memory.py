@@ -473,7 +473,7 @@ def test_perf_analyzer_with_system_shared_memory(server, protocol, tmp_path):
            "--shared-memory", "system", "--output-shared-memory-size", str(NBYTES),
            "--concurrency-range", "1", "--measurement-interval", "1000", "--max-trials", "10",
            # eight agents share two cores here: any steady rate will do, this checks the protocol
-           "--stability-percentage", "1000", "-f", str(report)]
+           "--stability-percentage", "10000", "-f", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     rows = report.read_text().splitlines()
