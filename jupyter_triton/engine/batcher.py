@@ -39,16 +39,15 @@ from typing import Iterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..backends.signature import int_parameter
 from ..protocol.errors import Internal, InvalidArgument, Unavailable
 from .instances import Instance, InstancePool
-from .scheduler import Pending, Scheduler
+from .scheduler import DEFAULT_MAX_QUEUE_SIZE, Pending, Scheduler, default_max_queue_size
 from .statistics import ModelStatistics, mark_failure
 from .timer import Alarm
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE_SIZE = 4096             # queued requests per version, where no policy bounds them
+__all__ = ["DEFAULT_MAX_QUEUE_SIZE", "DynamicBatcher"]
 
 
 class _Level:
@@ -84,11 +83,7 @@ class DynamicBatcher(Scheduler):
         self.preferred_batch_sizes = preferred
         self.max_preferred_batch_size = max(preferred)
         self.delay_ns = db.max_queue_delay_microseconds * 1000
-        bound = int_parameter(config, "default_max_queue_size")
-        if bound is not None and bound < 0:
-            raise InvalidArgument(f"model '{config.name}': parameter 'default_max_queue_size' "
-                                  f"must be 0 (unbounded) or more, got {bound}")
-        self.default_max_queue_size = DEFAULT_MAX_QUEUE_SIZE if bound is None else bound
+        self.default_max_queue_size = default_max_queue_size(config)
         self.preserve_ordering = db.preserve_ordering
         self.priority_levels = db.priority_levels
         self.default_priority_level = db.default_priority_level or 1

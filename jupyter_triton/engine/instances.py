@@ -126,21 +126,13 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
     def run() -> None:
         try:
             result, error = fn(), None
         except BaseException as err:
             result, error = None, err
         try:
-            loop.call_soon_threadsafe(settle, result, error)
+            loop.call_soon_threadsafe(_settle, future, result, error)
         except RuntimeError:
             pass        # the loop has closed: nobody waits any more
 
