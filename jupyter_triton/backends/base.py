@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator, Protocol
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -45,6 +45,32 @@ class ModelFiles:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class ResponseSender(Protocol):
+    """Where a decoupled model's responses to one request go (made by the engine, one per
+    request). Thread-safe: callable from any thread, also after ``execute_decoupled`` has
+    returned, until a call with ``final=True``; a call after that raises ``TritonError``."""
+
+    def send(self, outputs: Tensors | None = None, *, error: TritonError | None = None,
+             final: bool = False) -> None:
+        """One response (``outputs``), an error response (``error``), or neither: with
+        ``final`` only, Triton's ``COMPLETE_FINAL`` flag without a response."""
+
+    def is_cancelled(self) -> bool:
+        """True once the client has gone away or the request was cancelled."""
+
+
+class ServerCalls(Protocol):
+    """The server's engine as a model sees it (BLS: a model calling other models). Set by
+    the engine on every backend instance before ``load`` (``Backend.server_calls``).
+    Blocking; call from any thread except the server's event loop."""
+
+    def infer(self, request: Any, timeout_s: float | None = None) -> Any:
+        """``InferRequest`` -> ``InferResponse``; raises ``TritonError``."""
+
+    def infer_stream(self, request: Any, timeout_s: float | None = None) -> Iterator[Any]:
+        """Every ``InferResponse`` of a decoupled (or any) model, the last with ``final``."""
+
+
 class Backend:
     """One model instance on one runtime.
 
@@ -58,10 +84,14 @@ class Backend:
     platforms: ClassVar[tuple[str, ...]] = ()
     default_filename: ClassVar[str] = ""
 
+    #: True for runtimes that implement ``execute_decoupled``
+    supports_decoupled: ClassVar[bool] = False
+
     def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
         self.config = config
         self.files = files
         self.instance = instance
+        self.server_calls: ServerCalls | None = None
 
     @classmethod
     def auto_complete_config(cls, config: mc.ModelConfig, files: ModelFiles) -> mc.ModelConfig:
@@ -75,6 +105,14 @@ class Backend:
                 infer_requests: list | None = None) -> list[Tensors | TritonError]:
         """``infer_requests``: the InferRequest of each entry (ids, parameters, requested
         outputs), for runtimes that show them to the model (the python backend)."""
+        raise NotImplementedError
+
+    def execute_decoupled(self, requests: list[Tensors], infer_requests: list,
+                          senders: list[ResponseSender]) -> None:
+        """A decoupled model's batch (``model_transaction_policy { decoupled: true }``):
+        returns when the model's execute has returned; the responses of request ``i`` go to
+        ``senders[i]``, possibly later, from any thread. Raising ``TritonError`` fails every
+        request whose sender is not yet closed. The instance is free again on return."""
         raise NotImplementedError
 
     def unload(self) -> None:

@@ -38,6 +38,8 @@ class InferRequest:
     outputs: list[RequestedOutput] | None = None   # None: every output of the model
     # request parameters: priority, timeout, binary_data_output, sequence_*, user keys
     parameters: dict[str, Any] = field(default_factory=dict)
+    # how many BLS calls deep this request was made (0: from a client); never on the wire
+    bls_depth: int = 0
 
 
 @dataclass
@@ -47,3 +49,10 @@ class InferResponse:
     id: str = ""
     outputs: list[InferTensor] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
+    # A decoupled model answers a request with zero or more responses; the last one a
+    # stream carries has ``final`` set (it may have no outputs: Triton's empty final
+    # response). A non-decoupled model's one response is final.
+    final: bool = True
+    # An error response of a decoupled model (the stream goes on unless ``final``);
+    # never set on the responses ``Engine.infer`` returns (it raises instead).
+    error: Exception | None = None
