@@ -17,9 +17,11 @@ from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .instances import Instance, InstancePool, run_in_daemon_thread
+from .memory import LoadProbe
 from .rate_limiter import RateLimiter, instance_resources
 from .response import OutputPlan, build_response
 from .scheduler import DirectScheduler, Pending, Scheduler
+from .sequence import check_supported
 from .statistics import ModelStatistics, failure_reason
 from .validation import InputPlan, check_request
 from .warmup import warmup_samples
@@ -98,6 +100,8 @@ class ModelVersion:
             self.scheduler = EnsembleScheduler(self.config, plan(self.config, lookup), infer)
             self.status = VersionStatus(READY)
             return
+        if self.config.HasField("sequence_batching"):
+            check_supported(self.config)
         cls = backend_class(self.backend_name)
         files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
                            self.config.default_model_filename or cls.default_filename)
@@ -113,6 +117,7 @@ class ModelVersion:
                 self.rate_limiter.register(instance.resources, self.name)
             return instance
 
+        probe = LoadProbe()
         results = await asyncio.gather(
             *(loop.run_in_executor(None, make, spec, group) for spec, group in instance_specs(self.config)),
             return_exceptions=True)
@@ -128,6 +133,7 @@ class ModelVersion:
         except BaseException:
             await loop.run_in_executor(None, self.pool.close)   # no worker outlives a failed load
             raise
+        self.stats.memory = probe.finish([inst.backend for inst in instances])
         self.scheduler = (DynamicBatcher(self.config, self.pool, self.stats)
                           if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool, self.config))
         self.load_seconds = time.monotonic() - start
