@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from ..protocol.errors import Cancelled
 
@@ -72,6 +73,8 @@ class ModelStatistics:
         self.load_ns = 0                 # load duration (the engine includes warmup in it)
         self.warmup_ns = 0
         self._samples: dict[str, deque[int]] = {k: deque(maxlen=SAMPLE_WINDOW) for k in LATENCY_KINDS}
+        # memory_usage: set by the engine once the version is loaded (engine/memory.py)
+        self.memory: Callable[[], list[dict]] | None = None
 
     # -- recording ---------------------------------------------------------------------
 
@@ -177,6 +180,7 @@ class ModelStatistics:
 
     def to_json(self) -> dict:
         """This version's entry of ``/v2/models/stats`` ``model_stats``, in Triton's shape."""
+        memory = self.memory() if self.memory is not None else []   # reads /proc: outside the lock
         with self._lock:
             return {
                 "name": self.name,
@@ -204,7 +208,7 @@ class ModelStatistics:
                     }
                     for size, stat in sorted(self.batch_stats.items())
                 ],
-                "memory_usage": [],
+                "memory_usage": memory,
             }
 
 

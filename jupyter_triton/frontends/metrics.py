@@ -21,6 +21,7 @@ import psutil
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.samples import Sample
 
+from ..engine.memory import metric_samples as memory_samples
 from ..engine.statistics import FAILURE_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -112,6 +113,8 @@ class TritonMetricsCollector:
                                            for s, labels in stats))
         yield _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge",
                       ((labels, s.load_seconds) for s, labels in stats))
+        yield _family("nv_model_memory_bytes", "Memory held by a model version, in bytes, by kind "
+                      "(CPU or GPU)", "gauge", memory_samples(stats))
         if self.cpu:
             yield from _cpu_metrics()
         if self._gpus is not None:

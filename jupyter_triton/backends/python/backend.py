@@ -193,6 +193,12 @@ class PythonBackend(Backend):
     def _who(self) -> str:
         return f"model '{self.files.model_name}' instance '{self.instance.name}'"
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The worker process serving this instance (None in thread mode): the engine reads
+        its memory for the statistics' memory_usage."""
+        return self._worker.pid if self._worker is not None else None
+
     def triton_args(self) -> dict[str, str]:
         """``initialize``'s ``args``, spelled as Triton spells them (all strings)."""
         return {
