@@ -12,7 +12,7 @@ def _jupyter_server_extension_points() -> list[dict]:
 # The notebook API, imported on first use so that the server extension never loads it.
 
 def load_ipython_extension(ip) -> None:
-    """``%load_ext jupyter_triton``: registers ``%%serve`` and ``%triton``."""
+    """``%load_ext jupyter_triton``: registers ``%%serve``, ``%%ensemble`` and ``%triton``."""
     from .kernel.magics import load_ipython_extension as load
     load(ip)
 
@@ -28,6 +28,12 @@ def serve(obj, name: str, *, max_batch_size: int | None = None,
                   preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us,
                   instances=instances, kind=kind, gpus=gpus, priority_levels=priority_levels,
                   warmup=warmup, example=example, inputs=inputs, outputs=outputs, config=config)
+
+
+def ensemble(name: str, steps, *, max_batch_size: int | None = None, config: str = ""):
+    """Serve a Triton ensemble of served models; see ``jupyter_triton.kernel.api.ensemble``."""
+    from .kernel.api import ensemble as _ensemble
+    return _ensemble(name, steps, max_batch_size=max_batch_size, config=config)
 
 
 def models() -> list[dict]:

@@ -3,11 +3,11 @@
 Jupyter server's extension, or one it starts inside the kernel when there is none."""
 from __future__ import annotations
 
-from .api import connection, dashboard, load, model, models, serve, unload
+from .api import connection, dashboard, ensemble, load, model, models, serve, unload
 from .artifacts import Artifact, ArtifactError, build_artifact
 from .discovery import Connection
 from .handle import ServedModel
 from .magics import load_ipython_extension
 
 __all__ = ["Artifact", "ArtifactError", "Connection", "ServedModel", "build_artifact", "connection",
-           "dashboard", "load", "load_ipython_extension", "model", "models", "serve", "unload"]
+           "dashboard", "ensemble", "load", "load_ipython_extension", "model", "models", "serve", "unload"]

@@ -13,6 +13,7 @@ from .artifacts import TensorSpec, build_artifact
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 from .discovery import connection as _discover
+from .ensemble import StepSpec, ensemble_artifact, ensemble_config
 from .handle import ServedModel
 from .knobs import Knobs, apply_knobs
 
@@ -54,6 +55,12 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
         max_queue_delay_us=max_queue_delay_us, priority_levels=priority_levels,
         instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config))
     artifact.config = model_config
+    return _upload(name, artifact)
+
+
+def _upload(name: str, artifact: Any) -> ServedModel:
+    """The repository load request every notebook model goes through: a new version,
+    loaded before the old one retires."""
     conn = connection()
     client = TritonHTTP(conn)
     started = time.monotonic()
@@ -62,6 +69,24 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     versions = client.metadata(name)["versions"]
     return ServedModel(name, max(int(v) for v in versions), conn, notes=artifact.notes,
                        load_seconds=elapsed)
+
+
+def ensemble(name: str, steps: Sequence[StepSpec], *, max_batch_size: int | None = None,
+             config: str = "") -> ServedModel:
+    """Serve a Triton ensemble of served models as ``name``.
+
+    ``steps``: ``[(model, {model_input: ensemble_tensor}, {model_output: ensemble_tensor}),
+    ...]``. The ensemble's inputs are the tensors no step produces, its outputs those no step
+    reads, typed and shaped as the composing models declare them. ``max_batch_size``
+    defaults to the smallest of the composing models'; ``config`` is more config.pbtxt text
+    merged on top. Re-running makes a new version, as ``serve`` does.
+    """
+    client = _client()
+    model_config = ensemble_config(name, steps, client.config, max_batch_size)
+    artifact = ensemble_artifact(model_config)
+    if config:
+        artifact.config = apply_knobs(artifact, Knobs(config=config))
+    return _upload(name, artifact)
 
 
 def model(name: str) -> ServedModel:

@@ -11,6 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..protocol.errors import TritonError
 from . import api
 from .artifacts import ArtifactError
+from .ensemble import parse_steps
 
 
 def _ints(values: list[str] | None) -> list[int]:
@@ -96,6 +97,30 @@ class TritonMagics(Magics):
                 warmup=args.warmup, example=self._user_var(args.example, "--example"),
                 inputs=self._user_var(args.inputs, "--inputs"),
                 outputs=self._user_var(args.outputs, "--outputs"), config=_unquote(args.config))
+        except (ArtifactError, TritonError) as err:
+            raise UsageError(str(err)) from None
+
+    @magic_arguments()
+    @argument("name", help="ensemble name (the URL is {server}/v2/models/NAME)")
+    @argument("--max-batch-size", type=int,
+              help="max_batch_size (default: the smallest of the composing models')")
+    @argument("--config", default="", help="more config.pbtxt text, merged on top")
+    @cell_magic
+    def ensemble(self, line: str, cell: str):
+        """Serve a Triton ensemble of served models, one step a line:
+
+            tokenize: TEXT=TEXT -> IDS=ids
+            embed:    IDS=ids -> EMBEDDING=EMBEDDING
+
+        ``model: model_input=tensor, ... -> model_output=tensor, ...``; the tensors no step
+        produces are the ensemble's inputs, those no step reads its outputs. Every run is a
+        new version, loaded before the old one retires.
+        """
+        args = parse_argstring(self.ensemble, line)
+        try:
+            steps = parse_steps(cell)
+            return api.ensemble(args.name, steps, max_batch_size=args.max_batch_size,
+                                config=_unquote(args.config))
         except (ArtifactError, TritonError) as err:
             raise UsageError(str(err)) from None
 
