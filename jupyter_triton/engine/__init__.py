@@ -6,6 +6,8 @@ This module is the data plane and the model queries; loading, unloading, polling
 stopping live in ``lifecycle``; the operator's options in ``options``."""
 from __future__ import annotations
 
+from typing import AsyncIterator
+
 from tritonclient.grpc import model_config_pb2 as mc
 
 from .. import __version__
@@ -16,11 +18,12 @@ from .lifecycle import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
 from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs, uses_shared_memory
+from .trace import Tracing, parse_trace_config
 
 # Advertised only because each works end to end (perf_analyzer reads this list).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)",
               "schedule_policy", "model_configuration", "binary_tensor_data", "parameters",
-              "statistics", "system_shared_memory"]
+              "statistics", "system_shared_memory", "trace"]
 
 
 class Engine(ModelLifecycle):
@@ -29,10 +32,12 @@ class Engine(ModelLifecycle):
             raise ValueError(f"model control mode must be one of {CONTROL_MODES}")
         super().__init__(options)
         self.shared_memory = SharedMemoryRegistry(max_input_size=options.max_input_size)
+        self.tracing = Tracing(parse_trace_config(options.trace_config))
 
     async def stop(self) -> None:
         await super().stop()
         self.shared_memory.unregister()
+        self.tracing.close()
 
     def live(self) -> bool:
         return True
@@ -42,12 +47,35 @@ class Engine(ModelLifecycle):
 
     # ---- data path ---------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
+        if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
+            return await self.tracing.infer(self, request)
         if not uses_shared_memory(request):
             return await self._version(request.model_name, request.model_version).infer(request)
         await resolve_inputs(request, self.shared_memory)
         response = await self._version(request.model_name, request.model_version).infer(request)
         await place_outputs(response, request, self.shared_memory)
         return response
+
+    async def infer_stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Every response of ``request``, the last with ``final=True`` (a non-decoupled
+        model: exactly one). Refusals raise on the first ``__anext__``; a decoupled model's
+        error responses come with ``.error`` set. Closing the iterator early (``aclose()``, or
+        cancelling the task that iterates) cancels the request."""
+        mv = self._version(request.model_name, request.model_version)
+        shm = uses_shared_memory(request)
+        if shm:
+            await resolve_inputs(request, self.shared_memory)
+        responses = mv.infer_stream(request)
+        try:
+            async for response in responses:
+                if shm and response.error is None:
+                    await place_outputs(response, request, self.shared_memory)
+                yield response
+        finally:
+            await responses.aclose()       # now, not when the garbage collector gets to it
+
+    def is_decoupled(self, model: str, version: str = "") -> bool:
+        return self._version(model, version).decoupled
 
     def raw_input(self, model: str, version: str = "") -> tuple[str, str, list[int]]:
         config = self._version(model, version).config

@@ -149,6 +149,9 @@ class InstancePool:
         self._idle: asyncio.Queue[Instance] = asyncio.Queue()
         # The dynamic batcher's hook: called (synchronously) whenever an instance is free again.
         self.on_release: Callable[[], Any] | None = None
+        # A decoupled model's batches run execute_decoupled with each request's stream as its
+        # sender (engine/streaming.py); the futures then only say when execute returned.
+        self.decoupled = False
         for inst in instances:
             self._idle.put_nowait(inst)
 
@@ -214,12 +217,17 @@ class InstancePool:
                 self.release(instance)
                 done.set_result(None)
                 return done
-            instance.thread.post(loop, finished, _run_backend, instance.backend,
-                                 [p.inputs for p in live], [p.request for p in live])
+            instance.thread.post(loop, finished, *self._job(instance, live))
         except BaseException as err:
             self.release(instance)
             done.set_exception(err)
         return done
+
+    def _job(self, instance: Instance, live: list["Pending"]) -> tuple:
+        if self.decoupled:
+            return (_run_decoupled, instance.backend, [p.inputs for p in live],
+                    [p.request for p in live], [p.stream for p in live])
+        return _run_backend, instance.backend, [p.inputs for p in live], [p.request for p in live]
 
     def _begin(self, batch: list["Pending"]) -> list["Pending"]:
         live = [p for p in batch if not p.future.done()]   # cancelled while queued
@@ -231,6 +239,8 @@ class InstancePool:
         for p in live:
             # Triton's pending count ends when a backend is about to execute the request.
             p.started = True
+            if p.request.trace is not None:         # engine/trace.py
+                p.request.trace.compute_start(p.enqueue_ns, start_ns)
         stats.pending -= len(live)
         return live
 
@@ -238,8 +248,7 @@ class InstancePool:
         live = self._begin(batch)
         if not live:
             return
-        job = instance.thread.call(asyncio.get_running_loop(), _run_backend, instance.backend,
-                                   [p.inputs for p in live], [p.request for p in live])
+        job = instance.thread.call(asyncio.get_running_loop(), *self._job(instance, live))
         try:
             await asyncio.shield(job)
         finally:
@@ -270,6 +279,8 @@ class InstancePool:
         if timing is not None:
             self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing)
         for p, result in zip(live, results):
+            if p.request.trace is not None:         # engine/trace.py
+                p.request.trace.compute_end(timing)
             if p.future.done():
                 continue
             if isinstance(result, BaseException):
@@ -295,3 +306,13 @@ def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[
         raise Internal(f"{backend.instance.name}: backend returned {len(results)} responses "
                        f"for {len(inputs)} requests")
     return results, (0, t1 - t0, 0)
+
+
+def _run_decoupled(backend: Backend, inputs: list[dict], requests: list,
+                   streams: list) -> tuple[list, tuple[int, int, int]]:
+    # The instance is busy only while execute_decoupled runs; responses may come later.
+    t0 = time.monotonic_ns()
+    for stream in streams:
+        stream.compute_started(t0)
+    backend.execute_decoupled(inputs, requests, streams)
+    return [None] * len(inputs), (0, time.monotonic_ns() - t0, 0)

@@ -245,7 +245,8 @@ class ModelLifecycle:
             mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
                               (lambda m, ver: self._version(m, ver).config, self.infer)
                               if backend == ENSEMBLE_BACKEND else None,
-                              max_output_size=self.options.max_output_size)
+                              max_output_size=self.options.max_output_size,
+                              server_calls=getattr(self, "server_calls", None))
             mv.stamp = stamp[v]
             entry.status[v] = VersionStatus("LOADING")
             try:

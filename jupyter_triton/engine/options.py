@@ -19,6 +19,8 @@ class EngineOptions:
     # Triton's --strict-readiness: v2/health/ready is false while a model that was asked
     # to load has no ready version.
     strict_readiness: bool = True
+    # tritonserver's --trace-config values, as given ("level=TIMESTAMPS", "triton,file=...")
+    trace_config: list[str] = field(default_factory=list)
     # Server stop: every version drains and closes in parallel within this bound; requests
     # still in flight after it (a hung model) fail with Unavailable. Triton's
     # --exit-timeout-secs (its default is 30 s; a Jupyter server should stop sooner).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -18,6 +19,9 @@ from ..protocol.errors import InvalidArgument, Unavailable
 from ..protocol.types import InferRequest
 from .instances import Instance, InstancePool
 from .statistics import mark_failure
+
+if TYPE_CHECKING:
+    from .streaming import ResponseStream
 
 DEFAULT_MAX_QUEUE_SIZE = 4096             # queued requests per version, where nothing else bounds them
 
@@ -31,6 +35,7 @@ class Pending:
     priority: int = 0                     # resolved level, 1 is highest (Triton's numbering)
     timeout_ns: int = 0                   # 0: no timeout
     enqueue_ns: int = field(default_factory=time.monotonic_ns)
+    stream: "ResponseStream | None" = None   # a decoupled model's request: its responses' way out
 
     started: bool = False                 # set when an instance starts executing it
     _shape_key: tuple | None = field(default=None, repr=False)

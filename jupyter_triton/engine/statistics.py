@@ -50,6 +50,32 @@ class BatchStat:
     compute_output: StatDuration
 
 
+#: Triton's default buckets of nv_inference_first_response_histogram_ms
+FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
+
+#: the kinds of one decoupled response, as ``response_stats`` names them
+RESPONSE_KINDS = ("success", "fail", "empty_response", "cancel")
+
+
+@dataclass
+class ResponseStat:
+    """Triton's ``InferResponseStatistics``: one response index of decoupled requests."""
+
+    compute_infer: StatDuration
+    compute_output: StatDuration
+    success: StatDuration
+    fail: StatDuration
+    empty_response: StatDuration
+    cancel: StatDuration
+
+    def to_json(self) -> dict:
+        return {"compute_infer": self.compute_infer.to_json(),
+                "compute_output": self.compute_output.to_json(),
+                "success": self.success.to_json(), "fail": self.fail.to_json(),
+                "empty_response": self.empty_response.to_json(),
+                "cancel": self.cancel.to_json()}
+
+
 class ModelStatistics:
     def __init__(self, name: str, version: str) -> None:
         self.name = name
@@ -67,6 +93,10 @@ class ModelStatistics:
         self.cache_hit = StatDuration()
         self.cache_miss = StatDuration()
         self.batch_stats: dict[int, BatchStat] = {}
+        # decoupled models only: per response index, and the time to each request's first one
+        self.response_stats: dict[int, ResponseStat] = {}
+        self.first_response_buckets = [0] * (len(FIRST_RESPONSE_BUCKETS_MS) + 1)   # last: +Inf
+        self.first_response = StatDuration()
         self.failures: dict[str, int] = {reason: 0 for reason in FAILURE_REASONS}
         # Requests accepted but not finished; the engine increments/decrements it.
         self.pending = 0
@@ -149,6 +179,43 @@ class ModelStatistics:
             self.failures[reason] += 1
             self.last_inference = max(self.last_inference, _now_ms())
 
+    def record_response(self, index: int, kind: str, compute_infer_ns: int,
+                        compute_output_ns: int, total_ns: int) -> None:
+        """Response ``index`` of a decoupled request was sent: ``kind`` is success, fail,
+        empty (the final flag alone) or cancel (sent after the client went away)."""
+        kind = "empty_response" if kind == "empty" else kind
+        with self._lock:
+            stat = self.response_stats.get(index)
+            if stat is None:
+                stat = self.response_stats[index] = ResponseStat(*(StatDuration() for _ in range(6)))
+            if kind in ("success", "fail"):
+                stat.compute_infer.add(1, max(0, int(compute_infer_ns)))
+                stat.compute_output.add(1, max(0, int(compute_output_ns)))
+            getattr(stat, kind).add(1, max(0, int(total_ns)))
+
+    def record_first_response(self, ns: int) -> None:
+        """A decoupled request's first response, ``ns`` after the request arrived."""
+        ms = max(0, int(ns)) / 1e6
+        with self._lock:
+            self.first_response.add(1, max(0, int(ns)))
+            for i, bound in enumerate(FIRST_RESPONSE_BUCKETS_MS):
+                if ms <= bound:
+                    self.first_response_buckets[i] += 1
+                    break
+            else:
+                self.first_response_buckets[-1] += 1
+
+    def first_response_histogram(self) -> tuple[list[tuple[float, int]], float, int]:
+        """(cumulative (upper bound ms, count) per bucket with +Inf last, sum ms, count)."""
+        with self._lock:
+            counts, total = list(self.first_response_buckets), self.first_response
+            bounds = list(FIRST_RESPONSE_BUCKETS_MS) + [float("inf")]
+            cumulative, running = [], 0
+            for bound, n in zip(bounds, counts):
+                running += n
+                cumulative.append((bound, running))
+            return cumulative, total.ns / 1e6, total.count
+
     def record_warmup(self, ns: int) -> None:
         """Warmup time; Triton does not report it in statistics, only as part of load time."""
         with self._lock:
@@ -198,7 +265,8 @@ class ModelStatistics:
                     "cache_hit": self.cache_hit.to_json(),
                     "cache_miss": self.cache_miss.to_json(),
                 },
-                "response_stats": {},
+                "response_stats": {str(i): stat.to_json()
+                                   for i, stat in sorted(self.response_stats.items())},
                 "batch_stats": [
                     {
                         "batch_size": size,

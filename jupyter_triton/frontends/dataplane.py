@@ -29,8 +29,10 @@ from ..engine import Engine
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
-from .auth import (HEALTH, INFERENCE, METADATA, MODEL_CONFIG, MODEL_REPOSITORY, SHARED_MEMORY,
-                   STATISTICS, AccessPolicy, PermissionDenied)
+from . import observability
+from . import observability
+from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
+                   SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, PermissionDenied)
 
 log = logging.getLogger(__name__)
 
@@ -452,6 +454,16 @@ async def cuda_shm_register(plane: DataPlane, call: Call) -> Reply:
 async def cuda_shm_unregister(plane: DataPlane, call: Call) -> Reply:
     plane.engine.shared_memory.cuda_unregister(call.params.get("region", ""))
     return Reply(200)
+
+
+async def trace_setting(plane: DataPlane, call: Call) -> Reply:
+    updates = await plane.json_body(call) if call.method == "POST" else None
+    return json_reply(observability.trace_setting(plane.engine, call.params.get("model", ""), updates))
+
+
+async def log_settings(plane: DataPlane, call: Call) -> Reply:
+    updates = await plane.json_body(call) if call.method == "POST" else None
+    return json_reply(observability.log_settings(plane.engine, updates))
 
 
 async def unknown_route(plane: DataPlane, call: Call) -> Reply:

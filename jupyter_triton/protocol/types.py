@@ -40,6 +40,9 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     # how many BLS calls deep this request was made (0: from a client); never on the wire
     bls_depth: int = 0
+    # engine/trace.py's Trace while the request is traced; a class attribute, not a field,
+    # so that the untraced path pays nothing to build a request
+    trace = None
 
 
 @dataclass

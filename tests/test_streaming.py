@@ -1,0 +1,298 @@
+"""Decoupled models through the engine (Engine.infer_stream): zero or many responses per
+request, the last one final, errors in-stream, cancellation when the reader goes away,
+unload while streaming, dynamic batching, and Triton's response statistics.
+
+The decoupled model is a thread-mode Backend written here: ``Repeat`` answers each request
+with one response per element of its input IN (from a thread of its own, after execute has
+returned, as Triton's repeat example does), then the final flag alone."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jupyter_triton.backends.base import Backend
+from jupyter_triton.engine import Engine, EngineOptions
+from jupyter_triton.protocol.errors import InvalidArgument, TritonError, Unavailable
+from jupyter_triton.protocol.types import InferRequest, InferTensor
+
+REPEAT = """
+name: "{name}"
+backend: "python"
+max_batch_size: {mbs}
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "IN", data_type: TYPE_INT32, dims: [ -1 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+{extra}
+"""
+
+
+class Repeat(Backend):
+    """IN's elements, one response each, then the final flag. Request parameter ``mode``:
+    ``error`` sends an error response between the values; ``raise`` makes execute raise;
+    ``until_cancelled`` sends until the request is cancelled (bounded: 10 s); ``hang`` never
+    sends the final flag; ``missing`` sends a response without OUT."""
+
+    supports_decoupled = True
+    batches: list[int] = []           # requests per execute_decoupled call, in call order
+    cancelled_seen: list[bool] = []
+
+    def load(self) -> None:
+        pass
+
+    def execute_decoupled(self, requests, infer_requests, senders) -> None:
+        Repeat.batches.append(len(requests))
+        modes = [r.parameters.get("mode", "") for r in infer_requests]
+        if "raise" in modes:
+            raise InvalidArgument("repeat: asked to raise")
+        for inputs, mode, sender in zip(requests, modes, senders):
+            threading.Thread(target=self._respond, args=(inputs["IN"], mode, sender),
+                             daemon=True).start()
+
+    def _respond(self, values: np.ndarray, mode: str, sender) -> None:
+        if mode == "until_cancelled":
+            deadline = time.monotonic() + 10
+            while not sender.is_cancelled() and time.monotonic() < deadline:
+                sender.send({"OUT": np.array([[7]] if self.config.max_batch_size else [7], np.int32)})
+                time.sleep(0.005)
+            Repeat.cancelled_seen.append(sender.is_cancelled())
+            sender.send(final=True)
+            return
+        if mode == "missing":
+            sender.send({"OTHER": np.array([1], np.int32)}, final=True)
+            return
+        for i, v in enumerate(values.reshape(-1)):
+            if mode == "error" and i == 1:
+                sender.send(error=InvalidArgument("repeat: an error in the middle"))
+            shape = (1, 1) if self.config.max_batch_size else (1,)
+            sender.send({"OUT": np.full(shape, v, np.int32)})
+        if mode != "hang":
+            sender.send(final=True)
+
+
+def _model(root: Path, name: str, mbs: int = 0, extra: str = "") -> None:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.py").write_text("# served by the test's Repeat backend\n")
+    (root / name / "config.pbtxt").write_text(REPEAT.format(name=name, mbs=mbs, extra=extra))
+
+
+@pytest.fixture
+def repeat_backend(monkeypatch):
+    import jupyter_triton.engine.lifecycle as lifecycle
+    import jupyter_triton.engine.model as model
+    real = model.backend_class
+    pick = lambda name: Repeat if name == "python" else real(name)   # noqa: E731
+    monkeypatch.setattr(model, "backend_class", pick)
+    monkeypatch.setattr(lifecycle, "backend_class", pick)
+    Repeat.batches, Repeat.cancelled_seen = [], []
+    return Repeat
+
+
+def _request(model: str, values: list[int], batched: bool = False, **params) -> InferRequest:
+    data = np.array([values] if batched else values, np.int32)
+    return InferRequest(model, inputs=[InferTensor("IN", "INT32", data.shape, data)],
+                        parameters=dict(params))
+
+
+def run(main, tmp_path: Path, **options):
+    """``main(engine)`` with an engine serving the repository under tmp_path, bounded."""
+    async def wrapper():
+        engine = Engine(EngineOptions(model_repository=tmp_path / "models",
+                                      model_control_mode="explicit", load_models=["*"], **options))
+        await engine.start()
+        try:
+            return await asyncio.wait_for(main(engine), 20)
+        finally:
+            await engine.stop()
+    return asyncio.run(wrapper())
+
+
+async def _collect(engine: Engine, request: InferRequest) -> list:
+    return [r async for r in engine.infer_stream(request)]
+
+
+async def _stats(engine: Engine, model: str, executions: int) -> dict:
+    """The model's statistics once ``executions`` executes have returned (a model may send
+    its final response before its execute returns; the execution is counted at return)."""
+    deadline = time.monotonic() + 5
+    while True:
+        stats = engine.statistics(model)["model_stats"][0]
+        if stats["execution_count"] >= executions or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.01)
+
+
+def test_a_decoupled_model_streams_each_response_then_an_empty_final(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        assert engine.is_decoupled("repeat") and engine.is_decoupled("repeat", "1")
+        responses = await _collect(engine, _request("repeat", [4, 5, 6]))
+        values = [r.outputs[0].data.tolist() for r in responses if r.outputs]
+        assert values == [[4], [5], [6]]
+        assert [r.final for r in responses] == [False, False, False, True]
+        assert responses[-1].outputs == [] and responses[-1].error is None
+        assert all(r.model_name == "repeat" and r.model_version == "1" for r in responses)
+        return await _stats(engine, "repeat", 1)
+
+    stats = run(main, tmp_path)
+    assert stats["inference_stats"]["success"]["count"] == 1
+    assert stats["execution_count"] == 1 and stats["inference_count"] == 1
+    rs = stats["response_stats"]
+    assert sorted(rs) == ["0", "1", "2", "3"]
+    for key in "012":
+        assert rs[key]["success"]["count"] == 1 and rs[key]["compute_infer"]["count"] == 1
+        assert rs[key]["empty_response"]["count"] == 0
+    assert rs["3"]["empty_response"]["count"] == 1 and rs["3"]["success"]["count"] == 0
+
+
+def test_infer_on_a_decoupled_model_is_refused_with_tritons_words(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        with pytest.raises(InvalidArgument) as err:
+            await engine.infer(_request("repeat", [1]))
+        return str(err.value)
+
+    assert "doesn't support models with decoupled transaction policy" in run(main, tmp_path)
+
+
+def test_a_non_decoupled_model_through_the_stream_gives_its_one_response(tmp_path):
+    from conftest import build_repository
+    build_repository(tmp_path / "models")
+
+    async def main(engine):
+        data = np.ones((1, 16), np.float32)
+        request = InferRequest("linear", inputs=[InferTensor("INPUT0", "FP32", (1, 16), data)])
+        assert not engine.is_decoupled("linear")
+        responses = await _collect(engine, request)
+        direct = await engine.infer(request)
+        return responses, direct
+
+    responses, direct = run(main, tmp_path)
+    assert len(responses) == 1 and responses[0].final
+    np.testing.assert_allclose(responses[0].outputs[0].data, direct.outputs[0].data)
+
+
+def test_refusals_raise_on_the_first_next(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        stream = engine.infer_stream(InferRequest("repeat", inputs=[
+            InferTensor("IN", "FP32", (1,), np.ones(1, np.float32))]))
+        with pytest.raises(InvalidArgument, match="data-type is 'FP32'"):
+            await stream.__anext__()
+        with pytest.raises(TritonError, match="unknown model"):
+            await engine.infer_stream(_request("nope", [1])).__anext__()
+        return engine.statistics("repeat")["model_stats"][0]["inference_stats"]["fail"]["count"]
+
+    assert run(main, tmp_path) == 1
+
+
+def test_error_responses_come_in_stream_and_the_stream_goes_on(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        responses = await _collect(engine, _request("repeat", [1, 2, 3], mode="error"))
+        missing = await _collect(engine, _request("repeat", [1], mode="missing"))
+        raised = await _collect(engine, _request("repeat", [1], mode="raise"))
+        return responses, missing, raised, await _stats(engine, "repeat", 2)
+
+    responses, missing, raised, stats = run(main, tmp_path)
+    assert [r.outputs[0].data.tolist() if r.outputs else None for r in responses] == \
+        [[1], None, [2], [3], None]
+    assert isinstance(responses[1].error, InvalidArgument) and not responses[1].final
+    assert "an error in the middle" in str(responses[1].error)
+    assert responses[-1].final and responses[-1].error is None
+    # a response the model built wrongly fails that response, named, and ends the stream
+    assert len(missing) == 1 and missing[0].final and "did not produce output 'OUT'" in str(missing[0].error)
+    # execute raising ends the request with its error
+    assert len(raised) == 1 and raised[0].final and "asked to raise" in str(raised[0].error)
+    assert stats["response_stats"]["1"]["fail"]["count"] == 1
+    assert stats["inference_stats"]["success"]["count"] == 1
+    assert stats["inference_stats"]["fail"]["count"] == 2
+
+
+def test_closing_the_iterator_cancels_the_request(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        stream = engine.infer_stream(_request("repeat", [0], mode="until_cancelled"))
+        first = await stream.__anext__()
+        await stream.aclose()
+        deadline = time.monotonic() + 5
+        while not Repeat.cancelled_seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        # a task that iterates, cancelled, cancels the request too
+        async def read():
+            async for _ in engine.infer_stream(_request("repeat", [0], mode="until_cancelled")):
+                pass
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while len(Repeat.cancelled_seen) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        mv = engine._version("repeat")
+        return first, mv, engine.statistics("repeat")["model_stats"][0]
+
+    first, mv, stats = run(main, tmp_path)
+    assert first.outputs[0].data.tolist() == [7] and not first.final
+    assert Repeat.cancelled_seen == [True, True]
+    assert mv._inflight == 0 and not mv._streams
+    assert stats["inference_stats"]["fail"]["count"] == 2
+
+
+def test_unload_ends_a_stream_the_model_never_finishes(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        stream = engine.infer_stream(_request("repeat", [1, 2], mode="hang"))
+        got = [await stream.__anext__(), await stream.__anext__()]
+        started = time.monotonic()
+        unload = asyncio.ensure_future(engine.unload_model("repeat"))
+        rest = [r async for r in stream]
+        await unload
+        return got, rest, time.monotonic() - started
+
+    got, rest, took = run(main, tmp_path, unload_timeout_secs=0.3)
+    assert [r.outputs[0].data.tolist() for r in got] == [[1], [2]]
+    assert len(rest) == 1 and rest[0].final and isinstance(rest[0].error, Unavailable)
+    assert "unloaded" in str(rest[0].error)
+    assert took < 3
+
+
+def test_decoupled_requests_are_batched_by_the_dynamic_batcher(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat_batched", mbs=4,
+           extra="dynamic_batching { max_queue_delay_microseconds: 200000 }")
+
+    async def main(engine):
+        requests = [_request("repeat_batched", [i, i], batched=True) for i in range(4)]
+        results = await asyncio.gather(*(_collect(engine, r) for r in requests))
+        return results, await _stats(engine, "repeat_batched", 1)
+
+    results, stats = run(main, tmp_path)
+    for i, responses in enumerate(results):
+        assert [r.outputs[0].data.tolist() for r in responses if r.outputs] == [[[i]], [[i]]]
+        assert responses[-1].final
+    assert Repeat.batches == [4]
+    assert stats["execution_count"] == 1 and stats["inference_count"] == 4
+    assert stats["batch_stats"][0]["batch_size"] == 4
+
+
+def test_first_response_histogram_counts_each_decoupled_request(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        for _ in range(3):
+            await _collect(engine, _request("repeat", [1, 2]))
+        return engine._version("repeat").stats.first_response_histogram()
+
+    buckets, total_ms, count = run(main, tmp_path)
+    assert count == 3 and buckets[-1] == (float("inf"), 3)
+    assert 0 < total_ms < 3 * 100 and buckets[0] == (100.0, 3)
