@@ -30,7 +30,6 @@ from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailabl
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
 from . import observability
-from . import observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, PermissionDenied)
 
@@ -506,6 +505,11 @@ ROUTES: list[Route] = [
           {"POST": cuda_shm_register}),
     Route(rf"v2/cudasharedmemory{_REGION}/unregister", "CudaSharedMemoryUnregister", SHARED_MEMORY,
           {"POST": cuda_shm_unregister}),
+    Route(r"v2/trace/setting", "TraceSetting", TRACE, {"GET": trace_setting, "POST": trace_setting},
+          ADMIN),
+    Route(rf"v2/models/{_MODEL}/trace/setting", "ModelTraceSetting", TRACE,
+          {"GET": trace_setting, "POST": trace_setting}, ADMIN),
+    Route(r"v2/logging", "LogSettings", LOGGING, {"GET": log_settings, "POST": log_settings}, ADMIN),
     Route(r"v2/.*", "NotFoundRoute", HEALTH, {m: unknown_route for m in ("GET", "POST", "PUT", "DELETE")}),
 ]
 NOT_FOUND = ROUTES[-1]
