@@ -53,6 +53,14 @@ class FakeEngine:
         return InferResponse(model_name=request.model_name, model_version="1", id=request.id,
                              outputs=outputs)
 
+    async def infer_stream(self, request: InferRequest):
+        """The Engine contract for a model that is not decoupled: its one response."""
+        yield await self.infer(request)
+
+    def is_decoupled(self, model: str, version: str = "") -> bool:
+        self._check(model)
+        return False
+
     def server_metadata(self) -> dict:
         return {"name": "triton", "version": "2.51.0", "extensions": ["binary_tensor_data"]}
 

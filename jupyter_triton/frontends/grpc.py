@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 from google.protobuf import json_format
@@ -38,6 +38,8 @@ DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
 MAX_SEND_MESSAGE_SIZE = 2**31 - 1
 # ModelStreamInfer requests of one stream in flight at once; further reads wait.
 STREAM_CONCURRENCY = 64
+# Responses of one stream ready but not yet written; past it, the models' streams wait.
+STREAM_BUFFERED_RESPONSES = 256
 # RPCs (a stream counts once) in flight at once; beyond, RESOURCE_EXHAUSTED at once.
 DEFAULT_MAX_CONCURRENT_RPCS = 1024
 # Request bytes held by inference RPCs in flight, in multiples of the receive limit:
@@ -192,44 +194,72 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             self.inflight.give(size)
 
-    async def _stream_one(self, raw: bytes) -> pb.ModelStreamInferResponse:
+    def _stream_error(self, request: pb.ModelInferRequest, err: BaseException,
+                      final: bool = True) -> pb.ModelStreamInferResponse:
+        """An error on the stream, as Triton writes it: ``error_message`` set, the request's
+        model and id, and ``triton_final_response``; the stream itself goes on."""
+        if isinstance(err, TritonError):
+            message = str(err)
+        else:
+            log.error("gRPC ModelStreamInfer request failed", exc_info=err)
+            message = _internal_message(err)
+        response = pb.ModelInferResponse(model_name=request.model_name,
+                                         model_version=request.model_version, id=request.id)
+        response.parameters["triton_final_response"].bool_param = final
+        return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
+
+    async def _stream_one(self, raw: bytes, put: Callable[[Any], Awaitable[None]]) -> None:
+        """Every response of one request onto the stream (``put``), each with Triton's
+        ``triton_final_response`` parameter; a decoupled model's empty final response only
+        when the request asked for it (``triton_enable_empty_final_response``)."""
         request = pb.ModelInferRequest()
         try:
             request = _parse_infer_request(raw)
             infer_request = decode_grpc_request(request, **self._decode_kwargs)
-            response = await self.engine.infer(infer_request)
-            return pb.ModelStreamInferResponse(
-                infer_response=encode_grpc_response(response, infer_request))
+            empty_final = infer_request.parameters.get("triton_enable_empty_final_response") is True
+            responses = self.engine.infer_stream(infer_request)
+            try:
+                async for response in responses:
+                    if response.error is not None:
+                        await put(self._stream_error(request, response.error, response.final))
+                        continue
+                    if response.final and not response.outputs and not empty_final and \
+                            self.engine.is_decoupled(request.model_name, request.model_version):
+                        continue        # COMPLETE_FINAL without a response: not asked for
+                    message = encode_grpc_response(response, infer_request)
+                    if not message.model_name:          # an empty final response
+                        message.model_name = request.model_name
+                        message.model_version = request.model_version
+                    message.parameters["triton_final_response"].bool_param = response.final
+                    await put(pb.ModelStreamInferResponse(infer_response=message))
+            finally:
+                # Early exit (the stream ended, a put cancelled): the model sees is_cancelled().
+                close = getattr(responses, "aclose", None)
+                if close is not None:
+                    await close()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - errors travel on the stream, as in Triton
-            if isinstance(err, TritonError):
-                message = str(err)
-            else:
-                log.exception("gRPC ModelStreamInfer request failed")
-                message = _internal_message(err)
-            return pb.ModelStreamInferResponse(
-                error_message=message,
-                infer_response=pb.ModelInferResponse(
-                    model_name=request.model_name, model_version=request.model_version,
-                    id=request.id))
+            await put(self._stream_error(request, err))
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[bytes],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request is answered on the stream as soon as it completes (so possibly out of
-        order, as in Triton: clients match responses by ``id``)."""
+        """Each request's responses are written on the stream as soon as each is ready (so
+        possibly interleaved across requests, as in Triton: clients match them by ``id``).
+        A client that goes away cancels every request of the stream still running."""
         try:
             self.authorize(INFERENCE, context)
         except TritonError as err:
             await context.abort(grpc.StatusCode[err.grpc_code], str(err))
-        results: asyncio.Queue = asyncio.Queue()
+        # Bounded: a model that answers faster than the client reads waits for the client.
+        results: asyncio.Queue = asyncio.Queue(STREAM_BUFFERED_RESPONSES)
         slots = asyncio.Semaphore(STREAM_CONCURRENCY)
         tasks: set[asyncio.Task] = set()
         done = object()
 
         async def answer(raw: bytes) -> None:
             try:
-                await results.put(await self._stream_one(raw))
+                await self._stream_one(raw, results.put)
             finally:
                 self.inflight.give(len(raw))
                 slots.release()

@@ -35,6 +35,8 @@ MAX_FRAME = 16384                   # RFC 9113's default, which we do not raise
 # Streams one connection may have open; beyond, REFUSED_STREAM (the RPC cap is global).
 MAX_STREAMS_PER_CONNECTION = 1024
 MAX_WINDOW = (1 << 31) - 1
+# Bytes of a streaming RPC's responses queued behind flow control before its handler waits.
+STREAM_PENDING_BYTES = 1 << 20
 
 
 def _int(n: int, prefix: int, first: int = 0) -> bytes:
@@ -101,7 +103,7 @@ class _Context:
 
 class _Stream:
     __slots__ = ("sid", "block", "headers", "buf", "messages", "queue", "task", "window",
-                 "pending", "trailers", "ended", "handler", "method", "encoding")
+                 "pending", "trailers", "ended", "handler", "method", "encoding", "writable")
 
     def __init__(self, sid: int, window: int) -> None:
         self.sid = sid
@@ -118,6 +120,7 @@ class _Stream:
         self.handler: Any = None
         self.method = ""
         self.encoding = "identity"
+        self.writable: asyncio.Future | None = None     # a stream handler waiting on flow control
 
 
 _EOF = object()
@@ -410,6 +413,11 @@ class _Connection(asyncio.Protocol):
                     self._emit(_frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS))
                     started = True
                 self._send(st, b"\x00" + struct.pack(">L", len(raw)) + raw, None)
+                if len(st.pending) > STREAM_PENDING_BYTES:
+                    # A client that reads slower than the model answers holds the model back
+                    # (through the handler's bounded queue), not this server's memory.
+                    st.writable = asyncio.get_running_loop().create_future()
+                    await st.writable
             self._finish(st, TRAILERS_OK, started)
         except _Abort as abort:
             self._finish(st, self._status_block(abort.code, abort.details), started)
@@ -469,6 +477,10 @@ class _Connection(asyncio.Protocol):
             self.send_window -= room
             st.window -= room
         self.blocked.pop(st.sid, None)
+        if st.writable is not None:
+            if not st.writable.done():
+                st.writable.set_result(None)
+            st.writable = None
         if st.trailers:
             self._emit(_frame(HEADERS, END_HEADERS | END_STREAM, st.sid, st.trailers))
             st.trailers = b""
