@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..backends.base import Backend
 from ..protocol.errors import Internal, TritonError
 
+from .bls import executing
 from .statistics import mark_failure
 
 if TYPE_CHECKING:
@@ -300,7 +301,11 @@ def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[
     # Triton's compute_input/output cover tensor copies in and out; our backends do those
     # inside execute, so the whole call is compute_infer and the copies count as zero-cost.
     t0 = time.monotonic_ns()
-    results = backend.execute(inputs, requests)
+    executing.requests = requests       # a BLS call made by this execute nests one deeper
+    try:
+        results = backend.execute(inputs, requests)
+    finally:
+        executing.requests = None
     t1 = time.monotonic_ns()
     if len(results) != len(inputs):
         raise Internal(f"{backend.instance.name}: backend returned {len(results)} responses "
@@ -314,5 +319,9 @@ def _run_decoupled(backend: Backend, inputs: list[dict], requests: list,
     t0 = time.monotonic_ns()
     for stream in streams:
         stream.compute_started(t0)
-    backend.execute_decoupled(inputs, requests, streams)
+    executing.requests = requests
+    try:
+        backend.execute_decoupled(inputs, requests, streams)
+    finally:
+        executing.requests = None
     return [None] * len(inputs), (0, time.monotonic_ns() - t0, 0)

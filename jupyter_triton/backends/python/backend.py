@@ -53,9 +53,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ...protocol.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                 TritonError, Unavailable, Unsupported)
 from ...protocol.types import InferRequest
-from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, Tensors
+from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, ResponseSender, Tensors
 from . import triton_python_backend_utils as pb_utils
-from .stub import ModelStub, RequestData, ResponseError, StubError, module_name, run_auto_complete_config
+from .stub import ModelStub, OrphanCloser, RequestData, ResponseError, StubError, module_name, run_auto_complete_config
 from .shm import SharedMemoryFull
 from .worker import WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker, describe_exit
 
@@ -163,10 +163,88 @@ def _defines_auto_complete(model_py: Path) -> bool:
                for node in tree.body)
 
 
+class _Sink:
+    """One decoupled request's way back to the engine's ``ResponseSender``: tensors cut to
+    the requested outputs, errors given their Triton status, closed once."""
+
+    __slots__ = ("backend", "sender", "wanted", "closed", "_lock")
+
+    def __init__(self, backend: "PythonBackend", sender: ResponseSender, wanted: list[str]) -> None:
+        self.backend = backend
+        self.sender = sender
+        self.wanted = wanted
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def deliver(self, outputs: dict | None, error: tuple[int, str] | None, final: bool) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = final
+        err = None
+        if error is not None:
+            err = self.backend._response(ResponseError(*error), None)
+            outputs = None
+        elif outputs is not None:
+            wanted = self.wanted
+            outputs = {n: v for n, v in outputs.items() if not wanted or n in wanted}
+        self._send(outputs, err, final)
+
+    def fail(self, kind: str, message: str) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        cls = DeadlineExceeded if kind == "timeout" else Unavailable
+        self._send(None, cls(f"{self.backend._who}: {message}"), True)
+
+    def cancelled(self) -> bool:
+        try:
+            return bool(self.sender.is_cancelled())
+        except Exception:
+            return True
+
+    def _send(self, outputs: dict | None, error: TritonError | None, final: bool) -> None:
+        try:
+            self.sender.send(outputs, error=error, final=final)
+        except TritonError as err:   # the engine closed it first (its own error, a cancel)
+            log.debug("%s: response not delivered: %s", self.backend._who, err)
+        if final:
+            self.backend._thread_sinks.discard(self)
+
+
+class _ThreadHost:
+    """Thread mode's ``DecoupledHost``: the stub's senders write straight to the sinks."""
+
+    def __init__(self, sinks: list[_Sink], orphans: OrphanCloser) -> None:
+        self.sinks = sinks
+        self._orphans = orphans
+
+    def respond(self, key: int, response: "pb_utils.InferenceResponse | None", final: bool) -> None:
+        if response is None:
+            self.sinks[key].deliver(None, None, final)
+            return
+        data = ModelStub.response_data(response)
+        if isinstance(data, ResponseError):
+            self.sinks[key].deliver(None, (data.code, data.message), final)
+        else:
+            self.sinks[key].deliver(data, None, final)
+
+    def cancelled(self, key: int) -> bool:
+        return self.sinks[key].cancelled()
+
+    def orphaned(self, key: int) -> None:
+        self._orphans.put(self.sinks[key])
+
+    def flush(self) -> None:
+        pass
+
+
 class PythonBackend(Backend):
     backend_name = "python"
     platforms = ()
     default_filename = "model.py"
+    supports_decoupled = True
 
     #: a worker that dies this many times within ``death_window_s`` is not restarted again
     max_deaths: int = 3
@@ -180,6 +258,9 @@ class PythonBackend(Backend):
         self.initialize_timeout_s = timeout_parameter(config, INITIALIZE_TIMEOUT)
         self.finalize_timeout_s = timeout_parameter(config, FINALIZE_TIMEOUT)
         self._all_outputs = [o.name for o in config.output]
+        self.decoupled = bool(config.model_transaction_policy.decoupled)
+        self._thread_sinks: set[_Sink] = set()   # thread mode: open decoupled requests
+        self._orphans = OrphanCloser(lambda sink: sink.deliver(None, None, True))
         self._stub: ModelStub | None = None
         self._worker: WorkerProcess | None = None
         self._deaths: collections.deque[float] = collections.deque()
@@ -244,9 +325,6 @@ class PythonBackend(Backend):
                                   f"invalid model configuration: {err}") from None
 
     def load(self) -> None:
-        if self.config.model_transaction_policy.decoupled:
-            raise Unsupported(f"model '{self.files.model_name}': decoupled python models "
-                              "(model_transaction_policy {{ decoupled: true }}) are not supported")
         if not self.model_py.is_file():
             raise InvalidArgument(f"model '{self.files.model_name}' version {self.files.version}: "
                                   f"no {self.model_py.name} in {self.model_py.parent}")
@@ -299,6 +377,31 @@ class PythonBackend(Backend):
                     return [results] * len(data)
             return [self._response(r, d) for r, d in zip(results, data)]
 
+    def execute_decoupled(self, requests: list[Tensors], infer_requests: list,
+                          senders: list[ResponseSender]) -> None:
+        """A decoupled model's batch: returns when its execute has returned; request ``i``'s
+        responses go to ``senders[i]`` as the model sends them. Raises the ``TritonError``
+        that fails every request still open (execute raised, the worker died or timed out)."""
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
+                    for i, inputs in enumerate(requests)]
+            sinks = [_Sink(self, sender, d.requested_output_names) for sender, d in zip(senders, data)]
+            if self.mode == "thread":
+                if self._stub is None:
+                    raise Unavailable(f"{self._who} is not loaded")
+                self._thread_sinks.update(sinks)
+                try:
+                    self._stub.execute_decoupled(data, list(range(len(sinks))),
+                                                 _ThreadHost(sinks, self._orphans))
+                except StubError as err:
+                    raise self._execute_error(err) from None
+                return
+            result = self._execute_in_worker(data, sinks)
+            if isinstance(result, TritonError):
+                raise result
+
     def unload(self) -> None:
         """Bounded: a batch still executing is not waited for (its worker is killed), and
         ``finalize`` gets ``finalize_timeout_seconds``."""
@@ -323,6 +426,8 @@ class PythonBackend(Backend):
             if self._worker is not None:
                 worker, self._worker = self._worker, None
                 error = worker.stop(self.finalize_timeout_s)
+            for sink in list(self._thread_sinks):
+                sink.fail("closed", "the model instance was unloaded")
             if error is not None:
                 log.warning("%s: finalize failed: %s\n%s", self._who, error.message, error.traceback)
         finally:
@@ -331,9 +436,15 @@ class PythonBackend(Backend):
     # -- worker processes -------------------------------------------------------------------
 
     def _spawn(self) -> WorkerProcess:
-        return WorkerProcess(str(self.model_py), self.triton_args(), self.instance.name).start()
+        return WorkerProcess(str(self.model_py), self.triton_args(), self.instance.name,
+                             decoupled=self.decoupled, side=self._side_message).start()
 
-    def _execute_in_worker(self, data: list[RequestData]) -> list | TritonError:
+    def _side_message(self, worker: WorkerProcess, msg: tuple) -> None:
+        """A worker's message that is not an answer: BLS calls, custom metrics."""
+        log.warning("%s: unknown message %r from the worker", self._who, msg[0])
+
+    def _execute_in_worker(self, data: list[RequestData],
+                           sinks: list[_Sink] | None = None) -> list | TritonError:
         if self._closing:
             return Unavailable(f"{self._who} is being unloaded")
         if self._worker is None:
@@ -351,6 +462,8 @@ class PythonBackend(Backend):
                     return self._on_death(
                         f"python worker for {self._who} could not be restarted: initialize did not "
                         f"finish within {err.seconds:g} s (parameter {INITIALIZE_TIMEOUT})")
+            if sinks is not None:
+                return worker.execute_decoupled(data, sinks, self.execute_timeout_s, self._all_outputs)
             return worker.execute(data, self.execute_timeout_s, self._all_outputs)
         except StubError as err:
             return self._execute_error(err)
@@ -420,7 +533,7 @@ class PythonBackend(Backend):
             requested_output_names=[o.name for o in request.outputs] if request.outputs else all_outputs,
             flags=flags)
 
-    def _response(self, result: dict | ResponseError, request: RequestData) -> Tensors | TritonError:
+    def _response(self, result: dict | ResponseError, request: RequestData | None) -> Tensors | TritonError:
         if isinstance(result, ResponseError):
             return _ERROR_BY_CODE.get(result.code, Internal)(
                 f"model '{self.files.model_name}': {result.message}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import queue
 import re
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -46,6 +48,49 @@ class ResponseError:
 
     code: int           # pb_utils.TritonError code
     message: str
+
+
+class DecoupledHost(Protocol):
+    """Where a decoupled model's responses leave the stub: straight to the engine's senders
+    (thread mode) or over the worker's socket (process mode)."""
+
+    def respond(self, key: Any, response: "pb_utils.InferenceResponse | None", final: bool) -> None: ...
+
+    def cancelled(self, key: Any) -> bool: ...
+
+    def orphaned(self, key: Any) -> None:
+        """Called from a finalizer: close ``key`` soon (``OrphanCloser``), not from here."""
+
+    def flush(self) -> None:
+        """Called after execute returns: a chance to close orphans synchronously."""
+
+
+class OrphanCloser:
+    """Closes the requests whose sender was dropped without COMPLETE_FINAL. A finalizer may
+    run in any thread at any point, even inside a send holding its lock, so it only puts the
+    key on a queue (``SimpleQueue.put`` is safe there); a thread of its own sends the finals."""
+
+    def __init__(self, close: "Callable[[Any], None]") -> None:
+        self._close = close
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, key: Any) -> None:
+        self._queue.put(key)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="pb-orphan-closer")
+            try:
+                self._thread.start()
+            except RuntimeError:   # interpreter shutting down
+                pass
+
+    def _run(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                self._close(key)
+            except Exception:
+                pass
 
 
 class StubError(Exception):
@@ -139,15 +184,19 @@ class ModelStub:
             return self._loop.run_until_complete(result)
         return result
 
-    def execute(self, requests: list[RequestData]) -> list[dict[str, np.ndarray] | ResponseError]:
-        pb_requests = [
+    def _pb_requests(self, requests: list[RequestData]) -> list[pb_utils.InferenceRequest]:
+        version = int(self.args.get("model_version") or -1)
+        return [
             pb_utils.InferenceRequest(
                 model_name=self.model_name,
                 inputs=[pb_utils.Tensor(n, a) for n, a in r.inputs.items()],
                 requested_output_names=r.requested_output_names, request_id=r.request_id,
                 correlation_id=r.correlation_id, flags=r.flags, parameters=r.parameters,
-                model_version=int(self.args.get("model_version") or -1))
+                model_version=version)
             for r in requests]
+
+    def execute(self, requests: list[RequestData]) -> list[dict[str, np.ndarray] | ResponseError]:
+        pb_requests = self._pb_requests(requests)
         try:
             responses = self._await(self.model.execute(pb_requests))
         except BaseException as err:
@@ -161,6 +210,28 @@ class ModelStub:
                 f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, and "
                 f"InferenceResponse(s) size is:{len(responses)}")
         return [self._response_data(r) for r in responses]
+
+    def execute_decoupled(self, requests: list[RequestData], keys: list[Any], host: "DecoupledHost") -> None:
+        """A decoupled model's batch: request ``i`` answers through ``host`` under ``keys[i]``,
+        from any thread, until its sender sends COMPLETE_FINAL (or is dropped unsent, which
+        closes it: a request nobody can answer any more must not stay open)."""
+        pb_requests = self._pb_requests(requests)
+        for i, key in enumerate(keys):
+            pb_requests[i]._response_sender = pb_utils.InferenceResponseSender(host, key)
+        try:
+            result = self._await(self.model.execute(pb_requests))
+        except BaseException as err:
+            raise StubError.from_exception("execute", err) from None
+        finally:
+            del pb_requests   # senders the model did not keep close now, and flush sends them
+            host.flush()
+        if result is not None:
+            raise StubError("execute", f"Python model '{self.model_name}' is using the decoupled mode "
+                            "and the execute function must return None.")
+
+    @staticmethod
+    def response_data(response: Any) -> dict[str, np.ndarray] | ResponseError:
+        return ModelStub._response_data(response)
 
     @staticmethod
     def _response_data(response: Any) -> dict[str, np.ndarray] | ResponseError:

@@ -6,8 +6,10 @@ datatype table only: this module is what a model sees, so it must not drag the s
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import threading
 from typing import Any, Iterable
 
 import numpy as np
@@ -149,11 +151,8 @@ class Tensor:
 
 
 class InferenceRequest:
-    """One request of a batch handed to ``execute``.
-
-    Models may also build one to call another model (BLS); that is not supported here and
-    ``exec`` says so.
-    """
+    """One request of a batch handed to ``execute``, or one a model builds to call another
+    model (BLS: ``exec`` / ``async_exec``)."""
 
     def __init__(self, model_name: str = "", inputs: Iterable[Tensor] = (),
                  requested_output_names: Iterable[str] = (), request_id: str = "",
@@ -168,6 +167,8 @@ class InferenceRequest:
         self._flags = flags
         self._timeout = timeout
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters)
+        # Set by the stub on the requests it hands to a decoupled model's execute.
+        self._response_sender: InferenceResponseSender | None = None
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -197,19 +198,79 @@ class InferenceRequest:
         return self._model_version
 
     def is_cancelled(self) -> bool:
-        return False
+        sender = self._response_sender
+        return sender.is_cancelled() if sender is not None else False
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "decoupled models (response senders) are not supported by jupyter_triton")
+    def get_response_sender(self) -> "InferenceResponseSender":
+        if self._response_sender is None:
+            raise TritonModelException(
+                "Unable to get the response sender: it is given only to the requests of a model "
+                "with model_transaction_policy { decoupled: true }")
+        return self._response_sender
 
-    def exec(self, *args: Any, **kwargs: Any) -> Any:
-        raise TritonModelException(
-            "business logic scripting (InferenceRequest.exec) is not supported by jupyter_triton; "
-            "use an ensemble")
+    def exec(self, decoupled: bool = False) -> Any:
+        host = _BLS_HOST.get() or _default_bls_host
+        if host is None:
+            raise TritonModelException(
+                "Unable to run the BLS request: the model is not served by a server")
+        return host.bls_exec(self, decoupled)
 
-    async def async_exec(self, *args: Any, **kwargs: Any) -> Any:
-        self.exec()
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        import asyncio
+        return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)
+
+
+class InferenceResponseSender:
+    """``request.get_response_sender()``: where a decoupled model sends the responses of one
+    request, from any thread, also after ``execute`` has returned, until it sends
+    ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL``."""
+
+    def __init__(self, host: Any, key: Any) -> None:
+        self._host = host
+        self._key = key
+        self._closed = False
+        self._cancelled = False
+        self._lock = threading.Lock()
+
+    def send(self, response: "InferenceResponse | None" = None, flags: int = 0) -> None:
+        # Triton's checks and texts (python_backend response_sender.cc).
+        if flags != TRITONSERVER_RESPONSE_COMPLETE_FINAL and flags != 0:
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException(
+                "Inference Response object must be provided when the response flags is set to zero.")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"Unable to send response. Expected an InferenceResponse, got {type(response).__name__}.")
+        final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        with self._lock:
+            if self._closed:
+                raise TritonModelException("Unable to send response. Response sender has been closed.")
+            if final:
+                self._closed = True
+        self._host.respond(self._key, response, final)
+
+    def is_cancelled(self) -> bool:
+        # Once cancelled, always cancelled: the server is asked only until it says so.
+        if not self._cancelled and not self._closed:
+            self._cancelled = bool(self._host.cancelled(self._key))
+        return self._cancelled
+
+    def __del__(self) -> None:
+        # A request whose sender is dropped without COMPLETE_FINAL would stay open forever;
+        # the host closes it at its next safe point (never from inside a finalizer).
+        if not self._closed:
+            self._closed = True
+            try:
+                self._host.orphaned(self._key)
+            except Exception:
+                pass
+
+
+# Where BLS calls go: the executing model's host (thread mode keeps several models in one
+# process, so it is per context), else the process's one model (worker processes).
+_BLS_HOST: contextvars.ContextVar[Any] = contextvars.ContextVar("pb_utils_bls_host", default=None)
+_default_bls_host: Any = None
 
 
 class InferenceResponse:

@@ -20,13 +20,27 @@ nbytes) in a region.
                       or (tensors, id, correlation id, parameters, output names, flags)
                       ("o", region | None)   the bigger output region asked for (None: no room)
                       ("r",)   release every mapped region     ("f",)   finalize and leave
+                      ("xd", in_region, [meta], [key])   a decoupled model's batch
+                      ("cr", id, cancelled)   ("br", id, ...)   answers to the worker's questions
     worker -> server  ("ready", pid)  ("error", StubError tuple)  ("res", [tensors | (code, msg)])
-                      ("grow", nbytes)  ("r",)  ("done",)
+                      ("grow", nbytes)  ("r",)  ("done",)  ("xdone",)   a decoupled execute returned
+                      ("d", key, {name: array} | None, (code, msg) | None, final)   one response
+                      ("cq", id, key)   is request ``key`` cancelled?   ("b", id, ...) a BLS call
+                      ("m", ...)   a custom-metric operation
+
+Either side may send at any time. The worker's socket is read by whichever of its threads
+waits (``_Demux``). On the server, the thread that runs a batch reads until the batch is done
+and hands side messages on (the non-decoupled path: no thread hand-off per batch); a decoupled
+model's worker has a reader thread of its own, because its responses come after execute has
+returned. Decoupled responses carry their tensors inside the message (the regions belong to
+one batch at a time).
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
+import itertools
 import ctypes
 import json
 import logging
@@ -36,6 +50,7 @@ import pickle
 import queue
 import select
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -45,7 +60,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
-from .stub import ModelStub, RequestData, ResponseError, StubError, run_auto_complete_config
+from .stub import ModelStub, OrphanCloser, RequestData, ResponseError, StubError, run_auto_complete_config
 
 log = logging.getLogger(__name__)
 
@@ -188,50 +203,164 @@ def _region(regions: dict[str, ShmRegion], name: str) -> ShmRegion:
     return region
 
 
+class _Demux:
+    """The worker's end of the socket, shared by the main loop (batches) and the model's own
+    threads (decoupled responses, cancellation queries, BLS calls): whoever waits reads, one
+    at a time, and hands what it reads to its waiter. The main loop reads while idle, so a
+    batch costs no thread hand-off."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self._cond = threading.Condition()
+        self._reading = False
+        self._eof = False
+        self._commands: collections.deque = collections.deque()
+        self._replies: dict[Any, Any] = {}
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def send(self, msg: Any) -> None:
+        with self._send_lock:
+            self.chan.send(msg)
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        cond = self._cond
+        with cond:
+            while not ready():
+                if self._eof:
+                    raise EOFError
+                if self._reading:
+                    cond.wait()
+                    continue
+                self._reading = True
+                cond.release()
+                try:
+                    msg = self.chan.recv()
+                except (EOFError, OSError):
+                    msg = None
+                finally:
+                    cond.acquire()
+                    self._reading = False
+                if msg is None:
+                    self._eof = True
+                elif msg[0] in _REPLIES:
+                    self._replies["o" if msg[0] == "o" else msg[1]] = msg
+                else:
+                    self._commands.append(msg)
+                cond.notify_all()
+
+    def command(self) -> Any:
+        """The next batch / release / finalize message; ``EOFError`` when the server is gone."""
+        commands = self._commands
+        self._wait(lambda: commands)
+        return commands.popleft()
+
+    def reply(self, key: Any) -> Any:
+        replies = self._replies
+        self._wait(lambda: key in replies)
+        return replies.pop(key)
+
+    def call(self, kind: str, *args: Any) -> Any:
+        """Ask the server and wait for its answer (``(kind, id, answer...)``)."""
+        call_id = next(self._ids)
+        self.send((kind, call_id, *args))
+        return self.reply(call_id)
+
+
+# Server -> worker messages that answer a waiter rather than start work.
+_REPLIES = frozenset({"o", "cr", "br"})
+
+
+class _WorkerHost:
+    """A decoupled model's responses and questions, over the worker's socket. Response
+    tensors travel inside the message: they leave at any time, where the output region is
+    a batch's."""
+
+    def __init__(self, demux: _Demux) -> None:
+        self.demux = demux
+        self._orphans = OrphanCloser(lambda key: demux.send(("d", key, None, None, True)))
+
+    def respond(self, key: Any, response: Any, final: bool) -> None:
+        if response is None:
+            self.demux.send(("d", key, None, None, final))
+            return
+        data = ModelStub.response_data(response)
+        if isinstance(data, ResponseError):
+            self.demux.send(("d", key, None, (data.code, data.message), final))
+        else:
+            self.demux.send(("d", key, data, None, final))
+
+    def cancelled(self, key: Any) -> bool:
+        return bool(self.demux.call("cq", key)[2])
+
+    def orphaned(self, key: Any) -> None:
+        self._orphans.put(key)
+
+    def flush(self) -> None:
+        pass
+
+
 def _serve(chan: Channel, stub: ModelStub, regions: dict[str, ShmRegion], all_outputs: list[str]) -> None:
+    demux = _Demux(chan)
+    host = _WorkerHost(demux)
     while True:
         try:
-            msg = chan.recv()
-        except (EOFError, OSError):   # the server went away: nothing left to serve
+            msg = demux.command()
+        except EOFError:   # the server went away: nothing left to serve
             return
         kind = msg[0]
         if kind == "f":
             try:
                 stub.finalize()
-                chan.send(("done",))
+                demux.send(("done",))
             except StubError as err:
-                chan.send(("error", err.to_tuple()))
+                demux.send(("error", err.to_tuple()))
             return
         if kind == "r":
             for region in regions.values():
                 region.close()
             regions.clear()
-            chan.send(("r",))
+            demux.send(("r",))
+            continue
+        if kind == "xd":
+            _, in_name, metas, keys = msg
+            requests = _requests(regions, in_name, "", metas, all_outputs)
+            try:
+                stub.execute_decoupled(requests, keys, host)
+                demux.send(("xdone",))
+            except StubError as err:
+                demux.send(("error", err.to_tuple()))
             continue
         _, in_name, out_name, metas = msg
-        if in_name not in regions or out_name not in regions:
-            for stale in [n for n in regions if n != in_name and n != out_name]:
-                regions.pop(stale).close()
-        in_region = _region(regions, in_name) if in_name else None
-        requests = []
-        for meta in metas:
-            if type(meta) is list:
-                refs, rid, cid, params, names, flags = meta, "", 0, "{}", None, 0
-            else:
-                refs, rid, cid, params, names, flags = meta
-            requests.append(RequestData(
-                inputs=in_region.read(refs) if in_region is not None and refs else {},
-                request_id=rid, correlation_id=cid, parameters=params,
-                requested_output_names=list(all_outputs) if names is None else names, flags=flags))
+        requests = _requests(regions, in_name, out_name, metas, all_outputs)
         try:
             results = stub.execute(requests)
         except StubError as err:
-            chan.send(("error", err.to_tuple()))
+            demux.send(("error", err.to_tuple()))
             continue
-        _send_results(chan, regions, out_name, results)
+        _send_results(demux, regions, out_name, results)
 
 
-def _send_results(chan: Channel, regions: dict[str, ShmRegion], out_name: str,
+def _requests(regions: dict[str, ShmRegion], in_name: str, out_name: str, metas: list,
+              all_outputs: list[str]) -> list[RequestData]:
+    if in_name not in regions or (out_name and out_name not in regions):
+        for stale in [n for n in regions if n != in_name and n != out_name]:
+            regions.pop(stale).close()
+    in_region = _region(regions, in_name) if in_name else None
+    requests = []
+    for meta in metas:
+        if type(meta) is list:
+            refs, rid, cid, params, names, flags = meta, "", 0, "{}", None, 0
+        else:
+            refs, rid, cid, params, names, flags = meta
+        requests.append(RequestData(
+            inputs=in_region.read(refs) if in_region is not None and refs else {},
+            request_id=rid, correlation_id=cid, parameters=params,
+            requested_output_names=list(all_outputs) if names is None else names, flags=flags))
+    return requests
+
+
+def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
                   results: list[dict | ResponseError]) -> None:
     layouts: list[Any] = []
     end = 0
@@ -250,7 +379,7 @@ def _send_results(chan: Channel, regions: dict[str, ShmRegion], out_name: str,
         # Let go of the small region first: its pages count against /dev/shm until unmapped.
         regions.pop(out_name).close()
         chan.send(("grow", end))
-        msg = chan.recv()
+        msg = chan.reply("o")
         if msg[1] is None:    # no room: the server fails this batch
             return
         out_region = _region(regions, msg[1])
@@ -259,6 +388,12 @@ def _send_results(chan: Channel, regions: dict[str, ShmRegion], out_name: str,
 
 
 # ---------------------------------------------------------------------------- server side
+
+# Worker -> server messages that are not answers to the server's own request: metrics,
+# BLS calls (the reader, or the thread that waits for a batch, hands them on).
+_SIDE = frozenset({"b", "m"})
+_ALIVE = object()
+_DIED = ("died",)
 
 class _Spawner:
     """Starts every worker from one daemon thread: PR_SET_PDEATHSIG fires when the thread
@@ -315,17 +450,30 @@ def _start_process(target: Callable, name: str, args: tuple) -> tuple[Connection
 class WorkerProcess:
     """The server's handle on one worker process and the two regions it reads and writes."""
 
-    def __init__(self, model_py: str, args: dict[str, str], label: str) -> None:
+    def __init__(self, model_py: str, args: dict[str, str], label: str, decoupled: bool = False,
+                 side: Callable[["WorkerProcess", Any], None] | None = None) -> None:
         self.model_py = model_py
         self.args = args
         self.label = label
         self.ready = False
+        self.decoupled = decoupled
+        #: why open decoupled requests are failed when the worker ends: (kind, message),
+        #: set by whoever kills it on purpose before the kill
+        self.end_reason: tuple[str, str] | None = None
+        self._side = side
         self._conn: Connection | None = None
         self._chan: Channel | None = None
         self._poll: Any = None
         self._process: Any = None
         self._in: ShmRegion | None = None
         self._out: ShmRegion | None = None
+        self._send_lock = threading.Lock()
+        # Decoupled models only: a reader thread owns the socket once the worker is ready.
+        self._reader: threading.Thread | None = None
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._exitcode: Any = _ALIVE
+        self._sinks: dict[int, Any] = {}
+        self._keys = itertools.count(1)
 
     @property
     def pid(self) -> int | None:
@@ -349,12 +497,12 @@ class WorkerProcess:
         if msg[0] == "error":
             raise StubError(*msg[1])
         self.ready = True
+        if self.decoupled:
+            self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                            name=f"triton-python-reader-{self.label}")
+            self._reader.start()
 
-    def execute(self, requests: list[RequestData], timeout: float | None = None,
-                all_outputs: list[str] | None = None) -> list[dict | ResponseError]:
-        """Run one batch. Raises ``StubError`` when execute raised, ``WorkerDied`` on death,
-        ``WorkerTimeout`` past ``timeout`` seconds (the worker is killed), and
-        ``SharedMemoryFull`` when the batch does not fit in /dev/shm (the worker lives on)."""
+    def _stage_inputs(self, requests: list[RequestData], all_outputs: list[str] | None) -> list:
         staged, end, metas = [], 0, []
         for req in requests:
             s, end = stage(req.inputs, end)
@@ -371,6 +519,14 @@ class WorkerProcess:
             self._grow("_in", end)
         if staged:
             self._in.write(staged)
+        return metas
+
+    def execute(self, requests: list[RequestData], timeout: float | None = None,
+                all_outputs: list[str] | None = None) -> list[dict | ResponseError]:
+        """Run one batch. Raises ``StubError`` when execute raised, ``WorkerDied`` on death,
+        ``WorkerTimeout`` past ``timeout`` seconds (the worker is killed), and
+        ``SharedMemoryFull`` when the batch does not fit in /dev/shm (the worker lives on)."""
+        metas = self._stage_inputs(requests, all_outputs)
         if self._out is None:
             self._grow("_out", 0)
         deadline = None if not timeout else time.monotonic() + timeout
@@ -392,6 +548,79 @@ class WorkerProcess:
         return [out.read(item) if type(item) is list else ResponseError(*item)
                 for item in msg[1]]
 
+    def execute_decoupled(self, requests: list[RequestData], sinks: list[Any],
+                          timeout: float | None = None, all_outputs: list[str] | None = None) -> None:
+        """A decoupled batch: returns when the model's execute has returned; request ``i``'s
+        responses reach ``sinks[i].deliver(outputs, error, final)`` from the reader thread,
+        and ``sinks[i].fail(kind, message)`` closes it if the worker ends first. Raises as
+        ``execute`` does."""
+        metas = self._stage_inputs(requests, all_outputs)
+        keys = []
+        for sink in sinks:
+            key = next(self._keys)
+            self._sinks[key] = sink
+            keys.append(key)
+        self._send(("xd", self._in.name if self._in is not None else "", metas, keys))
+        msg = self._recv("execute", timeout)
+        if msg[0] == "error":
+            raise StubError(*msg[1])
+
+    def open_requests(self) -> int:
+        """Decoupled requests whose final response has not been sent yet."""
+        return len(self._sinks)
+
+    def _read_loop(self) -> None:
+        chan, sinks, replies = self._chan, self._sinks, self._replies
+        poll = select.poll()
+        poll.register(chan.fd, select.POLLIN)
+        poll.register(self._process.sentinel, select.POLLIN)
+        try:
+            while True:
+                msg = chan.take()
+                if msg is not None:
+                    kind = msg[0]
+                    if kind == "d":
+                        _, key, outputs, error, final = msg
+                        sink = sinks.pop(key, None) if final else sinks.get(key)
+                        if sink is not None:
+                            sink.deliver(outputs, error, final)
+                    elif kind == "cq":
+                        sink = sinks.get(msg[2])
+                        self._send(("cr", msg[1], True if sink is None else sink.cancelled()))
+                    elif kind in _SIDE:
+                        self._side_message(msg)
+                    else:
+                        replies.put(msg)
+                    continue
+                events = poll.poll()
+                if any(fd == chan.fd for fd, _ in events):
+                    try:
+                        if chan.fill():
+                            continue
+                    except OSError:
+                        pass
+                break
+        except BaseException:   # a bug here must not leave requests open forever
+            log.exception("python worker %s: reader failed", self.label)
+        finally:
+            self._exitcode = self._reap()
+            replies.put(_DIED)
+            kind, message = self.end_reason or (
+                "died", f"the python worker died ({describe_exit(self._exitcode)})")
+            while sinks:
+                _, sink = sinks.popitem()
+                try:
+                    sink.fail(kind, message)
+                except Exception:
+                    log.exception("python worker %s: failing an open request", self.label)
+
+    def _side_message(self, msg: Any) -> None:
+        if self._side is not None:
+            try:
+                self._side(self, msg)
+            except Exception:
+                log.exception("python worker %s: side message %r failed", self.label, msg[0])
+
     def _grow(self, attr: str, nbytes: int) -> None:
         old = getattr(self, attr)
         if old is not None:
@@ -410,19 +639,32 @@ class WorkerProcess:
 
     def _send(self, msg: Any) -> None:
         try:
-            self._chan.send(msg)
+            with self._send_lock:
+                self._chan.send(msg)
         except (BrokenPipeError, ConnectionResetError, OSError):
             raise WorkerDied(self._reap()) from None
+
+    def send_side(self, msg: Any) -> None:
+        """An answer to a side message (BLS), from any thread; a dead worker is not an error."""
+        try:
+            self._send(msg)
+        except WorkerDied:
+            pass
 
     def _recv(self, what: str, timeout: float | None = None, deadline: float | None = None) -> Any:
         """The next message; ``WorkerTimeout`` (after killing the worker) past ``deadline``
         (or ``timeout`` seconds from now), ``WorkerDied`` when the worker goes."""
         if deadline is None and timeout:
             deadline = time.monotonic() + timeout
+        if self._reader is not None:
+            return self._recv_queued(what, timeout, deadline)
         chan = self._chan
         while True:
             msg = chan.take()
             if msg is not None:
+                if msg[0] in _SIDE:
+                    self._side_message(msg)
+                    continue
                 return msg
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
             events = self._poll.poll(wait_ms)
@@ -442,6 +684,24 @@ class WorkerProcess:
                     pass
             raise WorkerDied(self._reap())
 
+    def _recv_queued(self, what: str, timeout: float | None, deadline: float | None) -> Any:
+        if self._exitcode is not _ALIVE:
+            raise WorkerDied(self._exitcode)
+        try:
+            msg = self._replies.get(timeout=None if deadline is None
+                                    else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            if self.end_reason is None:
+                self.end_reason = ("timeout", f"{what} did not finish within {timeout or 0:g} s; "
+                                   "the worker was killed")
+            self.kill()
+            self._reader.join(10)
+            raise WorkerTimeout(what, timeout or 0) from None
+        if msg is _DIED:
+            self._replies.put(_DIED)   # for whoever asks next
+            raise WorkerDied(self._exitcode)
+        return msg
+
     def kill(self) -> None:
         """SIGKILL now; safe from another thread while a batch waits on this worker."""
         process = self._process
@@ -452,6 +712,15 @@ class WorkerProcess:
                 pass
 
     def hang_up(self) -> None:
+        if self._reader is not None and self._reader.is_alive() and self._chan is not None:
+            # The reader polls this fd: shut the socket down (the worker sees end-of-file)
+            # and let close() release the fd once the reader has left.
+            try:
+                with socket.socket(fileno=os.dup(self._chan.fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -460,6 +729,8 @@ class WorkerProcess:
             self._conn = None
 
     def _reap(self) -> int | None:
+        if self._process is None:
+            return None
         self._process.join(5)
         if self._process.is_alive():   # closed its socket but lives on: not ours to trust
             self._process.kill()
@@ -470,6 +741,8 @@ class WorkerProcess:
         """Run ``finalize`` (bounded by ``timeout``), then end the process and free its regions."""
         error = None
         grace = 2.0
+        if self.end_reason is None:
+            self.end_reason = ("closed", "the model instance was unloaded")
         try:
             if self.ready and self._process is not None and self._process.is_alive():
                 self._send(("f",))
@@ -494,9 +767,15 @@ class WorkerProcess:
             if grace > 0:
                 self._process.join(grace)
             if self._process.is_alive():
+                if self.end_reason is None:
+                    self.end_reason = ("closed", "the model instance was unloaded")
                 self._process.kill()
                 self._process.join(5)
-            self._process = None
+        if self._reader is not None:
+            self._reader.join(10)
+            self._reader = None
+            self.hang_up()
+        self._process = None
         for attr in ("_in", "_out"):
             region = getattr(self, attr)
             if region is not None:
