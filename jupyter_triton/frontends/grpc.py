@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
+from . import observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 from .grpc_h2 import H2GrpcServer, serve_h2
@@ -377,8 +378,14 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- not offered ----------------------------------------------------------------------
-    TraceSetting = _unimplemented(TRACE, "trace setting")
-    LogSettings = _unimplemented(LOGGING, "log settings")
+    # -- trace and logging extensions (frontends/observability.py) ------------------------
+    @_rpc(TRACE)
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context) -> pb.TraceSettingResponse:
+        return observability.grpc_trace_setting(self.engine, request)
+
+    @_rpc(LOGGING)
+    async def LogSettings(self, request: pb.LogSettingsRequest, context) -> pb.LogSettingsResponse:
+        return observability.grpc_log_settings(self.engine, request)
 
 
 def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
