@@ -1,0 +1,291 @@
+"""Triton's trace extension: tritonclient's trace-settings calls over HTTP and gRPC, and the
+trace JSON a traced request writes (timestamps, tensors, an ensemble's steps as children)."""
+from __future__ import annotations
+
+import http.client
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import build_repository
+from jupyter_triton.engine import EngineOptions
+from jupyter_triton.standalone import start_in_thread
+
+pytestmark = pytest.mark.timeout(120)
+
+PAIR = """name: "pair"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "A", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "B", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "simple" model_version: -1
+    input_map { key: "INPUT0" value: "A" } input_map { key: "INPUT1" value: "B" }
+    output_map { key: "OUTPUT0" value: "sum" } },
+  { model_name: "simple" model_version: -1
+    input_map { key: "INPUT0" value: "sum" } input_map { key: "INPUT1" value: "B" }
+    output_map { key: "OUTPUT0" value: "OUT" } } ] }
+"""
+STARTUP = {"trace_file": "", "trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+           "trace_count": "-1", "log_frequency": "0", "trace_mode": "triton"}
+STAMPS = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END",
+          "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END"]
+
+
+def repository(root: Path) -> Path:
+    build_repository(root)
+    (root / "pair" / "1").mkdir(parents=True)
+    (root / "pair" / "config.pbtxt").write_text(PAIR)
+    return root
+
+
+def start(root: Path, *trace_config: str):
+    return start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit",
+                                         load_models=["*"], trace_config=list(trace_config)),
+                           host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    return repository(tmp_path_factory.mktemp("trace") / "models")
+
+
+@pytest.fixture
+def server(repo: Path, tmp_path: Path):
+    trace_file = tmp_path / "trace.json"
+    server = start(repo, f"triton,file={trace_file}", "level=TIMESTAMPS", "rate=1")
+    server.trace_file = trace_file
+    yield server
+    server.close()
+
+
+def startup(server) -> dict:
+    return {**STARTUP, "trace_file": str(server.trace_file)}
+
+
+def http_client(server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}", network_timeout=30)
+
+
+def infer_simple(client, request_id: str = "", model: str = "simple") -> np.ndarray:
+    a = np.arange(4, dtype=np.float32).reshape(1, 4)
+    inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(np.ones_like(a))
+    return client.infer(model, inputs, request_id=request_id).as_numpy("OUTPUT0")
+
+
+def infer_pair(client, request_id: str = "") -> np.ndarray:
+    a = np.arange(4, dtype=np.float32).reshape(1, 4)
+    inputs = [httpclient.InferInput("A", [1, 4], "FP32"), httpclient.InferInput("B", [1, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(np.full_like(a, 10.0))
+    return client.infer("pair", inputs, request_id=request_id).as_numpy("OUT")
+
+
+def traces(entries: list[dict]) -> dict[int, dict]:
+    """Trace file entries grouped per trace id: its head, its timestamps, its tensors."""
+    out: dict[int, dict] = {}
+    for e in entries:
+        t = out.setdefault(e["id"], {"stamps": {}, "tensors": []})
+        if "model_name" in e:
+            t["head"] = e
+        for stamp in e.get("timestamps", []):
+            t["stamps"][stamp["name"]] = stamp["ns"]
+        if "activity" in e:
+            t["tensors"].append(e)
+    return out
+
+
+def post(server, path: str, body: bytes) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    status, data = resp.status, json.loads(resp.read() or b"{}")
+    conn.close()
+    return status, data
+
+
+def test_http_settings_as_triton(server):
+    client = http_client(server)
+    assert "trace" in client.get_server_metadata()["extensions"]
+    initial = startup(server)
+    assert client.get_trace_settings() == initial
+    assert client.get_trace_settings(model_name="simple") == initial
+
+    # a model's own settings override field by field; the rest follow the global ones
+    model = client.update_trace_settings(model_name="simple",
+                                         settings={"trace_rate": "12", "log_frequency": "34"})
+    assert model == {**initial, "trace_rate": "12", "log_frequency": "34"}
+    glob = client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS", "TENSORS"],
+                                                  "trace_rate": "56"})
+    assert glob == {**initial, "trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "56"}
+    assert client.get_trace_settings(model_name="simple") == {
+        **initial, "trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "12", "log_frequency": "34"}
+
+    # clearing: a model's setting falls back to the global one, a global one to its startup value
+    assert client.update_trace_settings(model_name="simple", settings={"trace_rate": None}) == {
+        **initial, "trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "56", "log_frequency": "34"}
+    assert client.update_trace_settings(settings={"trace_level": None, "trace_rate": None}) == initial
+    assert client.update_trace_settings(model_name="simple", settings={"log_frequency": None}) == initial
+
+    with pytest.raises(InferenceServerException, match="trace file location can not be updated"):
+        client.update_trace_settings(model_name="simple", settings={"trace_file": "elsewhere.log"})
+    with pytest.raises(InferenceServerException, match="Request for unknown model : does-not-exist"):
+        client.get_trace_settings(model_name="does-not-exist")
+    with pytest.raises(InferenceServerException, match="Request for unknown model : does-not-exist"):
+        client.update_trace_settings(model_name="does-not-exist", settings={"trace_rate": "2"})
+    assert client.get_trace_settings() == initial          # a refused update changed nothing
+
+
+def test_http_bad_settings_are_400(server):
+    for body, words in ((b'{"trace_rate": "abc"}', "trace_rate"),
+                        (b'{"trace_rate": "0"}', "trace_rate"),
+                        (b'{"trace_level": ["LOUD"]}', "LOUD"),
+                        (b'{"trace_level": ["OFF", "TENSORS"]}', "OFF"),
+                        (b'{"trace_count": "-2"}', "trace_count"),
+                        (b'{"no_such_setting": "1"}', "no_such_setting"),
+                        (b'[1, 2]', "JSON object"),
+                        (b'{"trace_rate": ', "JSON")):
+        status, reply = post(server, "/v2/trace/setting", body)
+        assert status == 400, (body, reply)
+        assert words in reply["error"]
+    assert http_client(server).get_trace_settings() == startup(server)
+
+
+def test_grpc_settings_as_triton(server):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    initial = startup(server)
+
+    def plain(response) -> dict:
+        return {k: list(v.value) if k == "trace_level" else v.value[0]
+                for k, v in response.settings.items()}
+
+    assert plain(client.get_trace_settings()) == initial
+    assert plain(client.get_trace_settings(model_name="simple")) == initial
+    assert plain(client.update_trace_settings(model_name="simple", settings={"trace_count": "3"})) == \
+        {**initial, "trace_count": "3"}
+    assert plain(client.update_trace_settings(settings={"trace_level": ["TENSORS"]})) == \
+        {**initial, "trace_level": ["TENSORS"]}
+    assert plain(client.get_trace_settings(model_name="simple")) == \
+        {**initial, "trace_level": ["TENSORS"], "trace_count": "3"}
+    # None clears (tritonclient sends an empty value)
+    assert plain(client.update_trace_settings(model_name="simple", settings={"trace_count": None})) == \
+        {**initial, "trace_level": ["TENSORS"]}
+    assert plain(client.update_trace_settings(settings={"trace_level": None})) == initial
+    with pytest.raises(InferenceServerException, match="trace file location can not be updated"):
+        client.update_trace_settings(settings={"trace_file": "x"})
+    with pytest.raises(InferenceServerException, match="unknown trace level"):
+        client.update_trace_settings(settings={"trace_level": ["LOUD"]})
+    with pytest.raises(InferenceServerException, match="Request for unknown model : nope"):
+        client.get_trace_settings(model_name="nope")
+    client.close()
+
+
+def test_traced_requests_write_triton_trace_json(repo: Path, tmp_path: Path):
+    trace_file = tmp_path / "trace.json"
+    server = start(repo, f"triton,file={trace_file}", "level=TIMESTAMPS", "rate=1")
+    try:
+        client = http_client(server)
+        np.testing.assert_allclose(infer_simple(client, "req-1"), [[1, 2, 3, 4]])
+        np.testing.assert_allclose(infer_pair(client, "req-2"), [[20, 21, 22, 23]])
+    finally:
+        server.close()              # log_frequency 0: the file is complete at shutdown
+    entries = json.loads(trace_file.read_text())
+    assert isinstance(entries, list)
+    by_id = traces(entries)
+    assert len(by_id) == 4          # simple, and the ensemble with its two steps
+    [simple] = [t for t in by_id.values() if t["head"].get("request_id") == "req-1"]
+    assert simple["head"]["model_name"] == "simple" and simple["head"]["model_version"] == 1
+    assert "parent_id" not in simple["head"]
+    assert list(simple["stamps"]) == STAMPS
+    ns = [simple["stamps"][name] for name in STAMPS]
+    assert ns == sorted(ns) and ns[-1] > ns[0]
+
+    [parent] = [t for t in by_id.values() if t["head"]["model_name"] == "pair"]
+    assert parent["head"]["request_id"] == "req-2" and parent["head"]["model_version"] == 1
+    children = [t for t in by_id.values() if t["head"].get("parent_id") == parent["head"]["id"]]
+    assert [c["head"]["model_name"] for c in children] == ["simple", "simple"]
+    for child in children:
+        assert list(child["stamps"]) == STAMPS
+        # every step happens within its ensemble's request
+        assert parent["stamps"]["REQUEST_START"] <= child["stamps"]["REQUEST_START"]
+        assert child["stamps"]["REQUEST_END"] <= parent["stamps"]["REQUEST_END"]
+    first, second = sorted(children, key=lambda c: c["stamps"]["REQUEST_START"])
+    assert first["stamps"]["REQUEST_END"] <= second["stamps"]["COMPUTE_START"]
+
+
+def test_tensors_rate_and_count(server):
+    client = http_client(server)
+    client.update_trace_settings(model_name="simple", settings={"trace_level": ["TENSORS"]})
+    infer_simple(client, "tensors")
+    recent = traces(server.engine.tracing.recent())
+    [traced] = [t for t in recent.values() if t["head"].get("request_id") == "tensors"]
+    by_name = {(e["activity"], e["tensor"]["name"]): e["tensor"] for e in traced["tensors"]}
+    assert by_name[("TENSOR_QUEUE_INPUT", "INPUT0")] == {
+        "name": "INPUT0", "data": "0.0,1.0,2.0,3.0", "shape": "1,4", "dtype": "FP32"}
+    assert by_name[("TENSOR_BACKEND_OUTPUT", "OUTPUT0")]["data"] == "1.0,2.0,3.0,4.0"
+
+    # every 2nd request, 2 traces in all; then the count says none remain
+    client.update_trace_settings(model_name="simple", settings={"trace_level": ["TIMESTAMPS"],
+                                                                 "trace_rate": "2", "trace_count": "2"})
+    before = len(traces(server.engine.tracing.recent()))
+    for i in range(8):
+        infer_simple(client, f"counted-{i}")
+    counted = [t for t in traces(server.engine.tracing.recent()).values()
+               if t["head"].get("request_id", "").startswith("counted-")]
+    assert sorted(t["head"]["request_id"] for t in counted) == ["counted-1", "counted-3"]
+    assert len(traces(server.engine.tracing.recent())) == before + 2
+    assert client.get_trace_settings(model_name="simple")["trace_count"] == "0"
+    assert client.get_trace_settings()["trace_count"] == "-1"
+
+    # level OFF for the model: its requests go untraced while the others still are
+    client.update_trace_settings(model_name="simple", settings={"trace_level": ["OFF"],
+                                                                 "trace_count": None})
+    infer_simple(client, "off")
+    infer_pair(client, "pair-on")
+    heads = [t["head"] for t in traces(server.engine.tracing.recent()).values()]
+    assert not any(h.get("request_id") == "off" for h in heads)
+    assert any(h.get("request_id") == "pair-on" for h in heads)
+
+
+def test_log_frequency_writes_numbered_files(repo: Path, tmp_path: Path):
+    trace_file = tmp_path / "trace.json"
+    server = start(repo, f"triton,file={trace_file}", "triton,log-frequency=2", "level=TIMESTAMPS",
+                   "rate=1")
+    try:
+        client = http_client(server)
+        for i in range(5):
+            infer_simple(client, f"n{i}")
+        # 2 traces a file as they are collected; the fifth waits for shutdown
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json.0", "trace.json.1"]
+    finally:
+        server.close()
+    files = sorted(tmp_path.glob("trace.json.*"))
+    assert [p.name for p in files] == ["trace.json.0", "trace.json.1", "trace.json.2"]
+    ids = [[t["head"]["request_id"] for t in traces(json.loads(p.read_text())).values()]
+           for p in files]
+    assert ids == [["n0", "n1"], ["n2", "n3"], ["n4"]]
+
+
+def test_tracing_off_leaves_requests_untraced(repo: Path):
+    server = start(repo)
+    try:
+        client = http_client(server)
+        assert client.get_trace_settings()["trace_level"] == ["OFF"]
+        assert server.engine.tracing.on is False
+        infer_simple(client)
+        assert server.engine.tracing.recent() == []
+        # switched on over the protocol, the next request is traced (default rate 1000:
+        # set 1 to see it)
+        client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+        assert server.engine.tracing.on is True
+        infer_simple(client, "now")
+        assert [e["request_id"] for e in server.engine.tracing.recent() if "request_id" in e] == ["now"]
+    finally:
+        server.close()
