@@ -1,13 +1,14 @@
 """Triton's trace and logging extensions as the skins serve them: the JSON of
 ``v2[/models/{m}]/trace/setting`` and ``v2/logging``, and the gRPC ``TraceSetting`` and
 ``LogSettings`` messages. The state lives in the engine (``engine.tracing``) and in the
-process's logging (``engine.server_log``)."""
+process's logging (``engine/server_log.py``: logging is per process)."""
 from __future__ import annotations
 
 from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
+from ..engine.server_log import SERVER_LOG
 from ..protocol.errors import InvalidArgument, NotFound, TritonError
 
 
@@ -45,8 +46,7 @@ def grpc_trace_setting(engine: Any, request: pb.TraceSettingRequest) -> pb.Trace
 
 def log_settings(engine: Any, updates: dict | None) -> dict:
     """GET (``updates`` None) or POST of ``v2/logging``."""
-    log = engine.server_log
-    return log.settings() if not updates else log.update(updates)
+    return SERVER_LOG.settings() if not updates else SERVER_LOG.update(updates)
 
 
 def grpc_log_settings(engine: Any, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:

@@ -1,0 +1,163 @@
+"""Triton's logging extension over Python logging: the server's log settings (``log_info``,
+``log_warning``, ``log_error``, ``log_verbose_level``, ``log_format``, ``log_file``) applied
+to the ``jupyter_triton`` loggers.
+
+Python logging is per process, so these settings are too: one ``SERVER_LOG``. The
+standalone server ``install``s it (tritonserver's ``--log-*`` flags): a handler of its own
+on the ``jupyter_triton`` logger, in Triton's line format, that lets through exactly the
+kinds that are on. Inside Jupyter the server's logging belongs to Jupyter: there the
+settings move the ``jupyter_triton`` logger's level only (the most verbose kind that is on).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+from ..protocol.errors import InvalidArgument, Unsupported
+
+FORMATS = ("default", "ISO8601")
+_LETTER = {logging.DEBUG: "V", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
+           logging.CRITICAL: "E"}
+
+
+class _Kinds(logging.Filter):
+    def __init__(self, log: "ServerLog") -> None:
+        super().__init__()
+        self.log = log
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        log = self.log
+        if record.levelno >= logging.ERROR:
+            return log.error
+        if record.levelno >= logging.WARNING:
+            return log.warning
+        if record.levelno >= logging.INFO:
+            return log.info
+        return log.verbose_level > 0
+
+
+class TritonFormatter(logging.Formatter):
+    """tritonserver's log lines: ``I1201 11:31:13.123456 4242 model.py:87] text`` (default)
+    or ``2026-12-01T11:31:13Z I 4242 model.py:87] text`` (ISO8601)."""
+
+    def __init__(self, log_format: str = "default") -> None:
+        super().__init__()
+        self.log_format = log_format
+
+    def format(self, record: logging.LogRecord) -> str:
+        letter = _LETTER.get(record.levelno, "I")
+        where = f"{record.process} {os.path.basename(record.pathname)}:{record.lineno}]"
+        if self.log_format == "ISO8601":
+            head = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created)) + f" {letter}"
+        else:
+            local = time.localtime(record.created)
+            micros = int((record.created % 1) * 1e6)
+            head = f"{letter}{time.strftime('%m%d %H:%M:%S', local)}.{micros:06d}"
+        text = f"{head} {where} {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+class ServerLog:
+    """The server's log settings; ``settings()`` is Triton's ``v2/logging`` JSON."""
+
+    def __init__(self, logger: str = "jupyter_triton") -> None:
+        self.logger = logging.getLogger(logger)
+        self.log_file = ""
+        self.info = self.warning = self.error = True
+        self.verbose_level = 0
+        self.log_format = "default"
+        self.handler: logging.Handler | None = None
+        self._lock = threading.Lock()
+
+    def install(self, *, log_file: str = "", info: bool = True, warning: bool = True,
+                error: bool = True, verbose_level: int = 0, log_format: str = "default") -> None:
+        """Own the server's log output (the standalone server; tritonserver's --log-* flags)."""
+        if log_format not in FORMATS:
+            raise InvalidArgument(f"log format must be one of {', '.join(FORMATS)}, got '{log_format}'")
+        with self._lock:
+            if self.handler is not None:
+                self.logger.removeHandler(self.handler)
+                self.handler.close()
+            handler: logging.Handler = (logging.FileHandler(log_file, encoding="utf-8") if log_file
+                                        else logging.StreamHandler(sys.stderr))
+            handler.addFilter(_Kinds(self))
+            self.handler = handler
+            self.log_file = log_file
+            self.info, self.warning, self.error = info, warning, error
+            self.verbose_level, self.log_format = verbose_level, log_format
+            handler.setFormatter(TritonFormatter(log_format))
+            self.logger.addHandler(handler)
+            self.logger.propagate = False
+            self._apply()
+
+    def uninstall(self) -> None:
+        with self._lock:
+            if self.handler is not None:
+                self.logger.removeHandler(self.handler)
+                self.handler.close()
+                self.handler = None
+            self.logger.propagate = True
+            self.logger.setLevel(logging.NOTSET)
+
+    def settings(self) -> dict[str, Any]:
+        return {"log_file": self.log_file, "log_info": self.info, "log_warning": self.warning,
+                "log_error": self.error, "log_verbose_level": self.verbose_level,
+                "log_format": self.log_format}
+
+    def update(self, updates: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply a client's settings; the whole update is checked before any of it applies
+        (Triton's names and refusals)."""
+        checked: dict[str, Any] = {}
+        for name, value in updates.items():
+            if name == "log_file":
+                raise Unsupported("log file location can not be updated through network protocol")
+            if name in ("log_info", "log_warning", "log_error"):
+                if not isinstance(value, bool):
+                    raise InvalidArgument(f"expect boolean for '{name}'")
+            elif name == "log_verbose_level":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidArgument(f"expect unsigned integer for '{name}'")
+            elif name == "log_format":
+                if not isinstance(value, str):
+                    raise InvalidArgument(f"expect string for '{name}'")
+                if value not in FORMATS:
+                    raise InvalidArgument(f"invalid argument for log_format, got '{value}'")
+            else:
+                raise InvalidArgument(f"unknown log setting '{name}'")
+            checked[name] = value
+        with self._lock:
+            for name, value in checked.items():
+                if name == "log_verbose_level":
+                    self.verbose_level = value
+                elif name == "log_format":
+                    self.log_format = value
+                    if self.handler is not None:
+                        self.handler.setFormatter(TritonFormatter(value))
+                else:
+                    setattr(self, name[len("log_"):], value)
+            self._apply()
+        return self.settings()
+
+    def _apply(self) -> None:
+        # The threshold is the most verbose kind that is on; the handler's filter (when
+        # installed) drops the kinds that are off above it.
+        if self.verbose_level > 0:
+            level = logging.DEBUG
+        elif self.info:
+            level = logging.INFO
+        elif self.warning:
+            level = logging.WARNING
+        elif self.error:
+            level = logging.ERROR
+        else:
+            level = logging.CRITICAL + 1
+        self.logger.setLevel(level)
+
+
+SERVER_LOG = ServerLog()
