@@ -56,6 +56,14 @@ def dashboard(name: str | None = None, interval: float = 1.0):
     return _dashboard(name, interval)
 
 
+def tune(model, max_batch_size=None, max_queue_delay_us=None, concurrency=(1, 8),
+         seconds: float = 3.0, slo_p99_ms: float | None = None, **options):
+    """Measure batching configs under load and recommend one; see ``jupyter_triton.kernel.tune``."""
+    from .kernel.tune import tune as _tune
+    return _tune(model, max_batch_size, max_queue_delay_us, concurrency, seconds, slo_p99_ms,
+                 **options)
+
+
 def connection():
     from .kernel.api import connection as _connection
     return _connection()

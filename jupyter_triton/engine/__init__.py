@@ -14,6 +14,7 @@ from .. import __version__
 from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
+from .bls import Bls
 from .lifecycle import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
@@ -32,6 +33,7 @@ class Engine(ModelLifecycle):
             raise ValueError(f"model control mode must be one of {CONTROL_MODES}")
         super().__init__(options)
         self.shared_memory = SharedMemoryRegistry(max_input_size=options.max_input_size)
+        self.server_calls = Bls(self)       # what models call other models with (BLS)
         self.tracing = Tracing(parse_trace_config(options.trace_config))
 
     async def stop(self) -> None:

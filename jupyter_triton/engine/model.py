@@ -12,11 +12,12 @@ from typing import Any, AsyncIterator
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import InstanceSpec, ModelFiles, backend_class
-from ..backends.base import BackendDead, ServerCalls
+from ..backends.base import BackendDead
 from ..backends.devices import resolve_kind
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
+from .bls import Bls
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .instances import Instance, InstancePool, run_in_daemon_thread
 from .memory import LoadProbe
@@ -65,12 +66,12 @@ class ModelVersion:
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,
                  ensemble: tuple[LookupConfig, InferFn] | None = None, *,
-                 max_output_size: int = 0, server_calls: ServerCalls | None = None) -> None:
+                 max_output_size: int = 0, server_calls: Bls | None = None) -> None:
         self.config = config
         # model_transaction_policy { decoupled: true }: zero or more responses per request,
         # only through infer_stream
         self.decoupled = bool(config.model_transaction_policy.decoupled)
-        self.server_calls = server_calls      # BLS: what the backend calls other models with
+        self.server_calls = server_calls      # BLS: how this model's backends call other models
         self.max_buffered = DEFAULT_MAX_BUFFERED
         self.max_output_size = max_output_size
         self.ensemble = ensemble      # an ensemble's ways to see and run its composing models
@@ -120,10 +121,11 @@ class ModelVersion:
         files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
                            self.config.default_model_filename or cls.default_filename)
         loop = asyncio.get_running_loop()
+        calls = self.server_calls.for_model(self.name) if self.server_calls is not None else None
 
         def make(spec: InstanceSpec, group: mc.ModelInstanceGroup | None) -> Instance:
             backend = cls(self.config, files, spec)
-            backend.server_calls = self.server_calls
+            backend.server_calls = calls
             backend.load()
             instance = Instance(backend)
             if group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None:
@@ -296,6 +298,8 @@ class ModelVersion:
         requests fail with Unavailable, the stuck thread is left behind (a daemon thread,
         so it does not hold the process at exit) and unloading moves on."""
         self.status = VersionStatus(UNLOADING)
+        if isinstance(self.scheduler, SequenceBatcher):
+            self.scheduler.unloading()      # a backlogged sequence would hold the drain
         try:
             await asyncio.wait_for(self._idle.wait(), drain_seconds)
         except asyncio.TimeoutError:

@@ -18,6 +18,8 @@ from .handle import ServedModel
 from .knobs import Knobs, apply_knobs
 
 _announced: set[int] = set()
+#: the artifact this kernel last served under each name: what ``tune`` loads under other names
+uploaded: dict[str, Any] = {}
 
 
 def connection(refresh: bool = False) -> Connection:
@@ -66,6 +68,7 @@ def _upload(name: str, artifact: Any) -> ServedModel:
     started = time.monotonic()
     client.load(name, artifact.config_json(), artifact.files)
     elapsed = time.monotonic() - started
+    uploaded[name] = artifact
     versions = client.metadata(name)["versions"]
     return ServedModel(name, max(int(v) for v in versions), conn, notes=artifact.notes,
                        load_seconds=elapsed)

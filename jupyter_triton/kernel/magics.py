@@ -149,6 +149,9 @@ class TritonMagics(Magics):
                 api.unload(rest[0])
                 print(f"unloaded '{rest[0]}'")
                 return None
+            if command == "tune":        # %triton tune NAME --max-batch-size 8,32 ... (kernel/tune.py)
+                from .tune import tune_line
+                return tune_line(line.split(None, 1)[1] if rest else "")
             if command == "dashboard":
                 return api.dashboard(rest[0] if rest else None)
             if command == "connection":
