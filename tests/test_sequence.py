@@ -2,8 +2,12 @@
 repository the test writes, called with tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -76,3 +80,280 @@ def test_unimplemented_sequence_features_are_refused_at_load(repo: Path, server)
         client.load_model("iterative")
     assert "sequence_batching" in str(err.value)
     assert not client.is_model_ready("iterative")
+
+
+# An accumulator that keeps its sums itself, per correlation id, in the instance that runs
+# it (as Triton's qa sequence models keep theirs per batch slot): a request routed to the
+# wrong instance would miss its sum. It logs every execution for the test to read.
+ACCUMULATOR_PY = '''
+import json
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+        self.instance = args["model_instance_name"]
+        self.log = os.path.join(args["model_repository"], "executions.jsonl")
+        config = json.loads(args["model_config"])
+        self.sleep = float(config["parameters"]["SLEEP_S"]["string_value"])
+
+    def execute(self, requests):
+        time.sleep(self.sleep)
+        entry = {"instance": self.instance, "corrid": [], "ready": [], "start": [], "end": []}
+        responses = []
+        for request in requests:
+            get = lambda name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+            x, corrid = get("INPUT"), get("CORRID")
+            start, end, ready = get("START"), get("END"), get("READY")
+            key = corrid.item()
+            key = key.decode() if isinstance(key, bytes) else int(key)
+            entry["corrid"].append(key)
+            for name, flag in (("ready", ready), ("start", start), ("end", end)):
+                entry[name].append(float(flag.item()))
+            if ready.item():
+                total = (0 if start.item() else self.sums.get(key, 0)) + int(x.item())
+                self.sums[key] = total
+                if end.item():
+                    self.sums.pop(key, None)
+                out = np.full(x.shape, total, dtype=np.int32)
+            else:
+                out = np.zeros(x.shape, dtype=np.int32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out)]))
+        with open(self.log, "a") as f:
+            f.write(json.dumps(entry) + "\\n")
+        return responses
+'''
+
+ACCUMULATOR_CONFIG = '''
+name: "{name}"
+backend: "python"
+max_batch_size: {max_batch_size}
+sequence_batching {{
+  {strategy}
+  max_sequence_idle_microseconds: {idle_us}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {corrid_type} }} ] }}
+  ]
+}}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: {dims} }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: {dims} }} ]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+parameters {{ key: "SLEEP_S" value: {{ string_value: "{sleep_s}" }} }}
+'''
+
+
+def accumulator(root: Path, name: str = "acc", *, max_batch_size: int = 2, instances: int = 1,
+                strategy: str = "direct { }", idle_us: int = 60_000_000,
+                corrid_type: str = "TYPE_UINT64", sleep_s: float = 0.0) -> Path:
+    (root / name / "1").mkdir(parents=True, exist_ok=True)
+    (root / name / "1" / "model.py").write_text(ACCUMULATOR_PY)
+    (root / name / "config.pbtxt").write_text(ACCUMULATOR_CONFIG.format(
+        name=name, max_batch_size=max_batch_size, strategy=strategy, idle_us=idle_us,
+        corrid_type=corrid_type, instances=instances, sleep_s=sleep_s,
+        # the tests send [1, 1] either way: a batch of one row, or the whole tensor
+        dims="[ 1 ]" if max_batch_size else "[ 1, 1 ]"))
+    return root / name
+
+
+def executions(model_dir: Path) -> list[dict]:
+    path = model_dir / "executions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def send(client, model: str, value: int, sequence_id, start: bool = False,
+         end: bool = False) -> int:
+    data = np.full([1, 1], value, dtype=np.int32)
+    inp = httpclient.InferInput("INPUT", list(data.shape), "INT32")
+    inp.set_data_from_numpy(data)
+    result = client.infer(model, [inp], sequence_id=sequence_id, sequence_start=start,
+                          sequence_end=end)
+    return int(result.as_numpy("OUTPUT").item())
+
+
+def http(server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}", concurrency=8)
+
+
+def load(server, name: str) -> httpclient.InferenceServerClient:
+    client = http(server)
+    client.load_model(name)
+    return client
+
+
+def test_simple_sequence_errors_as_triton(repo: Path, server) -> None:
+    simple_sequence(repo)
+    client = load(server, "simple_sequence")
+    assert send(client, "simple_sequence", 0, 5, start=True) == 1
+    assert send(client, "simple_sequence", 11, 5) == 11
+    assert send(client, "simple_sequence", 7, 5, end=True) == 7
+    with pytest.raises(InferenceServerException) as err:      # ended: START needed again
+        send(client, "simple_sequence", 3, 5)
+    assert err.value.status() == "400"
+    assert "inference request for sequence 5 to model 'simple_sequence' must specify the " \
+           "START flag on the first request of the sequence" in str(err.value)
+    for no_id in (0, ""):
+        with pytest.raises(InferenceServerException) as err:
+            send(client, "simple_sequence", 3, no_id, start=True)
+        assert "must specify a non-zero or non-empty correlation ID" in str(err.value)
+    two = np.zeros([2, 1], dtype=np.int32)
+    inp = httpclient.InferInput("INPUT", [2, 1], "INT32")
+    inp.set_data_from_numpy(two)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("simple_sequence", [inp], sequence_id=9, sequence_start=True)
+    assert "must specify batch-size 1 due to requirements of sequence batcher" in str(err.value)
+    # a string correlation id works like a number
+    assert send(client, "simple_sequence", 20, "a-uuid", start=True) == 21
+    assert send(client, "simple_sequence", -7, "a-uuid", end=True) == -7
+
+
+def test_start_on_an_active_sequence_restarts_it(repo: Path, server) -> None:
+    accumulator(repo)
+    client = load(server, "acc")
+    assert send(client, "acc", 5, 77, start=True) == 5
+    assert send(client, "acc", 6, 77) == 11
+    assert send(client, "acc", 1, 77, start=True) == 1     # the old sequence ends here
+    assert send(client, "acc", 2, 77, end=True) == 3
+
+
+def test_two_instances_interleaved_sequences_stay_on_their_instance(repo: Path, server) -> None:
+    model_dir = accumulator(repo, max_batch_size=2, instances=2, sleep_s=0.02, strategy=(
+        "direct { max_queue_delay_microseconds: 200000 minimum_slot_utilization: 1.0 }"))
+    client = load(server, "acc")
+    ids = [101, 102, 103, 104]
+    values = {sid: [sid % 10 + k for k in range(6)] for sid in ids}
+    got: dict[int, list[int]] = {sid: [] for sid in ids}
+    errors: list[BaseException] = []
+
+    def run(sid: int) -> None:
+        try:
+            own = http(server)       # tritonclient.http (gevent) is one client per thread
+            vals = values[sid]
+            for k, v in enumerate(vals):
+                got[sid].append(send(own, "acc", v, sid, start=k == 0, end=k == len(vals) - 1))
+        except BaseException as err:    # reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(sid,)) for sid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for sid in ids:
+        assert got[sid] == list(np.cumsum(values[sid]))
+    runs = executions(model_dir)
+    where: dict[int, set[str]] = {}
+    for entry in runs:
+        assert len(entry["corrid"]) <= 2                      # one request per slot
+        real = [c for c, r in zip(entry["corrid"], entry["ready"]) if r]
+        assert len(real) == len(set(real))                    # never two of one sequence
+        for c in real:
+            where.setdefault(c, set()).add(entry["instance"])
+        for c, r in zip(entry["corrid"], entry["ready"]):
+            if not r:
+                assert c == 0                                 # a null request fills a slot
+    assert all(len(instances) == 1 for instances in where.values())
+    assert {i for s in where.values() for i in s} == {"acc_0_0", "acc_0_1"}
+    # the batcher waited for both slots of an instance (minimum_slot_utilization 1.0):
+    # 4 sequences x 6 requests ran in about 12 batches, not 24
+    assert sum(sum(e["ready"]) == 2 for e in runs) >= 8
+
+
+def test_idle_slot_gets_a_null_request(repo: Path, server) -> None:
+    model_dir = accumulator(repo, max_batch_size=2)
+    client = load(server, "acc")
+    assert send(client, "acc", 1, 31, start=True) == 1      # slot 0
+    assert send(client, "acc", 2, 32, start=True) == 2      # slot 1
+    assert send(client, "acc", 3, 31, end=True) == 4        # slot 0 is free again
+    assert send(client, "acc", 4, 32) == 6
+    last = executions(model_dir)[-1]
+    assert last["corrid"] == [0, 32] and last["ready"] == [0.0, 1.0]
+    assert last["start"] == [0.0, 0.0] and last["end"] == [0.0, 0.0]
+
+
+def test_backlog_waits_for_a_free_slot(repo: Path, server) -> None:
+    accumulator(repo, max_batch_size=0)          # one slot: a second sequence waits
+    client = load(server, "acc")
+    assert send(client, "acc", 1, 1, start=True) == 1
+    answer: dict = {}
+    waiter = threading.Thread(target=lambda: answer.setdefault(
+        "v", send(http(server), "acc", 40, 2, start=True, end=True)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()                     # backlogged behind sequence 1
+    assert send(client, "acc", 2, 1, end=True) == 3
+    waiter.join(30)
+    assert answer["v"] == 40
+
+
+def test_idle_sequence_loses_its_slot(repo: Path, server) -> None:
+    accumulator(repo, max_batch_size=0, idle_us=300_000)
+    client = load(server, "acc")
+    assert send(client, "acc", 4, 8, start=True) == 4
+    assert send(client, "acc", 4, 8) == 8
+    time.sleep(0.8)
+    with pytest.raises(InferenceServerException) as err:
+        send(client, "acc", 1, 8)
+    assert "must specify the START flag" in str(err.value)
+    # the freed slot serves the next sequence at once
+    assert send(client, "acc", 9, 10, start=True, end=True) == 9
+
+
+def test_oldest_batches_the_oldest_sequences(repo: Path, server) -> None:
+    model_dir = accumulator(repo, max_batch_size=4, strategy=(
+        "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] "
+        "max_queue_delay_microseconds: 200000 }"), corrid_type="TYPE_STRING", sleep_s=0.01)
+    client = load(server, "acc")
+    ids = ["s1", "s2", "s3", "s4"]
+    got: dict[str, list[int]] = {sid: [] for sid in ids}
+    barrier = threading.Barrier(len(ids))
+
+    def run(sid: str) -> None:
+        own = http(server)
+        for k in range(3):
+            barrier.wait(30)
+            got[sid].append(send(own, "acc", k + 1, sid, start=k == 0, end=k == 2))
+
+    threads = [threading.Thread(target=run, args=(sid,)) for sid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(got[sid] == [1, 3, 6] for sid in ids)
+    runs = executions(model_dir)
+    assert all(all(e["ready"]) for e in runs)             # oldest has no null requests
+    assert all(len(set(e["corrid"])) == len(e["corrid"]) for e in runs)
+    # each step's four requests met within the delay: batches of the preferred size 4
+    assert [len(e["corrid"]) for e in runs] == [4, 4, 4]
+    assert {tuple(e["start"]) for e in runs} == {(1.0,) * 4, (0.0,) * 4}
+    assert [e["end"] for e in runs][-1] == [1.0] * 4
+
+
+def test_unload_fails_backlogged_requests(repo: Path, server) -> None:
+    accumulator(repo, max_batch_size=0, sleep_s=0.0)
+    client = load(server, "acc")
+    assert send(client, "acc", 1, 1, start=True) == 1
+    outcome: dict = {}
+
+    def waiting() -> None:
+        try:
+            outcome["v"] = send(http(server), "acc", 2, 2, start=True)
+        except InferenceServerException as err:
+            outcome["err"] = err
+
+    waiter = threading.Thread(target=waiting)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()
+    client.unload_model("acc")
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert "unloaded" in str(outcome["err"]) and outcome["err"].status() == "503"
