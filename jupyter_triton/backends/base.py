@@ -6,6 +6,7 @@ time (the engine never calls ``execute`` concurrently on the same instance).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Protocol
@@ -87,6 +88,11 @@ class Backend:
     #: True for runtimes that implement ``execute_decoupled``
     supports_decoupled: ClassVar[bool] = False
 
+    #: (compute_input, compute_output) nanoseconds of the last ``execute``: the tensor
+    #: copies in and out around the model, which Triton's statistics report apart from
+    #: compute_infer. A backend that can tell them apart sets it in ``execute``.
+    io_ns: tuple[int, int] = (0, 0)
+
     def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
         self.config = config
         self.files = files
@@ -128,11 +134,15 @@ class TensorBackend(Backend):
 
     def execute(self, requests: list[Tensors],
                 infer_requests: list | None = None) -> list[Tensors | TritonError]:
+        self.io_ns = (0, 0)         # ``run`` may set its own copies in and out
         if len(requests) == 1 or self.config.max_batch_size == 0:
             return [self.run(r) for r in requests]
+        t0 = time.monotonic_ns()
         rows = [len(next(iter(r.values()))) if r else 0 for r in requests]
         merged = {name: np.concatenate([r[name] for r in requests], axis=0) for name in requests[0]}
+        t1 = time.monotonic_ns()
         outputs = self.run(merged)
+        t2 = time.monotonic_ns()
         total = sum(rows)
         for name, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != total:
@@ -140,5 +150,8 @@ class TensorBackend(Backend):
                     f"model '{self.files.model_name}' returned {value.shape[0] if value.ndim else 0} "
                     f"rows for output '{name}' but the batch had {total}")
         bounds = np.cumsum([0] + rows)
-        return [{name: value[lo:hi] for name, value in outputs.items()}
-                for lo, hi in zip(bounds[:-1], bounds[1:])]
+        split = [{name: value[lo:hi] for name, value in outputs.items()}
+                 for lo, hi in zip(bounds[:-1], bounds[1:])]
+        run_in, run_out = self.io_ns
+        self.io_ns = (t1 - t0 + run_in, time.monotonic_ns() - t2 + run_out)
+        return split

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -264,8 +265,10 @@ class OnnxRuntimeBackend(TensorBackend):
     # -- run --------------------------------------------------------------------------------
 
     def run(self, inputs: Tensors) -> Tensors:
+        t0 = time.monotonic_ns()
         feeds = {name: self._feed(name, value) for name, value in inputs.items()}
         names = self._output_names
+        t1 = time.monotonic_ns()
         try:
             if self._binding is not None:
                 values = self._run_bound(feeds, names)
@@ -277,6 +280,7 @@ class OnnxRuntimeBackend(TensorBackend):
             # ORT says INVALID_ARGUMENT for what the request sent (shapes, values)
             kind = InvalidArgument if type(err).__name__ == "InvalidArgument" else Internal
             raise kind(f"onnx runtime error running model '{self.config.name}': {err}") from None
+        t2 = time.monotonic_ns()
         outputs = {}
         for name, value in zip(names, values):
             value = np.asarray(value)
@@ -288,6 +292,7 @@ class OnnxRuntimeBackend(TensorBackend):
             want = self._output_dtypes[name]
             outputs[name] = value if value.dtype == want and want != np.object_ else \
                 as_config_dtype(value, self._output_types[name])
+        self.io_ns = (t1 - t0, time.monotonic_ns() - t2)
         return outputs
 
     def _feed(self, name: str, value: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -343,7 +344,9 @@ class PyTorchBackend(TensorBackend):
     def run(self, inputs: Tensors) -> Tensors:
         torch = _torch()
         cfg = self.config
+        t0 = time.monotonic_ns()
         args = [self._to_torch(torch, name, inputs[name]) for name in self._input_order]
+        t1 = time.monotonic_ns()
         mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
         try:
             with mode, torch.jit.optimized_execution(self._optimized):
@@ -353,7 +356,10 @@ class PyTorchBackend(TensorBackend):
         except Exception as err:
             raise InvalidArgument(f"PyTorch execute failure for model '{cfg.name}': "
                                   f"{str(err).strip().splitlines()[-1] if str(err).strip() else err}") from None
-        return self._outputs(torch, result)
+        t2 = time.monotonic_ns()
+        outputs = self._outputs(torch, result)
+        self.io_ns = (t1 - t0, time.monotonic_ns() - t2)
+        return outputs
 
     def _to_torch(self, torch, name: str, value: np.ndarray):
         data_type = next(i.data_type for i in self.config.input if i.name == name)

@@ -271,23 +271,28 @@ class InstancePool:
         if err is None:
             results, timing = outcome
         elif isinstance(err, TritonError):
-            results, timing = [err] * len(live), None
+            results, timing = [err] * len(live), getattr(err, "compute_ns", None)
         elif isinstance(err, Exception):   # a backend bug must fail its requests, not the server
             log.error("instance %s failed", instance.name, exc_info=err)
-            results, timing = [Internal(f"{instance.name}: {type(err).__name__}: {err}")] * len(live), None
+            results = [Internal(f"{instance.name}: {type(err).__name__}: {err}")] * len(live)
+            timing = getattr(err, "compute_ns", None)
         else:
             raise err
-        if timing is not None:
-            self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing)
+        failed = failed_rows = 0
         for p, result in zip(live, results):
             if p.request.trace is not None:         # engine/trace.py
                 p.request.trace.compute_end(timing)
-            if p.future.done():
-                continue
             if isinstance(result, BaseException):
-                p.future.set_exception(mark_failure(result, "BACKEND"))
-            else:
+                failed += 1
+                failed_rows += p.batch_size
+                if not p.future.done():
+                    p.future.set_exception(mark_failure(result, "BACKEND"))
+            elif not p.future.done():
                 p.future.set_result(result)
+        if timing is not None:
+            # Triton: a failed request counts in execution_count, not in inference_count
+            self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing,
+                                        failed_rows, failed)
 
     def close(self) -> None:
         for inst in self.instances:
@@ -298,19 +303,22 @@ class InstancePool:
 
 
 def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[list, tuple[int, int, int]]:
-    # Triton's compute_input/output cover tensor copies in and out; our backends do those
-    # inside execute, so the whole call is compute_infer and the copies count as zero-cost.
+    # Triton's compute_input/output cover the tensor copies in and out around the model; a
+    # backend that can tell them apart leaves them in ``io_ns`` (base.Backend), the rest of the
+    # call is compute_infer.
     t0 = time.monotonic_ns()
-    executing.requests = requests       # a BLS call made by this execute nests one deeper
     try:
         results = backend.execute(inputs, requests)
-    finally:
-        executing.requests = None
+    except BaseException as err:
+        # a failed execution still counts in execution_count and batch_stats (Triton)
+        err.compute_ns = (0, time.monotonic_ns() - t0, 0)  # type: ignore[attr-defined]
+        raise
     t1 = time.monotonic_ns()
     if len(results) != len(inputs):
         raise Internal(f"{backend.instance.name}: backend returned {len(results)} responses "
                        f"for {len(inputs)} requests")
-    return results, (0, t1 - t0, 0)
+    ci, co = backend.io_ns
+    return results, (ci, max(0, t1 - t0 - ci - co), co)
 
 
 def _run_decoupled(backend: Backend, inputs: list[dict], requests: list,

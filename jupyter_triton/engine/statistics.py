@@ -116,18 +116,23 @@ class ModelStatistics:
             self._samples["queue"].append(ns)
 
     def record_execution(self, batch_rows: int, n_requests: int, compute_input_ns: int,
-                         compute_infer_ns: int, compute_output_ns: int) -> None:
-        """One batch of ``n_requests`` requests (``batch_rows`` rows) ran once.
+                         compute_infer_ns: int, compute_output_ns: int, failed_rows: int = 0,
+                         failed_requests: int = 0) -> None:
+        """One batch of ``n_requests`` requests (``batch_rows`` rows) ran once, of which
+        ``failed_requests`` (``failed_rows`` rows) failed.
 
-        Like Triton, every request of the batch is charged the whole batch's compute time.
+        Like Triton 2.51: every execution counts in ``execution_count`` and ``batch_stats``,
+        but only requests that succeeded count in ``inference_count`` and in the
+        ``inference_stats`` compute durations (a failure lands in ``fail`` alone); every
+        request of the batch is charged the whole batch's compute time.
         """
         ci, cf, co = int(compute_input_ns), int(compute_infer_ns), int(compute_output_ns)
-        n = n_requests
+        n = n_requests - failed_requests
         repeat = min(n, SAMPLE_WINDOW)
         samples = self._samples
         with self._lock:
             self.execution_count += 1
-            self.inference_count += batch_rows
+            self.inference_count += batch_rows - failed_rows
             stat = self.batch_stats.get(batch_rows)
             if stat is None:
                 stat = self.batch_stats[batch_rows] = BatchStat(StatDuration(), StatDuration(), StatDuration())
@@ -138,6 +143,9 @@ class ModelStatistics:
             stat.compute_infer.ns += cf
             stat.compute_output.count += 1
             stat.compute_output.ns += co
+            self.last_inference = max(self.last_inference, _now_ms())
+            if n <= 0:
+                return
             self.compute_input.count += n
             self.compute_input.ns += n * ci
             self.compute_infer.count += n
@@ -152,7 +160,6 @@ class ModelStatistics:
                 samples["compute_input"].extend([ci] * repeat)
                 samples["compute_infer"].extend([cf] * repeat)
                 samples["compute_output"].extend([co] * repeat)
-            self.last_inference = max(self.last_inference, _now_ms())
 
     def record_queues(self, ns: list[int]) -> None:
         """Requests left the queue together, after ``ns`` nanoseconds each in it."""
