@@ -2,19 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import InstanceSpec, ModelFiles, backend_class
 from ..backends.base import BackendDead
 from ..backends.devices import resolve_kind
-from ..protocol.errors import InvalidArgument, TritonError, Unavailable
+from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
+from .bls import Bls
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .instances import Instance, InstancePool, run_in_daemon_thread
 from .memory import LoadProbe
@@ -23,6 +26,7 @@ from .response import OutputPlan, build_response
 from .scheduler import DirectScheduler, Pending, Scheduler
 from .sequence import SequenceBatcher, check_supported
 from .statistics import ModelStatistics, failure_reason
+from .streaming import DEFAULT_MAX_BUFFERED, CollectingSender, ResponseStream, decoupled_refusal
 from .validation import InputPlan, check_request
 from .warmup import warmup_samples
 
@@ -62,8 +66,13 @@ class ModelVersion:
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,
                  ensemble: tuple[LookupConfig, InferFn] | None = None, *,
-                 max_output_size: int = 0) -> None:
+                 max_output_size: int = 0, server_calls: Bls | None = None) -> None:
         self.config = config
+        # model_transaction_policy { decoupled: true }: zero or more responses per request,
+        # only through infer_stream
+        self.decoupled = bool(config.model_transaction_policy.decoupled)
+        self.server_calls = server_calls      # BLS: how this model's backends call other models
+        self.max_buffered = DEFAULT_MAX_BUFFERED
         self.max_output_size = max_output_size
         self.ensemble = ensemble      # an ensemble's ways to see and run its composing models
         self.name = config.name
@@ -80,6 +89,7 @@ class ModelVersion:
         self.load_seconds = 0.0
         self._inflight = 0
         self._futures: set[asyncio.Future] = set()     # unload fails what a hung model holds
+        self._streams: set[ResponseStream] = set()     # ... and ends the streams still open
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -103,12 +113,19 @@ class ModelVersion:
         if self.config.HasField("sequence_batching"):
             check_supported(self.config)
         cls = backend_class(self.backend_name)
+        if self.decoupled and not cls.supports_decoupled:
+            raise Unsupported(
+                f"failed to load '{self.name}' version {self.version}: the {self.backend_name} "
+                f"backend does not support models with decoupled transaction policy "
+                f"(model_transaction_policy {{ decoupled: true }})")
         files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
                            self.config.default_model_filename or cls.default_filename)
         loop = asyncio.get_running_loop()
+        calls = self.server_calls.for_model(self.name) if self.server_calls is not None else None
 
         def make(spec: InstanceSpec, group: mc.ModelInstanceGroup | None) -> Instance:
             backend = cls(self.config, files, spec)
+            backend.server_calls = calls
             backend.load()
             instance = Instance(backend)
             if group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None:
@@ -128,6 +145,7 @@ class ModelVersion:
                 await loop.run_in_executor(None, inst.close)
             raise errors[0]
         self.pool = InstancePool(instances, self.stats, self.rate_limiter)
+        self.pool.decoupled = self.decoupled
         try:
             await self._warmup(instances)
         except BaseException:
@@ -152,7 +170,12 @@ class ModelVersion:
         for inst in instances:
             for sample in samples:
                 for _ in range(sample.count):
-                    results = await loop.run_in_executor(inst.thread, inst.backend.execute, sample.requests())
+                    if self.decoupled:
+                        results = await loop.run_in_executor(
+                            inst.thread, _warmup_decoupled, inst.backend, self.name, sample.requests())
+                    else:
+                        results = await loop.run_in_executor(inst.thread, inst.backend.execute,
+                                                             sample.requests())
                     failed = [r for r in results if isinstance(r, BaseException)]
                     if failed:
                         raise failed[0]
@@ -161,6 +184,8 @@ class ModelVersion:
     async def infer(self, request: InferRequest) -> InferResponse:
         if self.status.state != READY or self.scheduler is None:
             raise Unavailable(f"Request for unknown model: '{self.name}' version {self.version} is not at ready state")
+        if self.decoupled:
+            raise decoupled_refusal(self.name, self.version)
         start = time.monotonic_ns()
         try:
             inputs, rows = check_request(self.config, request, self._inputs)
@@ -198,6 +223,74 @@ class ModelVersion:
         self.stats.record_success(time.monotonic_ns() - start)
         return response
 
+    def _build(self, request: InferRequest, outputs: dict) -> InferResponse:
+        return build_response(self.config, self.version, self.model_dir, request, outputs,
+                              self.max_output_size, self._outputs)
+
+    async def infer_stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """Every response of ``request``, the last with ``final``. A non-decoupled model's
+        one response (its errors raise, as from ``infer``). A decoupled model's refusals
+        (validation, a full queue) raise on the first ``__anext__``; what goes wrong later
+        (execute raising, its worker dying, unload) is the final response's ``error``.
+        Closing the iterator early cancels the request: its sender's ``is_cancelled()``."""
+        if not self.decoupled:
+            yield await self.infer(request)
+            return
+        if self.status.state != READY or self.scheduler is None:
+            raise Unavailable(f"Request for unknown model: '{self.name}' version {self.version} is not at ready state")
+        start = time.monotonic_ns()
+        try:
+            inputs, rows = check_request(self.config, request, self._inputs)
+            priority, timeout_ns = _schedule_params(request) if request.parameters else (0, 0)
+        except TritonError as err:
+            self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
+            raise
+        loop = asyncio.get_running_loop()
+        stream = ResponseStream(loop, request, self._build, self.stats, start, self.max_buffered,
+                                str(self.version))
+        future = loop.create_future()
+        future.add_done_callback(functools.partial(_executed, stream))
+        pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns,
+                          stream=stream)
+        self._inflight += 1
+        self._futures.add(future)
+        self._streams.add(stream)
+        self.stats.pending += 1
+        self._idle.clear()
+        try:
+            await self.scheduler.submit(pending)
+            while True:
+                response = await stream.get()
+                if response.final:
+                    break
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            # the reader went away (aclose, a cancelled task): the model sees is_cancelled()
+            stream.cancel()
+            future.cancel()
+            self.stats.record_failure("CANCELED", time.monotonic_ns() - start)
+            raise
+        except TritonError as err:          # refused by the scheduler: nothing ran
+            stream.cancel()
+            self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
+            raise
+        finally:
+            self._inflight -= 1
+            self._futures.discard(future)
+            self._streams.discard(stream)
+            if not pending.started:
+                self.stats.pending -= 1
+            if not self._inflight:
+                self._idle.set()
+        # counted before the final response is handed over: a reader may stop at it
+        if response.error is not None:
+            if isinstance(response.error, BackendDead):
+                self.status = VersionStatus(UNAVAILABLE, str(response.error))
+            self.stats.record_failure(failure_reason(response.error), time.monotonic_ns() - start)
+        else:
+            self.stats.record_success(time.monotonic_ns() - start)
+        yield response
+
     async def unload(self, drain_seconds: float = 30.0, close_seconds: float = 5.0) -> None:
         """Let requests in flight finish (bounded), then free the instances (bounded).
 
@@ -217,6 +310,8 @@ class ModelVersion:
             for future in list(self._futures):
                 if not future.done():
                     future.set_exception(error)
+            for stream in list(self._streams):
+                stream.close(error)
         if self.scheduler is not None:
             await self._bounded(asyncio.ensure_future(self.scheduler.close()), close_seconds,
                                 "stopping its scheduler")
@@ -246,3 +341,20 @@ def _schedule_params(request: InferRequest) -> tuple[int, int]:
     if priority < 0 or timeout_us < 0:
         raise InvalidArgument("request parameters 'priority' and 'timeout' must not be negative")
     return priority, timeout_us * 1000
+
+
+def _executed(stream: ResponseStream, future: asyncio.Future) -> None:
+    """A decoupled request's execute ended: if it failed (execute raised, the worker died,
+    unload gave up on it), the request's stream ends with that error unless the model
+    already sent its final response."""
+    if future.cancelled():
+        return
+    err = future.exception()
+    if err is not None:
+        stream.close(err if isinstance(err, TritonError) else Internal(f"{type(err).__name__}: {err}"))
+
+
+def _warmup_decoupled(backend: Any, model: str, requests: list[dict]) -> list:
+    senders = [CollectingSender() for _ in requests]
+    backend.execute_decoupled(requests, [InferRequest(model, id="warmup") for _ in requests], senders)
+    return [s.error for s in senders if s.error is not None]
