@@ -307,12 +307,15 @@ def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[
     # backend that can tell them apart leaves them in ``io_ns`` (base.Backend), the rest of the
     # call is compute_infer.
     t0 = time.monotonic_ns()
+    executing.requests = requests       # a BLS call made by this execute nests one deeper
     try:
         results = backend.execute(inputs, requests)
     except BaseException as err:
         # a failed execution still counts in execution_count and batch_stats (Triton)
         err.compute_ns = (0, time.monotonic_ns() - t0, 0)  # type: ignore[attr-defined]
         raise
+    finally:
+        executing.requests = None
     t1 = time.monotonic_ns()
     if len(results) != len(inputs):
         raise Internal(f"{backend.instance.name}: backend returned {len(results)} responses "
