@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-config", action="append", default=[],
                        help="e.g. summary_latencies=true")
     serve.add_argument("--log-verbose", type=int, default=0)
+    serve.add_argument("--log-info", type=_bool, default=True)
+    serve.add_argument("--log-warning", type=_bool, default=True)
+    serve.add_argument("--log-error", type=_bool, default=True)
+    serve.add_argument("--log-format", choices=("default", "ISO8601"), default="default")
+    serve.add_argument("--log-file", default="")
+    serve.add_argument("--trace-config", action="append", default=[],
+                       help="[<mode>,]<setting>=<value>, as tritonserver: level=TIMESTAMPS, "
+                            "rate=100, count=-1, mode=triton|opentelemetry, triton,file=PATH, "
+                            "triton,log-frequency=N, opentelemetry,url=...")
     serve.add_argument("--strict-readiness", type=_bool, default=_DEFAULTS.strict_readiness,
                        help="v2/health/ready is false while a model asked to load is not ready")
     serve.add_argument("--exit-timeout-secs", type=_non_negative(float), default=_DEFAULTS.exit_timeout_secs,
@@ -155,7 +164,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness, exit_timeout_secs=args.exit_timeout_secs,
         unload_timeout_secs=args.unload_timeout_secs, max_output_size=args.max_output_size,
-        keep_versions=args.keep_versions)
+        keep_versions=args.keep_versions, trace_config=args.trace_config)
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -188,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.log_verbose:
         # Like tritonserver: no line per request unless asked (it costs the event loop ~5%).
         logging.getLogger("tornado.access").setLevel(logging.WARNING)
+    if args.command == "serve":
+        from .engine.server_log import SERVER_LOG       # the logging extension's settings
+        SERVER_LOG.install(log_file=args.log_file, info=args.log_info, warning=args.log_warning,
+                           error=args.log_error, verbose_level=args.log_verbose,
+                           log_format=args.log_format)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.command == "serve":
         asyncio.run(_serve(args))
