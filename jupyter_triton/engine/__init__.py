@@ -24,7 +24,7 @@ from .trace import Tracing, parse_trace_config
 # Advertised only because each works end to end (perf_analyzer reads this list).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)",
               "schedule_policy", "model_configuration", "binary_tensor_data", "parameters",
-              "statistics", "system_shared_memory", "trace"]
+              "statistics", "system_shared_memory", "trace", "logging"]
 
 
 class Engine(ModelLifecycle):
