@@ -20,7 +20,7 @@ def notebooks() -> list[Path]:
 
 
 def test_the_four_notebooks_are_there():
-    assert [p.name[:2] for p in notebooks()] == ["01", "02", "03", "04"]
+    assert [p.name[:2] for p in notebooks()][:4] == ["01", "02", "03", "04"]
 
 
 @pytest.mark.parametrize("notebook", notebooks(), ids=lambda p: p.stem)
