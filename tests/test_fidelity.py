@@ -103,3 +103,43 @@ def _linear(rows: int) -> list[httpclient.InferInput]:
     inp = httpclient.InferInput("INPUT0", [rows, 16], "FP32")
     inp.set_data_from_numpy(np.ones((rows, 16), dtype=np.float32))
     return [inp]
+
+
+def _error(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as err:
+        call()
+    return err.value
+
+
+def test_after_unload_infer_and_metadata_answer_404_and_the_index_keeps_only_set_reasons(standalone):
+    # tritonserver 2.51 after unload: infer, metadata and config of the model answer 404
+    # "Request for unknown model: '<m>' has no available versions"; a named version 503
+    # "... version 1 is not at ready state"; the index row says "reason": "unloaded", and a
+    # READY row has no "reason" at all.
+    import tritonclient.grpc as grpcclient
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{standalone.http_port}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{standalone.grpc_port}")
+    try:
+        ready_rows = client.get_model_repository_index()
+        assert ready_rows and all("reason" not in row for row in ready_rows), ready_rows
+        client.unload_model("linear")
+        expected = "Request for unknown model: 'linear' has no available versions"
+        for call in (lambda: client.infer("linear", _linear(1)),
+                     lambda: client.get_model_metadata("linear"),
+                     lambda: client.get_model_config("linear")):
+            err = _error(call)
+            assert err.status() == "404" and err.message().startswith(expected), err
+        err = _error(lambda: client.infer("linear", _linear(1), model_version="1"))
+        assert err.status() == "503"
+        assert err.message() == "Request for unknown model: 'linear' version 1 is not at ready state"
+        infer_input = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        infer_input.set_data_from_numpy(np.ones((1, 16), dtype=np.float32))
+        err = _error(lambda: grpc.infer("linear", [infer_input]))
+        assert err.status() == "StatusCode.NOT_FOUND" and expected in err.message()
+        rows = {row["name"]: row for row in client.get_model_repository_index()}
+        assert rows["linear"] == {"name": "linear", "version": "1", "state": "UNAVAILABLE",
+                                  "reason": "unloaded"}
+        assert rows["simple"] == {"name": "simple", "version": "1", "state": "READY"}
+    finally:
+        client.close()
+        grpc.close()

@@ -138,8 +138,10 @@ class Engine(ModelLifecycle):
             for version, st in sorted(status.items()):
                 if ready_only and st.state != READY:
                     continue
+                # Triton leaves an empty reason out of the index
                 rows.append({"name": name, "version": str(version), "state": st.state,
-                             "reason": st.reason})
+                             "reason": st.reason} if st.reason else
+                            {"name": name, "version": str(version), "state": st.state})
         return rows
 
     def statistics(self, name: str = "", version: str = "") -> dict:
@@ -164,7 +166,8 @@ class Engine(ModelLifecycle):
             if not ready:
                 reasons = "; ".join([s.reason for s in entry.status.values() if s.reason]
                                     + ([entry.reason] if entry.reason else []))
-                raise Unavailable(f"Request for unknown model: '{name}' has no available versions"
+                # Triton 2.51: 404, also after an unload or a failed load
+                raise NotFound(f"Request for unknown model: '{name}' has no available versions"
                                   + (f" ({reasons})" if reasons else ""))
             return entry.serving[max(ready)]
         try:
