@@ -156,14 +156,15 @@ class _RememberedRoutes(routing.ReversibleRouter):
 
     LIMIT = 1024                 # paths remembered (the path is the client's choice)
 
-    def __init__(self, router: routing.RuleRouter, prefix: str | None) -> None:
-        self.router, self.prefix = router, prefix
+    def __init__(self, router: routing.RuleRouter, prefixes: tuple[str, ...] | None) -> None:
+        self.router, self.prefixes = router, prefixes
+        self.prefix = prefixes[0] if prefixes else None
         self.rules = router.rules
         self.matches: dict[str, tuple] = {}
 
     def find_handler(self, request: httputil.HTTPServerRequest, **kwargs):
         path = request.path
-        if self.prefix is not None and not path.startswith(self.prefix):
+        if self.prefixes is not None and not path.startswith(self.prefixes):
             return None
         hit = self.matches.get(path)
         if hit is None:
@@ -201,12 +202,14 @@ def remember_routes(web_app: web.Application, classes: set[type]) -> bool:
             continue
         if not all(type(r.matcher) is routing.PathMatches for r in rules):
             return False
-        prefix: str | None = url_path_join(web_app.settings.get("base_url", "/"), "v2")
+        base = web_app.settings.get("base_url", "/")
+        # v2/ (Triton's routes) and v1/ (OpenAI's, frontends/openai.py)
+        prefixes: tuple[str, ...] | None = (url_path_join(base, "v2"), url_path_join(base, "v1"))
         # The prefix test is sound only where the prefix reads literally as a pattern.
-        if not (all(c.isalnum() or c in "/_-~" for c in prefix)
-                and all(r.matcher.regex.pattern.startswith(prefix) for r in rules)):
-            prefix = None
-        rule.target = _RememberedRoutes(router, prefix)
+        if not (all(c.isalnum() or c in "/_-~" for c in "".join(prefixes))
+                and all(r.matcher.regex.pattern.startswith(prefixes) for r in rules)):
+            prefixes = None
+        rule.target = _RememberedRoutes(router, prefixes)
         return True
     return False
 

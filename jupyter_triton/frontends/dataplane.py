@@ -22,13 +22,16 @@ import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from ..config import config_to_json
 from ..engine import Engine
-from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
+from . import openai
+from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_events,
+                       generate_request, generate_response, is_empty_final)
 from . import observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, PermissionDenied)
@@ -59,6 +62,9 @@ class Reply:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     close: bool = False         # the skin closes the connection after writing it
+    # A streamed body (server-sent events): the skin writes ``body`` chunks as they come,
+    # chunked, and closes the iterator when done or when the client goes away.
+    stream: AsyncIterator[bytes] | None = None
 
 
 def json_reply(obj: Any, status: int = 200) -> Reply:
@@ -424,6 +430,80 @@ def _output_bytes(response: InferResponse) -> int:
                for t in response.outputs if t.data is not None)
 
 
+async def _generate_request(plane: DataPlane, call: Call) -> tuple[Any, bool]:
+    model, version = call.params["model"], _version(call)
+    config = plane.engine.model_config(model, version)
+    request = generate_request(config, model, version, await plane.json_body(call))
+    return request, config.max_batch_size > 0
+
+
+async def model_generate(plane: DataPlane, call: Call) -> Reply:
+    """Triton's generate extension: one JSON object in, the model's one response out (a
+    decoupled model that sends more is told to use generate_stream)."""
+    request, batched = await _generate_request(plane, call)
+    responses = plane.engine.infer_stream(request)
+    found: InferResponse | None = None
+    try:
+        async for response in responses:
+            if response.error is not None:
+                raise response.error if isinstance(response.error, TritonError) else \
+                    Internal(f"model '{request.model_name}' failed: {response.error}")
+            if is_empty_final(response):
+                continue
+            if found is not None:
+                raise InvalidArgument(
+                    f"model '{request.model_name}' sent more than one response; use "
+                    "generate_stream for a model that streams its responses")
+            found = response
+    finally:
+        await close_stream(responses)
+    if found is None:
+        raise Internal(f"model '{request.model_name}' sent no response")
+    return json_reply(generate_response(found, batched))
+
+
+async def model_generate_stream(plane: DataPlane, call: Call) -> Reply:
+    """Triton's generate_stream: server-sent events, one per response. A request refused
+    before inference begins is a JSON error with its status, as any other route's."""
+    request, batched = await _generate_request(plane, call)
+    responses = plane.engine.infer_stream(request)
+    first = await first_response(responses)
+    return Reply(200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"},
+                 stream=generate_events(first, responses, batched))
+
+
+async def openai_models(plane: DataPlane, call: Call) -> Reply:
+    try:
+        if "model" in call.params:
+            return json_reply(openai.model_card(plane.engine, call.params["model"]))
+        return json_reply(openai.model_list(plane.engine))
+    except TritonError as err:
+        return json_reply(openai.error_body(err), err.status)
+
+
+async def openai_completions(plane: DataPlane, call: Call) -> Reply:
+    return await _openai(plane, call, chat=False)
+
+
+async def openai_chat_completions(plane: DataPlane, call: Call) -> Reply:
+    return await _openai(plane, call, chat=True)
+
+
+async def _openai(plane: DataPlane, call: Call, chat: bool) -> Reply:
+    """OpenAI's completions over the engine (frontends/openai.py maps both ways); its
+    errors in OpenAI's shape."""
+    try:
+        job = openai.prepare(plane.engine, await plane.json_body(call), chat)
+        responses = plane.engine.infer_stream(job.request)
+        if not job.stream:
+            return json_reply(await openai.complete(job, responses))
+        first = await first_response(responses)
+        return Reply(200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"},
+                     stream=openai.events(job, first, responses))
+    except TritonError as err:
+        return json_reply(openai.error_body(err), err.status)
+
+
 async def shm_status(plane: DataPlane, call: Call) -> Reply:
     return json_reply(plane.engine.shared_memory.status(call.params.get("region", "")))
 
@@ -487,6 +567,10 @@ ROUTES: list[Route] = [
     Route(rf"v2/models/{_MODEL}{_VERSION}/config", "ModelConfig", MODEL_CONFIG, {"GET": model_config}),
     Route(rf"v2/models/{_MODEL}{_VERSION}/infer", "ModelInfer", INFERENCE, {"POST": model_infer},
           streams_body=True),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/generate", "ModelGenerate", INFERENCE,
+          {"POST": model_generate}, streams_body=True),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/generate_stream", "ModelGenerateStream", INFERENCE,
+          {"POST": model_generate_stream}, streams_body=True),
     Route(rf"v2/models/{_MODEL}{_VERSION}/?", "ModelMetadata", METADATA, {"GET": model_metadata}),
     Route(r"v2/repository/index", "RepositoryIndex", MODEL_REPOSITORY, {"POST": repository_index}, ADMIN),
     Route(rf"v2/repository/models/{_MODEL}/load", "RepositoryLoad", MODEL_REPOSITORY,
@@ -505,6 +589,13 @@ ROUTES: list[Route] = [
           {"POST": cuda_shm_register}),
     Route(rf"v2/cudasharedmemory{_REGION}/unregister", "CudaSharedMemoryUnregister", SHARED_MEMORY,
           {"POST": cuda_shm_unregister}),
+    # OpenAI's routes, under the same base as v2/ (frontends/openai.py)
+    Route(r"v1/models", "OpenAIModels", METADATA, {"GET": openai_models}),
+    Route(rf"v1/models/{_MODEL}", "OpenAIModel", METADATA, {"GET": openai_models}),
+    Route(r"v1/completions", "OpenAICompletions", INFERENCE, {"POST": openai_completions},
+          streams_body=True),
+    Route(r"v1/chat/completions", "OpenAIChatCompletions", INFERENCE,
+          {"POST": openai_chat_completions}, streams_body=True),
     Route(r"v2/trace/setting", "TraceSetting", TRACE, {"GET": trace_setting, "POST": trace_setting},
           ADMIN),
     Route(rf"v2/models/{_MODEL}/trace/setting", "ModelTraceSetting", TRACE,

@@ -105,6 +105,7 @@ class _Connection(asyncio.Protocol):
         self.deadline: float | None = None
         self.on_timeout = None
         self.peer = ""
+        self.writable: asyncio.Future | None = None   # set while the transport's buffer is full
 
     # -- connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -138,6 +139,15 @@ class _Connection(asyncio.Protocol):
             self._fail(InvalidArgument("protocol upgrades are not supported"))
         except httptools.HttpParserError as err:
             self._fail(InvalidArgument(f"malformed HTTP request: {err}"))
+
+    def pause_writing(self) -> None:
+        if self.writable is None:
+            self.writable = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        writable, self.writable = self.writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
 
     def eof_received(self) -> bool | None:
         return None             # close: a half-closed client has left (as tornado treats it)
@@ -252,20 +262,53 @@ class _Connection(asyncio.Protocol):
             raise
         except Exception as exc:
             reply = self.plane.refuse(exc)
+        if reply.stream is not None:
+            await self._send_stream(self.queue[0], reply)
+            return
         if self.transport is None or self.transport.is_closing():
             self.task = None
             return
         self._send(self.queue[0], reply)
 
-    def _send(self, m: _Message, reply: Reply) -> None:
-        self.task = None
-        self.queue.popleft()
-        if self.transport is None or self.transport.is_closing():
+    async def _send_stream(self, m: _Message, reply: Reply) -> None:
+        """A streamed reply, chunked, each chunk written as it comes; a client that goes
+        away (the task is cancelled) or a closed transport ends the stream, which cancels
+        its request."""
+        stream = reply.stream
+        complete = False
+        try:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(self._head(reply, chunked=True))
+                async for chunk in stream:
+                    if transport.is_closing():
+                        break
+                    if chunk:
+                        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    if self.writable is not None:   # a slow reader holds the model back
+                        await self.writable
+                else:
+                    transport.write(b"0\r\n\r\n")
+                    complete = True
+        except asyncio.CancelledError:
+            self.task = None
+            raise
+        finally:
+            await stream.aclose()
+        if not complete:
+            self.task = None
+            if self.transport is not None:
+                self.transport.close()
             return
-        close = self.closing and not self.queue or reply.close
+        self._sent(m, reply, self.closing and len(self.queue) == 1 or reply.close)
+
+    def _head(self, reply: Reply, close: bool = False, chunked: bool = False,
+              body: bytes = b"") -> bytes:
         status = reply.status
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
-                b"Date: ", _Date.now(), b"\r\nContent-Length: %d\r\n" % len(reply.body)]
+                b"Date: ", _Date.now(),
+                b"\r\nTransfer-Encoding: chunked\r\n" if chunked
+                else b"\r\nContent-Length: %d\r\n" % len(reply.body)]
         for item in reply.headers.items():
             line = _HEADER_LINES.get(item)
             if line is None:
@@ -276,13 +319,30 @@ class _Connection(asyncio.Protocol):
         if close:
             head.append(b"Connection: close\r\n")
         head.append(b"\r\n")
-        if m.method == "HEAD" or not reply.body:
-            self.transport.write(b"".join(head))
-        elif len(reply.body) < 65536:           # one send, one segment
-            head.append(reply.body)
-            self.transport.write(b"".join(head))
+        if body:
+            head.append(body)
+        return b"".join(head)
+
+    def _send(self, m: _Message, reply: Reply) -> None:
+        if self.transport is None or self.transport.is_closing():
+            self.task = None
+            self.queue.popleft()
+            return
+        close = self.closing and len(self.queue) == 1 or reply.close
+        body = reply.body
+        if m.method == "HEAD" or not body:
+            self.transport.write(self._head(reply, close))
+        elif len(body) < 65536:                 # one send, one segment
+            self.transport.write(self._head(reply, close, body=body))
         else:
-            self.transport.writelines([b"".join(head), reply.body])
+            self.transport.writelines([self._head(reply, close), body])
+        self._sent(m, reply, close)
+
+    def _sent(self, m: _Message, reply: Reply, close: bool) -> None:
+        """After a reply is written: log it, then the next request, or close, or idle."""
+        self.task = None
+        self.queue.popleft()
+        status = reply.status
         if self.front.access_log:
             # tornado's levels: client errors are warnings, server errors errors
             level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from tornado import web
 from tornado.ioloop import IOLoop
+from tornado.iostream import StreamClosedError
 
 from ..engine import Engine
 from ..protocol.errors import TritonError
@@ -176,14 +177,39 @@ class StreamedBody(V2Handler):
                     {k: v for k, v in params.items() if v is not None},
                     self.request.headers, body, self._ticket)
         # A task of its own, so that a client hanging up cancels it (see on_connection_close).
-        self._task = asyncio.ensure_future(self.state.plane.handle(self.route, call))
+        self._task = asyncio.ensure_future(self._answer(call))
         try:
             reply = await self._task
         except asyncio.CancelledError:
             if self.request.connection.stream is None or self.request.connection.stream.closed():
                 return
             raise
-        self.write_reply(reply)
+        if reply is not None:
+            self.write_reply(reply)
+
+    async def _answer(self, call: Call) -> Reply | None:
+        reply = await self.state.plane.handle(self.route, call)
+        if reply.stream is None:
+            return reply
+        await self._write_stream(reply)
+        return None
+
+    async def _write_stream(self, reply: Reply) -> None:
+        """A streamed reply (server-sent events), each chunk flushed as it comes; the client
+        going away ends it (and so cancels its request)."""
+        stream = reply.stream
+        try:
+            self.set_status(reply.status)
+            for name, value in reply.headers.items():
+                self.set_header(name, value)
+            async for chunk in stream:
+                self.write(chunk)
+                await self.flush()      # waits for a slow reader: the model waits too
+            self.finish()
+        except StreamClosedError:
+            pass
+        finally:
+            await stream.aclose()
 
     def on_connection_close(self) -> None:
         # The client went away: cancelling its task drops it from the batcher's queue

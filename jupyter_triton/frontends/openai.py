@@ -1,0 +1,312 @@
+"""OpenAI-compatible routes (``v1/models``, ``v1/completions``, ``v1/chat/completions``)
+over the models whose signature follows the generate extension's text convention: a BYTES
+input ``text_input`` and a BYTES output ``text_output``.
+
+A completion is one generate request (``frontends.generate``'s mapping): the prompt is
+``text_input``; ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (and the other
+scalar sampling fields) travel as request parameters, for the model to read. ``stop`` is
+applied here too: the text ends before the first stop sequence, and the model's request is
+cancelled there. ``stream: true`` needs a decoupled model (each of its responses is one
+chunk); without it, a decoupled model's responses are joined into one text.
+
+Chat messages become one prompt through a Jinja template (sandboxed): the model's own, from
+its config parameter ``chat_template``, or ``DEFAULT_CHAT_TEMPLATE``, which writes one
+``<role>: <content>`` line per message and ends with ``assistant:``. The template sees
+``messages`` (each with ``role`` and ``content`` as text) and ``add_generation_prompt``
+(true), as Hugging Face chat templates do.
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the
+status of the TritonError; an error after a stream has begun is a ``data:`` event of that
+shape (the ``openai`` client raises it).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..protocol.errors import InvalidArgument, NotFound, TritonError
+from ..protocol.types import InferRequest, InferResponse
+from .generate import close_stream, error_message, generate_request
+
+TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
+CHAT_TEMPLATE_PARAMETER = "chat_template"
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message.role }}: {{ message.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+# Sampling fields passed to the model as request parameters when the client sets them.
+_PARAMETERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+               "presence_penalty", "frequency_penalty", "n", "min_tokens", "repetition_penalty")
+_CHAT_TEMPLATES: dict[str, Any] = {}        # template text -> compiled (bounded below)
+
+
+def follows_text_convention(config: mc.ModelConfig) -> bool:
+    """Whether a model can serve completions: BYTES ``text_input`` in, BYTES ``text_output``
+    out."""
+    return any(i.name == TEXT_INPUT and i.data_type == mc.TYPE_STRING for i in config.input) \
+        and any(o.name == TEXT_OUTPUT and o.data_type == mc.TYPE_STRING for o in config.output)
+
+
+def error_body(err: BaseException) -> dict:
+    status = err.status if isinstance(err, TritonError) else 500
+    kind = ("invalid_request_error" if status in (400, 404, 413, 415, 422)
+            else "authentication_error" if status in (401, 403) else "server_error")
+    return {"error": {"message": error_message(err), "type": kind, "param": None,
+                      "code": None}}
+
+
+def model_list(engine: Any) -> dict:
+    """``GET v1/models``: every ready model that follows the text convention."""
+    names = {version.name for version in engine.models()
+             if getattr(version, "ready", False) and follows_text_convention(version.config)}
+    return {"object": "list", "data": [_model_card(name) for name in sorted(names)]}
+
+
+def model_card(engine: Any, name: str) -> dict:
+    config = engine.model_config(name, "")
+    if not follows_text_convention(config):
+        raise NotFound(f"model '{name}' does not follow the text convention "
+                       f"(a BYTES input '{TEXT_INPUT}' and a BYTES output '{TEXT_OUTPUT}')")
+    return _model_card(name)
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "jupyter_triton"}
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):       # content parts: only text ones are understood
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise InvalidArgument(
+                    f"messages[{index}].content: only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidArgument(f"messages[{index}].content must be a string or a list of parts")
+
+
+def render_chat(messages: Any, template: str | None = None) -> str:
+    """The prompt of a chat: ``messages`` through the model's template or the default one."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("'messages' must be a non-empty array")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidArgument(f"messages[{i}] must be an object with a string 'role'")
+        plain.append({"role": message["role"], "content": _message_text(message.get("content"), i)})
+    text = template or DEFAULT_CHAT_TEMPLATE
+    compiled = _CHAT_TEMPLATES.get(text)
+    if compiled is None:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        try:
+            compiled = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(text)
+        except TemplateError as err:
+            raise InvalidArgument(f"the model's chat template does not compile: {err}") from None
+        if len(_CHAT_TEMPLATES) >= 64:
+            _CHAT_TEMPLATES.clear()
+        _CHAT_TEMPLATES[text] = compiled
+    try:
+        return compiled.render(messages=plain, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 - a template's failure is the request's
+        raise InvalidArgument(f"the chat template failed on these messages: {err}") from None
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 16:
+        return [s for s in value if s]
+    raise InvalidArgument("'stop' must be a string or an array of at most 16 strings")
+
+
+@dataclass
+class Completion:
+    """One OpenAI request, ready for the engine."""
+    chat: bool
+    model: str
+    request: InferRequest
+    batched: bool
+    stream: bool
+    stops: list[str] = field(default_factory=list)
+    id: str = ""
+    created: int = 0
+
+
+def prepare(engine: Any, body: dict, chat: bool) -> Completion:
+    """Check an OpenAI request body and map it onto the model's generate request."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("'model' must be the name of a model")
+    config = engine.model_config(model, "")
+    if not follows_text_convention(config):
+        raise InvalidArgument(
+            f"model '{model}' does not follow the text convention (a BYTES input "
+            f"'{TEXT_INPUT}' and a BYTES output '{TEXT_OUTPUT}')")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise InvalidArgument("'stream' must be a boolean")
+    stream = bool(stream)
+    if stream and not engine.is_decoupled(model, ""):
+        raise InvalidArgument(
+            f"'stream': true needs a decoupled model (model_transaction_policy "
+            f"{{ decoupled: true }}); model '{model}' answers each request once")
+    if body.get("n", 1) not in (1, None):
+        raise InvalidArgument("only 'n': 1 is supported")
+    if chat:
+        param = config.parameters.get(CHAT_TEMPLATE_PARAMETER)
+        prompt = render_chat(body.get("messages"), param.string_value if param else None)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise InvalidArgument("'prompt' must be a string (or an array of one string)")
+    stops = _stops(body.get("stop"))
+    parameters: dict[str, Any] = {}
+    for key in _PARAMETERS:
+        value = body.get(key)
+        if value is not None:
+            if not isinstance(value, (int, float, bool)):
+                raise InvalidArgument(f"'{key}' must be a number")
+            parameters[key] = value
+    if stops:   # request parameters are scalars: one stop as itself, several as JSON text
+        parameters["stop"] = stops[0] if len(stops) == 1 else json.dumps(stops)
+    request = generate_request(config, model, "", {TEXT_INPUT: prompt, "parameters": parameters})
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    return Completion(chat, model, request, config.max_batch_size > 0, stream, stops,
+                      prefix + secrets.token_hex(12), int(time.time()))
+
+
+def _text(response: InferResponse) -> str:
+    for tensor in response.outputs:
+        if tensor.name == TEXT_OUTPUT and tensor.data is not None:
+            return "".join(v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+                           for v in np.asarray(tensor.data, dtype=object).reshape(-1))
+    return ""
+
+
+class _StopScan:
+    """Text as it streams, cut before the first stop sequence; a stop sequence split over
+    two responses is found too (the tail that could start one is held back)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.stops:
+            cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                out, self.sent = self.text[self.sent:cut], cut
+                return out
+        upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+    def rest(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def _model_error(response: InferResponse) -> TritonError:
+    err = response.error
+    return err if isinstance(err, TritonError) else InvalidArgument(error_message(err))
+
+
+async def complete(job: Completion, responses: AsyncIterator[InferResponse]) -> dict:
+    """A non-streamed completion: every response's text joined (up to a stop sequence)."""
+    scan = _StopScan(job.stops)
+    try:
+        async for response in responses:
+            if response.error is not None:
+                raise _model_error(response)
+            scan.feed(_text(response))
+            if scan.stopped:
+                break
+    finally:
+        await close_stream(responses)
+    text = scan.text[:scan.sent] if scan.stopped else scan.text
+    if job.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": "stop"}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+        kind = "text_completion"
+    return {"id": job.id, "object": kind, "created": job.created, "model": job.model,
+            "choices": [choice]}
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _chunk(job: Completion, text: str | None, finish: str | None, role: bool = False) -> bytes:
+    if job.chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return _event({"id": job.id, "object": kind, "created": job.created, "model": job.model,
+                   "choices": [choice]})
+
+
+async def events(job: Completion, first: InferResponse | None,
+                 responses: AsyncIterator[InferResponse]) -> AsyncIterator[bytes]:
+    """A streamed completion: one chunk per response (a chat's first names the role), a
+    last chunk with ``finish_reason``, then ``data: [DONE]``. Leaving early (the client went
+    away, a stop sequence) cancels the model's request."""
+    scan = _StopScan(job.stops)
+    try:
+        if job.chat:
+            yield _chunk(job, "", None, role=True)
+        response = first
+        while response is not None:
+            if response.error is not None:
+                yield _event(error_body(_model_error(response)))
+                return
+            piece = scan.feed(_text(response))
+            if piece:
+                yield _chunk(job, piece, None)
+            if scan.stopped or response.final:
+                break
+            try:
+                response = await responses.__anext__()
+            except StopAsyncIteration:
+                break
+            except Exception as err:  # noqa: BLE001 - the status line is sent: an event
+                yield _event(error_body(err))
+                return
+        if not scan.stopped:
+            piece = scan.rest()
+            if piece:
+                yield _chunk(job, piece, None)
+        yield _chunk(job, None if job.chat else "", "stop")
+        yield b"data: [DONE]\n\n"
+    finally:
+        await close_stream(responses)
