@@ -296,3 +296,29 @@ def test_first_response_histogram_counts_each_decoupled_request(tmp_path, repeat
     buckets, total_ms, count = run(main, tmp_path)
     assert count == 3 and buckets[-1] == (float("inf"), 3)
     assert 0 < total_ms < 3 * 100 and buckets[0] == (100.0, 3)
+
+
+def test_first_response_histogram_on_the_metrics_endpoint_when_enabled(tmp_path, repeat_backend):
+    from conftest import build_repository
+    from jupyter_triton.frontends.metrics import exposition, metrics_registry
+    build_repository(tmp_path / "models")
+    _model(tmp_path / "models", "repeat")
+
+    async def main(engine):
+        registry = metrics_registry(engine, cpu=False, gpu=False)
+        off = exposition(registry)[0].decode()
+        engine.options.histogram_latencies = True      # Triton: --metrics-config histogram_latencies=true
+        for _ in range(2):
+            await _collect(engine, _request("repeat", [1]))
+        data = np.ones((1, 16), np.float32)
+        await engine.infer(InferRequest("linear", inputs=[InferTensor("INPUT0", "FP32", (1, 16), data)]))
+        return off, exposition(registry)[0].decode()
+
+    off, on = run(main, tmp_path)
+    name = "nv_inference_first_response_histogram_ms"
+    assert name not in off
+    assert f"# TYPE {name} histogram" in on
+    assert f'{name}_count{{model="repeat",version="1"}} 2' in on
+    assert f'{name}_bucket{{model="repeat",version="1",le="100"}} 2' in on
+    assert f'{name}_bucket{{model="repeat",version="1",le="+Inf"}} 2' in on
+    assert 'model="linear"' in on and f'{name}_count{{model="linear"' not in on   # decoupled only

@@ -111,6 +111,8 @@ class TritonMetricsCollector:
             for name, doc, kind, attr in _SUMMARIES:
                 yield _summary(name, doc, ((labels, s.samples(kind), getattr(s, attr))
                                            for s, labels in stats))
+        if getattr(getattr(self.engine, "options", None), "histogram_latencies", False):
+            yield _first_response_histogram(models)
         yield _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge",
                       ((labels, s.load_seconds) for s, labels in stats))
         yield _family("nv_model_memory_bytes", "Memory held by a model version, in bytes, by kind "
@@ -124,6 +126,22 @@ class TritonMetricsCollector:
 def _family(name: str, doc: str, kind: str, values: Iterable[tuple[dict, float]]) -> Metric:
     family = Metric(name, doc, kind)
     family.samples = [Sample(name, labels, value) for labels, value in values]
+    return family
+
+
+def _first_response_histogram(models: list) -> Metric:
+    """Triton's nv_inference_first_response_histogram_ms: decoupled models only (a
+    non-decoupled model's first response is its whole request)."""
+    name = "nv_inference_first_response_histogram_ms"
+    family = Metric(name, "Duration from request to first response in milliseconds", "histogram")
+    for m, labels in models:
+        if not getattr(m, "decoupled", False):
+            continue
+        buckets, total_ms, count = m.stats.first_response_histogram()
+        for bound, n in buckets:
+            family.samples.append(Sample(name + "_bucket", {**labels, "le": _value(bound)}, n))
+        family.samples.append(Sample(name + "_sum", labels, total_ms))
+        family.samples.append(Sample(name + "_count", labels, count))
     return family
 
 
@@ -240,7 +258,9 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items())) + "}"
+    # sorted, but a histogram's "le" last, where Triton (prometheus-cpp) puts it
+    ordered = sorted(labels.items(), key=lambda kv: (kv[0] == "le", kv[0]))
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in ordered) + "}"
 
 
 def _escape(value: str) -> str:
