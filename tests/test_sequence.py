@@ -357,3 +357,67 @@ def test_unload_fails_backlogged_requests(repo: Path, server) -> None:
     waiter.join(30)
     assert not waiter.is_alive()
     assert "unloaded" in str(outcome["err"]) and outcome["err"].status() == "503"
+
+
+def state_accumulator_onnx(path: Path) -> None:
+    """OUTPUT_STATE = INPUT + INPUT_STATE + 10 * START; OUTPUT = OUTPUT_STATE. The model
+    keeps no state itself: the engine feeds INPUT_STATE from the last OUTPUT_STATE."""
+    from onnx import TensorProto, helper
+
+    from onnx_models import _save
+    vec = lambda name: helper.make_tensor_value_info(name, TensorProto.INT32, ["batch", 1])
+    ten = helper.make_tensor("TEN", TensorProto.INT32, [], [10])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["START", "TEN"], ["start10"]),
+         helper.make_node("Add", ["INPUT", "INPUT_STATE"], ["sum"]),
+         helper.make_node("Add", ["sum", "start10"], ["OUTPUT_STATE"]),
+         helper.make_node("Identity", ["OUTPUT_STATE"], ["OUTPUT"])], "state_acc",
+        [vec("INPUT"), vec("INPUT_STATE"), vec("START")], [vec("OUTPUT"), vec("OUTPUT_STATE")],
+        [ten])
+    _save(graph, path)
+
+
+def test_implicit_state_onnx(repo: Path, server) -> None:
+    model_dir = repo / "state_acc"
+    state_accumulator_onnx(model_dir / "1" / "model.onnx")
+    (model_dir / "initial_state").mkdir()
+    (model_dir / "initial_state" / "start_value").write_bytes(np.int32(1000).tobytes())
+    (model_dir / "config.pbtxt").write_text('''
+name: "state_acc"
+backend: "onnxruntime"
+max_batch_size: 4
+sequence_batching {
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }
+  ]
+  state [ {
+    input_name: "INPUT_STATE" output_name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ 1 ]
+    initial_state { data_type: TYPE_INT32 dims: [ 1 ] name: "start" data_file: "start_value" }
+  } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+''')
+    client = load(server, "state_acc")
+    meta = client.get_model_metadata("state_acc")
+    assert [t["name"] for t in meta["inputs"]] == ["INPUT"]          # state is not a client input
+    assert [t["name"] for t in meta["outputs"]] == ["OUTPUT"]
+    # two sequences side by side, each with its own state; START resets it to 1000
+    assert send(client, "state_acc", 1, 1, start=True) == 1011
+    assert send(client, "state_acc", 5, 2, start=True) == 1015
+    assert send(client, "state_acc", 2, 1) == 1013
+    assert send(client, "state_acc", 3, 2) == 1018
+    result = client.infer("state_acc", [_int_input(4)], sequence_id=1, sequence_end=True)
+    assert result.as_numpy("OUTPUT").item() == 1017
+    assert result.as_numpy("OUTPUT_STATE") is None                   # never returned
+    assert send(client, "state_acc", 7, 1, start=True) == 1017       # a new sequence: fresh state
+    with pytest.raises(InferenceServerException) as err:              # not an output to ask for
+        client.infer("state_acc", [_int_input(1)], sequence_id=2,
+                     outputs=[httpclient.InferRequestedOutput("OUTPUT_STATE")])
+    assert err.value.status() == "400"
+
+
+def _int_input(value: int) -> httpclient.InferInput:
+    inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
+    inp.set_data_from_numpy(np.full([1, 1], value, dtype=np.int32))
+    return inp

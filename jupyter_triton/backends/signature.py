@@ -93,8 +93,10 @@ def complete_config(config: mc.ModelConfig, signature: ModelSignature, *, backen
             f"autofill failed for model '{out.name}': model does not support batching while "
             f"non-zero max_batch_size is specified")
 
-    _fill(out, out.input, signature.inputs)
-    _fill(out, out.output, signature.outputs)
+    # the sequence batcher feeds control and state tensors itself: never config inputs
+    inputs, outputs = sequence_tensors(out)
+    _fill(out, out.input, [t for t in signature.inputs if t.name not in inputs])
+    _fill(out, out.output, [t for t in signature.outputs if t.name not in outputs])
     check_config(out, signature)
     return out
 
@@ -143,12 +145,22 @@ def check_config(config: mc.ModelConfig, signature: ModelSignature) -> None:
             dims = list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
             _compare_dims(model, tensor.name, sig.shape, dims, config.max_batch_size,
                           exact=(kind == "output"))
-    listed = {t.name for t in config.input}
+    listed = {t.name for t in config.input} | sequence_tensors(config)[0]
     required = [t.name for t in signature.inputs if t.name not in listed]
     if required:
         raise InvalidArgument(
             f"unable to load model '{model}', configuration expects {len(config.input)} inputs, "
             f"model provides {len(signature.inputs)} (missing: {', '.join(required)})")
+
+
+def sequence_tensors(config: mc.ModelConfig) -> tuple[set[str], set[str]]:
+    """The model inputs (control and state inputs) and outputs (state outputs) that
+    ``sequence_batching`` names: the sequence batcher supplies and takes them."""
+    if not config.HasField("sequence_batching"):
+        return set(), set()
+    seq = config.sequence_batching
+    return ({c.name for c in seq.control_input} | {s.input_name for s in seq.state},
+            {s.output_name for s in seq.state})
 
 
 def _compare_dims(model: str, name: str, model_shape: list[int], dims: list[int],
