@@ -293,6 +293,19 @@ def test_fill_defaults_is_tritons_normalization():
     validate_config(filled)
 
 
+def test_dynamic_batching_without_preferred_sizes_prefers_max_batch_size():
+    # tritonserver 2.51 serves `max_batch_size: 8 dynamic_batching { }` back with
+    # "preferred_batch_size": [8]; sizes given are kept; without batching there are none.
+    filled = fill_defaults(parse_config(BASE + IO + "dynamic_batching { }", "m"))
+    assert list(filled.dynamic_batching.preferred_batch_size) == [filled.max_batch_size]
+    given = fill_defaults(parse_config(BASE + IO + "dynamic_batching { preferred_batch_size: [2] }", "m"))
+    assert list(given.dynamic_batching.preferred_batch_size) == [2]
+    unbatched = parse_config(BASE.replace("max_batch_size: 8", "max_batch_size: 0") + IO
+                             + "dynamic_batching { }", "m")
+    assert not fill_defaults(unbatched).dynamic_batching.preferred_batch_size
+    validate_config(filled)
+
+
 def test_fill_defaults_adds_one_group_and_keeps_policy():
     config = parse_config(BASE + 'version_policy { all { } }', "m")
     filled = fill_defaults(config)

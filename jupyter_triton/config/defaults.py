@@ -12,7 +12,8 @@ def fill_defaults(config: mc.ModelConfig) -> mc.ModelConfig:
 
     version_policy defaults to latest 1; a model with no instance_group gets one group
     named after the model, KIND_AUTO (the engine resolves it to GPU or CPU), count 1;
-    unnamed groups are named ``<model>_<index>`` and a count below 1 becomes 1.
+    unnamed groups are named ``<model>_<index>`` and a count below 1 becomes 1;
+    ``dynamic_batching`` without ``preferred_batch_size`` gets ``[max_batch_size]``.
     """
     out = mc.ModelConfig()
     out.CopyFrom(config)
@@ -29,6 +30,11 @@ def fill_defaults(config: mc.ModelConfig) -> mc.ModelConfig:
             group.name = f"{out.name}_{index}"
         if group.count < 1:
             group.count = 1
+    # Triton's NormalizeModelConfig: dynamic batching without preferred sizes prefers
+    # max_batch_size, and the config it serves says so (the batcher does the same either way)
+    if (out.HasField("dynamic_batching") and not out.dynamic_batching.preferred_batch_size
+            and out.max_batch_size > 0):
+        out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
     # Triton reports these in every non-ensemble config it serves
     if not out.optimization.HasField("input_pinned_memory"):
         out.optimization.input_pinned_memory.enable = True
