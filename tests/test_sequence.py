@@ -3,6 +3,8 @@ repository the test writes, called with tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -421,3 +423,22 @@ def _int_input(value: int) -> httpclient.InferInput:
     inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
     inp.set_data_from_numpy(np.full([1, 1], value, dtype=np.int32))
     return inp
+
+
+EXAMPLES = Path(__file__).parent / "triton_examples"
+
+
+@pytest.mark.parametrize("example, port", [
+    ("simple_grpc_sequence_stream_infer_client.py", "grpc_port"),
+    ("simple_grpc_sequence_sync_infer_client.py", "grpc_port"),
+    ("simple_http_sequence_sync_infer_client.py", "http_port"),
+])
+def test_nvidia_sequence_examples_run_unchanged(repo: Path, server, example: str,
+                                                port: str) -> None:
+    simple_sequence(repo)
+    load(server, "simple_sequence")
+    done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u",
+                           f"127.0.0.1:{getattr(server, port)}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS: Sequence" in done.stdout
