@@ -117,27 +117,27 @@ def _check_shape(shape: Any, name: str, max_elements: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _flatten(data: list, shape: tuple[int, ...], name: str) -> list:
-    """Row-major leaves of ``data``: flat, or nested exactly as ``shape``."""
+def _flatten(data: list, count: int) -> list:
+    """Row-major leaves of ``data``, however it is nested: Triton 2.51 takes any nesting
+    whose element count matches the shape ([[1, 2], [3, 4]] for [1, 4] as for [2, 2]).
+    One pass over the nodes, stopping once past ``count`` leaves (a huge body costs no more
+    than its elements; JSON's own depth limit bounds the stack)."""
     if not any(isinstance(x, list) for x in data):
         return data
-    level = [data]
-    for depth, d in enumerate(shape):
-        nxt: list = []
-        for x in level:
-            if not isinstance(x, list) or len(x) != d:
-                got = f"an array of length {len(x)}" if isinstance(x, list) else _json_type(x)
-                raise InvalidArgument(
-                    f"unable to parse 'data' of input '{name}': nested data must match shape "
-                    f"{list(shape)}; expected an array of length {d} at depth {depth}, got {got}")
-            nxt.extend(x)
-        level = nxt
-    for x in level:
-        if isinstance(x, list):
-            raise InvalidArgument(
-                f"unable to parse 'data' of input '{name}': data is nested deeper than shape "
-                f"{list(shape)}")
-    return level
+    leaves: list = []
+    stack = [iter(data)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
+            leaves.append(x)
+        else:
+            stack.pop()
+            continue
+        if len(leaves) > count:
+            break
+    return leaves
 
 
 def _bad_element(values: list, ok, name: str, dt: str, want: str) -> NoReturn:
@@ -165,13 +165,14 @@ def json_data_to_array(data: Any, dt: str, shape: tuple[int, ...], name: str) ->
         raise InvalidArgument(
             f"unable to parse 'data' of input '{name}': expected an array, got {_json_type(data)}")
     count = element_count(shape)
-    values = _flatten(data, shape, name)
+    values = _flatten(data, count)
     if len(values) != count:
-        raise InvalidArgument(_count_message(name, shape, count, len(values)))
+        got = len(values) if values is data or len(values) < count else f"more than {count}"
+        raise InvalidArgument(_count_message(name, shape, count, got))
     return _values_to_array(values, dt, name, 0).reshape(shape)
 
 
-def _count_message(name: str, shape: tuple[int, ...], count: int, got: int) -> str:
+def _count_message(name: str, shape: tuple[int, ...], count: int, got: int | str) -> str:
     return (f"unable to parse 'data' of input '{name}': shape {list(shape)} expects {count} "
             f"elements, got {got}")
 
