@@ -40,11 +40,15 @@ import sys
 
 import ast
 import collections
+import concurrent.futures
 import json
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import json_format
@@ -52,10 +56,11 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ...protocol.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                 TritonError, Unavailable, Unsupported)
-from ...protocol.types import InferRequest
+from ...protocol.datatypes import numpy_to_triton
+from ...protocol.types import InferRequest, InferTensor, RequestedOutput
 from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, ResponseSender, Tensors
 from . import triton_python_backend_utils as pb_utils
-from .stub import ModelStub, OrphanCloser, RequestData, ResponseError, StubError, module_name, run_auto_complete_config
+from .stub import ModelStub, OrphanCloser, RequestData, bls_response, bls_spec, ResponseError, StubError, module_name, run_auto_complete_config
 from .shm import SharedMemoryFull
 from .worker import WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker, describe_exit
 
@@ -240,6 +245,50 @@ class _ThreadHost:
         pass
 
 
+class _ThreadBls:
+    """Thread mode's BLS host: the calling thread runs the call itself."""
+
+    def __init__(self, backend: "PythonBackend") -> None:
+        self.backend = backend
+
+    def bls_exec(self, request: "pb_utils.InferenceRequest", decoupled: bool) -> Any:
+        results = self.backend._bls_results(bls_spec(request), decoupled)
+        if not decoupled:
+            outputs, error, _ = next(results)
+            return bls_response(outputs, error)
+        return (bls_response(outputs, error) for outputs, error, _ in results)
+
+
+_PB_CODE_BY_ERROR: dict[type, int] = {
+    InvalidArgument: pb_utils.TritonError.INVALID_ARG, NotFound: pb_utils.TritonError.NOT_FOUND,
+    Unavailable: pb_utils.TritonError.UNAVAILABLE, Unsupported: pb_utils.TritonError.UNSUPPORTED,
+    Cancelled: pb_utils.TritonError.CANCELLED}
+
+
+def _pb_error(err: BaseException) -> tuple[int, str]:
+    if isinstance(err, TritonError):
+        code = next((c for cls, c in _PB_CODE_BY_ERROR.items() if isinstance(err, cls)),
+                    pb_utils.TritonError.INTERNAL)
+        return code, str(err)
+    return pb_utils.TritonError.INTERNAL, f"{type(err).__name__}: {err}"
+
+
+_BLS_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_BLS_POOL_LOCK = threading.Lock()
+#: BLS calls of worker processes run on these threads (the engine bounds each caller's
+#: calls in flight; past the pool's size they queue here)
+BLS_THREADS = 32
+
+
+def _bls_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _BLS_POOL
+    if _BLS_POOL is None:
+        with _BLS_POOL_LOCK:
+            if _BLS_POOL is None:
+                _BLS_POOL = concurrent.futures.ThreadPoolExecutor(BLS_THREADS, thread_name_prefix="triton-bls")
+    return _BLS_POOL
+
+
 class PythonBackend(Backend):
     backend_name = "python"
     platforms = ()
@@ -261,6 +310,8 @@ class PythonBackend(Backend):
         self.decoupled = bool(config.model_transaction_policy.decoupled)
         self._thread_sinks: set[_Sink] = set()   # thread mode: open decoupled requests
         self._orphans = OrphanCloser(lambda sink: sink.deliver(None, None, True))
+        self._batch_requests: list | None = None   # the batch executing: BLS depth comes from it
+        self._bls_streams: dict[tuple[int, int], Any] = {}
         self._stub: ModelStub | None = None
         self._worker: WorkerProcess | None = None
         self._deaths: collections.deque[float] = collections.deque()
@@ -334,7 +385,7 @@ class PythonBackend(Backend):
                 log.warning("%s: %s not enforced in thread mode (a thread cannot be stopped)",
                             self._who, " and ".join(bounds))
             try:
-                self._stub = ModelStub(str(self.model_py), self.triton_args())
+                self._stub = ModelStub(str(self.model_py), self.triton_args(), bls_host=_ThreadBls(self))
             except StubError as err:
                 raise self._load_error(err) from None
             return
@@ -362,6 +413,7 @@ class PythonBackend(Backend):
         with self._lock:
             if self._dead is not None:
                 raise self._dead
+            self._batch_requests = infer_requests
             data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
                     for i, inputs in enumerate(requests)]
             if self.mode == "thread":
@@ -385,6 +437,7 @@ class PythonBackend(Backend):
         with self._lock:
             if self._dead is not None:
                 raise self._dead
+            self._batch_requests = infer_requests
             data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
                     for i, inputs in enumerate(requests)]
             sinks = [_Sink(self, sender, d.requested_output_names) for sender, d in zip(senders, data)]
@@ -440,8 +493,96 @@ class PythonBackend(Backend):
                              decoupled=self.decoupled, side=self._side_message).start()
 
     def _side_message(self, worker: WorkerProcess, msg: tuple) -> None:
-        """A worker's message that is not an answer: BLS calls, custom metrics."""
-        log.warning("%s: unknown message %r from the worker", self._who, msg[0])
+        """A worker's message that is not an answer: BLS calls, custom metrics. Never blocks:
+        it runs on the thread that waits for a batch, or on a decoupled worker's reader."""
+        kind = msg[0]
+        if kind == "b":
+            _bls_pool().submit(self._bls_for_worker, worker, msg[1], msg[2], msg[3])
+        elif kind == "bx":
+            stream = self._bls_streams.pop((id(worker), msg[1]), None)
+            if stream is not None:
+                stream.close()
+        else:
+            log.warning("%s: unknown message %r from the worker", self._who, kind)
+
+    # -- BLS ----------------------------------------------------------------------------------
+
+    def _bls_for_worker(self, worker: WorkerProcess, call_id: int, decoupled: bool, spec: tuple) -> None:
+        """On a BLS pool thread: run one call of a worker's model and relay its responses."""
+        key = (id(worker), call_id)
+        seq = 0
+        try:
+            for outputs, error, final in self._bls_results(
+                    spec, decoupled, lambda stream: self._bls_streams.__setitem__(key, stream)):
+                worker.send_side(("br", (call_id, seq), outputs, error, final))
+                seq += 1
+        finally:
+            self._bls_streams.pop(key, None)
+
+    def _bls_results(self, spec: tuple, decoupled: bool,
+                     register: Callable[[Any], None] | None = None) -> Iterator[tuple]:
+        """``(outputs, error, final)`` of one BLS call, the last with ``final``; errors as
+        ``(pb_utils code, message)``, never raised (Triton puts them in the response)."""
+        try:
+            calls = self.server_calls
+            if calls is None:
+                raise Unavailable(f"{self._who}: BLS needs a server; this instance has none")
+            request, timeout_s = self._bls_request(spec)
+            if not decoupled:
+                response = calls.infer(request, timeout_s)
+                yield {t.name: t.data for t in response.outputs}, None, True
+                return
+            stream = calls.infer_stream(request, timeout_s)
+            if register is not None:
+                register(stream)
+            final = False
+            try:
+                for response in stream:
+                    final = bool(response.final)
+                    error = response.error
+                    if error is not None:
+                        yield None, _pb_error(error), final
+                    else:
+                        yield {t.name: t.data for t in response.outputs}, None, final
+                    if final:
+                        break
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
+            if not final:   # the stream ended without a final response: end it for the model
+                yield None, None, True
+        except Exception as err:
+            if not isinstance(err, TritonError):
+                log.exception("%s: BLS call failed", self._who)
+            yield None, _pb_error(err), True
+
+    def _bls_request(self, spec: tuple) -> tuple[InferRequest, float | None]:
+        model, version, inputs, names, request_id, correlation_id, flags, timeout_us, params = spec
+        if not model:
+            raise InvalidArgument("BLS request without a model_name")
+        try:
+            parameters = json.loads(params) if params else {}
+        except ValueError:
+            raise InvalidArgument(f"BLS request to model '{model}': parameters are not JSON") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"BLS request to model '{model}': parameters must be a JSON object")
+        if correlation_id:
+            parameters["sequence_id"] = correlation_id
+        if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+            parameters["sequence_start"] = True
+        if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+            parameters["sequence_end"] = True
+        tensors = []
+        for name, array in inputs.items():
+            array = np.asarray(array)
+            tensors.append(InferTensor(name, numpy_to_triton(array.dtype), tuple(array.shape), array))
+        batch = self._batch_requests or ()
+        depth = max((getattr(r, "bls_depth", 0) for r in batch), default=0) + 1
+        request = InferRequest(model, version, id=request_id or "", inputs=tensors,
+                               outputs=[RequestedOutput(n) for n in names] or None,
+                               parameters=parameters, bls_depth=depth)
+        return request, (timeout_us / 1e6 if timeout_us else None)
 
     def _execute_in_worker(self, data: list[RequestData],
                            sinks: list[_Sink] | None = None) -> list | TritonError:

@@ -65,6 +65,26 @@ class DecoupledHost(Protocol):
         """Called after execute returns: a chance to close orphans synchronously."""
 
 
+BlsSpec = tuple   # (model, version, {name: array}, output names, id, correlation id, flags, timeout us, parameters JSON)
+
+
+def bls_spec(request: pb_utils.InferenceRequest) -> BlsSpec:
+    """A BLS request as plain data (it crosses the worker's socket)."""
+    version = request.model_version()
+    return (request.model_name(), "" if version is None or int(version) < 0 else str(int(version)),
+            {t.name(): t.as_numpy() for t in request.inputs()},
+            list(request.requested_output_names()), request.request_id(),
+            request.correlation_id(), request.flags(), request.timeout(), request.parameters())
+
+
+def bls_response(outputs: dict[str, np.ndarray] | None, error: tuple[int, str] | None,
+                 parameters: str = "{}") -> pb_utils.InferenceResponse:
+    if error is not None:
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(error[1], error[0]))
+    return pb_utils.InferenceResponse(
+        [pb_utils.Tensor(name, array) for name, array in (outputs or {}).items()], parameters=parameters)
+
+
 class OrphanCloser:
     """Closes the requests whose sender was dropped without COMPLETE_FINAL. A finalizer may
     run in any thread at any point, even inside a send holding its lock, so it only puts the
@@ -161,8 +181,11 @@ def run_auto_complete_config(model_py: str, name: str, config_json: str) -> dict
 class ModelStub:
     """One ``TritonPythonModel`` object and the event loop its ``async def execute`` runs on."""
 
-    def __init__(self, model_py: str, args: dict[str, str]) -> None:
+    def __init__(self, model_py: str, args: dict[str, str], bls_host: Any = None) -> None:
         self.args = args
+        # Thread mode: several models share this process's pb_utils, so BLS finds its way
+        # back through a context variable set around each execute.
+        self.bls_host = bls_host
         self.model_name = args["model_name"]
         cls = import_model_class(
             model_py, module_name(args["model_name"], args["model_version"], args["model_instance_name"]))
@@ -197,10 +220,14 @@ class ModelStub:
 
     def execute(self, requests: list[RequestData]) -> list[dict[str, np.ndarray] | ResponseError]:
         pb_requests = self._pb_requests(requests)
+        token = pb_utils._BLS_HOST.set(self.bls_host) if self.bls_host is not None else None
         try:
             responses = self._await(self.model.execute(pb_requests))
         except BaseException as err:
             raise StubError.from_exception("execute", err) from None
+        finally:
+            if token is not None:
+                pb_utils._BLS_HOST.reset(token)
         if not isinstance(responses, (list, tuple)):
             raise StubError("execute", "execute() must return a list of pb_utils.InferenceResponse, "
                             f"got {type(responses).__name__}")
@@ -218,11 +245,14 @@ class ModelStub:
         pb_requests = self._pb_requests(requests)
         for i, key in enumerate(keys):
             pb_requests[i]._response_sender = pb_utils.InferenceResponseSender(host, key)
+        token = pb_utils._BLS_HOST.set(self.bls_host) if self.bls_host is not None else None
         try:
             result = self._await(self.model.execute(pb_requests))
         except BaseException as err:
             raise StubError.from_exception("execute", err) from None
         finally:
+            if token is not None:
+                pb_utils._BLS_HOST.reset(token)
             del pb_requests   # senders the model did not keep close now, and flush sends them
             host.flush()
         if result is not None:

@@ -21,6 +21,9 @@ TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_CPU_PINNED = 1
+TRITONSERVER_MEMORY_GPU = 2
 
 # As Triton's pb_utils has them: no BF16 (numpy has no bfloat16), TYPE_BOOL as the builtin bool.
 TRITON_STRING_TO_NUMPY: dict[str, Any] = {
@@ -157,8 +160,13 @@ class InferenceRequest:
     def __init__(self, model_name: str = "", inputs: Iterable[Tensor] = (),
                  requested_output_names: Iterable[str] = (), request_id: str = "",
                  correlation_id: int | str = 0, model_version: int = -1, flags: int = 0,
-                 timeout: int = 0, parameters: str | dict = "{}", **_: Any) -> None:
+                 timeout: int = 0, parameters: str | dict = "{}",
+                 preferred_memory: "PreferredMemory | None" = None, **_: Any) -> None:
+        # BLS examples pass a name read from a BYTES tensor; Triton takes it as text.
+        if isinstance(model_name, (bytes, np.bytes_)):
+            model_name = bytes(model_name).decode("utf-8")
         self._model_name = model_name
+        self._preferred_memory = preferred_memory
         self._inputs = list(inputs)
         self._requested_output_names = list(requested_output_names)
         self._request_id = request_id
@@ -209,15 +217,43 @@ class InferenceRequest:
         return self._response_sender
 
     def exec(self, decoupled: bool = False) -> Any:
+        """BLS: run this request on the server. Returns an ``InferenceResponse`` (an error is
+        ``response.has_error()``, not an exception), or with ``decoupled=True`` an iterator
+        of every response, the last one possibly empty (Triton's final flag)."""
         host = _BLS_HOST.get() or _default_bls_host
         if host is None:
             raise TritonModelException(
-                "Unable to run the BLS request: the model is not served by a server")
+                "Unable to run the BLS request: no server to send it to (BLS works inside "
+                "execute, and from the model's own threads in the default process mode)")
         return host.bls_exec(self, decoupled)
+
+    def stream_exec(self) -> Any:
+        """The older spelling of ``exec(decoupled=True)``."""
+        return self.exec(decoupled=True)
 
     async def async_exec(self, decoupled: bool = False) -> Any:
         import asyncio
-        return await asyncio.get_running_loop().run_in_executor(None, self.exec, decoupled)
+        host = _BLS_HOST.get() or _default_bls_host
+        loop = asyncio.get_running_loop()
+        # run_in_executor copies no context: carry the host over explicitly
+        return await loop.run_in_executor(None, _exec_with_host, self, decoupled, host)
+
+
+def _exec_with_host(request: InferenceRequest, decoupled: bool, host: Any) -> Any:
+    token = _BLS_HOST.set(host)
+    try:
+        return request.exec(decoupled)
+    finally:
+        _BLS_HOST.reset(token)
+
+
+class PreferredMemory:
+    """Where a BLS call would like its outputs (CPU only here: accepted and noted)."""
+
+    def __init__(self, preferred_memory_type: int = TRITONSERVER_MEMORY_CPU,
+                 preferred_device_id: int = 0) -> None:
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
 
 
 class InferenceResponseSender:

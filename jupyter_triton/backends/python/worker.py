@@ -60,7 +60,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
-from .stub import ModelStub, OrphanCloser, RequestData, ResponseError, StubError, run_auto_complete_config
+from . import triton_python_backend_utils as pb_utils
+from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
+                   run_auto_complete_config)
 
 log = logging.getLogger(__name__)
 
@@ -218,10 +220,27 @@ class _Demux:
         self._replies: dict[Any, Any] = {}
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
+        self.abandoned: set[int] = set()
+        self.closer = OrphanCloser(self._abandon)
+
+    def _abandon(self, call_id: int) -> None:
+        self.abandon(call_id)
+        self.send(("bx", call_id))
 
     def send(self, msg: Any) -> None:
         with self._send_lock:
             self.chan.send(msg)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def abandon(self, call_id: int) -> None:
+        """A BLS stream the model stopped reading: drop what came and what comes."""
+        with self._cond:
+            self.abandoned.add(call_id)
+            for key in [k for k in self._replies if type(k) is tuple and k[0] == call_id]:
+                if self._replies.pop(key)[4]:
+                    self.abandoned.discard(call_id)
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         cond = self._cond
@@ -244,7 +263,12 @@ class _Demux:
                 if msg is None:
                     self._eof = True
                 elif msg[0] in _REPLIES:
-                    self._replies["o" if msg[0] == "o" else msg[1]] = msg
+                    key = "o" if msg[0] == "o" else msg[1]
+                    if type(key) is tuple and key[0] in self.abandoned:
+                        if msg[4]:   # a BLS stream nobody reads any more: drop it to its end
+                            self.abandoned.discard(key[0])
+                    else:
+                        self._replies[key] = msg
                 else:
                     self._commands.append(msg)
                 cond.notify_all()
@@ -299,10 +323,51 @@ class _WorkerHost:
     def flush(self) -> None:
         pass
 
+    def bls_exec(self, request: Any, decoupled: bool) -> Any:
+        call_id = self.demux.new_id()
+        self.demux.send(("b", call_id, decoupled, bls_spec(request)))
+        if decoupled:
+            return _BlsStream(self.demux, call_id)
+        msg = self.demux.reply((call_id, 0))
+        return bls_response(msg[2], msg[3])
+
+
+class _BlsStream:
+    """``exec(decoupled=True)`` in a worker: the responses as the server relays them."""
+
+    def __init__(self, demux: _Demux, call_id: int) -> None:
+        self._demux = demux
+        self._id = call_id
+        self._seq = 0
+        self._done = False
+
+    def __iter__(self) -> "_BlsStream":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            msg = self._demux.reply((self._id, self._seq))
+        except EOFError:
+            self._done = True
+            raise StopIteration from None
+        self._seq += 1
+        self._done = bool(msg[4])
+        return bls_response(msg[2], msg[3])
+
+    def __del__(self) -> None:
+        # Dropped before its end: cancel the called request and forget its responses, from
+        # the closer's thread (a finalizer may run inside a send that holds the lock).
+        if not self._done:
+            self._done = True
+            self._demux.closer.put(self._id)
+
 
 def _serve(chan: Channel, stub: ModelStub, regions: dict[str, ShmRegion], all_outputs: list[str]) -> None:
     demux = _Demux(chan)
     host = _WorkerHost(demux)
+    pb_utils._default_bls_host = host   # one model per worker: every thread of it calls here
     while True:
         try:
             msg = demux.command()
@@ -391,7 +456,7 @@ def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
 
 # Worker -> server messages that are not answers to the server's own request: metrics,
 # BLS calls (the reader, or the thread that waits for a batch, hands them on).
-_SIDE = frozenset({"b", "m"})
+_SIDE = frozenset({"b", "bx", "m"})
 _ALIVE = object()
 _DIED = ("died",)
 
