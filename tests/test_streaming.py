@@ -40,6 +40,8 @@ class Repeat(Backend):
     supports_decoupled = True
     batches: list[int] = []           # requests per execute_decoupled call, in call order
     cancelled_seen: list[bool] = []
+    sent: list[int] = []              # mode burst: each send that has returned
+    send_errors: list[TritonError] = []
 
     def load(self) -> None:
         pass
@@ -61,6 +63,15 @@ class Repeat(Backend):
                 time.sleep(0.005)
             Repeat.cancelled_seen.append(sender.is_cancelled())
             sender.send(final=True)
+            return
+        if mode == "burst":
+            try:
+                for i, v in enumerate(values.reshape(-1)):
+                    sender.send({"OUT": np.full((1,), v, np.int32)})
+                    Repeat.sent.append(i)
+                sender.send(final=True)
+            except TritonError as err:
+                Repeat.send_errors.append(err)
             return
         if mode == "missing":
             sender.send({"OTHER": np.array([1], np.int32)}, final=True)
@@ -88,7 +99,7 @@ def repeat_backend(monkeypatch):
     pick = lambda name: Repeat if name == "python" else real(name)   # noqa: E731
     monkeypatch.setattr(model, "backend_class", pick)
     monkeypatch.setattr(lifecycle, "backend_class", pick)
-    Repeat.batches, Repeat.cancelled_seen = [], []
+    Repeat.batches, Repeat.cancelled_seen, Repeat.sent, Repeat.send_errors = [], [], [], []
     return Repeat
 
 
@@ -322,3 +333,53 @@ def test_first_response_histogram_on_the_metrics_endpoint_when_enabled(tmp_path,
     assert f'{name}_bucket{{model="repeat",version="1",le="100"}} 2' in on
     assert f'{name}_bucket{{model="repeat",version="1",le="+Inf"}} 2' in on
     assert 'model="linear"' in on and f'{name}_count{{model="linear"' not in on   # decoupled only
+
+
+def test_a_fast_model_waits_for_a_slow_reader_past_max_buffered_responses(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat",
+           extra='parameters { key: "max_buffered_responses" value: { string_value: "4" } }')
+
+    async def main(engine):
+        stream = engine.infer_stream(_request("repeat", list(range(40)), mode="burst"))
+        first = await stream.__anext__()
+        await asyncio.sleep(0.3)
+        ahead = len(Repeat.sent)
+        rest = [r async for r in stream]
+        return first, ahead, rest
+
+    first, ahead, rest = run(main, tmp_path)
+    assert 1 <= ahead <= 1 + 4          # the one read and the four buffered, no more
+    values = [first.outputs[0].data[0]] + [r.outputs[0].data[0] for r in rest if r.outputs]
+    assert values == list(range(40)) and rest[-1].final and rest[-1].error is None
+
+
+def test_a_reader_that_stalls_past_the_wait_ends_the_request(tmp_path, repeat_backend, monkeypatch):
+    import jupyter_triton.engine.streaming as streaming
+    monkeypatch.setattr(streaming, "SEND_WAIT_SECONDS", 0.2)
+    _model(tmp_path / "models", "repeat",
+           extra='parameters { key: "max_buffered_responses" value: { string_value: "2" } }')
+
+    async def main(engine):
+        stream = engine.infer_stream(_request("repeat", list(range(10)), mode="burst"))
+        await stream.__anext__()
+        await asyncio.sleep(0.6)
+        return [r async for r in stream], await _stats(engine, "repeat", 1)
+
+    rest, stats = run(main, tmp_path)
+    assert [r.outputs[0].data[0] for r in rest if r.outputs] == [1, 2]
+    assert rest[-1].final and isinstance(rest[-1].error, Unavailable)
+    assert "did not read the stream's responses" in str(rest[-1].error)
+    # the model learns it too: its next send is refused as after a final response
+    assert len(Repeat.send_errors) == 1 and "has been closed" in str(Repeat.send_errors[0])
+    assert stats["inference_stats"]["fail"]["count"] == 1
+
+
+def test_max_buffered_responses_must_be_positive(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat",
+           extra='parameters { key: "max_buffered_responses" value: { string_value: "0" } }')
+
+    async def main(engine):
+        return engine.repository_index()
+
+    rows = run(main, tmp_path)
+    assert "'max_buffered_responses' must be 1 or more" in rows[0]["reason"]

@@ -14,6 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..backends import InstanceSpec, ModelFiles, backend_class
 from ..backends.base import BackendDead
 from ..backends.devices import resolve_kind
+from ..backends.signature import int_parameter
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.types import InferRequest, InferResponse
 from .batcher import DynamicBatcher
@@ -118,6 +119,13 @@ class ModelVersion:
                 f"failed to load '{self.name}' version {self.version}: the {self.backend_name} "
                 f"backend does not support models with decoupled transaction policy "
                 f"(model_transaction_policy {{ decoupled: true }})")
+        if self.decoupled:
+            # how far a model's responses may run ahead of a slow client before it waits
+            buffered = int_parameter(self.config, "max_buffered_responses")
+            if buffered is not None and buffered < 1:
+                raise InvalidArgument(f"model '{self.name}': parameter 'max_buffered_responses' "
+                                      f"must be 1 or more, got {buffered}")
+            self.max_buffered = buffered or DEFAULT_MAX_BUFFERED
         files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
                            self.config.default_model_filename or cls.default_filename)
         loop = asyncio.get_running_loop()
