@@ -27,6 +27,16 @@ parameters {{ key: "mode" value: {{ string_value: "{mode}" }} }}
 {extra}
 """
 
+ENSEMBLE = """
+name: "ens_linear"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]
+ensemble_scheduling { step [ { model_name: "linear" model_version: -1
+  input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT" } } ] }
+"""
+
 HOLD = threading.Event()      # the 'held' model waits on it (bounded)
 
 
@@ -34,6 +44,7 @@ class Models(Backend):
     """The models of these tests, by the config's ``mode`` parameter:
 
     * ``linear``: Y = linear(X) through BLS to the ONNX model 'linear';
+    * ``ensemble``: the same through the ensemble 'ens_linear' (one step: 'linear');
     * ``stream``: Y = the values the decoupled 'repeat' streams back for X;
     * ``self``: calls itself with X until the depth limit fails the innermost call;
     * ``storm``: 2 x MAX_BLS_IN_FLIGHT concurrent calls to 'held'; Y = [ok, refused];
@@ -61,10 +72,10 @@ class Models(Backend):
         if self.mode == "held":
             HOLD.wait(5)
             return {"Y": x}
-        if self.mode == "linear":
+        if self.mode in ("linear", "ensemble"):
             data = np.tile(x.astype(np.float32), 16 // max(1, x.size) + 1)[:16].reshape(1, 16)
-            response = calls.infer(InferRequest("linear", inputs=[
-                InferTensor("INPUT0", "FP32", (1, 16), data)]))
+            model, name = ("linear", "INPUT0") if self.mode == "linear" else ("ens_linear", "IN")
+            response = calls.infer(InferRequest(model, inputs=[InferTensor(name, "FP32", (1, 16), data)]))
             return {"Y": response.outputs[0].data.reshape(-1)}
         if self.mode == "stream":
             ints = x.astype(np.int32)
@@ -126,12 +137,15 @@ def repo(tmp_path, monkeypatch) -> Path:
     root = build_repository(tmp_path / "models")
     _repeat_model(root, "repeat")
     for name, mode, extra in [
-            ("bls_linear", "linear", ""), ("bls_stream", "stream", ""),
+            ("bls_linear", "linear", ""), ("bls_ensemble", "ensemble", ""),
+            ("bls_stream", "stream", ""),
             ("bls_self", "self", f"instance_group [ {{ count: {MAX_BLS_DEPTH + 2} }} ]"),
             ("bls_storm", "storm", ""), ("bls_timeout", "timeout", ""), ("held", "held", "")]:
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text("# served by the test's Models backend\n")
         (root / name / "config.pbtxt").write_text(CALLER.format(name=name, mode=mode, extra=extra))
+    (root / "ens_linear" / "1").mkdir(parents=True)
+    (root / "ens_linear" / "config.pbtxt").write_text(ENSEMBLE)
     return root
 
 
@@ -151,6 +165,17 @@ def test_a_model_calls_another_and_the_call_counts_in_the_callees_statistics(rep
     via_bls, direct, stats = run(main, tmp_path)
     np.testing.assert_allclose(via_bls[2].outputs[0].data, direct.outputs[0].data.reshape(-1))
     assert stats["inference_stats"]["success"]["count"] == 4     # 3 by BLS, 1 direct
+
+
+def test_a_model_calls_an_ensemble(repo, tmp_path):
+    async def main(engine):
+        via_ensemble = await engine.infer(_call("bls_ensemble", 2.0))
+        via_model = await engine.infer(_call("bls_linear", 2.0))
+        return via_ensemble, via_model, engine.statistics("ens_linear")["model_stats"][0]
+
+    via_ensemble, via_model, stats = run(main, tmp_path)
+    np.testing.assert_allclose(via_ensemble.outputs[0].data, via_model.outputs[0].data)
+    assert stats["inference_stats"]["success"]["count"] == 1
 
 
 def test_a_model_reads_a_decoupled_models_stream(repo, tmp_path):
