@@ -105,6 +105,8 @@ class ModelStatistics:
         self._samples: dict[str, deque[int]] = {k: deque(maxlen=SAMPLE_WINDOW) for k in LATENCY_KINDS}
         # memory_usage: set by the engine once the version is loaded (engine/memory.py)
         self.memory: Callable[[], list[dict]] | None = None
+        # engine/histograms.py's LatencyHistograms when the server keeps them (fed under _lock)
+        self.histograms = None
 
     # -- recording ---------------------------------------------------------------------
 
@@ -114,6 +116,8 @@ class ModelStatistics:
         with self._lock:
             self.queue.add(1, ns)
             self._samples["queue"].append(ns)
+            if self.histograms is not None:
+                self.histograms.queues((ns,))
 
     def record_execution(self, batch_rows: int, n_requests: int, compute_input_ns: int,
                          compute_infer_ns: int, compute_output_ns: int, failed_rows: int = 0,
@@ -152,6 +156,8 @@ class ModelStatistics:
             self.compute_infer.ns += n * cf
             self.compute_output.count += n
             self.compute_output.ns += n * co
+            if self.histograms is not None:
+                self.histograms.execution(n, ci, cf, co)
             if repeat == 1:
                 samples["compute_input"].append(ci)
                 samples["compute_infer"].append(cf)
@@ -168,6 +174,8 @@ class ModelStatistics:
             self.queue.count += len(ns)
             self.queue.ns += sum(ns)
             self._samples["queue"].extend(ns)
+            if self.histograms is not None:
+                self.histograms.queues(ns)
 
     def record_success(self, request_ns: int) -> None:
         """One request finished successfully, ``request_ns`` after it arrived."""
@@ -175,6 +183,8 @@ class ModelStatistics:
         with self._lock:
             self.success.add(1, request_ns)
             self._samples["request"].append(request_ns)
+            if self.histograms is not None:
+                self.histograms.success(request_ns)
             self.last_inference = max(self.last_inference, _now_ms())
 
     def record_failure(self, reason: str, request_ns: int) -> None:
@@ -205,6 +215,8 @@ class ModelStatistics:
         ms = max(0, int(ns)) / 1e6
         with self._lock:
             self.first_response.add(1, max(0, int(ns)))
+            if self.histograms is not None:
+                self.histograms.first_response(max(0, int(ns)))
             for i, bound in enumerate(FIRST_RESPONSE_BUCKETS_MS):
                 if ms <= bound:
                     self.first_response_buckets[i] += 1
