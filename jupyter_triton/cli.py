@@ -162,6 +162,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         load_models=args.load_model, repository_poll_secs=args.repository_poll_secs,
         summary_latencies=_bool(metrics.get("summary_latencies", "false")),
         histogram_latencies=_bool(metrics.get("histogram_latencies", "false")),
+        histogram_buckets_ms=tuple(float(b) for b in metrics.get("histogram_buckets_ms", "").split(",") if b),
         max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness, exit_timeout_secs=args.exit_timeout_secs,
         unload_timeout_secs=args.unload_timeout_secs, max_output_size=args.max_output_size,

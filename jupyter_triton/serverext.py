@@ -389,6 +389,13 @@ class JupyterTriton(ExtensionApp):
     allow_anonymous_inference = Bool(False, help="let requests without credentials reach what an inference key "
                                                  "reaches").tag(config=True)
     summary_latencies = Bool(False, help="also export Triton's latency summaries").tag(config=True)
+    histogram_latencies = Bool(False, help="also export latency histograms (tritonserver's "
+                               "--metrics-config histogram_latencies=true)").tag(config=True)
+    histogram_buckets_ms = List(Float(), help="bucket bounds (ms) of the request/queue/compute "
+                                "histograms (empty: the defaults)").tag(config=True)
+    trace_config = List(Unicode(), help="tritonserver's --trace-config values, e.g. "
+                        "['level=TIMESTAMPS', 'rate=100', 'triton,file=/tmp/trace.json']"
+                        ).tag(config=True)
     create_demo_model = Bool(True, help="write a small demo model into a new, empty default repository"
                              ).tag(config=True)
     grpc_port = Int(-1, help="also serve Triton's gRPC protocol on this port (-1: off, 0: any free port)"
@@ -455,7 +462,8 @@ class JupyterTriton(ExtensionApp):
             summary_latencies=self.summary_latencies, max_input_size=self.http_max_input_size,
             strict_readiness=self.strict_readiness, exit_timeout_secs=self.exit_timeout_secs,
             unload_timeout_secs=self.unload_timeout_secs, max_output_size=self.max_output_size,
-            keep_versions=self.keep_versions))
+            keep_versions=self.keep_versions, histogram_latencies=self.histogram_latencies,
+            histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config)))
         self.server_token = secrets.token_urlsafe(32)
         self.settings[SETTINGS_KEY] = FrontendState(
             engine=self.engine, max_input_size=self.http_max_input_size,

@@ -23,6 +23,7 @@ from ..config import fill_defaults, validate_config
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
+from .histograms import latency_histograms
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from .options import EngineOptions
 from .rate_limiter import RateLimiter
@@ -248,6 +249,8 @@ class ModelLifecycle:
                               max_output_size=self.options.max_output_size,
                               server_calls=getattr(self, "server_calls", None))
             mv.stamp = stamp[v]
+            mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
+                                                     self.options.histogram_buckets_ms)
             entry.status[v] = VersionStatus("LOADING")
             try:
                 await mv.load()

@@ -14,12 +14,11 @@ class EngineOptions:
     load_models: list[str] = field(default_factory=list)   # explicit mode: names, or "*"
     repository_poll_secs: float = 15.0
     summary_latencies: bool = False
-    # --metrics-config histogram_latencies=true: latency histograms per version
-    # (engine/histograms.py); histogram_buckets_ms: their bucket bounds (empty: the defaults)
+    # --metrics-config histogram_latencies=true: nv_inference_first_response_histogram_ms and
+    # the request/queue/compute histograms per version (engine/histograms.py);
+    # histogram_buckets_ms: the latter's bucket bounds (empty: the defaults)
     histogram_latencies: bool = False
     histogram_buckets_ms: tuple[float, ...] = ()
-    # --metrics-config histogram_latencies=true: nv_inference_first_response_histogram_ms
-    histogram_latencies: bool = False
     max_input_size: int = 64 * 1024 * 1024
     exit_on_error: bool = False
     # Triton's --strict-readiness: v2/health/ready is false while a model that was asked
