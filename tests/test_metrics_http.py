@@ -174,3 +174,75 @@ def test_cpu_metrics_are_exported(server):
     samples = scrape(server)
     names = {name for name, _ in samples}
     assert {"nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes"} <= names
+
+
+# -- latency histograms (--metrics-config histogram_latencies=true) ---------------------------
+
+SLOW_BUCKETS = """model_metrics { metric_control [ {
+  metric_identifier { family: "nv_inference_request_histogram_ms" }
+  histogram_options { buckets: [ 100, 5000 ] } } ] }"""
+
+
+@pytest.fixture(scope="module")
+def histograms(tmp_path_factory):
+    """A server keeping histograms: 'quick' with the server's buckets, 'slow' (120 ms a
+    request) with its own request buckets from its config; three requests each."""
+    root: Path = tmp_path_factory.mktemp("histograms") / "models"
+    sleepy_model(root, "quick", max_batch_size=8)
+    sleepy_model(root, "slow", sleep_s=0.12, max_batch_size=8, extra=SLOW_BUCKETS)
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit",
+                                           load_models=["*"], histogram_latencies=True,
+                                           histogram_buckets_ms=(100.0, 60000.0)),
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
+    client = new_client(server)
+    try:
+        for i in range(3):
+            client.infer("quick", request(i))
+            client.infer("slow", request(i))
+    finally:
+        client.close()
+    yield server
+    server.close()
+
+
+def buckets(samples: dict, name: str, model: str) -> dict[str, float]:
+    return {dict(labels)["le"]: v for (n, labels), v in samples.items()
+            if n == name + "_bucket" and dict(labels)["model"] == model}
+
+
+def test_latency_histograms_per_model(histograms):
+    samples = scrape(histograms)
+    for model in ("quick", "slow"):
+        for kind in ("request", "queue", "compute_infer"):
+            name = f"nv_inference_{kind}_histogram_ms"
+            assert value(samples, name + "_count", model) == 3, (model, kind)
+            assert buckets(samples, name, model)["+Inf"] == 3
+    # the server's buckets, and the slow model's own (its config's model_metrics)
+    assert set(buckets(samples, "nv_inference_queue_histogram_ms", "slow")) == {"100", "60000", "+Inf"}
+    assert set(buckets(samples, "nv_inference_request_histogram_ms", "slow")) == {"100", "5000", "+Inf"}
+    # a 120 ms model is above 100 ms every time; the sums are in milliseconds
+    assert buckets(samples, "nv_inference_request_histogram_ms", "slow")["100"] == 0
+    assert buckets(samples, "nv_inference_compute_infer_histogram_ms", "slow")["100"] == 0
+    assert value(samples, "nv_inference_request_histogram_ms_sum", "slow") >= 3 * 120
+    assert value(samples, "nv_inference_compute_infer_histogram_ms_sum", "slow") >= 3 * 120
+    assert value(samples, "nv_inference_request_histogram_ms_sum", "quick") < \
+        value(samples, "nv_inference_request_histogram_ms_sum", "slow")
+    # non-decoupled models have no first responses (Triton's histogram: decoupled models only)
+    assert not buckets(samples, "nv_inference_first_response_histogram_ms", "quick")
+    text = metrics_text(histograms)
+    assert "# TYPE nv_inference_request_histogram_ms histogram" in text
+    assert 'nv_inference_request_histogram_ms_bucket{model="slow",version="1",le="100"} 0' in text
+
+
+def test_histogram_quantiles_for_the_dashboard(histograms):
+    from jupyter_triton.engine.histograms import quantile
+    [slow] = [m for m in histograms.engine.models() if m.name == "slow"]
+    cumulative, _, count = slow.stats.histograms.snapshot()["request"]
+    assert count == 3
+    assert 100 < quantile(cumulative, 0.5) <= 5000
+    assert quantile([(1.0, 0), (float("inf"), 0)], 0.5) != quantile([(1.0, 0), (float("inf"), 0)], 0.5)  # NaN
+
+
+def test_no_histograms_unless_asked(server, counted):
+    text = metrics_text(server)
+    assert "_histogram_ms" not in text

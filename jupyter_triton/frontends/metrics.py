@@ -22,6 +22,7 @@ from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.samples import Sample
 
 from ..engine.memory import metric_samples as memory_samples
+from ..engine.histograms import FAMILIES as HISTOGRAM_FAMILIES
 from ..engine.statistics import FAILURE_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,6 +114,7 @@ class TritonMetricsCollector:
                                            for s, labels in stats))
         if getattr(getattr(self.engine, "options", None), "histogram_latencies", False):
             yield _first_response_histogram(models)
+            yield from _latency_histograms(models)
         yield _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge",
                       ((labels, s.load_seconds) for s, labels in stats))
         yield _family("nv_model_memory_bytes", "Memory held by a model version, in bytes, by kind "
@@ -137,12 +139,33 @@ def _first_response_histogram(models: list) -> Metric:
     for m, labels in models:
         if not getattr(m, "decoupled", False):
             continue
-        buckets, total_ms, count = m.stats.first_response_histogram()
+        kept = getattr(m.stats, "histograms", None)     # with the model's own buckets
+        buckets, total_ms, count = (kept.snapshot()["first_response"] if kept is not None
+                                    else m.stats.first_response_histogram())
         for bound, n in buckets:
             family.samples.append(Sample(name + "_bucket", {**labels, "le": _value(bound)}, n))
         family.samples.append(Sample(name + "_sum", labels, total_ms))
         family.samples.append(Sample(name + "_count", labels, count))
     return family
+
+
+def _latency_histograms(models: list) -> Iterator[Metric]:
+    """Request, queue and compute histograms (engine/histograms.py), named in the pattern of
+    Triton's first-response histogram; the bucket counts are cumulative, ``le`` last."""
+    snapshots = [(m.stats.histograms.snapshot(), labels) for m, labels in models
+                 if getattr(m.stats, "histograms", None) is not None]
+    for kind, (name, doc) in HISTOGRAM_FAMILIES.items():
+        if kind == "first_response":
+            continue
+        family = Metric(name, doc, "histogram")
+        for snapshot, labels in snapshots:
+            buckets, total_ms, _ = snapshot[kind]
+            for bound, n in buckets:
+                family.samples.append(Sample(name + "_bucket", {**labels, "le": _value(bound)}, n))
+            family.samples.append(Sample(name + "_sum", labels, total_ms))
+            # the +Inf bucket: equal to the count by construction, even mid-update
+            family.samples.append(Sample(name + "_count", labels, buckets[-1][1]))
+        yield family
 
 
 def _summary(name: str, doc: str, values: Iterable[tuple[dict, list[int], Any]]) -> Metric:
