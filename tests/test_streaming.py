@@ -383,3 +383,52 @@ def test_max_buffered_responses_must_be_positive(tmp_path, repeat_backend):
 
     rows = run(main, tmp_path)
     assert "'max_buffered_responses' must be 1 or more" in rows[0]["reason"]
+
+
+def test_tritonclient_grpc_stream_and_response_stats_through_a_real_server(tmp_path, repeat_backend):
+    """The user's story: a standalone server, tritonclient's gRPC stream with the empty
+    final response asked for, then the statistics over gRPC and HTTP."""
+    import queue
+
+    import requests as http
+    import tritonclient.grpc as grpcclient
+    from jupyter_triton.standalone import start_in_thread
+
+    _model(tmp_path / "models", "repeat")
+    server = start_in_thread(EngineOptions(model_repository=tmp_path / "models",
+                                           model_control_mode="explicit", load_models=["*"]),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        inp = grpcclient.InferInput("IN", [3], "INT32")
+        inp.set_data_from_numpy(np.array([8, 9, 10], np.int32))
+        client.async_stream_infer("repeat", [inp], request_id="r1", enable_empty_final_response=True)
+        got = []
+        while len(got) < 4:
+            result, error = results.get(timeout=10)
+            assert error is None, error
+            got.append(result)
+        client.stop_stream()
+        values = [r.as_numpy("OUT").tolist() for r in got[:3]]
+        finals = [r.get_response().parameters["triton_final_response"].bool_param for r in got]
+        assert values == [[8], [9], [10]] and finals == [False, False, False, True]
+        assert all(r.get_response().id == "r1" for r in got)
+        deadline = time.monotonic() + 5
+        while True:
+            grpc_stats = client.get_inference_statistics("repeat", as_json=True)["model_stats"][0]
+            if int(grpc_stats.get("execution_count", 0)) == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        http_stats = http.get(f"http://127.0.0.1:{server.http_port}/v2/models/repeat/stats",
+                              timeout=10).json()["model_stats"][0]
+    finally:
+        client.close()
+        server.close()
+    for stats in (grpc_stats, http_stats):
+        rs = stats["response_stats"]
+        assert sorted(rs) == ["0", "1", "2", "3"]
+        assert int(rs["0"]["success"]["count"]) == 1
+        assert int(rs["3"]["empty_response"]["count"]) == 1
+        assert int(stats["inference_stats"]["success"]["count"]) == 1
