@@ -75,15 +75,6 @@ def server(repo: Path):
     server.close()
 
 
-def test_unimplemented_sequence_features_are_refused_at_load(repo: Path, server) -> None:
-    simple_sequence(repo, "iterative", extra="iterative_sequence: true")
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-    with pytest.raises(InferenceServerException) as err:
-        client.load_model("iterative")
-    assert "sequence_batching" in str(err.value)
-    assert not client.is_model_ready("iterative")
-
-
 # An accumulator that keeps its sums itself, per correlation id, in the instance that runs
 # it (as Triton's qa sequence models keep theirs per batch slot): a request routed to the
 # wrong instance would miss its sum. It logs every execution for the test to read.
@@ -228,7 +219,7 @@ def test_start_on_an_active_sequence_restarts_it(repo: Path, server) -> None:
 def test_two_instances_interleaved_sequences_stay_on_their_instance(repo: Path, server) -> None:
     model_dir = accumulator(repo, max_batch_size=2, instances=2, sleep_s=0.02, strategy=(
         "direct { max_queue_delay_microseconds: 200000 minimum_slot_utilization: 1.0 }"))
-    client = load(server, "acc")
+    load(server, "acc")
     ids = [101, 102, 103, 104]
     values = {sid: [sid % 10 + k for k in range(6)] for sid in ids}
     got: dict[int, list[int]] = {sid: [] for sid in ids}
@@ -313,7 +304,7 @@ def test_oldest_batches_the_oldest_sequences(repo: Path, server) -> None:
     model_dir = accumulator(repo, max_batch_size=4, strategy=(
         "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] "
         "max_queue_delay_microseconds: 200000 }"), corrid_type="TYPE_STRING", sleep_s=0.01)
-    client = load(server, "acc")
+    load(server, "acc")
     ids = ["s1", "s2", "s3", "s4"]
     got: dict[str, list[int]] = {sid: [] for sid in ids}
     barrier = threading.Barrier(len(ids))
@@ -442,3 +433,63 @@ def test_nvidia_sequence_examples_run_unchanged(repo: Path, server, example: str
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS: Sequence" in done.stdout
+
+
+def _with_controls(controls: str, extra: str = "") -> str:
+    return f'''
+name: "bad"
+backend: "python"
+max_batch_size: 2
+sequence_batching {{ control_input [ {controls} ] {extra} }}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+'''
+
+
+@pytest.mark.parametrize("config, message", [
+    (_with_controls('{ name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] }'),
+     "sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
+     "'bool_false_true' for CONTROL_SEQUENCE_START for bad"),
+    (_with_controls('{ name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0 ] } ] }'),
+     "sequence batching control 'int32_false_true' must have exactly 2 entries for "
+     "CONTROL_SEQUENCE_START for bad"),
+    (_with_controls('{ name: "S" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] '
+                    'fp32_false_true: [ 0, 1 ] } ] }'),
+     "sequence batching specifies more than one from"),
+    (_with_controls('{ name: "A" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },'
+                    '{ name: "B" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] }'),
+     "sequence batching specifies multiple CONTROL_SEQUENCE_END tensors for bad"),
+    (_with_controls('{ name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] }'),
+     "CONTROL_SEQUENCE_CORRID data_type must be TYPE_UINT64"),
+    (_with_controls('{ name: "INPUT" control [ { kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ] } ] }'),
+     "is also a model input"),
+    (_with_controls('{ name: "S" control [ { kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ] } ] }',
+                    'state [ { input_name: "I" output_name: "O" data_type: TYPE_INT32 dims: [ 2 ] '
+                    'initial_state { data_type: TYPE_INT32 dims: [ 3 ] name: "x" zero_data: true } } ]'),
+     "'initial_state' dim for input name 'I' doesn't match 'state' dim description. 3 != 2"),
+    (_with_controls('{ name: "S" control [ { kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ] } ] }',
+                    "iterative_sequence: true"),
+     "sequence_batching 'iterative_sequence' is not supported by this server"),
+])
+def test_bad_sequence_configs_are_refused_with_the_reason(repo: Path, server, config: str,
+                                                          message: str) -> None:
+    simple_sequence(repo, "bad")
+    (repo / "bad" / "config.pbtxt").write_text(config)
+    client = http(server)
+    with pytest.raises(InferenceServerException) as err:
+        client.load_model("bad")
+    assert message in str(err.value)
+    assert err.value.status() == "400"
+
+
+def test_correlation_id_must_fit_the_corrid_control(repo: Path, server) -> None:
+    (repo / "acc32").mkdir()
+    accumulator(repo, "acc32", corrid_type="TYPE_INT32")
+    client = load(server, "acc32")
+    with pytest.raises(InferenceServerException) as err:
+        send(client, "acc32", 1, 2**40, start=True)
+    assert "does not fit the int32 control input 'CORRID'" in str(err.value)
+    assert send(client, "acc32", 1, 2**31 - 1, start=True, end=True) == 1
+    with pytest.raises(InferenceServerException) as err:       # numeric CORRID, string id
+        send(client, "acc32", 1, "abc", start=True)
+    assert err.value.status() == "400"

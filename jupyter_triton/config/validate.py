@@ -256,6 +256,8 @@ def _validate_sequence_batching(config: mc.ModelConfig, complete: bool) -> None:
                         f"sequence batching control tensor '{control.name}' is specified "
                         f"for multiple control kinds")
         seen.add(control.name)
+    _validate_sequence_controls(config)
+    _validate_sequence_states(config)
     if batching.HasField("oldest"):
         for size in batching.oldest.preferred_batch_size:
             if size <= 0:
@@ -269,6 +271,93 @@ def _validate_sequence_batching(config: mc.ModelConfig, complete: bool) -> None:
         if utilization < 0.0 or utilization > 1.0:
             raise _fail(config, "sequence_batching.direct.minimum_slot_utilization",
                         "sequence batching minimum slot utilization must be in range (0.0, 1.0]")
+
+
+_CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
+
+
+def _validate_sequence_controls(config: mc.ModelConfig) -> None:
+    """Triton's GetBooleanSequenceControlProperties / GetTypedSequenceControlProperties."""
+    kinds = mc.ModelSequenceBatching.Control
+    inputs = {i.name for i in config.input}
+    seen: set[int] = set()
+    for index, control_input in enumerate(config.sequence_batching.control_input):
+        field = f"sequence_batching.control_input[{index}]"
+        if control_input.name in inputs:
+            raise _fail(config, f"{field}.name",
+                        f"sequence batching control tensor '{control_input.name}' is also a "
+                        f"model input: the sequence batcher supplies it, clients do not")
+        for control in control_input.control:
+            kind = kinds.Kind.Name(control.kind)
+            if control.kind in seen:
+                raise _fail(config, f"{field}.control",
+                            f"sequence batching specifies multiple {kind} tensors for "
+                            f"{config.name}")
+            seen.add(control.kind)
+            given = [name for name in ("int32_false_true", "fp32_false_true", "bool_false_true")
+                     if len(getattr(control, name))]
+            if control.kind == kinds.CONTROL_SEQUENCE_CORRID:
+                if given:
+                    raise _fail(config, f"{field}.control",
+                                f"sequence batching must not specify either 'int32_false_true', "
+                                f"'fp32_false_true' or 'bool_false_true' for {kind} for "
+                                f"{config.name}")
+                if control.data_type not in _CORRID_TYPES:
+                    raise _fail(config, f"{field}.control.data_type",
+                                f"sequence batching {kind} data_type must be TYPE_UINT64, "
+                                f"TYPE_INT64, TYPE_UINT32, TYPE_INT32 or TYPE_STRING, got "
+                                f"{mc.DataType.Name(control.data_type)}")
+                continue
+            if not given:
+                raise _fail(config, f"{field}.control",
+                            f"sequence batching must specify either 'int32_false_true', "
+                            f"'fp32_false_true' or 'bool_false_true' for {kind} for "
+                            f"{config.name}")
+            if len(given) > 1:
+                raise _fail(config, f"{field}.control",
+                            f"sequence batching specifies more than one from 'int32_false_true', "
+                            f"'fp32_false_true' and 'bool_false_true' for {kind} for "
+                            f"{config.name}")
+            if len(getattr(control, given[0])) != 2:
+                raise _fail(config, f"{field}.control.{given[0]}",
+                            f"sequence batching control '{given[0]}' must have exactly 2 entries "
+                            f"for {kind} for {config.name}")
+
+
+def _validate_sequence_states(config: mc.ModelConfig) -> None:
+    inputs = {i.name for i in config.input}
+    seen: set[str] = set()
+    for index, state in enumerate(config.sequence_batching.state):
+        field = f"sequence_batching.state[{index}]"
+        if not state.input_name or not state.output_name:
+            raise _fail(config, field, "a state must specify 'input_name' and 'output_name'")
+        if state.input_name in seen:
+            raise _fail(config, f"{field}.input_name",
+                        f"State input name '{state.input_name}' specified more than once.")
+        seen.add(state.input_name)
+        if state.input_name in inputs:
+            raise _fail(config, f"{field}.input_name",
+                        f"state input '{state.input_name}' is also a model input: the sequence "
+                        f"batcher supplies it, clients do not")
+        if state.data_type == mc.TYPE_INVALID:
+            raise _fail(config, f"{field}.data_type", "a state must specify 'data_type'")
+        if not state.dims:
+            raise _fail(config, f"{field}.dims", "a state must specify 'dims'")
+        for init in state.initial_state:
+            if len(init.dims) != len(state.dims):
+                raise _fail(config, f"{field}.initial_state.dims",
+                            f"Number of dimensions in 'initial_state' doesn't match the size of "
+                            f"'state' dimensions for state input '{state.input_name}'. "
+                            f"{len(init.dims)} != {len(state.dims)}")
+            for got, want in zip(init.dims, state.dims):
+                if want != WILDCARD_DIM and got != want:
+                    raise _fail(config, f"{field}.initial_state.dims",
+                                f"'initial_state' dim for input name '{state.input_name}' "
+                                f"doesn't match 'state' dim description. {got} != {want}")
+            if not init.name:
+                raise _fail(config, f"{field}.initial_state.name",
+                            f"Field 'name' must be set when using initial_state for state "
+                            f"input '{state.input_name}'.")
 
 
 def _validate_instance_groups(config: mc.ModelConfig) -> None:

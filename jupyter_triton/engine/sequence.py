@@ -34,7 +34,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -49,7 +48,6 @@ from .statistics import ModelStatistics, mark_failure
 log = logging.getLogger(__name__)
 
 Control = mc.ModelSequenceBatching.Control
-_CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
 
 def check_supported(config: mc.ModelConfig) -> None:
@@ -122,10 +120,14 @@ class _Controls:
             Control.CONTROL_SEQUENCE_START: [], Control.CONTROL_SEQUENCE_END: [],
             Control.CONTROL_SEQUENCE_READY: []}
         self.corrid: list[tuple[str, int]] = []
+        self.numeric_corrid: list[tuple[str, np.dtype]] = []
         for control_input in config.sequence_batching.control_input:
             for control in control_input.control:
                 if control.kind == Control.CONTROL_SEQUENCE_CORRID:
                     self.corrid.append((control_input.name, control.data_type))
+                    if control.data_type != mc.TYPE_STRING:
+                        self.numeric_corrid.append((control_input.name, triton_to_numpy(
+                            config_to_triton(mc.DataType.Name(control.data_type)))))
                     continue
                 if control.int32_false_true:
                     values, dtype = control.int32_false_true, np.int32
@@ -150,9 +152,8 @@ class _Controls:
             if data_type == mc.TYPE_STRING:
                 value = sequence_id if isinstance(sequence_id, str) else str(sequence_id or "")
                 inputs[name] = np.full(shape, value.encode(), dtype=object)
-            else:
-                dtype = triton_to_numpy(config_to_triton(mc.DataType.Name(data_type)))
-                inputs[name] = np.full(shape, sequence_id or 0, dtype=dtype)
+        for name, dtype in self.numeric_corrid:
+            inputs[name] = np.full(shape, sequence_id or 0, dtype=dtype)
 
 
 class _States:
@@ -319,6 +320,13 @@ class SequenceBatcher(Scheduler):
             raise InvalidArgument(
                 f"inference request to model '{self.model}' has a string correlation ID "
                 f"'{sid}' but the model's CONTROL_SEQUENCE_CORRID input is numeric")
+        if isinstance(sid, int):
+            for name, dtype in self.controls.numeric_corrid:
+                info = np.iinfo(dtype)
+                if not info.min <= sid <= info.max:
+                    raise InvalidArgument(
+                        f"inference request to model '{self.model}': correlation ID {sid} does "
+                        f"not fit the {np.dtype(dtype).name} control input '{name}'")
         return _Item(pending, sid, bool(params.get("sequence_start")),
                      bool(params.get("sequence_end")))
 
