@@ -53,7 +53,7 @@ class _Untraced:
     the instance pool's stamps do nothing."""
     __slots__ = ()
 
-    def compute_start(self, queue_ns: int, start_ns: int) -> None:
+    def compute_start(self, queue_ns: int, start_ns: int, batch_size: int = 0) -> None:
         pass
 
     def compute_end(self, timing: tuple[int, int, int] | None) -> None:
@@ -134,7 +134,8 @@ def _check(name: str, value: Any) -> Any:
             number = int(value)
         except ValueError:
             raise InvalidArgument(f"trace setting '{name}' must be an integer, got '{value}'") from None
-        lowest = {"trace_rate": 1, "trace_count": -1, "log_frequency": 0}[name]
+        # rate 0: only requests that carry a client's trace context (opentelemetry mode)
+        lowest = {"trace_rate": 0, "trace_count": -1, "log_frequency": 0}[name]
         if number < lowest:
             raise InvalidArgument(f"trace setting '{name}' must be {lowest} or more, got {number}")
         return number
@@ -158,7 +159,7 @@ class _Scope:
         self.seen = 0
 
     def sample(self) -> bool:
-        if not self.settings.enabled or self.remaining == 0:
+        if not self.settings.enabled or self.remaining == 0 or not self.settings.trace_rate:
             return False
         self.seen += 1
         if self.seen % self.settings.trace_rate:
@@ -172,7 +173,7 @@ class Trace:
     """One traced request; ``entries()`` are its objects of Triton's trace file."""
 
     __slots__ = ("id", "parent_id", "model_name", "model_version", "request_id", "tensors",
-                 "stamps", "activities", "tracing", "scope", "span")
+                 "stamps", "activities", "tracing", "scope", "span", "batch_size")
 
     def __init__(self, tracing: "Tracing", request: "InferRequest", scope: _Scope,
                  parent: "Trace | None") -> None:
@@ -187,12 +188,14 @@ class Trace:
         self.stamps: list[tuple[str, int]] = [("REQUEST_START", time.monotonic_ns())]
         self.activities: list[dict] = []
         self.span: Any = None
+        self.batch_size = 0
         if self.tensors:
             for tensor in request.inputs:
                 self._tensor("TENSOR_QUEUE_INPUT", tensor)
 
     # -- stamps from the instance pool (on the event loop) -------------------------------
-    def compute_start(self, queue_ns: int, start_ns: int) -> None:
+    def compute_start(self, queue_ns: int, start_ns: int, batch_size: int = 0) -> None:
+        self.batch_size = batch_size
         self.stamps.append(("QUEUE_START", queue_ns))
         self.stamps.append(("COMPUTE_START", start_ns))
 
@@ -306,7 +309,7 @@ class Tracing:
         self._recent: deque[list[dict]] = deque(maxlen=RECENT_TRACES)
         self._file: _TraceFile | None = None
         self._in_batch = 0
-        self._otel: Any = None
+        self.otel: Any = None        # engine/otel.py's OpenTelemetry, in that mode
         self.on = False             # the data path's one check
         self._rebuild()
 
@@ -369,9 +372,9 @@ class Tracing:
                 self._file.close()
             self._file = _TraceFile(file)
         mode = self._global_scope.settings.trace_mode
-        if mode == "opentelemetry" and self._otel is None and self.on:
+        if mode == "opentelemetry" and self.otel is None:
             from .otel import OpenTelemetry
-            self._otel = OpenTelemetry(self.otel_config)
+            self.otel = OpenTelemetry(self.otel_config)
 
     # -- the data path (tracing on) ------------------------------------------------------
     async def infer(self, engine: Any, request: "InferRequest") -> "InferResponse":
@@ -390,8 +393,8 @@ class Tracing:
             finally:
                 _CURRENT.reset(token)
         trace = Trace(self, request, scope, parent)
-        if self._otel is not None:
-            trace.span = self._otel.start(request, parent.span if parent is not None else None)
+        if self.otel is not None:
+            trace.span = self.otel.start(request, parent.span if parent is not None else None)
         request.trace = trace
         token = _CURRENT.set(trace)
         try:
@@ -405,13 +408,13 @@ class Tracing:
         return response
 
     def _sampled(self, scope: _Scope, request: "InferRequest") -> bool:
-        if self._otel is not None and self._otel.has_remote_parent(request):
+        if self.otel is not None and self.otel.has_remote_parent(request):
             return True          # Triton: a propagated context is always traced
         return scope.sample()
 
     def _complete(self, trace: Trace, error: BaseException | None) -> None:
         if trace.span is not None:
-            self._otel.end(trace, error)
+            self.otel.end(trace, error)
         if trace.scope.settings.trace_mode != "triton":
             return
         entries = trace.entries()
@@ -435,8 +438,21 @@ class Tracing:
         """Write what the trace file still lacks (the server stops)."""
         if self._file is not None:
             self._file.close()
-        if self._otel is not None:
-            self._otel.shutdown()
+        if self.otel is not None:
+            self.otel.shutdown()
+
+
+def trace_context(headers: Mapping[str, str]) -> dict[str, str] | None:
+    """A client's W3C trace context (``traceparent``, ``tracestate``) from its HTTP headers
+    or gRPC metadata (lower-case names), or None: what continues its trace here."""
+    parent = headers.get("traceparent")
+    if not parent:
+        return None
+    carrier = {"traceparent": parent}
+    state = headers.get("tracestate")
+    if state:
+        carrier["tracestate"] = state
+    return carrier
 
 
 def trace_file_entries(path: str | os.PathLike) -> list[dict]:
