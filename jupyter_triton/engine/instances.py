@@ -241,7 +241,7 @@ class InstancePool:
             # Triton's pending count ends when a backend is about to execute the request.
             p.started = True
             if p.request.trace is not None:         # engine/trace.py
-                p.request.trace.compute_start(p.enqueue_ns, start_ns)
+                p.request.trace.compute_start(p.enqueue_ns, start_ns, p.batch_size)
         stats.pending -= len(live)
         return live
 
