@@ -32,6 +32,7 @@ from ..protocol.types import InferResponse
 from . import openai
 from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_events,
                        generate_request, generate_response, is_empty_final)
+from ..engine.trace import trace_context
 from . import observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, PermissionDenied)
@@ -413,6 +414,8 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
             request = decode_infer_request(body, length, model, version)
     if call.ticket is not None:
         call.ticket.release()           # decoded: its bytes no longer count as in flight
+    if plane.engine.tracing.on:         # engine/trace.py: a client's W3C trace context
+        request.trace_context = trace_context(headers)
     response = await plane.engine.infer(request)
     if _output_bytes(response) > OFFLOAD_BYTES:
         payload, json_length = await plane.offload(True, encode_infer_response, response, request)

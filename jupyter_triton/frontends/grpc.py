@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
+from ..engine.trace import trace_context
 from . import observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
@@ -190,6 +191,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.inflight.take(size)
         try:
             infer_request = decode_grpc_request(_parse_infer_request(raw), **self._decode_kwargs)
+            if self.engine.tracing.on:     # engine/trace.py: a client's W3C trace context
+                infer_request.trace_context = trace_context(_headers(context))
             response = await self.engine.infer(infer_request)
             return encode_grpc_response(response, infer_request)
         finally:
