@@ -145,7 +145,7 @@ def test_http_settings_as_triton(server):
 
 def test_http_bad_settings_are_400(server):
     for body, words in ((b'{"trace_rate": "abc"}', "trace_rate"),
-                        (b'{"trace_rate": "0"}', "trace_rate"),
+                        (b'{"trace_rate": "-1"}', "trace_rate"),
                         (b'{"trace_level": ["LOUD"]}', "LOUD"),
                         (b'{"trace_level": ["OFF", "TENSORS"]}', "OFF"),
                         (b'{"trace_count": "-2"}', "trace_count"),
