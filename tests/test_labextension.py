@@ -135,3 +135,123 @@ def test_triton_sidebar_lists_the_models_and_counts_inferences(tmp_path):
     finally:
         lab.stop()
     assert errors == [], errors
+
+
+def _card(model: str, version: str | None = None, state: str | None = None) -> str:
+    sel = f'{PANEL} .jp-TritonPanel-model[data-model="{model}"]'
+    if version is not None:
+        sel += f'[data-version="{version}"]'
+    if state is not None:
+        sel += f'[data-state="{state}"]'
+    return sel
+
+
+def _served(lab, model: str) -> dict[str, str]:
+    """version -> state, as the server's repository index says (not the panel)."""
+    req = urllib.request.Request(f"{lab.url}v2/repository/index", data=b"{}", method="POST",
+                                 headers={"Authorization": f"token {lab.token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return {r.get("version", ""): r.get("state", "") for r in json.loads(resp.read())
+                if r["name"] == model}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                    reason=f"no {CHROMIUM} (apt-get install chromium fonts-dejavu-core)")
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
+                    reason="the python package playwright is not installed")
+def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
+    from playwright.sync_api import sync_playwright
+    from onnx import TensorProto
+
+    from onnx_models import identity
+
+    shots = Path(os.environ.get("JUPYTER_TRITON_SCREENSHOTS") or tempfile.mkdtemp(prefix="jt-shots-"))
+    shots.mkdir(parents=True, exist_ok=True)
+    repository = write_demo_repository(tmp_path / "models")
+    for version in ("1", "2"):                 # served: the latest only, until the panel says
+        identity(TensorProto.FLOAT, repository / "multi" / version / "model.onnx")
+    (repository / "multi" / "config.pbtxt").write_text(
+        'name: "multi"\nbackend: "onnxruntime"\nmax_batch_size: 8\n')
+    (tmp_path / "root").mkdir()
+    lab = start_lab(tmp_path / "state", tmp_path / "root", repository)
+    errors: list[str] = []
+    try:
+        with sync_playwright() as p:
+            ctx = launch_browser(p, tmp_path / "chromium")
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.set_default_timeout(60_000)
+                page.on("console", lambda m: m.type == "error"
+                        and not any(r.search(m.text) for r in IGNORED_CONSOLE)
+                        and errors.append(f"console.error: {m.text[:300]}"))
+                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+                workspace = f"t{int(time.time() * 1000)}"
+                page.goto(f"{lab.url}lab/workspaces/{workspace}?reset&token={urllib.parse.quote(lab.token)}",
+                          wait_until="domcontentloaded")
+                page.locator(PANEL_TAB).click()
+                page.locator(_card("demo", "1", "READY")).wait_for(timeout=30_000)
+                page.locator(_card("multi", "2", "READY")).wait_for(timeout=30_000)
+                assert _served(lab, "multi") == {"2": "READY"}
+
+                # the config, as GET v2/models/multi/config returns it
+                page.locator(f'{_card("multi", "2")} button[data-action="config"]').click()
+                pre = page.locator(f'{_card("multi", "2")} pre.jp-TritonPanel-config')
+                pre.wait_for()
+                config = json.loads(pre.text_content())
+                assert config["name"] == "multi" and int(config["max_batch_size"]) == 8
+
+                # versions: all, then only v1 (a version_policy override through the repository API)
+                page.locator(f'{_card("multi", "2")} select.jp-TritonPanel-policy').select_option("all")
+                page.locator(_card("multi", "1", "READY")).wait_for(timeout=30_000)
+                page.locator(_card("multi", "2", "READY")).wait_for(timeout=30_000)
+                assert _served(lab, "multi") == {"1": "READY", "2": "READY"}
+                page.locator(f'{_card("multi", "2")} select.jp-TritonPanel-policy').select_option("v1")
+                page.wait_for_function(
+                    "() => !document.querySelector('#jupyter-triton-panel [data-model=\"multi\"]"
+                    "[data-version=\"2\"][data-state=\"READY\"]')", timeout=30_000)
+                page.locator(_card("multi", "1", "READY")).wait_for(timeout=30_000)
+                served = _served(lab, "multi")
+                assert served["1"] == "READY" and served.get("2") != "READY", served
+
+                # unload from the panel: the state changes there and on the server; load it back
+                page.locator(f'{_card("demo", "1")} button[data-action="unload"]').click()
+                page.locator(_card("demo", "1", "UNAVAILABLE")).wait_for(timeout=30_000)
+                assert _served(lab, "demo") == {"1": "UNAVAILABLE"}
+                page.locator(PANEL).screenshot(path=str(shots / "labextension-panel-after-unload.png"))
+                page.locator(f'{_card("demo", "1")} button[data-action="load"]').click()
+                page.locator(_card("demo", "1", "READY")).wait_for(timeout=30_000)
+                assert _served(lab, "demo") == {"1": "READY"}
+
+                # the model's view in the main area counts what a client sends
+                page.locator(f'{_card("demo", "1")} button[data-action="dashboard"]').click()
+                view = page.locator('.jp-TritonModelView[data-model="demo"]')
+                view.locator('.jp-TritonPanel-model[data-version="1"] .jp-TritonPanel-inferences').wait_for()
+                body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [3, 16], "datatype": "FP32",
+                                               "data": [0.5] * 48}]}).encode()
+                for _ in range(2):
+                    req = urllib.request.Request(f"{lab.url}v2/models/demo/infer", data=body, method="POST",
+                                                 headers={"Authorization": f"token {lab.token}"})
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        assert resp.status == 200
+                page.wait_for_function(
+                    "() => { const e = document.querySelector('.jp-TritonModelView[data-model=\"demo\"] "
+                    ".jp-TritonPanel-inferences'); return e && parseInt(e.textContent, 10) >= 6; }",
+                    timeout=15_000)
+                assert view.locator(".jp-TritonPanel-memory").first.text_content().startswith("CPU ")
+                assert view.locator('table.jp-TritonPanel-batches tr[data-batch="3"]').count() == 1
+                page.screenshot(path=str(shots / "labextension-model-view.png"))
+
+                # the snippet runs as it is, with the user's token in the environment
+                snippet = page.locator(f'{_card("demo", "1")} button[data-action="snippet"]'
+                                       ).get_attribute("data-snippet")
+                assert f'InferenceServerClient("127.0.0.1:{urllib.parse.urlsplit(lab.url).port}")' in snippet
+                ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                                     timeout=60, env={**os.environ, "JUPYTER_TOKEN": lab.token})
+                assert ran.returncode == 0 and "'name': 'demo'" in ran.stdout, ran.stdout + ran.stderr
+                page.locator(PANEL).screenshot(path=str(shots / "labextension-panel-actions.png"))
+            finally:
+                ctx.close()
+    finally:
+        lab.stop()
+    assert errors == [], errors

@@ -1,13 +1,17 @@
 /**
- * jupyter-triton: a "Triton" panel in JupyterLab's left sidebar listing the served models.
+ * jupyter-triton: a "Triton" panel in JupyterLab's left sidebar: the served models and what
+ * to do with them; a model's view opens in the main area.
  */
 import {
   ILayoutRestorer,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
+import { MainAreaWidget } from '@jupyterlab/apputils';
+import { ServerConnection } from '@jupyterlab/services';
 import { LabIcon } from '@jupyterlab/ui-components';
 
+import { ModelView } from './dashboard';
 import { TritonPanel } from './panel';
 
 const tritonIcon = new LabIcon({
@@ -20,11 +24,25 @@ const tritonIcon = new LabIcon({
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-triton:plugin',
-  description: 'Lists the Triton models the jupyter_triton server extension serves.',
+  description: 'The Triton models the jupyter_triton server extension serves: list, load, unload, versions, config, views.',
   autoStart: true,
   optional: [ILayoutRestorer],
   activate: (app: JupyterFrontEnd, restorer: ILayoutRestorer | null) => {
-    const panel = new TritonPanel();
+    const settings = ServerConnection.makeSettings();
+    const views = new Map<string, MainAreaWidget<ModelView>>();
+    const openDashboard = (name: string): void => {
+      let view = views.get(name);
+      if (!view || view.isDisposed) {
+        view = new MainAreaWidget({ content: new ModelView(settings, name) });
+        view.id = `jupyter-triton-view-${name}`;
+        view.title.label = `Triton: ${name}`;
+        view.title.icon = tritonIcon;
+        views.set(name, view);
+        app.shell.add(view, 'main');
+      }
+      app.shell.activateById(view.id);
+    };
+    const panel = new TritonPanel(settings, { openDashboard });
     panel.title.icon = tritonIcon;
     app.shell.add(panel, 'left', { rank: 900 });
     if (restorer) {

@@ -1,55 +1,53 @@
 /**
  * The "Triton" sidebar: the models the jupyter_triton server extension serves, polled from
- * its v2 routes through ServerConnection, which carries Jupyter's token/cookie and XSRF.
+ * its v2 routes, and what a user does with them: load, unload, choose the served versions
+ * (a config override of version_policy through the repository API, as Triton's clients send
+ * it), view the config, open a model's view in the main area, copy its URL or a
+ * tritonclient snippet. Every action is an ordinary v2 call through ServerConnection.
  */
 import { Clipboard } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
 
-/** One row of POST v2/repository/index (state and reason absent for a model never loaded). */
-export interface IIndexEntry {
-  name: string;
-  version?: string;
-  state?: string;
-  reason?: string;
-}
+import {
+  IIndexEntry,
+  IModelStats,
+  field,
+  modelPath,
+  renderFigures,
+  requestJSON,
+  tritonclientSnippet
+} from './render';
 
-interface IDuration {
-  count: number;
-  ns: number;
-}
-
-/** The part of one GET v2/models/stats entry the panel shows. */
-export interface IModelStats {
-  name: string;
-  version: string;
-  inference_count: number;
-  execution_count: number;
-  inference_stats: {
-    success: IDuration;
-    queue: IDuration;
-    compute_input: IDuration;
-    compute_infer: IDuration;
-    compute_output: IDuration;
-  };
-}
+export { IIndexEntry, IModelStats } from './render';
 
 const REFRESH_MS = 2000;
 
-/** Mean of a Triton duration per request, '–' before the first request. */
-function perRequestMs(ns: number, count: number): string {
-  if (!count) {
-    return '–';
+export interface IPanelOptions {
+  /** Open the model's view in the main area (the plugin wires it to the shell). */
+  openDashboard?: (name: string) => void;
+}
+
+/** Triton's version_policy for a choice of the versions menu. */
+function versionPolicy(choice: string): Record<string, unknown> {
+  if (choice === 'all') {
+    return { all: {} };
   }
-  const ms = ns / count / 1e6;
-  return `${ms >= 100 ? ms.toFixed(0) : ms >= 1 ? ms.toFixed(2) : ms.toFixed(3)} ms`;
+  if (choice === 'latest') {
+    return { latest: { num_versions: 1 } };
+  }
+  return { specific: { versions: [Number(choice.replace(/^v/, ''))] } };
 }
 
 export class TritonPanel extends Widget {
-  constructor(settings: ServerConnection.ISettings = ServerConnection.makeSettings()) {
+  constructor(
+    settings: ServerConnection.ISettings = ServerConnection.makeSettings(),
+    options: IPanelOptions = {}
+  ) {
     super();
     this._settings = settings;
+    this._options = options;
     this.id = 'jupyter-triton-panel';
     this.addClass('jp-TritonPanel');
     this.title.caption = 'Triton';
@@ -69,13 +67,17 @@ export class TritonPanel extends Widget {
         this._request<IIndexEntry[]>('v2/repository/index', { method: 'POST', body: '{}' }),
         this._request<{ model_stats: IModelStats[] }>('v2/models/stats', { method: 'GET' })
       ]);
-      this._render(index, stats.model_stats || []);
-      this._status.textContent = `updated ${new Date().toLocaleTimeString()}`;
-      this._status.classList.remove('jp-TritonPanel-error');
+      // an open versions menu would close under the user's pointer: redraw on the next tick
+      const active = document.activeElement;
+      if (!(active instanceof HTMLSelectElement && this.node.contains(active))) {
+        this._render(index, stats.model_stats || []);
+      }
+      if (!this._busy) {
+        this._setStatus(`updated ${new Date().toLocaleTimeString()}`, false);
+      }
       this.node.dataset.ticks = String(++this._ticks);
     } catch (err) {
-      this._status.textContent = String(err instanceof Error ? err.message : err);
-      this._status.classList.add('jp-TritonPanel-error');
+      this._setStatus(String(err instanceof Error ? err.message : err), true);
     }
   }
 
@@ -103,29 +105,74 @@ export class TritonPanel extends Widget {
     }, delay);
   }
 
-  private async _request<T>(path: string, init: RequestInit): Promise<T> {
-    const url = URLExt.join(this._settings.baseUrl, path);
-    const response = await ServerConnection.makeRequest(url, init, this._settings);
-    const text = await response.text();
-    if (!response.ok) {
-      let message: string;
-      try {
-        message = JSON.parse(text).error || text;
-      } catch {
-        // not JSON: Jupyter's own 404 page when the route does not exist, or a proxy's page
-        message = response.status === 404
-          ? 'the jupyter_triton server extension is not running on this Jupyter server'
-          : response.statusText;
-      }
-      throw new Error(`${path}: ${response.status} ${message}`.slice(0, 300));
+  private _request<T>(path: string, init: RequestInit): Promise<T> {
+    return requestJSON<T>(this._settings, path, init);
+  }
+
+  private _setStatus(text: string, error: boolean): void {
+    this._status.textContent = text;
+    this._status.classList.toggle('jp-TritonPanel-error', error);
+  }
+
+  /** One action at a time: its progress and its error in the status line, then a redraw. */
+  private async _act(what: string, action: () => Promise<void>): Promise<void> {
+    if (this._busy) {
+      return;
     }
-    return JSON.parse(text) as T;
+    this._busy = true;
+    this.node.dataset.busy = what;
+    this._setStatus(`${what}…`, false);
+    try {
+      await action();
+      this._busy = false;
+      await this.refresh();
+      this._setStatus(`${what}: done`, false);
+    } catch (err) {
+      this._busy = false;
+      this._setStatus(`${what}: ${err instanceof Error ? err.message : err}`, true);
+    } finally {
+      delete this.node.dataset.busy;
+    }
+  }
+
+  private _repository(name: string, verb: 'load' | 'unload', body: unknown = {}): Promise<void> {
+    return this._request<void>(`v2/repository/models/${encodeURIComponent(name)}/${verb}`, {
+      method: 'POST',
+      body: JSON.stringify(body)
+    });
+  }
+
+  /** Serve the versions chosen: the model's config with another version_policy, loaded. */
+  private async _setVersions(name: string, choice: string): Promise<void> {
+    const config = await this._request<Record<string, unknown>>(`${modelPath(name)}/config`, {
+      method: 'GET'
+    });
+    config.version_policy = versionPolicy(choice);
+    await this._repository(name, 'load', { parameters: { config: JSON.stringify(config) } });
+  }
+
+  private async _toggleConfig(key: string, name: string, version: string): Promise<void> {
+    if (this._configs.has(key)) {
+      this._configs.delete(key);
+      return;
+    }
+    const path = version ? `${modelPath(name)}/versions/${version}/config` : `${modelPath(name)}/config`;
+    const config = await this._request<unknown>(path, { method: 'GET' });
+    this._configs.set(key, JSON.stringify(config, null, 2));
   }
 
   private _render(index: IIndexEntry[], stats: IModelStats[]): void {
     const byKey = new Map(stats.map(s => [`${s.name}/${s.version}`, s]));
+    const versions = new Map<string, string[]>();
+    for (const entry of index) {
+      if (entry.version) {
+        versions.set(entry.name, [...(versions.get(entry.name) || []), entry.version]);
+      }
+    }
     this._list.replaceChildren(
-      ...index.map(entry => this._card(entry, byKey.get(`${entry.name}/${entry.version ?? ''}`)))
+      ...index.map(entry =>
+        this._card(entry, byKey.get(`${entry.name}/${entry.version ?? ''}`), versions.get(entry.name) || [])
+      )
     );
     if (!index.length) {
       const empty = document.createElement('li');
@@ -136,24 +183,19 @@ export class TritonPanel extends Widget {
   }
 
   /** One model version: its figures as data attributes and classed fields, for tests too. */
-  private _card(entry: IIndexEntry, stats?: IModelStats): HTMLLIElement {
+  private _card(entry: IIndexEntry, stats: IModelStats | undefined, versions: string[]): HTMLLIElement {
     const li = document.createElement('li');
+    const name = entry.name;
     const version = entry.version ?? '';
     const state = entry.state ?? 'UNLOADED';
+    const key = `${name}/${version}`;
     li.className = 'jp-TritonPanel-model';
-    li.dataset.model = entry.name;
+    li.dataset.model = name;
     li.dataset.version = version;
     li.dataset.state = state;
-    const field = (parent: HTMLElement, cls: string, text: string): HTMLElement => {
-      const span = document.createElement('span');
-      span.className = `jp-TritonPanel-${cls}`;
-      span.textContent = text;
-      parent.appendChild(span);
-      return span;
-    };
     const head = document.createElement('div');
     head.className = 'jp-TritonPanel-head';
-    field(head, 'name', entry.name);
+    field(head, 'name', name);
     field(head, 'version', version ? `v${version}` : '');
     field(head, 'state', state).classList.add(`jp-TritonPanel-state-${state.toLowerCase()}`);
     li.appendChild(head);
@@ -161,41 +203,90 @@ export class TritonPanel extends Widget {
       field(li, 'reason', entry.reason);
     }
     if (stats) {
-      const s = stats.inference_stats;
-      const computeNs = s.compute_input.ns + s.compute_infer.ns + s.compute_output.ns;
-      const figures = document.createElement('div');
-      figures.className = 'jp-TritonPanel-figures';
-      const figure = (label: string, cls: string, value: string, title: string): void => {
-        const tile = document.createElement('div');
-        tile.title = title;
-        field(tile, 'label', label);
-        field(tile, cls, value);
-        figures.appendChild(tile);
-      };
-      figure('inferences', 'inferences', String(stats.inference_count), 'inference count');
-      figure('executions', 'executions', String(stats.execution_count), 'execution count (batches run)');
-      figure('queue', 'queue', perRequestMs(s.queue.ns, s.queue.count), 'average queue time per request');
-      figure('compute', 'compute', perRequestMs(computeNs, s.compute_infer.count),
-             'average compute time (input + infer + output) per request');
-      li.appendChild(figures);
+      li.appendChild(renderFigures(stats));
     }
-    const url = URLExt.join(this._settings.baseUrl, 'v2/models', encodeURIComponent(entry.name));
+    li.appendChild(this._actions(name, version, state, key, versions));
+    const config = this._configs.get(key);
+    if (config !== undefined) {
+      const pre = document.createElement('pre');
+      pre.className = 'jp-TritonPanel-config';
+      pre.textContent = config;
+      li.appendChild(pre);
+    }
+    const url = URLExt.join(this._settings.baseUrl, 'v2/models', encodeURIComponent(name));
     const link = document.createElement('div');
     link.className = 'jp-TritonPanel-link';
     field(link, 'url', url).title = url;
-    const copy = document.createElement('button');
-    copy.className = 'jp-TritonPanel-copy jp-mod-styled';
-    copy.textContent = 'Copy';
-    copy.title = 'Copy the model URL';
-    copy.onclick = () => Clipboard.copyToSystem(url);
+    const copy = this._button('Copy', 'copy', 'Copy the model URL', () => Clipboard.copyToSystem(url));
+    copy.classList.add('jp-TritonPanel-copy');
     link.appendChild(copy);
+    const snippet = tritonclientSnippet(this._settings, name);
+    const code = this._button('Snippet', 'snippet', 'Copy a tritonclient snippet that calls this model',
+                              () => Clipboard.copyToSystem(snippet));
+    code.dataset.snippet = snippet;
+    link.appendChild(code);
     li.appendChild(link);
     return li;
   }
 
+  private _actions(name: string, version: string, state: string, key: string,
+                   versions: string[]): HTMLElement {
+    const bar = document.createElement('div');
+    bar.className = 'jp-TritonPanel-actions';
+    const ready = state === 'READY';
+    const load = this._button(ready ? 'Reload' : 'Load', 'load', 'Load the model from the repository',
+      () => this._act(`loading ${name}`, () => this._repository(name, 'load')));
+    const unload = this._button('Unload', 'unload', 'Unload every version of the model',
+      () => this._act(`unloading ${name}`, () => this._repository(name, 'unload')));
+    unload.disabled = !ready;
+    const menu = document.createElement('select');
+    menu.className = 'jp-TritonPanel-policy';
+    menu.dataset.action = 'versions';
+    menu.title = 'Which versions the server serves (version_policy)';
+    const choices = [['', 'versions…'], ['latest', 'latest'], ['all', 'all'],
+                     ...versions.map(v => [`v${v}`, `only v${v}`])];
+    for (const [value, label] of choices) {
+      const option = document.createElement('option');
+      option.value = value;
+      option.textContent = label;
+      menu.appendChild(option);
+    }
+    menu.disabled = !ready;
+    menu.onchange = () => {
+      const choice = menu.value;
+      if (choice) {
+        void this._act(`serving ${choice} of ${name}`, () => this._setVersions(name, choice));
+      }
+    };
+    const config = this._button(this._configs.has(key) ? 'Hide config' : 'Config', 'config',
+      "The model's config (GET v2/models/<name>/config)",
+      () => this._act(`config of ${name}`, () => this._toggleConfig(key, name, version)));
+    config.disabled = !ready;
+    bar.append(load, unload, menu, config);
+    if (this._options.openDashboard) {
+      const open = this._options.openDashboard;
+      bar.appendChild(this._button('Dashboard', 'dashboard', "Open the model's view in the main area",
+                                   () => open(name)));
+    }
+    return bar;
+  }
+
+  private _button(label: string, action: string, title: string, onclick: () => unknown): HTMLButtonElement {
+    const button = document.createElement('button');
+    button.className = 'jp-mod-styled jp-TritonPanel-button';
+    button.dataset.action = action;
+    button.textContent = label;
+    button.title = title;
+    button.onclick = () => void onclick();
+    return button;
+  }
+
   private _settings: ServerConnection.ISettings;
+  private _options: IPanelOptions;
   private _status: HTMLElement;
   private _list: HTMLElement;
   private _timer: number | undefined;
   private _ticks = 0;
+  private _busy = false;
+  private _configs = new Map<string, string>();
 }
