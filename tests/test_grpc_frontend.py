@@ -18,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 from jupyter_triton.engine.shared_memory import SharedMemoryRegistry
 from jupyter_triton.frontends.grpc import start_grpc_server
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
+from jupyter_triton.engine.trace import Tracing
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
 
 
@@ -25,6 +26,7 @@ class FakeEngine:
     """The Engine API over one model, 'identity': OUTPUTn = INPUTn for any datatype."""
 
     def __init__(self) -> None:
+        self.tracing = Tracing()        # the engine's, off (engine/trace.py)
         self.loaded: list[tuple] = []
         self.unloaded: list[tuple] = []
         self.seen: list[InferRequest] = []

@@ -26,7 +26,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from ..config import config_to_json
 from ..engine import Engine
-from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unavailable
+from ..engine.streaming import DecoupledRefused
+from ..protocol.errors import (Internal, InvalidArgument, NotFound, TritonError, Unavailable,
+                               Unsupported)
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
 from . import openai
@@ -416,7 +418,10 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
         call.ticket.release()           # decoded: its bytes no longer count as in flight
     if plane.engine.tracing.on:         # engine/trace.py: a client's W3C trace context
         request.trace_context = trace_context(headers)
-    response = await plane.engine.infer(request)
+    try:
+        response = await plane.engine.infer(request)
+    except DecoupledRefused as err:
+        raise decoupled_unsupported(err, "HTTP end point") from None
     if _output_bytes(response) > OFFLOAD_BYTES:
         payload, json_length = await plane.offload(True, encode_infer_response, response, request)
     else:
@@ -425,6 +430,18 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
         return Reply(200, payload, {"Content-Type": JSON})
     return Reply(200, payload, {"Content-Type": OCTET,
                                 "Inference-Header-Content-Length": str(json_length)})
+
+
+class DecoupledUnsupported(Unsupported):
+    """Triton's TRITONSERVER_ERROR_UNSUPPORTED for a one-response call to a decoupled model:
+    HTTP 501, gRPC UNIMPLEMENTED."""
+    status = 501
+
+
+def decoupled_unsupported(err: DecoupledRefused, end_point: str) -> DecoupledUnsupported:
+    """The engine's refusal in Triton's words for this end point ("HTTP end point",
+    "ModelInfer RPC")."""
+    return DecoupledUnsupported(str(err).replace("inference end point", end_point, 1))
 
 
 def _output_bytes(response: InferResponse) -> int:

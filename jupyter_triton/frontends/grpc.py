@@ -25,12 +25,14 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 from ..engine.trace import trace_context
 from . import observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
+from .dataplane import decoupled_unsupported
 from .grpc_h2 import H2GrpcServer, serve_h2
 
 log = logging.getLogger(__name__)
@@ -193,7 +195,10 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             infer_request = decode_grpc_request(_parse_infer_request(raw), **self._decode_kwargs)
             if self.engine.tracing.on:     # engine/trace.py: a client's W3C trace context
                 infer_request.trace_context = trace_context(_headers(context))
-            response = await self.engine.infer(infer_request)
+            try:
+                response = await self.engine.infer(infer_request)
+            except DecoupledRefused as err:
+                raise decoupled_unsupported(err, "ModelInfer RPC") from None
             return encode_grpc_response(response, infer_request)
         finally:
             self.inflight.give(size)
