@@ -143,3 +143,88 @@ def test_after_unload_infer_and_metadata_answer_404_and_the_index_keeps_only_set
     finally:
         client.close()
         grpc.close()
+
+
+EXAMPLES = Path(__file__).parent / "triton_examples"
+
+
+def _control_repository(root: Path, models: int) -> Path:
+    """'simple' (ONNX add/sub, max_batch_size 8 as in Triton's example repository) and
+    identity models up to ``models`` in all: NVIDIA's model-control examples count them."""
+    from onnx import TensorProto
+    from onnx_models import add_sub, identity
+    add_sub(root / "simple" / "1" / "model.onnx")
+    (root / "simple" / "config.pbtxt").write_text('name: "simple"\nbackend: "onnxruntime"\n'
+                                                   'max_batch_size: 8\n')
+    for i in range(models - 1):
+        identity(TensorProto.FLOAT, root / f"identity_{i}" / "1" / "model.onnx")
+    return root
+
+
+@pytest.mark.parametrize("example, models, port", [
+    ("simple_http_model_control.py", 7, "http_port"),
+    ("simple_grpc_model_control.py", 8, "grpc_port"),
+])
+def test_nvidia_model_control_examples_run_unchanged(tmp_path: Path, example: str, models: int,
+                                                     port: str):
+    # They need Triton's load-error words ("failed to load") for a config that is not JSON
+    # and for a model that is not in the repository, and a JSON config override.
+    import subprocess
+    import sys
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.standalone import start_in_thread
+    root = _control_repository(tmp_path / "models", models)
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit"),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+    try:
+        done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u",
+                               f"127.0.0.1:{getattr(server, port)}"],
+                              capture_output=True, text=True, timeout=90)
+    finally:
+        server.close()
+    assert done.returncode == 0 and "PASS: model control" in done.stdout, done.stdout + done.stderr
+
+
+def test_load_errors_speak_tritons_words(tmp_path: Path):
+    # tritonserver 2.51's answers to the same loads: a model not in the repository and a
+    # config that does not parse: "failed to load '<m>', failed to poll from model repository"
+    # (Triton: 500; a client error is a 4xx here); no version under the policy: "load failed
+    # for model '<m>': at least one version must be available ..." (400); a model whose
+    # initialize raises: "load failed for model '<m>': version 1 is at UNAVAILABLE state: ..."
+    # (400), while the index keeps the bare reason.
+    root = tmp_path / "models"
+    python_model(root, "raises", FAILING_MODEL_PY.replace(
+        "    def execute(", "    def initialize(self, args):\n        raise RuntimeError('cannot initialize')\n\n    def execute("))
+    python_model(root, "unparsable", FAILING_MODEL_PY)
+    (root / "unparsable" / "config.pbtxt").write_text('name: "unparsable"\ninput [ { name: "X" ')
+    python_model(root, "no_version", FAILING_MODEL_PY,
+                 extra="version_policy { specific { versions: [ 3 ] } }")
+    (root / "nothing_on_disk").mkdir()
+    (root / "nothing_on_disk" / "config.pbtxt").write_text(
+        (root / "raises" / "config.pbtxt").read_text().replace('"raises"', '"nothing_on_disk"'))
+    server, client = serve(root, model_control_mode="explicit")
+    try:
+        for name, status in (("wrong_model_name", "404"), ("unparsable", "400")):
+            err = _error(lambda: client.load_model(name))
+            assert err.status() == status, err
+            assert err.message().startswith(
+                f"failed to load '{name}', failed to poll from model repository"), err
+        err = _error(lambda: client.load_model("simple", config='"parameters": {"config": {{}}}'))
+        assert err.message().startswith("failed to load 'simple', failed to poll"), err
+        for name in ("no_version", "nothing_on_disk"):
+            err = _error(lambda: client.load_model(name))
+            assert err.status() == "400" and err.message().startswith(
+                f"load failed for model '{name}': "), err
+        err = _error(lambda: client.load_model("nothing_on_disk"))
+        assert "at least one version must be available under the version policy of model " \
+               "'nothing_on_disk'" in err.message()
+        err = _error(lambda: client.load_model("raises"))
+        assert err.message().startswith(
+            "load failed for model 'raises': version 1 is at UNAVAILABLE state: "), err
+        assert "cannot initialize" in err.message()
+        rows = {row["name"]: row for row in client.get_model_repository_index()}
+        assert rows["raises"]["state"] == "UNAVAILABLE"
+        assert not rows["raises"]["reason"].startswith("load failed"), rows["raises"]
+    finally:
+        client.close()
+        server.close()

@@ -142,6 +142,8 @@ class ModelLifecycle:
         entry = self._entries.setdefault(name, Entry(name))
         try:
             await self._upload_and_load(name, entry, config, files)
+        except TritonError as err:
+            raise _load_failed(name, err) from None
         finally:
             if not (entry.serving or entry.status or entry.reason) and not entry.lock.locked():
                 self._entries.pop(name, None)    # nothing known: no empty index row
@@ -257,7 +259,8 @@ class ModelLifecycle:
                 fresh[v] = mv
             except Exception as err:  # the failing version's reason; the rest stays as it was
                 terr = err if isinstance(err, TritonError) else InvalidArgument(
-                    f"failed to load '{name}' version {v}: {type(err).__name__}: {err}")
+                    f"{type(err).__name__}: {err}")
+                terr.load_stage = v  # type: ignore[attr-defined]
                 log.warning("loading %s v%d failed: %s", name, v, terr)
                 errors.append((v, terr))
         if errors:
@@ -302,15 +305,17 @@ class ModelLifecycle:
         """Read, auto-complete and validate the config; choose versions. Blocking (disk, runtimes)."""
         config = self.repository.read_config(name)
         if is_ensemble(config):                  # nothing to auto-complete: no runtime behind it
-            versions = self.repository.select_versions(name, config)
+            versions = self._select_versions(name, config)
             config = fill_defaults(config)
             validate_config(config)
             return config, ENSEMBLE_BACKEND, versions
         backend = backend_name(config, model_dir)
-        versions = self.repository.select_versions(name, config)
+        versions = self._select_versions(name, config)
         if not versions:
-            raise InvalidArgument(f"at least one version must be available under the version "
+            err = InvalidArgument(f"at least one version must be available under the version "
                                   f"policy of model '{name}'")
+            err.load_stage = "versions"  # type: ignore[attr-defined]
+            raise err
         cls = backend_class(backend)
         latest = max(versions)
         files = ModelFiles(name, latest, model_dir, model_dir / str(latest),
@@ -319,6 +324,13 @@ class ModelLifecycle:
         config = fill_defaults(config)
         validate_config(config)
         return config, backend, versions
+
+    def _select_versions(self, name: str, config: mc.ModelConfig) -> list[int]:
+        try:
+            return self.repository.select_versions(name, config)
+        except TritonError as err:
+            err.load_stage = "versions"  # type: ignore[attr-defined]
+            raise
 
     def _stamp(self, name: str, config: mc.ModelConfig, versions: list[int]) -> dict[int, str]:
         """Per version: the config and the repository's fingerprint of the version's files
@@ -349,6 +361,26 @@ class ModelLifecycle:
                     log.error("failed to load model '%s': %s", name, err)
         for name in set(self._entries) - on_disk:
             await self._unload(name)
+
+
+def _load_failed(name: str, err: TritonError) -> TritonError:
+    """``err`` (same class: same status) in the words tritonserver 2.51 answers a load with:
+    the config or files could not be read (``failed to load '<m>', failed to poll from model
+    repository``), no version under the policy, or a version that failed to load; NVIDIA's
+    model-control examples look for these. The index keeps the bare reason, as Triton's."""
+    stage = getattr(err, "load_stage", "poll")
+    text = str(err)
+    if text.startswith((f"failed to load '{name}'", f"load failed for model '{name}'")):
+        return err
+    if stage == "poll":
+        text = f"failed to load '{name}', failed to poll from model repository: {text}"
+    elif stage == "versions":
+        text = f"load failed for model '{name}': {text}"
+    else:
+        text = f"load failed for model '{name}': version {stage} is at UNAVAILABLE state: {text}"
+    err.message = text
+    err.args = (text,)
+    return err
 
 
 def _copy(config: mc.ModelConfig) -> mc.ModelConfig:
