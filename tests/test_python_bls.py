@@ -1,0 +1,168 @@
+"""BLS: python models calling other served models with Triton's pb_utils API, through a
+real standalone server, in the worker process and in thread mode. NVIDIA's BLS example
+(python_backend examples/bls, model and client as published) runs unchanged."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import serve
+from test_backend_python import ADD_SUB_CONFIG, ADD_SUB_MODEL_PY, THREAD_MODE
+from test_python_decoupled import REPEAT_CONFIG, REPEAT_MODEL_PY
+
+pytestmark = pytest.mark.timeout(180)
+
+EXAMPLES = Path(__file__).parent / "triton_examples" / "bls"
+MODES = ["process", "thread"]
+
+# examples/bls/config.pbtxt named as the README has it (TYPE_STRING: the TYPE_BYTES of one
+# published version is not a DataType in model_config.proto)
+BLS_SYNC_CONFIG = '''
+name: "bls_sync"
+backend: "python"
+input [ { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] } ]
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+input [ { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [{ kind: KIND_CPU }]
+'''
+
+# examples/pytorch/config.pbtxt
+PYTORCH_CONFIG = '''
+name: "pytorch"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+input [ { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [{ kind: KIND_CPU }]
+'''
+
+# Calls the decoupled "repeat" model in every way pb_utils offers and reports what it got.
+CALLER_MODEL_PY = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        out = []
+        for r in requests:
+            how = pb_utils.get_input_tensor_by_name(r, "HOW").as_numpy().reshape(-1)[0].decode()
+            values = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy().reshape(-1)
+            target = "missing_model" if how == "missing" else "repeat"
+            call = pb_utils.InferenceRequest(
+                model_name=target, requested_output_names=["OUT"],
+                inputs=[pb_utils.Tensor("CMD", np.array([b"go"], dtype=np.object_)),
+                        pb_utils.Tensor("IN", values)])
+            if how == "stream":
+                responses = list(call.exec(decoupled=True))
+            elif how == "async_stream":
+                responses = list(await call.async_exec(decoupled=True))
+            elif how == "first_only":    # stops reading: the rest must not pile up anywhere
+                stream = call.exec(decoupled=True)
+                responses = [next(iter(stream))]
+                del stream
+            else:                        # "plain", "missing": one response expected
+                responses = [call.exec()]
+            summary = {
+                "outputs": [[t.name(), t.as_numpy().tolist()] for resp in responses
+                            for t in resp.output_tensors()],
+                "counts": [len(resp.output_tensors()) for resp in responses],
+                "errors": [resp.error().message() if resp.has_error() else None for resp in responses]}
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor(
+                "SUMMARY", np.array([json.dumps(summary).encode()], dtype=np.object_))]))
+        return out
+'''
+
+CALLER_CONFIG = '''
+name: "caller"
+backend: "python"
+input [
+  { name: "HOW" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] }
+]
+output [{ name: "SUMMARY" data_type: TYPE_STRING dims: [ 1 ] }]
+'''
+
+
+def add_model(repo: Path, name: str, model_py: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "1" / "model.py").write_text(model_py)
+    (repo / name / "config.pbtxt").write_text(config)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nvidias_bls_sync_example_runs_unchanged(tmp_path, mode):
+    repo = tmp_path / "models"
+    add_model(repo, "add_sub", textwrap.dedent(ADD_SUB_MODEL_PY), ADD_SUB_CONFIG)
+    add_model(repo, "pytorch", (EXAMPLES / "pytorch_model.py").read_text(), PYTORCH_CONFIG)
+    add_model(repo, "bls_sync", (EXAMPLES / "sync_model.py").read_text(),
+              BLS_SYNC_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    try:
+        # The client has no address flag: only its address is changed, in a copy.
+        script = tmp_path / "sync_client.py"
+        script.write_text((EXAMPLES / "sync_client.py").read_text().replace(
+            '"localhost:8000"', f'"127.0.0.1:{server.http_port}"'))
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "PASS: BLS Sync" in run.stdout
+        # the undefined model's error came back as the BLS response's error, named
+        assert "undefined_model" in run.stdout.split("'undefined' model result")[1]
+        # each BLS request is counted by the model it reached, as Triton counts it
+        for name in ("add_sub", "pytorch"):
+            stats = client.get_inference_statistics(name)["model_stats"][0]
+            assert stats["inference_count"] == 1, (name, stats)
+    finally:
+        server.close()
+
+
+@pytest.fixture(params=MODES)
+def caller(request, tmp_path):
+    repo = tmp_path / "models"
+    add_model(repo, "repeat", textwrap.dedent(REPEAT_MODEL_PY), REPEAT_CONFIG)
+    add_model(repo, "caller", textwrap.dedent(CALLER_MODEL_PY),
+              CALLER_CONFIG + (THREAD_MODE if request.param == "thread" else ""))
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    yield client
+    server.close()
+
+
+def call(client: httpclient.InferenceServerClient, how: str, values: list[int]) -> dict:
+    inputs = [httpclient.InferInput("HOW", [1], "BYTES"), httpclient.InferInput("IN", [len(values)], "INT32")]
+    inputs[0].set_data_from_numpy(np.array([how.encode()], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array(values, dtype=np.int32))
+    return json.loads(client.infer("caller", inputs).as_numpy("SUMMARY")[0])
+
+
+@pytest.mark.parametrize("how", ["stream", "async_stream"])
+def test_a_decoupled_bls_call_yields_every_response_and_the_empty_final_one(caller, how):
+    got = call(caller, how, [5, 6, 7])
+    assert got["outputs"] == [["OUT", [5]], ["OUT", [6]], ["OUT", [7]]]   # only the requested output
+    assert got["counts"] == [1, 1, 1, 0]          # Triton's last, empty response
+    assert got["errors"] == [None] * 4
+    assert call(caller, how, [])["counts"] == [0]  # zero responses: only the final one
+
+
+def test_bls_errors_come_back_in_the_response(caller):
+    missing = call(caller, "missing", [1])
+    assert missing["counts"] == [0] and "missing_model" in missing["errors"][0]
+    plain = call(caller, "plain", [1])
+    assert plain["counts"] == [0]
+    assert "decoupled" in plain["errors"][0]      # use exec(decoupled=True) for such a model
+
+
+def test_a_bls_stream_dropped_early_leaves_the_server_serving(caller):
+    for _ in range(3):
+        got = call(caller, "first_only", [1, 2, 3, 4])
+        assert got["outputs"] == [["OUT", [1]]]
+    assert call(caller, "stream", [9])["outputs"] == [["OUT", [9]]]
