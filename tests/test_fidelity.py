@@ -228,3 +228,18 @@ def test_load_errors_speak_tritons_words(tmp_path: Path):
     finally:
         client.close()
         server.close()
+
+
+def test_statistics_of_an_unknown_model_or_version_say_what_triton_says(standalone):
+    # tritonserver 2.51 (with 400; NotFound is a 404 here)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{standalone.http_port}")
+    try:
+        err = _error(lambda: client.get_inference_statistics("linear", "5"))
+        assert (err.status(), err.message()) == (
+            "404", "requested model version is not available for model 'linear'")
+        err = _error(lambda: client.get_inference_statistics("nosuch"))
+        assert (err.status(), err.message()) == ("404", "requested model 'nosuch' is not available")
+        err = _error(lambda: client.get_inference_statistics("nosuch", "1"))
+        assert err.message() == "requested model 'nosuch' is not available"
+    finally:
+        client.close()

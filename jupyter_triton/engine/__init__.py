@@ -63,6 +63,14 @@ class Engine(ModelLifecycle):
         model: exactly one). Refusals raise on the first ``__anext__``; a decoupled model's
         error responses come with ``.error`` set. Closing the iterator early (``aclose()``, or
         cancelling the task that iterates) cancels the request."""
+        if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
+            traced = self.tracing.infer_stream(self, request)
+            try:
+                async for response in traced:
+                    yield response
+            finally:
+                await traced.aclose()
+            return
         mv = self._version(request.model_name, request.model_version)
         shm = uses_shared_memory(request)
         if shm:
@@ -147,7 +155,13 @@ class Engine(ModelLifecycle):
     def statistics(self, name: str = "", version: str = "") -> dict:
         if name:
             if version:
-                versions = [self._version(name, version)]
+                try:
+                    versions = [self._version(name, version)]
+                except NotFound:        # tritonserver 2.51's words (its status: 400)
+                    if name not in self._entries:
+                        raise NotFound(f"requested model '{name}' is not available") from None
+                    raise NotFound(f"requested model version is not available for model "
+                                   f"'{name}'") from None
             else:
                 entry = self._entries.get(name)
                 if entry is None or not entry.serving:
