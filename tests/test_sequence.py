@@ -493,3 +493,62 @@ def test_correlation_id_must_fit_the_corrid_control(repo: Path, server) -> None:
     with pytest.raises(InferenceServerException) as err:       # numeric CORRID, string id
         send(client, "acc32", 1, "abc", start=True)
     assert err.value.status() == "400"
+
+
+# Implicit state on a python model: the state is a BYTES tensor (here JSON) that the engine
+# keeps between the requests of a sequence; the model itself remembers nothing.
+STATEFUL_PY = '''
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = int(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy().item())
+            start = pb_utils.get_input_tensor_by_name(request, "START").as_numpy().item()
+            raw = pb_utils.get_input_tensor_by_name(request, "STATE_IN").as_numpy().item()
+            seen = [] if start or not raw else json.loads(raw)
+            seen.append(x)
+            state = np.array([[json.dumps(seen).encode()]], dtype=object)
+            out = np.array([[sum(seen)]], dtype=np.int32)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT", out), pb_utils.Tensor("STATE_OUT", state)]))
+        return responses
+'''
+
+
+def test_implicit_state_python_model(repo: Path, server) -> None:
+    (repo / "stateful" / "1").mkdir(parents=True)
+    (repo / "stateful" / "1" / "model.py").write_text(STATEFUL_PY)
+    (repo / "stateful" / "config.pbtxt").write_text('''
+name: "stateful"
+backend: "python"
+max_batch_size: 2
+sequence_batching {
+  max_sequence_idle_microseconds: 300000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }
+  ]
+  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+''')
+    client = load(server, "stateful")
+    assert send(client, "stateful", 3, "a", start=True) == 3
+    assert send(client, "stateful", 4, "b", start=True) == 4
+    assert send(client, "stateful", 5, "a") == 8
+    result = client.infer("stateful", [_int_input(6)], sequence_id="b",
+                          outputs=[httpclient.InferRequestedOutput("OUTPUT")])
+    assert result.as_numpy("OUTPUT").item() == 10
+    assert result.as_numpy("STATE_OUT") is None
+    assert send(client, "stateful", 1, "a", end=True) == 9
+    time.sleep(0.8)                      # 'b' idles past 300 ms: its state is gone
+    with pytest.raises(InferenceServerException) as err:
+        send(client, "stateful", 1, "b")
+    assert "must specify the START flag" in str(err.value)
+    assert send(client, "stateful", 2, "b", start=True) == 2

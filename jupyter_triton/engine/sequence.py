@@ -70,8 +70,6 @@ def check_supported(config: mc.ModelConfig) -> None:
     for state in seq.state:
         if state.use_growable_memory:
             raise refuse(f"state '{state.input_name}' 'use_growable_memory'")
-        if not state.initial_state and any(d < 0 for d in state.dims):
-            raise refuse(f"state '{state.input_name}' with variable dims and no initial_state")
         if len(state.initial_state) > 1:
             raise InvalidArgument(
                 f"initial_state field for state input '{state.input_name}' must contain exactly "
@@ -175,7 +173,8 @@ class _States:
     def _initial(config: mc.ModelConfig, state, dtype: np.dtype, batching: bool,
                  model_dir: Path | None) -> np.ndarray:
         if not state.initial_state:
-            shape = _dims(batching, state.dims)
+            # a variable dim starts empty (Triton's docs: the model reads START and ignores it)
+            shape = [max(d, 0) for d in _dims(batching, state.dims)]
             return np.full(shape, b"", dtype=object) if dtype == np.object_ else np.zeros(shape, dtype)
         init = state.initial_state[0]
         if init.data_type != state.data_type:
@@ -487,7 +486,12 @@ class SequenceBatcher(Scheduler):
             inputs.update(slot.state)
             inner = loop.create_future()
             inner.add_done_callback(lambda f, s=slot, p=pending: self._answer(f, s, p))
-            runs.append(dataclasses.replace(pending, inputs=inputs, future=inner))
+            request = pending.request
+            if self.states.outputs and request.outputs is not None:
+                # the model must return its state outputs too; the client's choice of
+                # outputs is applied to the answer, from the outer request
+                request = dataclasses.replace(request, outputs=None)
+            runs.append(dataclasses.replace(pending, request=request, inputs=inputs, future=inner))
             pending.started = True      # the engine's pending count ends with the inner one's
         # the pool counts every request it starts out of the pending gauge; null requests
         # never entered it

@@ -307,6 +307,9 @@ class PythonBackend(Backend):
         self.initialize_timeout_s = timeout_parameter(config, INITIALIZE_TIMEOUT)
         self.finalize_timeout_s = timeout_parameter(config, FINALIZE_TIMEOUT)
         self._all_outputs = [o.name for o in config.output]
+        # implicit state: the sequence batcher takes the state outputs from the responses
+        self._all_outputs += [s.output_name for s in config.sequence_batching.state
+                              if s.output_name not in self._all_outputs]
         self.decoupled = bool(config.model_transaction_policy.decoupled)
         self._thread_sinks: set[_Sink] = set()   # thread mode: open decoupled requests
         self._orphans = OrphanCloser(lambda sink: sink.deliver(None, None, True))
