@@ -42,3 +42,13 @@ def test_nvidia_decoupled_example_client_passes(server, client, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     model = client.replace("_client.py", "_int32")
     assert f"PASS: {model}" in done.stdout
+
+
+def test_tritonclient_custom_repeat_example_passes(server):
+    """tritonclient's simple_grpc_custom_repeat.py (10 responses a second apart from one
+    request on the stream), run with its --url flag."""
+    done = subprocess.run([sys.executable, str(EXAMPLES.parent / "simple_grpc_custom_repeat.py"),
+                           "-u", f"127.0.0.1:{server.grpc_port}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PASS: Decoupled API" in done.stdout
