@@ -4,6 +4,7 @@ decoupled model, statistics counted in the called model, a timeout, the depth li
 the chain, and the in-flight bound refusing a call storm at once."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -227,3 +228,17 @@ def test_bls_from_the_event_loop_is_refused(repo, tmp_path):
         return calls.in_flight
 
     assert run(main, tmp_path) == 0
+
+
+def test_bls_after_the_server_loop_closed_is_unavailable(tmp_path):
+    from jupyter_triton.engine import Engine, EngineOptions
+    from jupyter_triton.engine.bls import ModelCalls
+    loop = asyncio.new_event_loop()
+    engine = Engine(EngineOptions(model_repository=tmp_path))
+    calls = ModelCalls(engine.server_calls, "caller", loop)
+    loop.close()
+    with pytest.raises(Unavailable, match="shutting down"):
+        calls.infer(_call("linear", 1))
+    with pytest.raises(Unavailable, match="shutting down"):
+        calls.infer_stream(_call("linear", 1))
+    assert calls.in_flight == 0

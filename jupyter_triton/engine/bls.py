@@ -75,7 +75,7 @@ class ModelCalls:
     def infer(self, request: InferRequest, timeout_s: float | None = None) -> InferResponse:
         self._admit(request)
         try:
-            future = asyncio.run_coroutine_threadsafe(self._bls.engine.infer(request), self._loop)
+            future = self._submit(self._bls.engine.infer(request), request)
             try:
                 return future.result(timeout_s)
             except concurrent.futures.TimeoutError:
@@ -95,7 +95,7 @@ class ModelCalls:
         try:
             items: queue.SimpleQueue = queue.SimpleQueue()
             room = threading.Semaphore(STREAM_BUFFER)
-            future = asyncio.run_coroutine_threadsafe(self._pump(request, items, room), self._loop)
+            future = self._submit(self._pump(request, items, room), request)
         except BaseException:
             self._release()
             raise
@@ -131,6 +131,14 @@ class ModelCalls:
                     f"(the limit is {self._bls.max_in_flight}); the request to model "
                     f"'{request.model_name}' is refused")
             self.in_flight += 1
+
+    def _submit(self, coro, request: InferRequest) -> concurrent.futures.Future:
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:          # the server's loop has closed: it is shutting down
+            coro.close()
+            raise Unavailable(f"BLS request from model '{self.caller}' to model "
+                              f"'{request.model_name}': the server is shutting down") from None
 
     def _release(self) -> None:
         with self._lock:
