@@ -243,3 +243,23 @@ def test_statistics_of_an_unknown_model_or_version_say_what_triton_says(standalo
         assert err.message() == "requested model 'nosuch' is not available"
     finally:
         client.close()
+
+
+def test_no_message_shows_doubled_braces():
+    # "{{ decoupled: true }}" reached clients from a plain string written as if it were an
+    # f-string; Triton's texts say "{ decoupled: true }". Every string literal of the package
+    # that is not an f-string must not hold a doubled-brace config snippet.
+    import io
+    import re
+    import tokenize
+    import jupyter_triton
+    snippet = re.compile(r"\{\{ *\w+ *:|:[^{}]*\}\}")
+    found = []
+    for path in Path(jupyter_triton.__file__).parent.rglob("*.py"):
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type != tokenize.STRING:
+                continue
+            prefix = re.match(r"[A-Za-z]*", tok.string).group(0).lower()
+            if "f" not in prefix and "{%" not in tok.string and snippet.search(tok.string):
+                found.append(f"{path.name}:{tok.start[0]}")
+    assert not found, found
