@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping
 
 from ..protocol.errors import InvalidArgument, Unsupported
 
@@ -173,7 +173,7 @@ class Trace:
     """One traced request; ``entries()`` are its objects of Triton's trace file."""
 
     __slots__ = ("id", "parent_id", "model_name", "model_version", "request_id", "tensors",
-                 "stamps", "activities", "tracing", "scope", "span", "batch_size")
+                 "stamps", "activities", "tracing", "scope", "span", "batch_size", "_waiting")
 
     def __init__(self, tracing: "Tracing", request: "InferRequest", scope: _Scope,
                  parent: "Trace | None") -> None:
@@ -189,6 +189,9 @@ class Trace:
         self.activities: list[dict] = []
         self.span: Any = None
         self.batch_size = 0
+        # a stream's last response may come before the instance reports the execution's
+        # end: then the trace completes at compute_end (the error it ended with, if any)
+        self._waiting: tuple[BaseException | None] | None = None
         if self.tensors:
             for tensor in request.inputs:
                 self._tensor("TENSOR_QUEUE_INPUT", tensor)
@@ -208,6 +211,18 @@ class Trace:
         self.stamps.append(("COMPUTE_INPUT_END", start + compute_input))
         self.stamps.append(("COMPUTE_OUTPUT_START", end - compute_output))
         self.stamps.append(("COMPUTE_END", end))
+        if self._waiting is not None:
+            error, = self._waiting
+            self._waiting = None
+            self.tracing._complete(self, error)
+
+    def response(self, response: "InferResponse") -> None:
+        """One response of a stream (a decoupled model sends any number)."""
+        self.stamps.append(("INFER_RESPONSE_COMPLETE", time.monotonic_ns()))
+        self.model_version = response.model_version or self.model_version
+        if self.tensors:
+            for tensor in response.outputs:
+                self._tensor("TENSOR_BACKEND_OUTPUT", tensor)
 
     def finish(self, response: "InferResponse | None", error: BaseException | None) -> None:
         self.stamps.append(("REQUEST_END", time.monotonic_ns()))
@@ -216,6 +231,10 @@ class Trace:
             if self.tensors:
                 for tensor in response.outputs:
                     self._tensor("TENSOR_BACKEND_OUTPUT", tensor)
+        names = {name for name, _ in self.stamps}
+        if "COMPUTE_START" in names and "COMPUTE_END" not in names:
+            self._waiting = (error,)
+            return
         self.tracing._complete(self, error)
 
     def _tensor(self, activity: str, tensor: Any) -> None:
@@ -238,7 +257,9 @@ class Trace:
         if self.parent_id:
             head["parent_id"] = self.parent_id
         out = [head]
-        out += [{"id": self.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in self.stamps]
+        # in time order (a stream's responses and its execution's end interleave)
+        stamps = sorted(self.stamps, key=lambda stamp: stamp[1])
+        out += [{"id": self.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in stamps]
         return out + self.activities
 
 
@@ -406,6 +427,38 @@ class Tracing:
             _CURRENT.reset(token)
         trace.finish(response, None)
         return response
+
+    async def infer_stream(self, engine: Any, request: "InferRequest") -> AsyncIterator["InferResponse"]:
+        """``engine.infer_stream(request)`` traced if sampled: one trace for the request, an
+        INFER_RESPONSE_COMPLETE stamp per response. (A stream's consumer may iterate from
+        several tasks, so no context variable is set: an ensemble behind a stream traces its
+        steps on their own.)"""
+        parent = _CURRENT.get()
+        scope = self._scopes.get(request.model_name, self._global_scope)
+        if parent is UNTRACED or (parent is None and not self._sampled(scope, request)):
+            request.trace = UNTRACED
+            trace = None
+        else:
+            trace = Trace(self, request, scope, parent)
+            if self.otel is not None:
+                trace.span = self.otel.start(request, parent.span if parent is not None else None)
+            request.trace = trace
+        responses = engine.infer_stream(request)
+        error: BaseException | None = None
+        try:
+            async for response in responses:
+                if trace is not None:
+                    trace.response(response)
+                    if response.error is not None and response.final:
+                        error = response.error
+                yield response
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            await responses.aclose()
+            if trace is not None:
+                trace.finish(None, error)
 
     def _sampled(self, scope: _Scope, request: "InferRequest") -> bool:
         if self.otel is not None and self.otel.has_remote_parent(request):
