@@ -289,3 +289,44 @@ def test_tracing_off_leaves_requests_untraced(repo: Path):
         assert [e["request_id"] for e in server.engine.tracing.recent() if "request_id" in e] == ["now"]
     finally:
         server.close()
+
+
+def test_a_decoupled_stream_is_one_trace_with_a_stamp_per_response(tmp_path: Path):
+    """tritonclient's gRPC stream to a decoupled model: one trace for the request, each
+    response stamped INFER_RESPONSE_COMPLETE, its outputs as TENSORS."""
+    import queue
+
+    from decoupled_models import write_words
+    root = write_words(tmp_path / "models")
+    server = start(root, "level=TENSORS", "rate=1")
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"hello world"], dtype=np.object_))
+        client.async_stream_infer("words", [text], request_id="stream-1")
+        words = []
+        for _ in range(2):
+            result, error = got.get(timeout=30)
+            assert error is None
+            words.append(result.as_numpy("text_output")[0])
+        client.stop_stream()
+        assert words == [b"hello", b"world"]
+    finally:
+        client.close()
+        server.close()
+    [traced] = [t for t in traces(server.engine.tracing.recent()).values()
+                if t["head"].get("request_id") == "stream-1"]
+    assert traced["head"]["model_name"] == "words" and traced["head"]["model_version"] == 1
+    names = [e["timestamps"][0]["name"] for e in server.engine.tracing.recent()
+             if e["id"] == traced["head"]["id"] and "timestamps" in e]
+    assert names[0] == "REQUEST_START" and "REQUEST_END" in names
+    assert names.count("INFER_RESPONSE_COMPLETE") == 3      # two words, then the final flag
+    stamps = [e["timestamps"][0]["ns"] for e in server.engine.tracing.recent()
+              if e["id"] == traced["head"]["id"] and "timestamps" in e]
+    assert stamps == sorted(stamps)
+    assert {"QUEUE_START", "COMPUTE_START", "COMPUTE_END"} <= set(names)
+    tensors = [(e["activity"], e["tensor"]["data"]) for e in traced["tensors"]]
+    assert tensors == [("TENSOR_QUEUE_INPUT", "hello world"), ("TENSOR_BACKEND_OUTPUT", "hello"),
+                       ("TENSOR_BACKEND_OUTPUT", "world")]
