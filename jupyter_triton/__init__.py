@@ -21,13 +21,15 @@ def serve(obj, name: str, *, max_batch_size: int | None = None,
           preferred_batch_sizes: list[int] | None = None, max_queue_delay_us: int | None = None,
           instances: int = 1, kind: str = "auto", gpus: list[int] | None = None,
           priority_levels: int | None = None, warmup: int | None = None, example=None,
-          inputs=None, outputs=None, config: str = ""):
+          inputs=None, outputs=None, config: str = "", decoupled: bool | None = None,
+          sequence: bool = False):
     """Serve a model, module or function as ``name``; see ``jupyter_triton.kernel.api.serve``."""
     from .kernel.api import serve as _serve
     return _serve(obj, name, max_batch_size=max_batch_size,
                   preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us,
                   instances=instances, kind=kind, gpus=gpus, priority_levels=priority_levels,
-                  warmup=warmup, example=example, inputs=inputs, outputs=outputs, config=config)
+                  warmup=warmup, example=example, inputs=inputs, outputs=outputs, config=config,
+                  decoupled=decoupled, sequence=sequence)
 
 
 def ensemble(name: str, steps, *, max_batch_size: int | None = None, config: str = ""):

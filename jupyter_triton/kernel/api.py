@@ -41,7 +41,7 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
           instances: int = 1, kind: str = "auto", gpus: list[int] | None = None,
           priority_levels: int | None = None, warmup: int | None = None, example: Any = None,
           inputs: Sequence[TensorSpec] | None = None, outputs: Sequence[TensorSpec] | None = None,
-          config: str = "") -> ServedModel:
+          config: str = "", decoupled: bool | None = None, sequence: bool = False) -> ServedModel:
     """Serve ``obj`` as model ``name``: a new version, loaded before the old one retires.
 
     ``obj``: an ONNX model, a torch module, a TorchScript module, a TensorRT engine, a
@@ -49,9 +49,15 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     batch of inputs (an array, a tuple of them or a dict by name); ``inputs``/``outputs``:
     ``[("x", "FP32", [-1, 4])]``. The knobs are config.pbtxt fields; ``config`` is more
     config.pbtxt text merged on top.
+
+    ``decoupled``: each value the callable yields is one response (the default for generator
+    and async-generator functions); the handle's ``stream(...)`` yields them. A function of
+    one ``str`` parameter follows the generate extension's text convention (``text_input`` ->
+    ``text_output``). ``sequence``: a stateful callable; its ``state`` parameter is one dict
+    per correlation id, new at the sequence's start.
     """
     artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
-                              max_batch_size=max_batch_size)
+                              max_batch_size=max_batch_size, decoupled=decoupled, sequence=sequence)
     model_config = apply_knobs(artifact, Knobs(
         max_batch_size=max_batch_size, preferred_batch_sizes=list(preferred_batch_sizes or []),
         max_queue_delay_us=max_queue_delay_us, priority_levels=priority_levels,

@@ -10,7 +10,7 @@ import base64
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 from urllib.parse import quote
 
 import numpy as np
@@ -130,6 +130,40 @@ class TritonHTTP:
             data, header_length=int(header_length) if header_length is not None else None)
         return {out["name"]: result.as_numpy(out["name"])
                 for out in result.get_response()["outputs"]}
+
+    def generate(self, model: str, body: Mapping[str, Any], version: str = "") -> dict:
+        """POST .../generate: one JSON object in, the model's one response out."""
+        data = json.dumps(body).encode()
+        return json.loads(self.request("POST", self._model_path(model, version) + "/generate", data,
+                                       what=f"generate on '{model}'")[2])
+
+    def generate_stream(self, model: str, body: Mapping[str, Any], version: str = "",
+                        timeout: float | None = None) -> Iterator[dict]:
+        """POST .../generate_stream: each server-sent event's JSON object as it arrives. An
+        error event raises; closing the iterator early closes the connection, which the
+        server takes as the request's cancellation."""
+        what = f"generate_stream on '{model}'"
+        headers = {**self.connection.headers, "Content-Type": "application/json",
+                   "Accept": "text/event-stream"}
+        req = urllib.request.Request(
+            self.connection.url + self._model_path(model, version) + "/generate_stream",
+            data=json.dumps(body).encode(), method="POST", headers=headers)
+        try:
+            resp = urllib.request.urlopen(req, timeout=timeout or self.timeout)
+        except urllib.error.HTTPError as err:
+            raise _error(err.code, err.read(), what) from None
+        except (urllib.error.URLError, OSError) as err:
+            raise Unavailable(f"{what}: cannot reach the inference server at "
+                              f"{self.connection.url} ({getattr(err, 'reason', err)})") from None
+        with resp:
+            for raw in resp:
+                line = raw.decode("utf-8").rstrip("\r\n")
+                if not line.startswith("data:"):
+                    continue           # blank separators, comments, event names
+                event = json.loads(line[5:].strip())
+                if isinstance(event, dict) and set(event) == {"error"}:
+                    raise _error(400, json.dumps(event).encode(), what)
+                yield event
 
     @staticmethod
     def _model_path(model: str, version: str = "") -> str:

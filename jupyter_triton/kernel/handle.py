@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import html
 import json
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from ..protocol.errors import InvalidArgument, TritonError
+from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 
@@ -113,6 +114,39 @@ class ServedModel:
 
     __call__ = infer
 
+    def _text_model(self, meta: dict) -> bool:
+        ins = [(t["name"], t["datatype"]) for t in meta.get("inputs", [])]
+        outs = [t["name"] for t in meta.get("outputs", [])]
+        return ins == [(TEXT_INPUT, "BYTES")] and TEXT_OUTPUT in outs
+
+    def _generate_body(self, args: tuple, named: dict) -> tuple[dict, bool]:
+        meta = self.metadata()
+        text = self._text_model(meta)
+        names = [t["name"] for t in meta.get("inputs", [])]
+        if len(args) > len(names):
+            raise InvalidArgument(f"model '{self.name}' takes {len(names)} input(s) "
+                                  f"({', '.join(names)}), got {len(args)}")
+        body = {n: a for n, a in zip(names, args)}
+        body.update(named)         # other names become request parameters (max_tokens, ...)
+        for key, value in body.items():
+            if hasattr(value, "tolist"):
+                body[key] = value.tolist()
+        return body, text
+
+    def stream(self, *args: Any, **named: Any) -> Iterator[Any]:
+        """Every response of one request, as the model sends them (generate_stream): a text
+        model (``text_input`` -> ``text_output``) yields strings, others a dict of outputs.
+        Keywords that are no input of the model go as request parameters (``max_tokens``)."""
+        body, text = self._generate_body(args, named)
+        for event in self._client.generate_stream(self.name, body):
+            yield event.get(TEXT_OUTPUT, "") if text else _event_outputs(event)
+
+    def generate(self, *args: Any, **named: Any) -> Any:
+        """One response through the generate extension (a string for a text model)."""
+        body, text = self._generate_body(args, named)
+        event = self._client.generate(self.name, body)
+        return event.get(TEXT_OUTPUT, "") if text else _event_outputs(event)
+
     def dashboard(self, interval: float = 1.0):
         from ..widgets import Dashboard
         return Dashboard(self.connection, model=self.name, interval=interval)
@@ -164,6 +198,10 @@ class ServedModel:
         return (f"<div><b>{e(self.name)}</b><table>{table}</table>"
                 f"<details><summary>curl</summary><pre {pre}>{e(curl)}</pre></details>"
                 f"<details><summary>tritonclient</summary><pre {pre}>{e(client)}</pre></details></div>")
+
+
+def _event_outputs(event: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in event.items() if k not in ("model_name", "model_version")}
 
 
 def _to_numpy(value: Any, datatype: str) -> np.ndarray:

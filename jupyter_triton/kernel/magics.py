@@ -75,6 +75,10 @@ class TritonMagics(Magics):
     @argument("--gpus", help="instance_group.gpus, comma-separated")
     @argument("--warmup", type=int, help="model_warmup: this many zero-data runs before READY")
     @argument("--config", default="", help="more config.pbtxt text, merged on top")
+    @argument("--decoupled", action="store_true", default=None,
+              help="each value the function yields is one response (default for generators)")
+    @argument("--sequence", action="store_true",
+              help="stateful: the function's 'state' parameter is one dict per correlation id")
     @cell_magic
     def serve(self, line: str, cell: str):
         """Serve the cell's value (a model, a module or a function) on the inference server.
@@ -96,7 +100,8 @@ class TritonMagics(Magics):
                 instances=args.instances, kind=args.kind, gpus=_ints([args.gpus]) if args.gpus else None,
                 warmup=args.warmup, example=self._user_var(args.example, "--example"),
                 inputs=self._user_var(args.inputs, "--inputs"),
-                outputs=self._user_var(args.outputs, "--outputs"), config=_unquote(args.config))
+                outputs=self._user_var(args.outputs, "--outputs"), config=_unquote(args.config),
+                decoupled=args.decoupled, sequence=args.sequence)
         except (ArtifactError, TritonError) as err:
             raise UsageError(str(err)) from None
 
