@@ -218,7 +218,7 @@ def test_start_on_an_active_sequence_restarts_it(repo: Path, server) -> None:
 
 def test_two_instances_interleaved_sequences_stay_on_their_instance(repo: Path, server) -> None:
     model_dir = accumulator(repo, max_batch_size=2, instances=2, sleep_s=0.02, strategy=(
-        "direct { max_queue_delay_microseconds: 200000 minimum_slot_utilization: 1.0 }"))
+        "direct { max_queue_delay_microseconds: 1000000 minimum_slot_utilization: 1.0 }"))
     load(server, "acc")
     ids = [101, 102, 103, 104]
     values = {sid: [sid % 10 + k for k in range(6)] for sid in ids}

@@ -233,12 +233,10 @@ class SequenceBatcher(Scheduler):
         self.max_queue_size = default_max_queue_size(config)
         self.controls = _Controls(config)
         self.states = _States(config, model_dir)
-        self._input_names = [i.name for i in config.input]
         # The pool hands out whichever instance is free; a sequence needs the one holding
         # it, so this scheduler keeps the instances itself and empties the pool's free list
         # whenever the pool refills it.
         self.instances: list[Instance] = list(pool.instances)
-        self._index = {id(inst): i for i, inst in enumerate(self.instances)}
         while pool.try_acquire() is not None:
             pass
         pool.on_release = self._drain_pool
