@@ -24,6 +24,7 @@ from prometheus_client.samples import Sample
 from ..engine.memory import metric_samples as memory_samples
 from ..engine.histograms import FAMILIES as HISTOGRAM_FAMILIES
 from ..engine.statistics import FAILURE_REASONS
+from ..model_metrics import custom_metric_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
@@ -123,6 +124,7 @@ class TritonMetricsCollector:
             yield from _cpu_metrics()
         if self._gpus is not None:
             yield from self._gpus.collect()
+        yield from custom_metric_families()   # models' own (pb_utils.MetricFamily)
 
 
 def _family(name: str, doc: str, kind: str, values: Iterable[tuple[dict, float]]) -> Metric:
