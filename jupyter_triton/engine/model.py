@@ -257,7 +257,7 @@ class ModelVersion:
         stream = ResponseStream(loop, request, self._build, self.stats, start, self.max_buffered,
                                 str(self.version))
         future = loop.create_future()
-        future.add_done_callback(functools.partial(_executed, stream))
+        future.add_done_callback(functools.partial(self._executed, stream, start))
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns,
                           stream=stream)
         self._inflight += 1
@@ -275,8 +275,7 @@ class ModelVersion:
         except (asyncio.CancelledError, GeneratorExit):
             # the reader went away (aclose, a cancelled task): the model sees is_cancelled()
             stream.cancel()
-            future.cancel()
-            self.stats.record_failure("CANCELED", time.monotonic_ns() - start)
+            future.cancel()                 # counted CANCELED by _executed
             raise
         except TritonError as err:          # refused by the scheduler: nothing ran
             stream.cancel()
@@ -290,14 +289,27 @@ class ModelVersion:
                 self.stats.pending -= 1
             if not self._inflight:
                 self._idle.set()
-        # counted before the final response is handed over: a reader may stop at it
-        if response.error is not None:
-            if isinstance(response.error, BackendDead):
-                self.status = VersionStatus(UNAVAILABLE, str(response.error))
-            self.stats.record_failure(failure_reason(response.error), time.monotonic_ns() - start)
-        else:
-            self.stats.record_success(time.monotonic_ns() - start)
+        if isinstance(response.error, BackendDead):
+            self.status = VersionStatus(UNAVAILABLE, str(response.error))
         yield response
+
+    def _executed(self, stream: ResponseStream, start: int, future: asyncio.Future) -> None:
+        """A decoupled request's execute ended. Counted as Triton counts it: by how execute
+        ended (success though some responses were errors, or come later), from arrival to
+        then. If it failed (execute raised, the worker died, unload gave up on it), the
+        stream ends with that error unless the model already sent its final response."""
+        ns = time.monotonic_ns() - start
+        if future.cancelled():
+            self.stats.record_failure("CANCELED", ns)
+            return
+        err = future.exception()
+        if err is None:
+            self.stats.record_success(ns)
+            return
+        self.stats.record_failure(failure_reason(err), ns)
+        if isinstance(err, BackendDead):
+            self.status = VersionStatus(UNAVAILABLE, str(err))
+        stream.close(err if isinstance(err, TritonError) else Internal(f"{type(err).__name__}: {err}"))
 
     async def unload(self, drain_seconds: float = 30.0, close_seconds: float = 5.0) -> None:
         """Let requests in flight finish (bounded), then free the instances (bounded).
@@ -349,17 +361,6 @@ def _schedule_params(request: InferRequest) -> tuple[int, int]:
     if priority < 0 or timeout_us < 0:
         raise InvalidArgument("request parameters 'priority' and 'timeout' must not be negative")
     return priority, timeout_us * 1000
-
-
-def _executed(stream: ResponseStream, future: asyncio.Future) -> None:
-    """A decoupled request's execute ended: if it failed (execute raised, the worker died,
-    unload gave up on it), the request's stream ends with that error unless the model
-    already sent its final response."""
-    if future.cancelled():
-        return
-    err = future.exception()
-    if err is not None:
-        stream.close(err if isinstance(err, TritonError) else Internal(f"{type(err).__name__}: {err}"))
 
 
 def _warmup_decoupled(backend: Any, model: str, requests: list[dict]) -> list:
