@@ -92,8 +92,11 @@ def test_generate_on_a_decoupled_model_with_one_response(server):
     assert json.loads(raw)["text_output"] == "solo"
     response, raw, _ = _post(server.http_port, "/v2/models/words/generate",
                              {"text_input": "two words"})
-    assert response.status == 400
-    assert "use generate_stream" in json.loads(raw)["error"]
+    assert response.status == 400       # (Triton 2.51: the same words with status 200)
+    assert json.loads(raw)["error"].startswith(
+        "generate expects model to produce exactly 1 response, use generate stream")
+    response, raw, _ = _post(server.http_port, "/v2/models/words/generate", {"text_input": ""})
+    assert response.status == 400 and "exactly 1 response" in json.loads(raw)["error"]
 
 
 @pytest.mark.parametrize("body, status, text", [

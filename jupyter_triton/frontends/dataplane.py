@@ -459,7 +459,7 @@ async def _generate_request(plane: DataPlane, call: Call) -> tuple[Any, bool]:
 
 async def model_generate(plane: DataPlane, call: Call) -> Reply:
     """Triton's generate extension: one JSON object in, the model's one response out (a
-    decoupled model that sends more is told to use generate_stream)."""
+    decoupled model that sends none or more is told to use generate_stream)."""
     request, batched = await _generate_request(plane, call)
     responses = plane.engine.infer_stream(request)
     found: InferResponse | None = None
@@ -471,15 +471,17 @@ async def model_generate(plane: DataPlane, call: Call) -> Reply:
             if is_empty_final(response):
                 continue
             if found is not None:
-                raise InvalidArgument(
-                    f"model '{request.model_name}' sent more than one response; use "
-                    "generate_stream for a model that streams its responses")
+                break
             found = response
+        else:
+            if found is not None:
+                return json_reply(generate_response(found, batched))
     finally:
         await close_stream(responses)
-    if found is None:
-        raise Internal(f"model '{request.model_name}' sent no response")
-    return json_reply(generate_response(found, batched))
+    # Triton's words (it sends them with status 200; a client error is a 400 here)
+    raise InvalidArgument(
+        f"generate expects model to produce exactly 1 response, use generate stream for model "
+        f"that generates various number of responses (model '{request.model_name}')")
 
 
 async def model_generate_stream(plane: DataPlane, call: Call) -> Reply:
