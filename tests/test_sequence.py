@@ -2,6 +2,7 @@
 repository the test writes, called with tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
+import http.client as http_client
 import json
 import subprocess
 import sys
@@ -552,3 +553,25 @@ output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
         send(client, "stateful", 1, "b")
     assert "must specify the START flag" in str(err.value)
     assert send(client, "stateful", 2, "b", start=True) == 2
+
+
+def test_a_backlogged_client_that_hangs_up_is_forgotten(repo: Path, server) -> None:
+    model_dir = accumulator(repo, max_batch_size=0)      # one slot
+    client = load(server, "acc")
+    assert send(client, "acc", 1, 1, start=True) == 1    # holds the slot
+    gone = http_client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    gone.request("POST", "/v2/models/acc/infer", body=json.dumps({
+        "parameters": {"sequence_id": 2, "sequence_start": True},
+        "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [50]}]}))
+    time.sleep(0.3)                                      # backlogged behind sequence 1
+    gone.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and \
+            client.get_inference_statistics("acc")["model_stats"][0]["inference_stats"][
+                "fail"]["count"] == 0:
+        time.sleep(0.05)
+    assert send(client, "acc", 2, 1, end=True) == 3      # the slot is free again...
+    assert send(client, "acc", 7, 3, start=True, end=True) == 7   # ...and not held by 2
+    assert 2 not in [c for e in executions(model_dir) for c in e["corrid"]]   # never ran
+    with pytest.raises(InferenceServerException):        # sequence 2 never started
+        send(client, "acc", 1, 2)

@@ -341,22 +341,21 @@ class SequenceBatcher(Scheduler):
         self._queued -= 1
         if item.pending.started:
             return
-        for queue in self._queues_of(item.sequence_id):
-            try:
-                queue.remove(item)
-            except ValueError:
-                continue
-            break
-        self._release_done_slots()
-
-    def _queues_of(self, sid: int | str):
         for row in self.slots:
             for slot in row:
-                if slot.sequence_id == sid:
-                    yield slot.queue
-        for backlog in self._backlogs:
-            if backlog.sequence_id == sid:
-                yield backlog.queue
+                if slot.sequence_id == item.sequence_id and item in slot.queue:
+                    slot.queue.remove(item)
+                    self._release_done_slots()
+                    return
+        for backlog in list(self._backlogs):
+            if backlog.sequence_id == item.sequence_id and item in backlog.queue:
+                backlog.queue.remove(item)
+                if not backlog.queue:
+                    # nothing of it ever ran: the sequence is forgotten, not given a slot
+                    self._backlogs.remove(backlog)
+                    if self._backlog.get(backlog.sequence_id) is backlog:
+                        del self._backlog[backlog.sequence_id]
+                return
 
     # -- slots ---------------------------------------------------------------------------
 
