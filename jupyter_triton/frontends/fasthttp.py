@@ -293,6 +293,8 @@ class _Connection(asyncio.Protocol):
         except asyncio.CancelledError:
             self.task = None
             raise
+        except Exception:       # a bug: the status line is out, so the connection ends here
+            log.error("streamed reply to %s %s failed", m.method, m.path, exc_info=True)
         finally:
             await stream.aclose()
         if not complete:

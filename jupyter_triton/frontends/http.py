@@ -208,6 +208,9 @@ class StreamedBody(V2Handler):
             self.finish()
         except StreamClosedError:
             pass
+        except Exception:       # a bug: the status line is out, so the connection ends here
+            log.error("streamed reply to %s failed", self.request.path, exc_info=True)
+            self.request.connection.close()
         finally:
             await stream.aclose()
 
