@@ -402,6 +402,8 @@ class Tracing:
         """``engine.infer(request)`` with ``request`` traced if it is sampled (or if it is a
         step of a traced request)."""
         parent = _CURRENT.get()
+        if parent is None:                  # a BLS call: its caller's trace (bls_parent)
+            parent = getattr(request, "trace_parent", None)
         if parent is UNTRACED:
             request.trace = UNTRACED
             return await engine.infer(request)
@@ -434,6 +436,8 @@ class Tracing:
         several tasks, so no context variable is set: an ensemble behind a stream traces its
         steps on their own.)"""
         parent = _CURRENT.get()
+        if parent is None:
+            parent = getattr(request, "trace_parent", None)
         scope = self._scopes.get(request.model_name, self._global_scope)
         if parent is UNTRACED or (parent is None and not self._sampled(scope, request)):
             request.trace = UNTRACED
@@ -493,6 +497,14 @@ class Tracing:
             self._file.close()
         if self.otel is not None:
             self.otel.shutdown()
+
+
+def bls_parent(requests: Iterable["InferRequest"]) -> Any:
+    """The trace a BLS call made while executing ``requests`` continues: a traced one's
+    (Triton links a BLS child to its parent's trace), else the mark that they are untraced,
+    else None (tracing was off when they came)."""
+    marks = [r.trace for r in requests if r.trace is not None]
+    return next((t for t in marks if isinstance(t, Trace)), marks[0] if marks else None)
 
 
 def trace_context(headers: Mapping[str, str]) -> dict[str, str] | None:
