@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from ..protocol.errors import DeadlineExceeded, Internal, InvalidArgument, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
+from .trace import bls_parent
 
 if TYPE_CHECKING:
     from . import Engine
@@ -118,6 +119,7 @@ class ModelCalls:
             request.bls_depth = 1
         chain = tuple(parent_chain or ()) + (self.caller,)
         request.bls_chain = chain       # type: ignore[attr-defined]  (never on the wire)
+        request.trace_parent = bls_parent(parents) or getattr(request, "trace_parent", None)  # type: ignore[attr-defined]  (engine/trace.py)
         if request.bls_depth > self._bls.max_depth:
             raise InvalidArgument(
                 f"BLS request to model '{request.model_name}' is nested {request.bls_depth} "
