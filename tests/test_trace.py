@@ -330,3 +330,55 @@ def test_a_decoupled_stream_is_one_trace_with_a_stamp_per_response(tmp_path: Pat
     tensors = [(e["activity"], e["tensor"]["data"]) for e in traced["tensors"]]
     assert tensors == [("TENSOR_QUEUE_INPUT", "hello world"), ("TENSOR_BACKEND_OUTPUT", "hello"),
                        ("TENSOR_BACKEND_OUTPUT", "world")]
+
+
+BLS_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="simple", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.get_input_tensor_by_name(request, "INPUT0"),
+                        pb_utils.get_input_tensor_by_name(request, "INPUT1")])
+            answer = call.exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0")
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses
+'''
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_bls_call_is_a_child_of_its_callers_trace(tmp_path: Path, mode: str):
+    root = build_repository(tmp_path / "models")
+    (root / "bls_add" / "1").mkdir(parents=True)
+    (root / "bls_add" / "1" / "model.py").write_text(BLS_MODEL)
+    (root / "bls_add" / "config.pbtxt").write_text(f'''name: "bls_add"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] }}, {{ name: "INPUT1", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{mode}" }} }}
+''')
+    server = start(root, "level=TIMESTAMPS", "rate=1")
+    try:
+        client = http_client(server)
+        np.testing.assert_allclose(infer_simple(client, "bls-1", model="bls_add"), [[1, 2, 3, 4]])
+        # with the caller untraced, its BLS call is not traced either
+        client.update_trace_settings(model_name="bls_add", settings={"trace_level": ["OFF"]})
+        infer_simple(client, "bls-off", model="bls_add")
+    finally:
+        server.close()
+    by_id = traces(server.engine.tracing.recent())
+    [caller] = [t for t in by_id.values() if t["head"]["model_name"] == "bls_add"]
+    assert caller["head"]["request_id"] == "bls-1"
+    [child] = [t for t in by_id.values() if t["head"]["model_name"] == "simple"]
+    assert child["head"]["parent_id"] == caller["head"]["id"]
+    # the call is made while the caller computes
+    assert caller["stamps"]["COMPUTE_START"] <= child["stamps"]["REQUEST_START"]
+    assert child["stamps"]["REQUEST_END"] <= caller["stamps"]["COMPUTE_END"]
