@@ -126,3 +126,39 @@ def test_a_failed_request_ends_its_span_with_the_error(server):
         client.infer("simple", [bad, other], headers=headers)
     [span] = spans_of(server, trace_id)
     assert span.name == "simple" and not span.status.is_ok
+
+
+def test_a_bls_call_is_a_child_span_of_its_caller(tmp_path: Path):
+    from conftest import build_repository
+    from test_trace import BLS_MODEL
+    root = build_repository(tmp_path / "models")
+    (root / "bls_add" / "1").mkdir(parents=True)
+    (root / "bls_add" / "1" / "model.py").write_text(BLS_MODEL)
+    (root / "bls_add" / "config.pbtxt").write_text('''name: "bls_add"
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "INPUT1", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+''')
+    server = start_in_thread(
+        EngineOptions(model_repository=root, model_control_mode="explicit", load_models=["bls_add", "simple"],
+                      trace_config=["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"]),
+        host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
+    spans = InMemorySpanExporter()
+    server.engine.tracing.otel.add_span_processor(SimpleSpanProcessor(spans))
+    trace_id, span_id, headers = client_context()
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        a = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        a.set_data_from_numpy(np.arange(4, dtype=np.float32).reshape(1, 4))
+        b = httpclient.InferInput("INPUT1", [1, 4], "FP32")
+        b.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+        client.infer("bls_add", [a, b], headers=headers)
+    finally:
+        server.close()
+    mine = [s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]
+    [caller] = [s for s in mine if s.name == "bls_add"]
+    [called] = [s for s in mine if s.name == "simple"]
+    assert format(caller.parent.span_id, "016x") == span_id
+    assert called.parent.span_id == caller.context.span_id
+    assert called.attributes["triton.model"] == "simple" and called.attributes["triton.version"] == "1"
