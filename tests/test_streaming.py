@@ -377,15 +377,38 @@ def test_a_reader_that_stalls_past_the_wait_ends_the_request(tmp_path, repeat_ba
     assert stats["response_stats"]["3"]["fail"]["count"] == 1
 
 
-def test_max_buffered_responses_must_be_positive(tmp_path, repeat_backend):
+@pytest.mark.parametrize("key", ["max_buffered_responses", "max_open_streams"])
+def test_stream_bounds_must_be_positive(tmp_path, repeat_backend, key):
     _model(tmp_path / "models", "repeat",
-           extra='parameters { key: "max_buffered_responses" value: { string_value: "0" } }')
+           extra=f'parameters {{ key: "{key}" value: {{ string_value: "0" }} }}')
 
     async def main(engine):
         return engine.repository_index()
 
     rows = run(main, tmp_path)
-    assert "'max_buffered_responses' must be 1 or more" in rows[0]["reason"]
+    assert f"'{key}' must be 1 or more" in rows[0]["reason"]
+
+
+def test_open_streams_past_max_open_streams_are_refused_at_once(tmp_path, repeat_backend):
+    _model(tmp_path / "models", "repeat",
+           extra='parameters { key: "max_open_streams" value: { string_value: "2" } }')
+
+    async def main(engine):
+        # two streams the model never finishes: open after their execute returned
+        held = [engine.infer_stream(_request("repeat", [1], mode="hang")) for _ in range(2)]
+        for stream in held:
+            await stream.__anext__()
+        with pytest.raises(Unavailable) as refused:
+            await engine.infer_stream(_request("repeat", [1])).__anext__()
+        for stream in held:
+            await stream.aclose()
+        again = await _collect(engine, _request("repeat", [5]))
+        return str(refused.value), again, engine._version("repeat").stats.failure_counts()
+
+    message, again, failures = run(main, tmp_path)
+    assert "Exceeds maximum open streams" in message and "max_open_streams 2" in message
+    assert [r.outputs[0].data.tolist() for r in again if r.outputs] == [[5]]
+    assert failures["REJECTED"] == 1
 
 
 def test_tritonclient_grpc_stream_and_response_stats_through_a_real_server(tmp_path, repeat_backend):

@@ -26,8 +26,9 @@ from .rate_limiter import RateLimiter, instance_resources
 from .response import OutputPlan, build_response
 from .scheduler import DirectScheduler, Pending, Scheduler
 from .sequence import SequenceBatcher, check_supported
-from .statistics import ModelStatistics, failure_reason
-from .streaming import DEFAULT_MAX_BUFFERED, CollectingSender, ResponseStream, decoupled_refusal
+from .statistics import ModelStatistics, failure_reason, mark_failure
+from .streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, CollectingSender,
+                        ResponseStream, decoupled_refusal)
 from .validation import InputPlan, check_request
 from .warmup import warmup_samples
 
@@ -74,6 +75,7 @@ class ModelVersion:
         self.decoupled = bool(config.model_transaction_policy.decoupled)
         self.server_calls = server_calls      # BLS: how this model's backends call other models
         self.max_buffered = DEFAULT_MAX_BUFFERED
+        self.max_open_streams = DEFAULT_MAX_OPEN_STREAMS
         self.max_output_size = max_output_size
         self.ensemble = ensemble      # an ensemble's ways to see and run its composing models
         self.name = config.name
@@ -121,11 +123,12 @@ class ModelVersion:
                 f"(model_transaction_policy {{ decoupled: true }})")
         if self.decoupled:
             # how far a model's responses may run ahead of a slow client before it waits
-            buffered = int_parameter(self.config, "max_buffered_responses")
-            if buffered is not None and buffered < 1:
-                raise InvalidArgument(f"model '{self.name}': parameter 'max_buffered_responses' "
-                                      f"must be 1 or more, got {buffered}")
-            self.max_buffered = buffered or DEFAULT_MAX_BUFFERED
+            self.max_buffered = self._positive_parameter("max_buffered_responses",
+                                                         DEFAULT_MAX_BUFFERED)
+            # streams open at once (queued, executing, or still sending after execute
+            # returned); the scheduler's queue bound does not see the last kind
+            self.max_open_streams = self._positive_parameter("max_open_streams",
+                                                             DEFAULT_MAX_OPEN_STREAMS)
         files = ModelFiles(self.name, self.version, self.model_dir, self.model_dir / str(self.version),
                            self.config.default_model_filename or cls.default_filename)
         loop = asyncio.get_running_loop()
@@ -235,6 +238,13 @@ class ModelVersion:
         return build_response(self.config, self.version, self.model_dir, request, outputs,
                               self.max_output_size, self._outputs)
 
+    def _positive_parameter(self, key: str, default: int) -> int:
+        value = int_parameter(self.config, key)
+        if value is not None and value < 1:
+            raise InvalidArgument(f"model '{self.name}': parameter '{key}' must be 1 or more, "
+                                  f"got {value}")
+        return value or default
+
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """Every response of ``request``, the last with ``final``. A non-decoupled model's
         one response (its errors raise, as from ``infer``). A decoupled model's refusals
@@ -250,6 +260,11 @@ class ModelVersion:
         try:
             inputs, rows = check_request(self.config, request, self._inputs)
             priority, timeout_ns = _schedule_params(request) if request.parameters else (0, 0)
+            if len(self._streams) >= self.max_open_streams:
+                raise mark_failure(Unavailable(
+                    f"Exceeds maximum open streams: model '{self.name}' already has "
+                    f"{len(self._streams)} requests open (max_open_streams "
+                    f"{self.max_open_streams})"), "REJECTED")
         except TritonError as err:
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
             raise

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 #: responses a stream buffers before its sender waits for the reader
 DEFAULT_MAX_BUFFERED = 256
+#: requests of one decoupled model version open at once (parameter max_open_streams)
+DEFAULT_MAX_OPEN_STREAMS = 4096
 #: how long a sender waits for a stalled reader before the response fails the request
 SEND_WAIT_SECONDS = 30.0
 
