@@ -246,3 +246,20 @@ def test_histogram_quantiles_for_the_dashboard(histograms):
 def test_no_histograms_unless_asked(server, counted):
     text = metrics_text(server)
     assert "_histogram_ms" not in text
+
+
+def test_recent_quantiles_cover_the_last_window_only():
+    from jupyter_triton.engine.histograms import Histogram, RecentQuantiles
+    h = Histogram((1.0, 10.0, 100.0))
+    recent = RecentQuantiles(seconds=60)
+    for _ in range(100):
+        h.observe(50_000_000)                 # 50 ms each
+    first = recent.add(h.cumulative(), now=0.0)
+    assert first["count"] == 100 and 10 < first["p50"] <= 100
+    for _ in range(100):
+        h.observe(500_000)                    # then 0.5 ms each
+    # 61 s later: only the fast ones are in the last minute
+    later = recent.add(h.cumulative(), now=61.0)
+    assert later["count"] == 100 and later["p99"] <= 1.0
+    quiet = recent.add(h.cumulative(), now=130.0)
+    assert quiet["count"] == 0 and quiet["p50"] != quiet["p50"]      # NaN: nothing finished
