@@ -575,3 +575,19 @@ def test_a_backlogged_client_that_hangs_up_is_forgotten(repo: Path, server) -> N
     assert 2 not in [c for e in executions(model_dir) for c in e["corrid"]]   # never ran
     with pytest.raises(InferenceServerException):        # sequence 2 never started
         send(client, "acc", 1, 2)
+
+
+def test_a_missing_initial_state_file_fails_the_load_before_any_instance(repo: Path,
+                                                                         server) -> None:
+    model_dir = accumulator(repo, "nofile")
+    config = (model_dir / "config.pbtxt").read_text().replace(
+        "  max_sequence_idle_microseconds", '''  state [ { input_name: "S" output_name: "S_OUT"
+    data_type: TYPE_INT32 dims: [ 1 ]
+    initial_state { data_type: TYPE_INT32 dims: [ 1 ] name: "s" data_file: "missing" } } ]
+  max_sequence_idle_microseconds''')
+    (model_dir / "config.pbtxt").write_text(config)
+    client = http(server)
+    with pytest.raises(InferenceServerException) as err:
+        client.load_model("nofile")
+    assert "initial_state/missing" in str(err.value) and err.value.status() == "400"
+    assert not client.is_model_ready("nofile")

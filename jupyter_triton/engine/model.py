@@ -114,7 +114,7 @@ class ModelVersion:
             self.status = VersionStatus(READY)
             return
         if self.config.HasField("sequence_batching"):
-            check_supported(self.config)
+            check_supported(self.config, self.model_dir)
         cls = backend_class(self.backend_name)
         if self.decoupled and not cls.supports_decoupled:
             raise Unsupported(

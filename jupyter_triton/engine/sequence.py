@@ -50,9 +50,10 @@ log = logging.getLogger(__name__)
 Control = mc.ModelSequenceBatching.Control
 
 
-def check_supported(config: mc.ModelConfig) -> None:
+def check_supported(config: mc.ModelConfig, model_dir: Path | None = None) -> None:
     """Refuse, at load, every part of ``sequence_batching`` this server does not implement,
-    rather than serve the model without it."""
+    rather than serve the model without it. With ``model_dir``, also read the initial
+    states: every error surfaces before any instance is made."""
     seq = config.sequence_batching
     name = config.name
 
@@ -74,6 +75,9 @@ def check_supported(config: mc.ModelConfig) -> None:
             raise InvalidArgument(
                 f"initial_state field for state input '{state.input_name}' must contain exactly "
                 f"one or zero element. Found '{len(state.initial_state)}' elements.")
+    _Controls(config)
+    if model_dir is not None:
+        _States(config, model_dir)
 
 
 @dataclass(eq=False)
@@ -194,7 +198,12 @@ class _States:
             if root not in path.resolve().parents:
                 raise InvalidArgument(f"model '{config.name}': initial_state data_file "
                                       f"'{init.data_file}' must be inside initial_state/")
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise InvalidArgument(f"model '{config.name}': initial_state data_file of state "
+                                      f"'{state.input_name}': {err.strerror}: "
+                                      f"initial_state/{init.data_file}") from None
             need = int(np.prod(shape)) * np.dtype(dtype).itemsize
             if len(data) < need:
                 raise InvalidArgument(
