@@ -458,3 +458,41 @@ def test_tritonclient_grpc_stream_and_response_stats_through_a_real_server(tmp_p
         assert int(rs["0"]["success"]["count"]) == 1
         assert int(rs["3"]["empty_response"]["count"]) == 1
         assert int(stats["inference_stats"]["success"]["count"]) == 1
+
+
+def test_many_streams_some_left_early_leave_nothing_behind(tmp_path, repeat_backend):
+    """50 concurrent streams through the dynamic batcher, every third closed after its first
+    response: each ends, is counted once, and nothing stays pending or open."""
+    _model(tmp_path / "models", "repeat_batched", mbs=4,
+           extra="dynamic_batching { max_queue_delay_microseconds: 1000 }")
+
+    async def one(i: int) -> list[int]:
+        stream = engine_ref[0].infer_stream(_request("repeat_batched", list(range(5)), batched=True))
+        got = []
+        async for response in stream:
+            if response.outputs:
+                got.append(int(response.outputs[0].data.reshape(-1)[0]))
+            if i % 3 == 0 and got:
+                await stream.aclose()
+                break
+        return got
+
+    engine_ref: list = []
+
+    async def main(engine):
+        engine_ref.append(engine)
+        results = await asyncio.gather(*(one(i) for i in range(50)))
+        mv = engine._version("repeat_batched")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            stats = engine.statistics("repeat_batched")["model_stats"][0]["inference_stats"]
+            if stats["success"]["count"] + stats["fail"]["count"] == 50:
+                break
+            await asyncio.sleep(0.01)
+        return results, mv, stats
+
+    results, mv, stats = run(main, tmp_path)
+    for i, got in enumerate(results):
+        assert got == ([0] if i % 3 == 0 else [0, 1, 2, 3, 4])
+    assert stats["success"]["count"] + stats["fail"]["count"] == 50
+    assert mv._inflight == 0 and not mv._streams and mv.stats.pending == 0
