@@ -454,6 +454,8 @@ async def _generate_request(plane: DataPlane, call: Call) -> tuple[Any, bool]:
     model, version = call.params["model"], _version(call)
     config = plane.engine.model_config(model, version)
     request = generate_request(config, model, version, await plane.json_body(call))
+    if plane.engine.tracing.on:         # engine/trace.py: a client's W3C trace context
+        request.trace_context = trace_context(call.headers)
     return request, config.max_batch_size > 0
 
 
