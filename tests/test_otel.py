@@ -162,3 +162,35 @@ output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
     assert format(caller.parent.span_id, "016x") == span_id
     assert called.parent.span_id == caller.context.span_id
     assert called.attributes["triton.model"] == "simple" and called.attributes["triton.version"] == "1"
+
+
+def test_generate_stream_continues_the_clients_trace(tmp_path: Path):
+    """Triton's generate_stream (server-sent events) to a decoupled model: one span for the
+    request in the client's trace, an INFER_RESPONSE_COMPLETE event per response."""
+    import http.client
+    import json
+
+    from decoupled_models import write_words
+    root = write_words(tmp_path / "models")
+    server = start_in_thread(
+        EngineOptions(model_repository=root, model_control_mode="explicit", load_models=["*"],
+                      trace_config=["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"]),
+        host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
+    spans = InMemorySpanExporter()
+    server.engine.tracing.otel.add_span_processor(SimpleSpanProcessor(spans))
+    trace_id, span_id, headers = client_context()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        conn.request("POST", "/v2/models/words/generate_stream",
+                     json.dumps({"text_input": "one two three"}),
+                     {"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        body = resp.read().decode()
+        conn.close()
+        assert resp.status == 200 and body.count("data:") >= 3, body
+    finally:
+        server.close()
+    [span] = [s for s in spans.get_finished_spans()
+              if format(s.context.trace_id, "032x") == trace_id and s.name == "words"]
+    assert format(span.parent.span_id, "016x") == span_id
+    assert [e.name for e in span.events].count("INFER_RESPONSE_COMPLETE") == 4   # 3 words + final
