@@ -56,6 +56,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ...protocol.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                 TritonError, Unavailable, Unsupported)
+from ... import model_metrics
 from ...protocol.datatypes import numpy_to_triton
 from ...protocol.types import InferRequest, InferTensor, RequestedOutput
 from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, ResponseSender, Tensors
@@ -246,10 +247,19 @@ class _ThreadHost:
 
 
 class _ThreadBls:
-    """Thread mode's BLS host: the calling thread runs the call itself."""
+    """Thread mode's host for BLS and custom metrics: the calling thread does it itself."""
 
     def __init__(self, backend: "PythonBackend") -> None:
         self.backend = backend
+
+    def metric_call(self, op: str, args: tuple, what: str) -> Any:
+        try:
+            return model_metrics.apply(op, args, self.backend)
+        except (model_metrics.MetricError, TypeError, ValueError) as err:
+            raise pb_utils.TritonModelException(f"{what}: {err}") from None
+
+    def metric_send(self, op: str, args: tuple) -> None:
+        self.metric_call(op, args, f"Failed to {op} metric value")
 
     def bls_exec(self, request: "pb_utils.InferenceRequest", decoupled: bool) -> Any:
         results = self.backend._bls_results(bls_spec(request), decoupled)
@@ -417,8 +427,10 @@ class PythonBackend(Backend):
             if self._dead is not None:
                 raise self._dead
             self._batch_requests = infer_requests
+            t0 = time.monotonic_ns()
             data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
                     for i, inputs in enumerate(requests)]
+            self.io_ns = (time.monotonic_ns() - t0, 0)     # Triton's compute_input / output
             if self.mode == "thread":
                 if self._stub is None:
                     raise Unavailable(f"{self._who} is not loaded")
@@ -430,7 +442,10 @@ class PythonBackend(Backend):
                 results = self._execute_in_worker(data)
                 if isinstance(results, TritonError):
                     return [results] * len(data)
-            return [self._response(r, d) for r, d in zip(results, data)]
+            t2 = time.monotonic_ns()
+            responses = [self._response(r, d) for r, d in zip(results, data)]
+            self.io_ns = (self.io_ns[0], time.monotonic_ns() - t2)
+            return responses
 
     def execute_decoupled(self, requests: list[Tensors], infer_requests: list,
                           senders: list[ResponseSender]) -> None:
@@ -484,6 +499,7 @@ class PythonBackend(Backend):
                 error = worker.stop(self.finalize_timeout_s)
             for sink in list(self._thread_sinks):
                 sink.fail("closed", "the model instance was unloaded")
+            model_metrics.REGISTRY.release(self)
             if error is not None:
                 log.warning("%s: finalize failed: %s\n%s", self._who, error.message, error.traceback)
         finally:
@@ -505,6 +521,16 @@ class PythonBackend(Backend):
             stream = self._bls_streams.pop((id(worker), msg[1]), None)
             if stream is not None:
                 stream.close()
+        elif kind == "m":
+            _, call_id, op, args = msg
+            try:
+                result, ok = model_metrics.apply(op, args, self), True
+            except (model_metrics.MetricError, TypeError, ValueError) as err:
+                result, ok = str(err), False
+                if not call_id:
+                    log.warning("%s: custom metric %s failed: %s", self._who, op, err)
+            if call_id:
+                worker.send_side(("mr", call_id, ok, result))
         else:
             log.warning("%s: unknown message %r from the worker", self._who, kind)
 
