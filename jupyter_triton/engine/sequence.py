@@ -355,6 +355,8 @@ class SequenceBatcher(Scheduler):
                 if slot.sequence_id == item.sequence_id and item in slot.queue:
                     slot.queue.remove(item)
                     self._release_done_slots()
+                    if not self._closed:
+                        self._pump()    # a slot it freed may take a backlogged sequence
                     return
         for backlog in list(self._backlogs):
             if backlog.sequence_id == item.sequence_id and item in backlog.queue:
