@@ -382,3 +382,22 @@ parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{mode}" }} }}
     # the call is made while the caller computes
     assert caller["stamps"]["COMPUTE_START"] <= child["stamps"]["REQUEST_START"]
     assert child["stamps"]["REQUEST_END"] <= caller["stamps"]["COMPUTE_END"]
+
+
+def test_recent_traces_are_bounded(monkeypatch, repo: Path):
+    import jupyter_triton.engine.trace as trace_module
+    monkeypatch.setattr(trace_module, "RECENT_TRACES", 3)
+    server = start(repo, "level=TENSORS", "rate=1")
+    try:
+        client = http_client(server)
+        for i in range(5):
+            infer_simple(client, f"r{i}")
+        ids = [e["request_id"] for e in server.engine.tracing.recent() if "request_id" in e]
+        assert ids == ["r2", "r3", "r4"]
+        # tensor data counts against its own budget: past it only the newest trace stays
+        monkeypatch.setattr(trace_module, "RECENT_TENSOR_BYTES", 10)
+        infer_simple(client, "big")
+        ids = [e["request_id"] for e in server.engine.tracing.recent() if "request_id" in e]
+        assert ids == ["big"]
+    finally:
+        server.close()

@@ -39,8 +39,10 @@ LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 MODES = ("triton", "opentelemetry")
 SETTINGS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency",
             "trace_mode")
-# Traces kept in memory for ``Tracing.recent()`` (the notebook's view; no file needed).
+# Traces kept in memory for ``Tracing.recent()`` (the notebook's view; no file needed), and
+# the bytes of tensor data they may hold together (TENSORS level) before the oldest go.
 RECENT_TRACES = 1000
+RECENT_TENSOR_BYTES = 64 << 20
 # A tensor's data is written up to this many elements (a huge output must not make the
 # trace file the server's largest allocation).
 TENSOR_ELEMENTS = 65536
@@ -327,7 +329,8 @@ class Tracing:
         self._scopes: dict[str, _Scope] = {}
         self._global_scope = _Scope(self._startup)
         self._ids = itertools.count(1)
-        self._recent: deque[list[dict]] = deque(maxlen=RECENT_TRACES)
+        self._recent: deque[tuple[list[dict], int]] = deque()
+        self._recent_bytes = 0
         self._file: _TraceFile | None = None
         self._in_batch = 0
         self.otel: Any = None        # engine/otel.py's OpenTelemetry, in that mode
@@ -475,7 +478,12 @@ class Tracing:
         if trace.scope.settings.trace_mode != "triton":
             return
         entries = trace.entries()
-        self._recent.append(entries)
+        size = sum(len(a["tensor"]["data"]) for a in trace.activities)
+        self._recent.append((entries, size))
+        self._recent_bytes += size
+        while len(self._recent) > RECENT_TRACES or (
+                self._recent_bytes > RECENT_TENSOR_BYTES and len(self._recent) > 1):
+            self._recent_bytes -= self._recent.popleft()[1]
         if self._file is not None:
             self._in_batch += 1
             frequency = trace.scope.settings.log_frequency
@@ -489,7 +497,7 @@ class Tracing:
     # -- reading -------------------------------------------------------------------------
     def recent(self) -> list[dict]:
         """The last traces (up to RECENT_TRACES) as Triton's trace file entries."""
-        return [entry for entries in list(self._recent) for entry in entries]
+        return [entry for entries, _ in list(self._recent) for entry in entries]
 
     def close(self) -> None:
         """Write what the trace file still lacks (the server stops)."""
