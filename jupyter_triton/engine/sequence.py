@@ -480,7 +480,7 @@ class SequenceBatcher(Scheduler):
         nulls = 0
         for slot, item in batch:
             if item is None:
-                runs.append(self._null(template, slot, loop))
+                runs.append(self._null(template, loop))
                 nulls += 1
                 continue
             slot.queue.popleft()
@@ -509,12 +509,14 @@ class SequenceBatcher(Scheduler):
         self._inflight.add(done)
         done.add_done_callback(lambda f, i=i, batch=batch: self._finished(f, i, batch))
 
-    def _null(self, template: Pending, slot: _Slot, loop: asyncio.AbstractEventLoop) -> Pending:
+    def _null(self, template: Pending, loop: asyncio.AbstractEventLoop) -> Pending:
         """Triton's null request for an idle slot: the template's shapes, zeros, READY false."""
         inputs = {name: (np.full(value.shape, b"", dtype=object) if value.dtype == np.object_
                          else np.zeros_like(value)) for name, value in template.inputs.items()}
         self.controls.fill(inputs, start=False, end=False, ready=False, sequence_id=0)
-        inputs.update(slot.state if slot.state is not None else self.states.initial)
+        # a dummy state, as Triton: never the slot's own (a variable-dim state of the
+        # sequence could not batch with the others' shapes)
+        inputs.update(self.states.initial)
         return Pending(InferRequest(self.model), inputs, 0, loop.create_future())
 
     def _answer(self, inner: asyncio.Future, slot: _Slot, outer: Pending) -> None:
