@@ -219,7 +219,7 @@ def test_load_errors_speak_tritons_words(tmp_path: Path):
         assert "at least one version must be available under the version policy of model " \
                "'nothing_on_disk'" in err.message()
         err = _error(lambda: client.load_model("raises"))
-        assert err.message().startswith(
+        assert err.status() == "400" and err.message().startswith(
             "load failed for model 'raises': version 1 is at UNAVAILABLE state: "), err
         assert "cannot initialize" in err.message()
         rows = {row["name"]: row for row in client.get_model_repository_index()}

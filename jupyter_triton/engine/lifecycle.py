@@ -376,8 +376,9 @@ def _load_failed(name: str, err: TritonError) -> TritonError:
         text = f"failed to load '{name}', failed to poll from model repository: {text}"
     elif stage == "versions":
         text = f"load failed for model '{name}': {text}"
-    else:
-        text = f"load failed for model '{name}': version {stage} is at UNAVAILABLE state: {text}"
+    else:   # Triton answers a version that failed to load with 400, whatever the cause
+        return InvalidArgument(
+            f"load failed for model '{name}': version {stage} is at UNAVAILABLE state: {text}")
     err.message = text
     err.args = (text,)
     return err
