@@ -78,10 +78,15 @@ class Models(Backend):
             model, name = ("linear", "INPUT0") if self.mode == "linear" else ("ens_linear", "IN")
             response = calls.infer(InferRequest(model, inputs=[InferTensor(name, "FP32", (1, 16), data)]))
             return {"Y": response.outputs[0].data.reshape(-1)}
-        if self.mode == "stream":
+        if self.mode in ("stream", "stream_slow"):
             ints = x.astype(np.int32)
-            responses = list(calls.infer_stream(InferRequest("repeat", inputs=[
-                InferTensor("IN", "INT32", ints.shape, ints)])))
+            params = {"mode": "burst"} if self.mode == "stream_slow" else {}
+            responses = []
+            for response in calls.infer_stream(InferRequest("repeat", inputs=[
+                    InferTensor("IN", "INT32", ints.shape, ints)], parameters=params)):
+                responses.append(response)
+                if self.mode == "stream_slow" and len(responses) % 10 == 0:
+                    time.sleep(0.01)        # a reader slower than the callee
             assert responses[-1].final
             return {"Y": np.array([r.outputs[0].data[0] for r in responses if r.outputs], np.float32)}
         if self.mode == "self":
@@ -134,12 +139,13 @@ def repo(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(model, "backend_class", pick)
     monkeypatch.setattr(lifecycle, "backend_class", pick)
     Models.errors, Repeat.batches, Repeat.cancelled_seen = [], [], []
+    Repeat.sent, Repeat.send_errors = [], []
     HOLD.clear()
     root = build_repository(tmp_path / "models")
     _repeat_model(root, "repeat")
     for name, mode, extra in [
             ("bls_linear", "linear", ""), ("bls_ensemble", "ensemble", ""),
-            ("bls_stream", "stream", ""),
+            ("bls_stream", "stream", ""), ("bls_stream_slow", "stream_slow", ""),
             ("bls_self", "self", f"instance_group [ {{ count: {MAX_BLS_DEPTH + 2} }} ]"),
             ("bls_storm", "storm", ""), ("bls_timeout", "timeout", ""), ("held", "held", "")]:
         (root / name / "1").mkdir(parents=True)
@@ -185,6 +191,19 @@ def test_a_model_reads_a_decoupled_models_stream(repo, tmp_path):
 
     response = run(main, tmp_path)
     assert response.outputs[0].data.tolist() == [3.0, 1.0, 4.0]
+
+
+def test_a_bls_stream_read_slowly_holds_back_its_callee_and_loses_nothing(repo, tmp_path, monkeypatch):
+    import jupyter_triton.engine.bls as bls
+    monkeypatch.setattr(bls, "STREAM_BUFFER", 3)
+
+    async def main(engine):
+        engine._version("repeat").max_buffered = 2
+        return await engine.infer(_call("bls_stream_slow", *range(100)))
+
+    response = run(main, tmp_path)
+    assert response.outputs[0].data.tolist() == [float(v) for v in range(100)]
+    assert Repeat.sent == list(range(100)) and not Repeat.send_errors
 
 
 def test_a_model_calling_itself_stops_at_the_depth_limit_naming_the_chain(repo, tmp_path):

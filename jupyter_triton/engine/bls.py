@@ -95,7 +95,7 @@ class ModelCalls:
         self._admit(request)
         try:
             items: queue.SimpleQueue = queue.SimpleQueue()
-            room = threading.Semaphore(STREAM_BUFFER)
+            room = _Room(self._loop, STREAM_BUFFER)
             future = self._submit(self._pump(request, items, room), request)
         except BaseException:
             self._release()
@@ -151,12 +151,11 @@ class ModelCalls:
                                 f"'{request.model_name}' timed out after {timeout_s:g} s")
 
     async def _pump(self, request: InferRequest, items: queue.SimpleQueue,
-                    room: threading.Semaphore) -> None:
+                    room: "_Room") -> None:
         """On the loop: the callee's responses into ``items``; an error or the end last."""
         try:
             async for response in self._bls.engine.infer_stream(request):
-                while not room.acquire(blocking=False):
-                    await asyncio.sleep(0.001)       # the calling model reads slower: wait
+                await room.take()       # the calling model reads slower: wait for it
                 items.put(response)
         except asyncio.CancelledError:
             items.put(Unavailable(f"BLS stream from model '{self.caller}' to model "
@@ -169,7 +168,7 @@ class ModelCalls:
         else:
             items.put(_END)
 
-    def _read(self, request: InferRequest, items: queue.SimpleQueue, room: threading.Semaphore,
+    def _read(self, request: InferRequest, items: queue.SimpleQueue, room: "_Room",
               future: concurrent.futures.Future, timeout_s: float | None) -> "BlsStream":
         return BlsStream(self, request, items, room, future, timeout_s)
 
@@ -180,7 +179,7 @@ class BlsStream:
     it was never read (a generator's ``finally`` would not run then)."""
 
     def __init__(self, calls: ModelCalls, request: InferRequest, items: queue.SimpleQueue,
-                 room: threading.Semaphore, future: concurrent.futures.Future,
+                 room: "_Room", future: concurrent.futures.Future,
                  timeout_s: float | None) -> None:
         self._calls = calls
         self._request = request
@@ -225,6 +224,36 @@ class BlsStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+class _Room:
+    """Responses a BLS stream may hold for its reader: taken on the loop (waiting when
+    none is left), given back by the reading model's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int) -> None:
+        self._loop = loop
+        self._free = size
+        self._lock = threading.Lock()
+        self._wake = asyncio.Event()
+
+    async def take(self) -> None:
+        while True:
+            with self._lock:
+                if self._free:
+                    self._free -= 1
+                    return
+                self._wake.clear()
+            await self._wake.wait()
+
+    def release(self) -> None:
+        with self._lock:
+            self._free += 1
+            waiting = not self._wake.is_set()
+        if waiting:
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:
+                pass            # the loop has closed: nobody waits any more
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
