@@ -22,7 +22,10 @@ As in Triton's ``SequenceBatchScheduler``:
   what the model returns (the client never sees them), and frees them when the sequence
   ends or is reaped.
 
-What is not implemented is refused at load by ``check_supported``.
+What is not implemented is refused at load by ``check_supported``: ``iterative_sequence``,
+``oldest.preserve_ordering``, decoupled sequence models, a state's ``use_growable_memory``,
+a STRING state's ``initial_state`` from a data file. Requests wait in a slot or the backlog
+without a queue timeout (the ``timeout`` request parameter is not applied here).
 """
 from __future__ import annotations
 
