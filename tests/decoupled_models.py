@@ -100,3 +100,48 @@ def write_words(root: Path, config: str = WORDS_CONFIG) -> Path:
 def write_echo(root: Path) -> Path:
     write_model(root, "echo", ECHO_MODEL, ECHO_CONFIG)
     return root
+
+
+FLOOD_MODEL = '''\
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """COUNT responses of BYTES bytes each, as fast as the server takes them; the number sent
+    so far is written to the request parameter ``progress`` (a path)."""
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            params = json.loads(request.parameters() or "{}")
+            count = int(pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()[0])
+            chunk = np.zeros(int(params.get("bytes", 65536)), np.uint8)
+            sent = 0
+            for _ in range(count):
+                if sender.is_cancelled():
+                    break
+                sender.send(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("CHUNK", chunk)]))
+                sent += 1
+                with open(params["progress"], "w") as f:
+                    f.write(str(sent))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+FLOOD_CONFIG = '''\
+name: "flood"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "COUNT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "CHUNK", data_type: TYPE_UINT8, dims: [ -1 ] } ]
+'''
+
+
+def write_flood(root: Path) -> Path:
+    write_model(root, "flood", FLOOD_MODEL, FLOOD_CONFIG)
+    return root

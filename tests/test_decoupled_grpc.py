@@ -12,12 +12,13 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from decoupled_models import write_echo, write_words
+from decoupled_models import write_echo, write_flood, write_words
 from jupyter_triton.engine import Engine, EngineOptions
 from jupyter_triton.frontends.grpc import start_grpc_server
 
@@ -32,7 +33,7 @@ class Served:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.engine = Engine(EngineOptions(model_repository=repo, model_control_mode="explicit",
-                                           load_models=["words", "echo"]))
+                                           load_models=["words", "echo", "flood"]))
         self._run(self.engine.start())
         self.server, self.port = self._run(
             start_grpc_server(self.engine, "127.0.0.1", 0, transport=transport))
@@ -52,7 +53,7 @@ class Served:
 
 @pytest.fixture(scope="module", params=["h2", "aio"])
 def served(request, tmp_path_factory):
-    repo = write_echo(write_words(tmp_path_factory.mktemp("models")))
+    repo = write_flood(write_echo(write_words(tmp_path_factory.mktemp("models"))))
     server = Served(repo, request.param)
     yield server
     server.close()
@@ -207,3 +208,37 @@ def test_unary_infer_on_a_decoupled_model_is_refused(served):
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
     assert err.value.message().startswith(
         "ModelInfer RPC doesn't support models with decoupled transaction policy")
+
+
+def test_a_client_that_does_not_read_holds_the_model_back(served, tmp_path):
+    """The server's memory is not where a fast model's responses pile up: with the client not
+    reading, the model's sends stop once the bounded buffers on the way are full (the engine's
+    stream, the stream's response queue, HTTP/2 flow control); then the client leaves."""
+    progress = tmp_path / f"progress-{served.port}"
+    count, size = 4000, 64 * 1024           # 256 MiB if nothing held the model back
+    async def scenario() -> tuple[int, int]:
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+        request = service_pb2.ModelInferRequest(model_name="flood", id="f")
+        request.inputs.add(name="COUNT", datatype="INT32", shape=[1])
+        request.raw_input_contents.append(np.array([count], np.int32).tobytes())
+        request.parameters["progress"].string_param = str(progress)
+        request.parameters["bytes"].int64_param = size
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{served.port}", options=[
+                ("grpc.max_receive_message_length", 1 << 26)]) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            call = stub.ModelStreamInfer(iter([request]))
+            first = await call.read()                       # the stream is flowing
+            assert not first.error_message
+            deadline = time.monotonic() + TIMEOUT_S
+            sent, settled = 0, 0
+            while time.monotonic() < deadline and settled < 10:   # until the model stalls
+                await asyncio.sleep(0.2)
+                now = int(progress.read_text() or 0) if progress.exists() else 0
+                settled = settled + 1 if now == sent else 0
+                sent = now
+            call.cancel()
+        return sent, count
+
+    sent, total = asyncio.run(scenario())
+    print(f"the model sent {sent} of {total} responses while the client read one")
+    assert 0 < sent < total // 2, f"the model sent {sent} of {total} responses unread"

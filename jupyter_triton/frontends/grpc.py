@@ -288,8 +288,11 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     task.add_done_callback(tasks.discard)
                 if tasks:
                     await asyncio.gather(*list(tasks), return_exceptions=True)
-            finally:
-                await results.put(done)
+            except asyncio.CancelledError:
+                raise               # the stream is over: nobody waits for `done` (nor has room)
+            except Exception:       # noqa: BLE001 - the client's half of the stream broke
+                log.debug("gRPC ModelStreamInfer request stream failed", exc_info=True)
+            await results.put(done)
 
         reader = asyncio.create_task(read())
         try:
