@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="[<mode>,]<setting>=<value>, as tritonserver: level=TIMESTAMPS, "
                             "rate=100, count=-1, mode=triton|opentelemetry, triton,file=PATH, "
                             "triton,log-frequency=N, opentelemetry,url=...")
+    # tritonserver's deprecated spellings, still accepted by 2.51
+    serve.add_argument("--trace-file", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--trace-level", action="append", default=[], help=argparse.SUPPRESS)
+    serve.add_argument("--trace-rate", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--trace-count", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--trace-log-frequency", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--strict-readiness", type=_bool, default=_DEFAULTS.strict_readiness,
                        help="v2/health/ready is false while a model asked to load is not ready")
     serve.add_argument("--exit-timeout-secs", type=_non_negative(float), default=_DEFAULTS.exit_timeout_secs,
@@ -166,7 +172,24 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness, exit_timeout_secs=args.exit_timeout_secs,
         unload_timeout_secs=args.unload_timeout_secs, max_output_size=args.max_output_size,
-        keep_versions=args.keep_versions, trace_config=args.trace_config)
+        keep_versions=args.keep_versions, trace_config=_trace_config(args))
+
+
+def _trace_config(args: argparse.Namespace) -> list[str]:
+    """--trace-config values, after those the deprecated --trace-* flags stand for."""
+    old = [f"level={level}" for level in args.trace_level]
+    for flag, setting in ((args.trace_file, "triton,file"), (args.trace_rate, "rate"),
+                          (args.trace_count, "count"), (args.trace_log_frequency, "triton,log-frequency")):
+        if flag is not None:
+            old.append(f"{setting}={flag}")
+    config = old + list(args.trace_config)
+    from .engine.trace import Tracing, parse_trace_config
+    from .protocol.errors import TritonError
+    try:
+        Tracing(parse_trace_config(config)).close()     # refused here, not as a traceback later
+    except TritonError as err:
+        raise SystemExit(f"jupyter-triton serve: {err}") from None
+    return config
 
 
 async def _serve(args: argparse.Namespace) -> None:
