@@ -401,3 +401,43 @@ def test_recent_traces_are_bounded(monkeypatch, repo: Path):
         assert ids == ["big"]
     finally:
         server.close()
+
+
+def test_cli_trace_flags_as_tritonserver(repo: Path, tmp_path: Path):
+    import re
+    import subprocess
+    import sys
+    trace_file = tmp_path / "cli-trace.json"
+    base = [sys.executable, "-m", "jupyter_triton.cli", "serve", "--model-repository", str(repo),
+            "--http-port", "0", "--grpc-port", "0", "--allow-metrics", "false",
+            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--model-control-mode",
+            "explicit", "--load-model", "simple"]
+    # the deprecated spellings and --trace-config together, as tritonserver 2.51 takes them
+    proc = subprocess.Popen(base + ["--trace-file", str(trace_file), "--trace-level", "TIMESTAMPS",
+                                    "--trace-rate", "1", "--trace-config", "count=5",
+                                    "--trace-config", "triton,log-frequency=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        match = None
+        for _ in range(20):                 # the server's own log lines come first
+            line = proc.stdout.readline()
+            match = re.search(r"HTTP http://127\.0\.0\.1:(\d+)", line)
+            if match or not line:
+                break
+        assert match, line
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{match.group(1)}")
+        assert client.get_trace_settings() == {**STARTUP, "trace_file": str(trace_file),
+                                               "trace_count": "5"}
+        infer_simple(client, "from-cli")
+        assert client.get_trace_settings()["trace_count"] == "4"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # SIGTERM stops the server cleanly: the trace file is complete
+    heads = [e for e in json.loads(trace_file.read_text()) if "model_name" in e]
+    assert [h["request_id"] for h in heads] == ["from-cli"]
+
+    bad = subprocess.run(base + ["--trace-config", "level=LOUD"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0
+    assert "unknown trace level 'LOUD'" in bad.stderr and "Traceback" not in bad.stderr
