@@ -97,6 +97,7 @@ class ServerLog:
             self._apply()
 
     def uninstall(self) -> None:
+        """Give the log output back (Python logging's own, Triton's defaults reported)."""
         with self._lock:
             if self.handler is not None:
                 self.logger.removeHandler(self.handler)
@@ -104,6 +105,9 @@ class ServerLog:
                 self.handler = None
             self.logger.propagate = True
             self.logger.setLevel(logging.NOTSET)
+            self.log_file, self.log_format = "", "default"
+            self.info = self.warning = self.error = True
+            self.verbose_level = 0
 
     def settings(self) -> dict[str, Any]:
         return {"log_file": self.log_file, "log_info": self.info, "log_warning": self.warning,
