@@ -217,7 +217,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         response.parameters["triton_final_response"].bool_param = final
         return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
 
-    async def _stream_one(self, raw: bytes, put: Callable[[Any], Awaitable[None]]) -> None:
+    async def _stream_one(self, raw: bytes, put: Callable[[Any], Awaitable[None]],
+                          carrier: dict | None = None) -> None:
         """Every response of one request onto the stream (``put``), each with Triton's
         ``triton_final_response`` parameter; a decoupled model's empty final response only
         when the request asked for it (``triton_enable_empty_final_response``)."""
@@ -225,6 +226,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             request = _parse_infer_request(raw)
             infer_request = decode_grpc_request(request, **self._decode_kwargs)
+            if carrier is not None:        # engine/trace.py: the stream's W3C trace context
+                infer_request.trace_context = carrier
             empty_final = infer_request.parameters.get("triton_enable_empty_final_response") is True
             responses = self.engine.infer_stream(infer_request)
             try:
@@ -260,6 +263,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.authorize(INFERENCE, context)
         except TritonError as err:
             await context.abort(grpc.StatusCode[err.grpc_code], str(err))
+        carrier = trace_context(_headers(context)) if self.engine.tracing.on else None
         # Bounded: a model that answers faster than the client reads waits for the client.
         results: asyncio.Queue = asyncio.Queue(STREAM_BUFFERED_RESPONSES)
         slots = asyncio.Semaphore(STREAM_CONCURRENCY)
@@ -268,7 +272,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def answer(raw: bytes) -> None:
             try:
-                await self._stream_one(raw, results.put)
+                await self._stream_one(raw, results.put, carrier)
             finally:
                 self.inflight.give(len(raw))
                 slots.release()
