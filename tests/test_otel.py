@@ -194,3 +194,38 @@ def test_generate_stream_continues_the_clients_trace(tmp_path: Path):
               if format(s.context.trace_id, "032x") == trace_id and s.name == "words"]
     assert format(span.parent.span_id, "016x") == span_id
     assert [e.name for e in span.events].count("INFER_RESPONSE_COMPLETE") == 4   # 3 words + final
+
+
+def test_grpc_stream_metadata_continues_the_clients_trace(tmp_path: Path):
+    """ModelStreamInfer: the stream's traceparent metadata continues the client's trace for
+    each request on it (tritonclient's start_stream(headers=...))."""
+    import queue
+
+    from decoupled_models import write_words
+    root = write_words(tmp_path / "models")
+    server = start_in_thread(
+        EngineOptions(model_repository=root, model_control_mode="explicit", load_models=["*"],
+                      trace_config=["mode=opentelemetry", "level=TIMESTAMPS", "rate=1"]),
+        host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+    spans = InMemorySpanExporter()
+    server.engine.tracing.otel.add_span_processor(SimpleSpanProcessor(spans))
+    trace_id, span_id, headers = client_context()
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        client.start_stream(callback=lambda result, error: got.put((result, error)), headers=headers)
+        for i, text in enumerate((b"a b", b"c")):
+            inp = grpcclient.InferInput("text_input", [1], "BYTES")
+            inp.set_data_from_numpy(np.array([text], dtype=np.object_))
+            client.async_stream_infer("words", [inp], request_id=f"s{i}")
+        for _ in range(3):
+            result, error = got.get(timeout=30)
+            assert error is None
+        client.stop_stream()
+    finally:
+        client.close()
+        server.close()
+    mine = [s for s in spans.get_finished_spans()
+            if format(s.context.trace_id, "032x") == trace_id and s.name == "words"]
+    assert sorted(s.attributes["triton.request_id"] for s in mine) == ["s0", "s1"]
+    assert all(format(s.parent.span_id, "016x") == span_id for s in mine)
