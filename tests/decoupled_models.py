@@ -110,8 +110,9 @@ import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    """COUNT responses of BYTES bytes each, as fast as the server takes them; the number sent
-    so far is written to the request parameter ``progress`` (a path)."""
+    """COUNT responses of ``bytes`` bytes each, as fast as the server takes them; the number
+    sent so far is written to the request parameter ``progress`` (a path), and to
+    ``<progress>.cancelled`` once the request is cancelled."""
 
     def execute(self, requests):
         for request in requests:
@@ -122,6 +123,8 @@ class TritonPythonModel:
             sent = 0
             for _ in range(count):
                 if sender.is_cancelled():
+                    with open(params["progress"] + ".cancelled", "w") as f:
+                        f.write(str(sent))
                     break
                 sender.send(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("CHUNK", chunk)]))

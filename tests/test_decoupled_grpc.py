@@ -10,7 +10,7 @@ import json
 import queue
 import threading
 import time
-import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -242,3 +242,8 @@ def test_a_client_that_does_not_read_holds_the_model_back(served, tmp_path):
     sent, total = asyncio.run(scenario())
     print(f"the model sent {sent} of {total} responses while the client read one")
     assert 0 < sent < total // 2, f"the model sent {sent} of {total} responses unread"
+    cancelled = Path(f"{progress}.cancelled")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not cancelled.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled.exists(), "the held-back model never saw is_cancelled() after the client left"

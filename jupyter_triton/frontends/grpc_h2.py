@@ -406,8 +406,9 @@ class _Connection(asyncio.Protocol):
 
         self.server.active += 1
         started = False
+        responses = handler.stream_stream(requests(), _Context(self._metadata(st)))
         try:
-            async for response in handler.stream_stream(requests(), _Context(self._metadata(st))):
+            async for response in responses:
                 raw = handler.response_serializer(response)
                 if not started:
                     self._emit(_frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS))
@@ -429,6 +430,11 @@ class _Connection(asyncio.Protocol):
                                                 f"Unexpected {type(err)}: {err}"), started)
         finally:
             self.server.active -= 1
+            # Cancelled while waiting on flow control, the handler sits at a yield: closing
+            # it now (not when collected) ends its requests' work.
+            close = getattr(responses, "aclose", None)
+            if close is not None:
+                await close()
 
     # -- responses -------------------------------------------------------------------------
     @staticmethod
