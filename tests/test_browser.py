@@ -95,9 +95,18 @@ def code_cell_index(notebook: Path, marker: str) -> int:
 def dashboard_while_running(page, handle, cell: int, source: str, reads: int = 2, gap: float = 1.5) -> list[dict]:
     """Wait until code cell ``cell`` runs and the dashboard draws from ``source`` ("browser"
     or "kernel"), then read it ``reads`` times, checking the cell still runs at each read."""
-    page.wait_for_function(f"(p) => ({JS_CELL_STATES})(p)[{cell}] === 'running'", arg=handle, timeout=150_000)
-    page.wait_for_function(f"() => !!document.querySelector('.jt-dash[data-source=\"{source}\"] table.jt-overview')",
-                           timeout=10_000)
+    # queued cells show [*] too: the cell runs once every cell above it is done
+    page.wait_for_function(f"(p) => {{ const s = ({JS_CELL_STATES})(p); return s[{cell}] === 'running' "
+                           f"&& s.slice(0, {cell}).every(x => x === 'done'); }}", arg=handle, timeout=150_000)
+    try:
+        page.wait_for_function(f"() => !!document.querySelector('.jt-dash[data-source=\"{source}\"] table.jt-overview')",
+                               timeout=10_000)
+    except Exception:       # say what the dashboard shows instead (its status line names the source)
+        page.screenshot(path=str(SHOTS / "failed-no-dashboard.png"))
+        shown = page.evaluate("() => [...document.querySelectorAll('.jt-dash')].map(d => "
+                              "[d.dataset.source, d.innerText.slice(0, 300)])")
+        raise AssertionError(f"no dashboard fed from the {source}: {shown}; tracebacks: "
+                             f"{tracebacks(page, handle)}; page errors: {page.js_errors}") from None
     seen = []
     for i in range(reads):
         if i:

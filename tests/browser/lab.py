@@ -110,6 +110,10 @@ def start_lab(state: Path, root: Path, repository: Path, timeout: float = 60.0) 
     notify.mkdir(parents=True, exist_ok=True)
     (notify / "notification.jupyterlab-settings").write_text(
         '{"fetchNews": "false", "checkForUpdates": false}\n')   # no pop-ups over screenshots
+    tracker = settings / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True, exist_ok=True)
+    # every cell stays in the DOM: tests read outputs (a dashboard) scrolled out of view
+    (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}\n')
     (state / "config" / "jupyter_server_config.json").write_text(json.dumps({
         "ServerApp": {"jpserver_extensions": {"jupyter_triton": True}},
         "JupyterTriton": {"model_repository": str(repository), "create_demo_model": False}}))
