@@ -79,6 +79,7 @@ def test_a_failed_inference_counts_as_an_execution_but_not_as_an_inference(faili
     assert (inference["success"]["count"], inference["fail"]["count"]) == (2, 1)
     for kind in ("compute_input", "compute_infer", "compute_output"):
         assert inference[kind]["count"] == 2 and inference[kind]["ns"] > 0, (kind, inference[kind])
+    assert inference["queue"]["count"] == 2             # Triton: the failure's queue time too
     assert {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]} == {1: 2, 2: 1}
 
 

@@ -214,10 +214,12 @@ def test_failed_requests_count_as_executions_not_inferences():
     # Triton 2.51: a batch with a failed request still counts in execution_count and
     # batch_stats; the failed rows are not in inference_count nor in the compute durations.
     s = ModelStatistics("m", "1")
-    s.record_execution(3, 2, 10, 100, 20, failed_rows=1, failed_requests=1)
-    s.record_execution(1, 1, 10, 100, 20, failed_rows=1, failed_requests=1)
+    s.record_queues([5, 7, 11])
+    s.record_execution(3, 2, 10, 100, 20, failed_rows=1, failed_requests=1, failed_queue_ns=7)
+    s.record_execution(1, 1, 10, 100, 20, failed_rows=1, failed_requests=1, failed_queue_ns=11)
     j = s.to_json()
     assert (j["inference_count"], j["execution_count"]) == (2, 2)
+    assert j["inference_stats"]["queue"] == {"count": 1, "ns": 5}
     assert j["inference_stats"]["compute_infer"] == {"count": 1, "ns": 100}
     assert [b["compute_infer"]["count"] for b in j["batch_stats"]] == [1, 1]
     assert s.samples("compute_infer") == [100]

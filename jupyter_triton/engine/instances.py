@@ -240,6 +240,7 @@ class InstancePool:
         for p in live:
             # Triton's pending count ends when a backend is about to execute the request.
             p.started = True
+            p.start_ns = start_ns
             if p.request.trace is not None:         # engine/trace.py
                 p.request.trace.compute_start(p.enqueue_ns, start_ns, p.batch_size)
         stats.pending -= len(live)
@@ -278,13 +279,14 @@ class InstancePool:
             timing = getattr(err, "compute_ns", None)
         else:
             raise err
-        failed = failed_rows = 0
+        failed = failed_rows = failed_queue_ns = 0
         for p, result in zip(live, results):
             if p.request.trace is not None:         # engine/trace.py
                 p.request.trace.compute_end(timing)
             if isinstance(result, BaseException):
                 failed += 1
                 failed_rows += p.batch_size
+                failed_queue_ns += p.start_ns - p.enqueue_ns
                 if not p.future.done():
                     p.future.set_exception(mark_failure(result, "BACKEND"))
             elif not p.future.done():
@@ -292,7 +294,7 @@ class InstancePool:
         if timing is not None:
             # Triton: a failed request counts in execution_count, not in inference_count
             self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing,
-                                        failed_rows, failed)
+                                        failed_rows, failed, failed_queue_ns)
 
     def close(self) -> None:
         for inst in self.instances:

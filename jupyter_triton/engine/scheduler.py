@@ -38,6 +38,7 @@ class Pending:
     stream: "ResponseStream | None" = None   # a decoupled model's request: its responses' way out
 
     started: bool = False                 # set when an instance starts executing it
+    start_ns: int = 0                     # when it did (its queue time ends there)
     _shape_key: tuple | None = field(default=None, repr=False)
 
     def shape_key(self) -> tuple:

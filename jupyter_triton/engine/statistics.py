@@ -121,14 +121,15 @@ class ModelStatistics:
 
     def record_execution(self, batch_rows: int, n_requests: int, compute_input_ns: int,
                          compute_infer_ns: int, compute_output_ns: int, failed_rows: int = 0,
-                         failed_requests: int = 0) -> None:
+                         failed_requests: int = 0, failed_queue_ns: int = 0) -> None:
         """One batch of ``n_requests`` requests (``batch_rows`` rows) ran once, of which
-        ``failed_requests`` (``failed_rows`` rows) failed.
+        ``failed_requests`` (``failed_rows`` rows, ``failed_queue_ns`` in the queue) failed.
 
         Like Triton 2.51: every execution counts in ``execution_count`` and ``batch_stats``,
         but only requests that succeeded count in ``inference_count`` and in the
-        ``inference_stats`` compute durations (a failure lands in ``fail`` alone); every
-        request of the batch is charged the whole batch's compute time.
+        ``inference_stats`` queue and compute durations (a failure lands in ``fail`` alone;
+        its queue time, recorded when it left the queue, is taken back); every request of
+        the batch is charged the whole batch's compute time.
         """
         ci, cf, co = int(compute_input_ns), int(compute_infer_ns), int(compute_output_ns)
         n = n_requests - failed_requests
@@ -148,6 +149,9 @@ class ModelStatistics:
             stat.compute_output.count += 1
             stat.compute_output.ns += co
             self.last_inference = max(self.last_inference, _now_ms())
+            if failed_requests:
+                self.queue.count -= failed_requests
+                self.queue.ns -= max(0, int(failed_queue_ns))
             if n <= 0:
                 return
             self.compute_input.count += n
