@@ -116,6 +116,9 @@ def server_kernel(jp_triton, jp_asyncio_loop):
     async def connect(kid: str) -> Kernel:
         client = BlockingKernelClient()
         client.load_connection_info(manager.get_kernel(kid).get_connection_info(session=False))
+        # A missed heartbeat reads as a dead kernel: on a busy machine 1 s (the default) is
+        # too short for a kernel that is merely slow to answer.
+        client.hb_channel.time_to_dead = 30.0
         client.start_channels()
         await in_thread(client.wait_for_ready, 60)
         return Kernel(client)

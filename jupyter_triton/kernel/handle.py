@@ -160,13 +160,31 @@ class ServedModel:
             meta = self.metadata()
         except TritonError:
             meta = {}
+        try:
+            decoupled = bool(self.config().get("model_transaction_policy", {}).get("decoupled"))
+        except TritonError:
+            decoupled = False
         return {"state": self.state, "inputs": meta.get("inputs", []),
-                "outputs": meta.get("outputs", [])}
+                "outputs": meta.get("outputs", []), "decoupled": decoupled,
+                "text": self._text_model(meta)}
 
     def snippets(self, summary: dict | None = None) -> tuple[str, str]:
-        """(curl command, tritonclient code) that call this model from elsewhere."""
+        """(curl command, client code) that call this model from elsewhere: v2 infer and
+        tritonclient; generate_stream and the openai client for a text model; generate_stream
+        for another decoupled one (HTTP infer refuses it)."""
         summary = summary if summary is not None else self._summary()
+        if summary.get("text"):
+            return _curl_generate(self, {TEXT_INPUT: "hello world"}, summary["decoupled"]), _openai(self)
+        if summary.get("decoupled"):
+            body = {t["name"]: _zeros_json(t) for t in summary["inputs"]}
+            return _curl_generate(self, body, True), _sse_python(self, body)
         return _curl(self, summary["inputs"]), _tritonclient(self, summary["inputs"], summary["outputs"])
+
+    @staticmethod
+    def _client_label(summary: dict) -> str:
+        if summary.get("text"):
+            return "openai:"
+        return "python:" if summary.get("decoupled") else "tritonclient:"
 
     def __repr__(self) -> str:
         s = self._summary()
@@ -177,7 +195,7 @@ class ServedModel:
         lines += [f"  input    {_tensor_text(t)}" for t in s["inputs"]]
         lines += [f"  output   {_tensor_text(t)}" for t in s["outputs"]]
         lines += [f"  note     {n}" for n in self.notes]
-        lines += ["curl:", _indent(curl), "tritonclient:", _indent(client)]
+        lines += ["curl:", _indent(curl), self._client_label(s), _indent(client)]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -197,7 +215,8 @@ class ServedModel:
         pre = "style='white-space:pre-wrap;font-size:90%;margin:0.3em 0'"
         return (f"<div><b>{e(self.name)}</b><table>{table}</table>"
                 f"<details><summary>curl</summary><pre {pre}>{e(curl)}</pre></details>"
-                f"<details><summary>tritonclient</summary><pre {pre}>{e(client)}</pre></details></div>")
+                f"<details><summary>{self._client_label(s)[:-1]}</summary><pre {pre}>{e(client)}</pre>"
+                f"</details></div>")
 
 
 def _event_outputs(event: dict) -> dict[str, np.ndarray]:
@@ -255,6 +274,49 @@ def _curl(model: ServedModel, inputs: list[dict]) -> str:
     else:
         payload = f"'{body}'"
     return f"curl -s {auth}{model.url}/infer \\\n     -d {payload}"
+
+
+def _auth_header(model: ServedModel) -> str:
+    variable = _token_variable(model.connection)
+    return f'-H "Authorization: token ${variable}" ' if variable else ""
+
+
+def _zeros_json(t: dict) -> Any:
+    shape = _example_shape(t["shape"])
+    zero = "" if t["datatype"] == "BYTES" else (False if t["datatype"] == "BOOL" else 0)
+    return np.full(shape, zero, dtype=object).tolist() if int(np.prod(shape)) > 1 else zero
+
+
+def _curl_generate(model: ServedModel, body: dict, stream: bool) -> str:
+    route, no_buffer = ("generate_stream", "-N ") if stream else ("generate", "")
+    return (f"curl -s {no_buffer}-H \"Content-Type: application/json\" {_auth_header(model)}"
+            f"{model.url}/{route} \\\n     -d '{json.dumps(body)}'")
+
+
+def _openai(model: ServedModel) -> str:
+    base = model.url.split("/v2/models/")[0] + "/v1"
+    variable = _token_variable(model.connection)
+    key = f'os.environ["{variable}"]' if variable else '"none"'
+    return "\n".join([
+        "import os",
+        "from openai import OpenAI",
+        f'client = OpenAI(base_url="{base}", api_key={key})',
+        f'stream = client.chat.completions.create(model="{model.name}", stream=True,',
+        '    messages=[{"role": "user", "content": "hello world"}])',
+        'print("".join(c.choices[0].delta.content or "" for c in stream if c.choices))'])
+
+
+def _sse_python(model: ServedModel, body: dict) -> str:
+    variable = _token_variable(model.connection)
+    auth = f', "Authorization": "token " + os.environ["{variable}"]' if variable else ""
+    return "\n".join([
+        "import json, os, urllib.request",
+        f'req = urllib.request.Request("{model.url}/generate_stream",',
+        f"    data=json.dumps({body!r}).encode(),",
+        f'    headers={{"Content-Type": "application/json"{auth}}})',
+        "for line in urllib.request.urlopen(req):      # one server-sent event per response",
+        '    if line.startswith(b"data:"):',
+        "        print(json.loads(line[5:]))"])
 
 
 def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict]) -> str:
