@@ -139,7 +139,9 @@ function overview(rows) {
   return t;
 }
 
-function render({ model, el: host }) {
+// `request(path)` (optional, a Response promise): how a host other than anywidget, the lab
+// extension's model view, reaches the server (JupyterLab's ServerConnection); it implies canFetch.
+function render({ model, el: host, request }) {
   const root = el("div", { class: "jt-dash" });
   const status = el("div", { class: "jt-status" });
   const body = el("div", { class: "jt-body" });
@@ -176,7 +178,7 @@ function render({ model, el: host }) {
   // The browser polls when its page is served by the Jupyter server that hosts the models.
   const cfg = pageConfig();
   const base = cfg && cfg.baseUrl;
-  const canFetch = !!base && model.get("server_path") !== "" && base === model.get("server_path");
+  const canFetch = !!request || (!!base && model.get("server_path") !== "" && base === model.get("server_path"));
   const only = model.get("model");
   const statsPath = only ? `v2/models/${encodeURIComponent(only)}/stats` : "v2/models/stats";
   const headers = cfg && cfg.token ? { Authorization: `token ${cfg.token}` } : {};
@@ -184,13 +186,14 @@ function render({ model, el: host }) {
 
   async function fetchOnce() {
     const opts = { credentials: "same-origin", headers, cache: "no-store" };
-    const r = await fetch(base + statsPath, opts);
+    const get = request || ((path) => fetch(base + path, opts));
+    const r = await get(statsPath);
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const body = await r.json();
     let pending = null;
     if (metricsOk) {
       try {
-        const m = await fetch(base + "metrics", opts);
+        const m = await get("metrics");
         if (m.ok) pending = parsePending(await m.text()); else metricsOk = false;
       } catch (e) { metricsOk = false; }
     }
