@@ -190,6 +190,7 @@ class ModelStub:
         cls = import_model_class(
             model_py, module_name(args["model_name"], args["model_version"], args["model_instance_name"]))
         self._loop: asyncio.AbstractEventLoop | None = None
+        token = pb_utils._BLS_HOST.set(bls_host) if bls_host is not None else None
         try:
             self.model = cls()
             init = getattr(self.model, "initialize", None)
@@ -199,6 +200,9 @@ class ModelStub:
             raise
         except BaseException as err:
             raise StubError.from_exception("initialize", err) from None
+        finally:
+            if token is not None:
+                pb_utils._BLS_HOST.reset(token)
 
     def _await(self, result: Any) -> Any:
         if inspect.isawaitable(result):

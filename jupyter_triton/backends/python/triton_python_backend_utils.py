@@ -495,3 +495,79 @@ class Logger:
 
 
 LogLevel = Logger.LogLevel
+
+
+def _host() -> Any:
+    host = _BLS_HOST.get() or _default_bls_host
+    if host is None:
+        raise TritonModelException("custom metrics need a server: create them in initialize or "
+                                   "execute of a served model")
+    return host
+
+
+class MetricFamily:
+    """A family of custom metrics, shown on the server's metrics endpoint (Triton's API)."""
+
+    COUNTER = "COUNTER"
+    GAUGE = "GAUGE"
+    HISTOGRAM = "HISTOGRAM"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
+            raise TritonModelException(
+                f"Error when creating MetricFamily: unknown kind {kind!r} (use "
+                "pb_utils.MetricFamily.COUNTER, GAUGE or HISTOGRAM)")
+        self._name = name
+        self._kind = kind
+        self._host = _host()
+        self._host.metric_call("family", (name, description, kind.lower()), "Error when creating MetricFamily")
+
+    def Metric(self, labels: dict[str, str] | None = None,
+               buckets: list[float] | None = None) -> "Metric":
+        return Metric(self, labels or {}, buckets)
+
+
+class Metric:
+    """One metric (a label set) of a ``MetricFamily``: ``increment``, ``set``, ``observe``,
+    ``value`` as the family's kind allows."""
+
+    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None) -> None:
+        self._family = family
+        self._name = family._name
+        self._kind = family._kind
+        if self._kind == MetricFamily.HISTOGRAM and buckets is None:
+            raise TritonModelException("Error when creating Metric: a HISTOGRAM metric needs buckets")
+        self._key = family._host.metric_call("metric", (self._name, dict(labels), buckets),
+                                             "Error when creating Metric")
+
+    def increment(self, value: float) -> None:
+        # Checked here so that the operation itself can travel without an answer.
+        if self._kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("Failed to increment metric value: a HISTOGRAM metric is "
+                                       "updated with observe()")
+        if self._kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException("Failed to increment metric value: a COUNTER can only be "
+                                       "incremented by a non-negative value")
+        self._family._host.metric_send("increment", (self._name, self._key, float(value)))
+
+    def set(self, value: float) -> None:
+        if self._kind != MetricFamily.GAUGE:
+            raise TritonModelException(f"Failed to set metric value: only a GAUGE can be set, "
+                                       f"this metric is a {self._kind}")
+        self._family._host.metric_send("set", (self._name, self._key, float(value)))
+
+    def observe(self, value: float) -> None:
+        if self._kind != MetricFamily.HISTOGRAM:
+            raise TritonModelException(f"Failed to observe metric value: only a HISTOGRAM "
+                                       f"observes, this metric is a {self._kind}")
+        self._family._host.metric_send("observe", (self._name, self._key, float(value)))
+
+    def value(self) -> float:
+        return float(self._family._host.metric_call("value", (self._name, self._key),
+                                                    "Failed to get metric value"))
+
+
+# Older spellings of the kinds (examples/custom_metrics of Triton 22.x / 23.x)
+COUNTER = MetricFamily.COUNTER
+GAUGE = MetricFamily.GAUGE
+HISTOGRAM = MetricFamily.HISTOGRAM

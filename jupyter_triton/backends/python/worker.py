@@ -176,15 +176,18 @@ def worker_main(conn: Connection, job: str, model_py: str, payload: Any, parent_
         except StubError as err:
             chan.send(("error", err.to_tuple()))
         return
+    demux = _Demux(chan)
+    host = _WorkerHost(demux)
+    pb_utils._default_bls_host = host   # one model per worker: every thread of it calls here
     try:
         stub = ModelStub(model_py, payload)
     except StubError as err:
-        chan.send(("error", err.to_tuple()))
+        demux.send(("error", err.to_tuple()))
         return
-    chan.send(("ready", os.getpid()))
+    demux.send(("ready", os.getpid()))
     regions: dict[str, ShmRegion] = {}
     try:
-        _serve(chan, stub, regions, _output_names(payload))
+        _serve(demux, host, stub, regions, _output_names(payload))
     finally:
         for region in regions.values():
             region.close()
@@ -292,7 +295,7 @@ class _Demux:
 
 
 # Server -> worker messages that answer a waiter rather than start work.
-_REPLIES = frozenset({"o", "cr", "br"})
+_REPLIES = frozenset({"o", "cr", "br", "mr"})
 
 
 class _WorkerHost:
@@ -322,6 +325,15 @@ class _WorkerHost:
 
     def flush(self) -> None:
         pass
+
+    def metric_call(self, op: str, args: tuple, what: str) -> Any:
+        _, _, ok, result = self.demux.call("m", op, args)
+        if not ok:
+            raise pb_utils.TritonModelException(f"{what}: {result}")
+        return result
+
+    def metric_send(self, op: str, args: tuple) -> None:
+        self.demux.send(("m", 0, op, args))   # id 0: no answer wanted
 
     def bls_exec(self, request: Any, decoupled: bool) -> Any:
         call_id = self.demux.new_id()
@@ -364,10 +376,8 @@ class _BlsStream:
             self._demux.closer.put(self._id)
 
 
-def _serve(chan: Channel, stub: ModelStub, regions: dict[str, ShmRegion], all_outputs: list[str]) -> None:
-    demux = _Demux(chan)
-    host = _WorkerHost(demux)
-    pb_utils._default_bls_host = host   # one model per worker: every thread of it calls here
+def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[str, ShmRegion],
+           all_outputs: list[str]) -> None:
     while True:
         try:
             msg = demux.command()

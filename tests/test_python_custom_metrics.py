@@ -1,0 +1,162 @@
+"""Custom metrics (pb_utils.MetricFamily / Metric) of python models on the server's metrics
+endpoint, in the worker process and in thread mode. NVIDIA's examples/custom_metrics (model
+and client as published) runs unchanged."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from jupyter_triton.engine import EngineOptions
+from test_backend_python import THREAD_MODE
+
+pytestmark = pytest.mark.timeout(180)
+
+EXAMPLES = Path(__file__).parent / "triton_examples" / "custom_metrics"
+MODES = ["process", "thread"]
+
+# examples/custom_metrics/config.pbtxt
+CUSTOM_METRICS_CONFIG = '''
+name: "custom_metrics"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+input [ { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [{ kind: KIND_CPU }]
+'''
+
+# Every kind and every rule a model meets, reported back as text.
+KINDS_MODEL_PY = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.calls = pb_utils.MetricFamily(name="demo_calls", description="Calls seen",
+                                           kind=pb_utils.MetricFamily.COUNTER)
+        self.calls_a = self.calls.Metric(labels={"path": "a"})
+        # same name and kind: the same family; the first description stays
+        self.calls_b = pb_utils.MetricFamily(name="demo_calls", description="ignored",
+                                             kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"path": "b"})
+        self.depth = pb_utils.MetricFamily(name="demo_depth", description="Queue depth",
+                                           kind=pb_utils.MetricFamily.GAUGE).Metric()
+        self.sizes = pb_utils.MetricFamily(name="demo_sizes", description="Sizes",
+                                           kind=pb_utils.MetricFamily.HISTOGRAM).Metric(
+                                               labels={"unit": "items"}, buckets=[1.0, 10.0])
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy().reshape(-1)[0])
+            self.calls_a.increment(1)
+            self.calls_b.increment(2)
+            self.depth.set(n)
+            self.sizes.observe(n)
+            errors = []
+            for attempt in (lambda: self.calls_a.increment(-1), lambda: self.calls_a.set(3),
+                            lambda: self.depth.observe(1), lambda: self.sizes.value(),
+                            lambda: pb_utils.MetricFamily(name="demo_calls", description="",
+                                                          kind=pb_utils.MetricFamily.GAUGE)):
+                try:
+                    attempt()
+                    errors.append(None)
+                except pb_utils.TritonModelException as err:
+                    errors.append(str(err))
+            report = {"a": self.calls_a.value(), "b": self.calls_b.value(), "depth": self.depth.value(),
+                      "errors": errors}
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor(
+                "REPORT", np.array([json.dumps(report).encode()], dtype=np.object_))]))
+        return out
+'''
+
+KINDS_CONFIG = '''
+name: "kinds"
+backend: "python"
+input [{ name: "N" data_type: TYPE_INT32 dims: [ 1 ] }]
+output [{ name: "REPORT" data_type: TYPE_STRING dims: [ 1 ] }]
+'''
+
+
+def start(repo: Path):
+    from jupyter_triton.standalone import start_in_thread
+    return start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
+                                         load_models=["*"]),
+                           host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
+
+
+def scrape(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def add_model(repo: Path, name: str, model_py: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "1" / "model.py").write_text(model_py)
+    (repo / name / "config.pbtxt").write_text(config)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nvidias_custom_metrics_example_runs_unchanged(tmp_path, mode):
+    repo = tmp_path / "models"
+    add_model(repo, "custom_metrics", (EXAMPLES / "model.py").read_text(),
+              CUSTOM_METRICS_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server = start(repo)
+    try:
+        # The client has no address flags: only its two addresses are changed, in a copy.
+        script = tmp_path / "client.py"
+        script.write_text((EXAMPLES / "client.py").read_text()
+                          .replace('"localhost:8000"', f'"127.0.0.1:{server.http_port}"')
+                          .replace("http://localhost:8002/metrics",
+                                   f"http://127.0.0.1:{server.metrics_port}/metrics"))
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "PASS: custom_metrics" in run.stdout
+        line = next(ln for ln in scrape(server).splitlines()
+                    if ln.startswith('requests_process_latency_ns{model="custom_metrics",version="1"}'))
+        assert float(line.split()[-1]) > 0      # the model's execute time, in ns
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        client.unload_model("custom_metrics")
+        # the model's metrics leave with it
+        assert "requests_process_latency_ns" not in scrape(server)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_counter_gauge_histogram_and_the_rules_of_each(tmp_path, mode):
+    import json
+    repo = tmp_path / "models"
+    add_model(repo, "kinds", textwrap.dedent(KINDS_MODEL_PY), KINDS_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server = start(repo)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        for n in (5, 20):
+            inp = httpclient.InferInput("N", [1], "INT32")
+            inp.set_data_from_numpy(np.array([n], dtype=np.int32))
+            report = json.loads(client.infer("kinds", [inp]).as_numpy("REPORT")[0])
+        assert (report["a"], report["b"], report["depth"]) == (2, 4, 20)
+        negative, set_counter, observe_gauge, histogram_value, other_kind = report["errors"]
+        assert "non-negative" in negative and "only a GAUGE can be set" in set_counter
+        assert "only a HISTOGRAM observes" in observe_gauge
+        assert "histogram" in histogram_value and "no single value" in histogram_value
+        assert "already exists as a counter" in other_kind
+        text = scrape(server)
+        assert "# HELP demo_calls Calls seen\n# TYPE demo_calls counter" in text
+        assert 'demo_calls{path="a"} 2' in text and 'demo_calls{path="b"} 4' in text
+        assert "# TYPE demo_depth gauge\ndemo_depth 20" in text
+        assert "# TYPE demo_sizes histogram" in text
+        for sample in ('demo_sizes_bucket{unit="items",le="1.0"} 0',
+                       'demo_sizes_bucket{unit="items",le="10.0"} 1',
+                       'demo_sizes_bucket{unit="items",le="+Inf"} 2',
+                       'demo_sizes_sum{unit="items"} 25', 'demo_sizes_count{unit="items"} 2'):
+            assert sample in text, sample
+    finally:
+        server.close()
