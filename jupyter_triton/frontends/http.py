@@ -177,22 +177,18 @@ class StreamedBody(V2Handler):
                     {k: v for k, v in params.items() if v is not None},
                     self.request.headers, body, self._ticket)
         # A task of its own, so that a client hanging up cancels it (see on_connection_close).
-        self._task = asyncio.ensure_future(self._answer(call))
+        self._task = asyncio.ensure_future(self.state.plane.handle(self.route, call))
         try:
             reply = await self._task
+            if reply.stream is not None:        # the same for the stream's writing
+                self._task = asyncio.ensure_future(self._write_stream(reply))
+                await self._task
+                return
         except asyncio.CancelledError:
             if self.request.connection.stream is None or self.request.connection.stream.closed():
                 return
             raise
-        if reply is not None:
-            self.write_reply(reply)
-
-    async def _answer(self, call: Call) -> Reply | None:
-        reply = await self.state.plane.handle(self.route, call)
-        if reply.stream is None:
-            return reply
-        await self._write_stream(reply)
-        return None
+        self.write_reply(reply)
 
     async def _write_stream(self, reply: Reply) -> None:
         """A streamed reply (server-sent events), each chunk flushed as it comes; the client
