@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterable
 
 import psutil
@@ -30,20 +31,40 @@ import psutil
 MemoryReader = Callable[[], list[dict]]
 
 
+#: seconds a python model's live reading is reused: dashboards poll statistics every second
+LIVE_TTL_S = 1.0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process ``pid`` started, from /proc/<pid>/task/*/children (Linux): a few small
+    reads, where psutil's children() scans every process of the machine."""
+    found, todo = [], [pid]
+    while todo and len(found) < 4096:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 def rss(pid: int, children: bool = True) -> int:
     """Resident bytes of ``pid`` (and, by default, of every process it started); 0 when gone."""
-    try:
-        proc = psutil.Process(pid)
-        total = proc.memory_info().rss
-        if children:
-            for child in proc.children(recursive=True):
-                try:
-                    total += child.memory_info().rss
-                except psutil.Error:
-                    pass
-        return total
-    except psutil.Error:
-        return 0
+    total = 0
+    for p in [pid] + (descendants(pid) if children else []):
+        try:
+            total += psutil.Process(p).memory_info().rss
+        except psutil.Error:
+            pass
+    return total
 
 
 class _Nvml:
@@ -119,7 +140,7 @@ class LoadProbe:
         backends = list(backends)
         out_of_process = bool(backends) and all(getattr(b, "worker_pid", None) for b in backends)
         if out_of_process:
-            return lambda: _worker_usage(backends)
+            return _Live(backends)
         gpus = sorted({b.instance.device_id for b in backends if b.instance.kind == "KIND_GPU"})
         cpu = max(0, rss(self._pid, children=False) - self._rss)
         usage = [{"type": "CPU", "id": 0, "byte_size": cpu}]
@@ -134,16 +155,34 @@ class LoadProbe:
         return lambda: [dict(u) for u in usage]
 
 
+class _Live:
+    """A python model's memory, read from its worker processes (reused for LIVE_TTL_S)."""
+
+    def __init__(self, backends: list[Any]) -> None:
+        self._backends = backends
+        self._lock = threading.Lock()
+        self._at = -LIVE_TTL_S
+        self._usage: list[dict] = []
+
+    def __call__(self) -> list[dict]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= LIVE_TTL_S:
+                self._usage, self._at = _worker_usage(self._backends), now
+            return [dict(u) for u in self._usage]
+
+
 def _worker_usage(backends: list[Any]) -> list[dict]:
     pids = worker_pids(backends)
-    usage = [{"type": "CPU", "id": 0, "byte_size": sum(rss(pid) for pid in pids)}]
-    every = set(pids)
-    for pid in pids:
+    tree = pids + [c for pid in pids for c in descendants(pid)]
+    cpu = 0
+    for pid in tree:
         try:
-            every.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+            cpu += psutil.Process(pid).memory_info().rss
         except psutil.Error:
             pass
-    usage += [{"type": "GPU", "id": d, "byte_size": n} for d, n in sorted(_Nvml.used_by(every).items())]
+    usage = [{"type": "CPU", "id": 0, "byte_size": cpu}]
+    usage += [{"type": "GPU", "id": d, "byte_size": n} for d, n in sorted(_Nvml.used_by(tree).items())]
     return usage
 
 
