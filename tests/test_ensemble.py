@@ -166,7 +166,8 @@ def test_bad_requests_are_400(ens):
     rows = [{"name": "A", "shape": [6, 4], "datatype": "FP32", "data": [0.5] * 24}]
     status, error = _post(server.http_port, "unbatched", {"inputs": rows})
     assert status == 400
-    assert error.startswith("in ensemble 'unbatched'") and "batch-size must be <= 4" in error
+    assert error.startswith("ensemble 'unbatched' step 1 ('simple' v1) failed: ")
+    assert "batch-size must be <= 4" in error
     ok = client.infer("unbatched", _inputs(A=np.ones((2, 4), np.float32))).as_numpy("S")
     np.testing.assert_allclose(ok, np.full((2, 4), 2.0, np.float32))
 
@@ -185,7 +186,7 @@ def test_statistics_count_ensemble_and_composing_requests(ens):
         return int(stats["fail"]["count"])
 
     fails = failed("unbatched")
-    with pytest.raises(InferenceServerException, match="in ensemble 'unbatched'"):
+    with pytest.raises(InferenceServerException, match="ensemble 'unbatched' step 1"):
         client.infer("unbatched", _inputs(A=np.ones((6, 4), np.float32)))
     assert failed("unbatched") == fails + 1
 
@@ -255,3 +256,91 @@ def test_plan_checks_max_batch_size():
                      + "ensemble_scheduling { step [ " + _step("X", "Y") + " ] }")
     with pytest.raises(InvalidArgument, match="maximum batch size 16.*'m'.*8"):
         plan(config, _lookup)
+
+
+CHECKER_PY = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        xs = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        if any(x.sum() < 0 for x in xs):
+            raise ValueError("negative sum")
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]) for x in xs]
+'''
+
+GUARDED = """
+max_batch_size: 4
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "lin4" input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "h" } },
+  { model_name: "checker" input_map { key: "INPUT0" value: "h" } output_map { key: "OUTPUT0" value: "Y" } } ] }
+"""
+
+
+def test_a_failing_step_is_named_counted_and_exported(tmp_path):
+    # X @ W4 sums to -sum(X): ones fail in 'checker' (step 2), minus ones pass
+    import tritonclient.grpc as grpcclient
+    from prometheus_client.parser import text_string_to_metric_families
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.standalone import start_in_thread
+    root = tmp_path / "models"
+    _linear4(root, "lin4", W4)
+    (root / "checker" / "1").mkdir(parents=True)
+    (root / "checker" / "1" / "model.py").write_text(CHECKER_PY)
+    (root / "checker" / "config.pbtxt").write_text('''name: "checker"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
+''')
+    _ensemble(root, "guarded", GUARDED)
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="none"),
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        ok = client.infer("guarded", _inputs(X=-np.ones((1, 4), np.float32))).as_numpy("Y")
+        np.testing.assert_allclose(ok, -np.ones((1, 4), np.float32) @ W4)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("guarded", _inputs(X=np.ones((1, 4), np.float32)))
+        message = err.value.message()
+        assert message.startswith("ensemble 'guarded' step 2 ('checker' v1) failed: "), message
+        assert "negative sum" in message and err.value.status() == "500"   # the step's status
+        x = grpcclient.InferInput("X", [1, 4], "FP32")
+        x.set_data_from_numpy(np.ones((1, 4), np.float32))
+        with pytest.raises(InferenceServerException) as err:
+            grpc.infer("guarded", [x])
+        assert err.value.status() == "StatusCode.INTERNAL"
+        assert "ensemble 'guarded' step 2 ('checker' v1) failed: " in err.value.message()
+
+        stats = client.get_inference_statistics("guarded")["model_stats"][0]
+        steps = {s["step"]: s for s in stats["ensemble_steps"]}
+        assert (steps[1]["model"], steps[1]["version"]) == ("lin4", "1")
+        assert (steps[1]["success"]["count"], steps[1]["fail"]["count"]) == (3, 0)
+        assert (steps[2]["model"], steps[2]["success"]["count"], steps[2]["fail"]["count"]) == \
+            ("checker", 1, 2)
+        assert steps[1]["success"]["ns"] > 0 and steps[2]["fail"]["ns"] > 0
+        assert stats["inference_stats"]["fail"]["count"] == 2
+        assert grpc.get_inference_statistics("guarded").model_stats[0].name == "guarded"
+
+        conn = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+        conn.close()
+        # prometheus_client's parser names a counter's samples <name>_total
+        samples = {(s.name.removesuffix("_total"), frozenset(s.labels.items())): s.value
+                   for family in text_string_to_metric_families(body) for s in family.samples}
+        assert 'nv_ensemble_step_failure{' in body
+        step2 = frozenset({"model": "guarded", "version": "1", "step": "2",
+                           "composing_model": "checker", "composing_version": "1"}.items())
+        assert samples[("nv_ensemble_step_failure", step2)] == 2
+        assert samples[("nv_ensemble_step_success", step2)] == 1
+        assert samples[("nv_ensemble_step_duration_us", step2)] >= 0
+    finally:
+        client.close()
+        grpc.close()
+        server.close()

@@ -8,8 +8,9 @@ and its ``output_map`` adds what it produced. The ensemble's outputs are read of
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -18,6 +19,9 @@ from ..protocol import errors
 from ..protocol.errors import Internal, InvalidArgument, TritonError
 from ..protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from .scheduler import Pending, Scheduler
+
+if TYPE_CHECKING:
+    from .statistics import ModelStatistics
 
 ENSEMBLE_PLATFORM = "ensemble"
 BACKEND = "ensemble"   # the engine's backend name for an ensemble: it has no runtime
@@ -41,6 +45,24 @@ class Step:
     version: str                    # "" : the composing model's latest ready version
     inputs: dict[str, str]          # composing model input -> ensemble tensor
     outputs: dict[str, str]         # composing model output -> ensemble tensor
+    index: int = 0                  # 1-based, in the config's order (what errors and stats name)
+    # which version serves ``model`` now (the lookup's ``version``, when it has one): a
+    # failing step names the version it failed on
+    serving_version: Callable[[str, str], str] | None = None
+
+    def version_label(self) -> str:
+        if self.version:
+            return self.version
+        if self.serving_version is not None:
+            try:
+                return self.serving_version(self.model, "")
+            except TritonError:
+                pass
+        return "latest"
+
+
+class StepFailed(TritonError):
+    """Marks an error already named after its step (``_prefixed`` leaves it alone)."""
 
 
 def plan(config: mc.ModelConfig, lookup: LookupConfig) -> list[Step]:
@@ -69,7 +91,8 @@ def plan(config: mc.ModelConfig, lookup: LookupConfig) -> list[Step]:
                     raise InvalidArgument(
                         f"in ensemble '{name}', {kind} '{key}' in {kind}_map of the step for "
                         f"model '{s.model_name}' is not an {kind} of '{s.model_name}'")
-        steps.append(Step(s.model_name, version, dict(s.input_map), dict(s.output_map)))
+        steps.append(Step(s.model_name, version, dict(s.input_map), dict(s.output_map),
+                          len(steps) + 1, getattr(lookup, "version", None)))
 
     produced: dict[str, str] = {}
     for step in steps:
@@ -106,11 +129,14 @@ def plan(config: mc.ModelConfig, lookup: LookupConfig) -> list[Step]:
 class EnsembleScheduler(Scheduler):
     """Runs each request's steps as a DAG; independent steps run concurrently."""
 
-    def __init__(self, config: mc.ModelConfig, steps: list[Step], infer: InferFn) -> None:
+    def __init__(self, config: mc.ModelConfig, steps: list[Step], infer: InferFn,
+                 stats: "ModelStatistics | None" = None) -> None:
         super().__init__(None)  # type: ignore[arg-type]  # an ensemble has no instances
         self.config = config
         self.steps = steps
         self.infer = infer
+        # the ensemble's statistics: each step's latency and failures (fields Triton lacks)
+        self.stats = stats
         self._tasks: set[asyncio.Task] = set()
 
     async def submit(self, pending: Pending) -> None:
@@ -163,7 +189,18 @@ class EnsembleScheduler(Scheduler):
                   for key, t in step.inputs.items()]
         sub = InferRequest(step.model, step.version, request.id, inputs,
                            [RequestedOutput(key) for key in step.outputs], dict(request.parameters))
-        response = await self.infer(sub)
+        start = time.monotonic_ns()
+        try:
+            response = await self.infer(sub)
+        except TritonError as err:
+            version = step.version_label()
+            if self.stats is not None:
+                self.stats.record_step(step.index, step.model, version, False,
+                                       time.monotonic_ns() - start)
+            raise _step_failed(self.config.name, step, version, err) from None
+        if self.stats is not None:
+            self.stats.record_step(step.index, step.model, response.model_version, True,
+                                   time.monotonic_ns() - start)
         got = {t.name: t for t in response.outputs}
         return {tensor: _renamed(got[key], tensor) for key, tensor in step.outputs.items()}
 
@@ -172,9 +209,32 @@ def _renamed(t: InferTensor, name: str) -> InferTensor:
     return InferTensor(name, t.datatype, t.shape, t.data)
 
 
+def _kind(err: TritonError) -> type[TritonError]:
+    """The protocol error class of ``err`` (so its status and gRPC code)."""
+    return next(c for c in type(err).__mro__ if c.__module__ == errors.__name__)
+
+
+_STEP_KINDS: dict[type, type] = {}
+
+
+def _step_failed(ensemble: str, step: Step, version: str, err: TritonError) -> TritonError:
+    """``ensemble '<e>' step <i> ('<model>' v<version>) failed: <its error>``, with the
+    step's status: one endpoint no longer hides which stage failed (Triton issue #4786)."""
+    kind = _kind(err)
+    cls = _STEP_KINDS.get(kind)
+    if cls is None:
+        cls = _STEP_KINDS[kind] = type(f"Step{kind.__name__}", (StepFailed, kind), {})
+    failed = cls(f"ensemble '{ensemble}' step {step.index} ('{step.model}' v{version}) failed: {err}")
+    reason = getattr(err, "failure_reason", None)
+    if reason is not None:
+        failed.failure_reason = reason  # type: ignore[attr-defined]
+    return failed
+
+
 def _prefixed(ensemble: str, err: BaseException) -> TritonError:
     """The composing model's error, in its protocol kind (so its status), naming the ensemble."""
+    if isinstance(err, StepFailed):
+        return err
     if isinstance(err, TritonError):
-        kind = next(c for c in type(err).__mro__ if c.__module__ == errors.__name__)
-        return kind(f"in ensemble '{ensemble}', {err}")
+        return _kind(err)(f"in ensemble '{ensemble}', {err}")
     return Internal(f"in ensemble '{ensemble}', {type(err).__name__}: {err}")

@@ -246,7 +246,7 @@ class ModelLifecycle:
             if v in keep:
                 continue
             mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
-                              (lambda m, ver: self._version(m, ver).config, self.infer)
+                              (_Composing(self._version), self.infer)
                               if backend == ENSEMBLE_BACKEND else None,
                               max_output_size=self.options.max_output_size,
                               server_calls=getattr(self, "server_calls", None))
@@ -361,6 +361,20 @@ class ModelLifecycle:
                     log.error("failed to load model '%s': %s", name, err)
         for name in set(self._entries) - on_disk:
             await self._unload(name)
+
+
+class _Composing:
+    """An ensemble's view of its composing models: their configs (to plan the steps) and
+    which version serves each now (to name the one a failing step ran on)."""
+
+    def __init__(self, version_of: Callable[[str, str], ModelVersion]) -> None:
+        self._version_of = version_of
+
+    def __call__(self, model: str, version: str) -> mc.ModelConfig:
+        return self._version_of(model, version).config
+
+    def version(self, model: str, version: str) -> str:
+        return str(self._version_of(model, version).version)
 
 
 def _load_failed(name: str, err: TritonError) -> TritonError:

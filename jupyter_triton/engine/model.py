@@ -110,7 +110,8 @@ class ModelVersion:
         start = time.monotonic()
         if self.backend_name == ENSEMBLE_BACKEND:     # no instances: steps run on composing models
             lookup, infer = self.ensemble
-            self.scheduler = EnsembleScheduler(self.config, plan(self.config, lookup), infer)
+            self.scheduler = EnsembleScheduler(self.config, plan(self.config, lookup), infer,
+                                               self.stats)
             self.status = VersionStatus(READY)
             return
         if self.config.HasField("sequence_batching"):

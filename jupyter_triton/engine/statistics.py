@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..protocol.errors import Cancelled
 
@@ -76,6 +76,21 @@ class ResponseStat:
                 "cancel": self.cancel.to_json()}
 
 
+@dataclass
+class StepStat:
+    """One ensemble step: the composing model (the version it last ran on) and how its
+    runs went; ``ns`` is each run's whole time on the composing model."""
+
+    model: str
+    version: str
+    success: StatDuration
+    fail: StatDuration
+
+    def to_json(self, index: int) -> dict:
+        return {"step": index, "model": self.model, "version": self.version,
+                "success": self.success.to_json(), "fail": self.fail.to_json()}
+
+
 class ModelStatistics:
     def __init__(self, name: str, version: str) -> None:
         self.name = name
@@ -103,6 +118,8 @@ class ModelStatistics:
         self.load_ns = 0                 # load duration (the engine includes warmup in it)
         self.warmup_ns = 0
         self._samples: dict[str, deque[int]] = {k: deque(maxlen=SAMPLE_WINDOW) for k in LATENCY_KINDS}
+        # an ensemble's steps by index (1-based): latency and failures, fields Triton lacks
+        self.steps: dict[int, StepStat] = {}
         # memory_usage: set by the engine once the version is loaded (engine/memory.py)
         self.memory: Callable[[], list[dict]] | None = None
         # engine/histograms.py's LatencyHistograms when the server keeps them (fed under _lock)
@@ -239,6 +256,24 @@ class ModelStatistics:
                 cumulative.append((bound, running))
             return cumulative, total.ns / 1e6, total.count
 
+    def record_step(self, index: int, model: str, version: str, ok: bool, ns: int) -> None:
+        """Step ``index`` of an ensemble request ran on ``model`` ``version`` for ``ns``
+        (queue and compute on the composing model), and succeeded or not."""
+        ns = max(0, int(ns))
+        with self._lock:
+            stat = self.steps.get(index)
+            if stat is None:
+                stat = self.steps[index] = StepStat(model, str(version), StatDuration(), StatDuration())
+            stat.version = str(version)
+            (stat.success if ok else stat.fail).add(1, ns)
+
+    def step_counts(self) -> list[tuple[int, StepStat]]:
+        """(index, a copy of its StepStat) per ensemble step, for the metrics."""
+        with self._lock:
+            return [(i, StepStat(st.model, st.version, StatDuration(st.success.count, st.success.ns),
+                                 StatDuration(st.fail.count, st.fail.ns)))
+                    for i, st in sorted(self.steps.items())]
+
     def record_warmup(self, ns: int) -> None:
         """Warmup time; Triton does not report it in statistics, only as part of load time."""
         with self._lock:
@@ -300,7 +335,39 @@ class ModelStatistics:
                     for size, stat in sorted(self.batch_stats.items())
                 ],
                 "memory_usage": memory,
+                **({"ensemble_steps": [stat.to_json(i) for i, stat in sorted(self.steps.items())]}
+                   if self.steps else {}),
             }
+
+
+#: the metric families of ensemble steps (Triton has none): name, help, kind
+STEP_FAMILIES = (
+    ("nv_ensemble_step_success", "Number of successful runs of an ensemble step", "counter"),
+    ("nv_ensemble_step_failure", "Number of failed runs of an ensemble step", "counter"),
+    ("nv_ensemble_step_duration_us",
+     "Cumulative time of an ensemble step's runs on its composing model, in microseconds",
+     "counter"),
+)
+
+
+def step_metric_values(stats: Iterable[tuple["ModelStatistics", dict]]
+                       ) -> list[tuple[str, str, str, list[tuple[dict, float]]]]:
+    """Per family of STEP_FAMILIES, its samples: one per ensemble step, labelled with the
+    ensemble's labels plus ``step``, ``composing_model`` and ``composing_version``. Empty
+    for a server without ensembles."""
+    samples: list[list[tuple[dict, float]]] = [[], [], []]
+    for s, labels in stats:
+        if not s.steps:
+            continue
+        for index, st in s.step_counts():
+            step_labels = {**labels, "step": str(index), "composing_model": st.model,
+                           "composing_version": st.version}
+            samples[0].append((step_labels, st.success.count))
+            samples[1].append((step_labels, st.fail.count))
+            samples[2].append((step_labels, (st.success.ns + st.fail.ns) // 1000))
+    if not samples[0]:
+        return []
+    return [(name, doc, kind, values) for (name, doc, kind), values in zip(STEP_FAMILIES, samples)]
 
 
 def _now_ms() -> int:

@@ -23,7 +23,7 @@ from prometheus_client.samples import Sample
 
 from ..engine.memory import metric_samples as memory_samples
 from ..engine.histograms import FAMILIES as HISTOGRAM_FAMILIES
-from ..engine.statistics import FAILURE_REASONS
+from ..engine.statistics import FAILURE_REASONS, step_metric_values
 from ..model_metrics import custom_metric_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -116,6 +116,8 @@ class TritonMetricsCollector:
         if getattr(getattr(self.engine, "options", None), "histogram_latencies", False):
             yield _first_response_histogram(models)
             yield from _latency_histograms(models)
+        for name, doc, kind, values in step_metric_values(stats):    # ensembles' steps
+            yield _family(name, doc, kind, values)
         yield _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge",
                       ((labels, s.load_seconds) for s, labels in stats))
         yield _family("nv_model_memory_bytes", "Memory held by a model version, in bytes, by kind "
