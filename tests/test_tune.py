@@ -181,3 +181,22 @@ def test_triton_tune_line_magic(kernel_server):
     assert t.best is not None and t.best.within_slo
     with pytest.raises(UsageError):
         shell.run_line_magic("triton", "tune slow --concurrency x")
+
+
+BROKEN_MODEL_PY = '''
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise RuntimeError("broken on purpose")
+'''
+
+
+def test_a_model_that_fails_every_request_gets_no_recommendation(kernel_server):
+    jt.serve(BROKEN_MODEL_PY, "broken", max_batch_size=4, **IO)
+    t = jt.tune("broken", concurrency=[2], seconds=0.5, slo_p99_ms=1000, load_generator="loadgen")
+    [row] = t.results
+    assert row["failures"] > 0 and row["throughput"] == 0
+    assert "broken on purpose" in row["error"]           # the server's error, as the client got it
+    assert t.best is None
+    assert "broken on purpose" in t._repr_html_()

@@ -107,7 +107,7 @@ class TuneResult:
         throughput); when no row meets the SLO, the one with the lowest p99, saying so."""
         clean = [r for r in self.results if r["failures"] == 0 and r["throughput"] > 0]
         if not clean:
-            return None
+            return None         # every run failed: each row's "error" says why
         slo = float("inf") if slo_p99_ms is None else float(slo_p99_ms)
         within = [r for r in clean if r["p99_ms"] <= slo]
         if within:
@@ -186,7 +186,9 @@ class TuneResult:
 
     def _repr_html_(self) -> str:
         png = base64.b64encode(self.plot_png()).decode("ascii")
-        best = self.best._repr_html_() if self.best is not None else "<p>no successful run</p>"
+        errors = sorted({r["error"] for r in self.results if r.get("error")})
+        best = (self.best._repr_html_() if self.best is not None else
+                f"<p>no run without failed requests: {html.escape('; '.join(errors) or 'no requests')}</p>")
         return (f"<div><h4>tune: {html.escape(self.model)}</h4>{best}"
                 f'<img alt="throughput vs p99" src="data:image/png;base64,{png}"/>'
                 f"{self.table_html()}</div>")
@@ -404,7 +406,8 @@ def tune(model: Any, max_batch_size: Sequence[int] | int | None = None,
                                     "p50_ms": run["p50_ms"], "p95_ms": run["p95_ms"],
                                     "p99_ms": run["p99_ms"],
                                     "mean_batch": (rows1 - rows0) / execs if execs else 0.0,
-                                    "failures": run["failures"]})
+                                    "failures": run["failures"],
+                                    "error": run["errors"][0] if run["errors"] else ""})
     finally:
         try:
             client.unload(temp)
