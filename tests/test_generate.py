@@ -179,3 +179,19 @@ async def test_generate_on_the_jupyter_server_behind_its_auth(jp_triton, jp_fetc
         await jp_fetch("v2", "models", "words", "generate_stream", method="POST", body=body,
                        headers={"Authorization": "Bearer wrong"})
     assert err.value.code == 403
+
+
+def test_generate_stream_to_an_http10_client(server):
+    """No chunked encoding for HTTP/1.0: the events, then the connection ends."""
+    body = json.dumps({"text_input": "old client"}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=TIMEOUT_S)
+    sock.sendall(b"POST /v2/models/words/generate_stream HTTP/1.0\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    received = b""
+    while chunk := sock.recv(4096):
+        received += chunk
+    sock.close()
+    head, _, events = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
+    assert b"chunked" not in head.lower()
+    assert [e["text_output"] for e in _events(events)] == ["old", "client"]

@@ -276,19 +276,24 @@ class _Connection(asyncio.Protocol):
         its request."""
         stream = reply.stream
         complete = False
+        # An HTTP/1.0 client knows no chunked encoding: its body ends with the connection.
+        # (Asked of the parser now, not per request: a pipelining 1.0 client does not exist.)
+        http10 = self.parser.get_http_version() == "1.0"
         try:
             transport = self.transport
             if transport is not None and not transport.is_closing():
-                transport.write(self._head(reply, chunked=True))
+                transport.write(self._head(reply, close=http10, chunked=not http10))
                 async for chunk in stream:
                     if transport.is_closing():
                         break
                     if chunk:
-                        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                        transport.write(chunk if http10 else
+                                        b"%x\r\n%b\r\n" % (len(chunk), chunk))
                     if self.writable is not None:   # a slow reader holds the model back
                         await self.writable
                 else:
-                    transport.write(b"0\r\n\r\n")
+                    if not http10:
+                        transport.write(b"0\r\n\r\n")
                     complete = True
         except asyncio.CancelledError:
             self.task = None
@@ -302,15 +307,15 @@ class _Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        self._sent(m, reply, self.closing and len(self.queue) == 1 or reply.close)
+        self._sent(m, reply, http10 or self.closing and len(self.queue) == 1 or reply.close)
 
     def _head(self, reply: Reply, close: bool = False, chunked: bool = False,
               body: bytes = b"") -> bytes:
         status = reply.status
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
                 b"Date: ", _Date.now(),
-                b"\r\nTransfer-Encoding: chunked\r\n" if chunked
-                else b"\r\nContent-Length: %d\r\n" % len(reply.body)]
+                b"\r\nContent-Length: %d\r\n" % len(reply.body) if reply.stream is None
+                else b"\r\nTransfer-Encoding: chunked\r\n" if chunked else b"\r\n"]
         for item in reply.headers.items():
             line = _HEADER_LINES.get(item)
             if line is None:
