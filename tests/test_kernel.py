@@ -385,6 +385,16 @@ def test_the_magic_in_a_plain_ipython_shell_serves_from_a_guarded_server(monkeyp
         with pytest.raises(InferenceServerException) as err:
             call(handle.url, {"x": x}, "y")
         assert err.value.status() == "401"
+        # its gRPC port (the streams') takes the same credential, as metadata
+        import tritonclient.grpc as grpcclient
+        grpc = grpcclient.InferenceServerClient(conn.grpc_url)
+        tensor = grpcclient.InferInput("x", [2, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
+            grpc.infer("plain", [tensor])
+        np.testing.assert_allclose(grpc.infer("plain", [tensor], headers=conn.grpc_headers).as_numpy("y"),
+                                   x @ onnx_w(2.0), rtol=1e-5)
+        grpc.close()
         shown = repr(handle)
         assert '"Authorization: token $JUPYTER_TRITON_TOKEN"' in shown and conn.token not in shown
         assert conn.token not in repr(conn)

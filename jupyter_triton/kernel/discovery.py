@@ -48,6 +48,7 @@ class Connection:
     metrics_url: str = ""         # Prometheus text reachable with ``headers``; "" when none is
     repository: str = ""          # the model repository on disk, when known
     server: Any = field(default=None, repr=False, compare=False)   # the in-kernel server
+    grpc_url: str = ""            # "host:port" of a gRPC port taking the same ``headers``; "" when none
 
     def __post_init__(self) -> None:
         if not self.url.endswith("/"):
@@ -56,6 +57,11 @@ class Connection:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"token {self.token}"} if self.token else {}
+
+    @property
+    def grpc_headers(self) -> dict[str, str]:
+        """``headers`` as gRPC metadata (its keys are lower case)."""
+        return {k.lower(): v for k, v in self.headers.items()}
 
     def model_url(self, name: str) -> str:
         return f"{self.url}v2/models/{name}"
@@ -162,14 +168,16 @@ def start_in_kernel(repository: str | Path | None = None) -> Connection:
         atexit.register(shutil.rmtree, repo, ignore_errors=True)   # it dies with the kernel
     from ..frontends.auth import GROUPS, AccessPolicy
     token = secrets.token_urlsafe(32)
+    access = AccessPolicy(tokens={token: GROUPS})
     server = standalone.start_in_thread(
         standalone.EngineOptions(model_repository=repo, model_control_mode="explicit",
                                  load_models=[]),
-        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None, access_log=False,
-        access=AccessPolicy(tokens={token: GROUPS}), check_host=True, strict_content_type=True)
+        host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0, access_log=False,
+        access=access, grpc_access=access, check_host=True, strict_content_type=True)
     conn = Connection(server.url, token, IN_KERNEL,
                       metrics_url=f"http://127.0.0.1:{server.metrics_port}/metrics",
-                      repository=str(repo), server=server)
+                      repository=str(repo), server=server,
+                      grpc_url=f"127.0.0.1:{server.grpc_port}" if server.grpc_port else "")
     os.environ[ENV_URL], os.environ[ENV_TOKEN] = conn.url, token
     _IN_KERNEL[conn.url] = conn
     return conn

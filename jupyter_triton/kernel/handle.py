@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from ..protocol.errors import InvalidArgument, TritonError
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
@@ -133,13 +133,77 @@ class ServedModel:
                 body[key] = value.tolist()
         return body, text
 
-    def stream(self, *args: Any, **named: Any) -> Iterator[Any]:
-        """Every response of one request, as the model sends them (generate_stream): a text
-        model (``text_input`` -> ``text_output``) yields strings, others a dict of outputs.
-        Keywords that are no input of the model go as request parameters (``max_tokens``)."""
+    def stream(self, *args: Any, via: str = "http", **named: Any) -> Iterator[Any]:
+        """Every response of one request, as the model sends them: a text model
+        (``text_input`` -> ``text_output``) yields strings, others a dict of outputs.
+        Keywords that are no input of the model go as request parameters (``max_tokens``).
+        ``via="http"``: generate_stream; ``via="grpc"``: tritonclient's gRPC stream (the
+        connection's gRPC port)."""
+        if via == "grpc":
+            yield from self._grpc_stream(args, named)
+            return
+        if via != "http":
+            raise InvalidArgument(f"via must be 'http' or 'grpc', not {via!r}")
         body, text = self._generate_body(args, named)
         for event in self._client.generate_stream(self.name, body):
             yield event.get(TEXT_OUTPUT, "") if text else _event_outputs(event)
+
+    def _grpc_stream(self, args: tuple, named: dict) -> Iterator[Any]:
+        import queue
+
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+        if not self.connection.grpc_url:
+            raise Unavailable(f"model '{self.name}': the server at {self.connection.url} has no "
+                              f"gRPC port this kernel knows of; use via='http'")
+        meta = self.metadata()
+        text = self._text_model(meta)
+        specs = meta.get("inputs", [])
+        values = {s["name"]: a for s, a in zip(specs, args)}
+        parameters = {k: v for k, v in named.items() if k not in {s["name"] for s in specs}}
+        values.update({k: v for k, v in named.items() if k not in parameters})
+        tensors = []
+        for spec in specs:
+            if spec["name"] not in values:
+                raise InvalidArgument(f"model '{self.name}': missing input {spec['name']}")
+            value = values[spec["name"]]
+            if text and isinstance(value, str):
+                value = np.array([value.encode("utf-8")], dtype=np.object_)
+            value = _to_numpy(value, spec["datatype"])
+            tensor = grpcclient.InferInput(spec["name"], list(value.shape), spec["datatype"])
+            tensor.set_data_from_numpy(value)
+            tensors.append(tensor)
+        client = grpcclient.InferenceServerClient(self.connection.grpc_url)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers=self.connection.grpc_headers)
+        try:
+            client.async_stream_infer(self.name, tensors, parameters=parameters or None,
+                                      enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error = results.get(timeout=self._client.timeout)
+                except queue.Empty:
+                    raise Unavailable(f"model '{self.name}': no response within "
+                                      f"{self._client.timeout:.0f} s") from None
+                if error is not None:
+                    message = error.message() if isinstance(error, InferenceServerException) else str(error)
+                    raise TritonError(f"stream of '{self.name}': {message}")
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param \
+                    if "triton_final_response" in response.parameters else False
+                if response.outputs:
+                    outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
+                    if text:
+                        value = outputs[TEXT_OUTPUT].reshape(-1)[0]
+                        yield value.decode("utf-8") if isinstance(value, bytes) else str(value)
+                    else:
+                        yield outputs
+                if final:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
 
     def generate(self, *args: Any, **named: Any) -> Any:
         """One response through the generate extension (a string for a text model)."""
