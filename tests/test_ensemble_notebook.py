@@ -87,10 +87,11 @@ async def test_two_step_ensemble_from_a_kernel_by_magic_and_api(server_kernel):
     assert "pipe version 2 READY" in second.text and "pipe version 3 READY" in third.text
     assert answered[0] > 5
 
-    # the second step raises: the client hears which ensemble and what the model said
+    # the second step raises: the client hears which step of which ensemble, and why
     with pytest.raises(InferenceServerException) as err:
         await in_thread(call, url, {"X": -x - 1}, "Y", AUTH)
-    assert "pipe" in str(err.value) and "checker refuses negative values" in str(err.value)
+    assert "ensemble 'pipe' step 2 ('checker' v1) failed: " in str(err.value)
+    assert "checker refuses negative values" in str(err.value)
 
     # steps that do not fit are refused before anything is uploaded, naming the step
     bad = await in_thread(kernel.run, "%%ensemble broken\ndouble: x=X -> OUTPUT__0=mid\n"
