@@ -57,6 +57,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ...protocol.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                 TritonError, Unavailable, Unsupported)
 from ... import model_metrics
+from ...model_logs import LOGS
 from ...protocol.datatypes import numpy_to_triton
 from ...protocol.types import InferRequest, InferTensor, RequestedOutput
 from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, ResponseSender, Tensors
@@ -260,6 +261,11 @@ class _ThreadBls:
 
     def metric_send(self, op: str, args: tuple) -> None:
         self.metric_call(op, args, f"Failed to {op} metric value")
+
+    def model_log(self, level: str, message: str) -> None:
+        backend = self.backend
+        LOGS.record(backend.files.model_name, str(backend.files.version), level, message, "logger",
+                    backend.instance.name)
 
     def bls_exec(self, request: "pb_utils.InferenceRequest", decoupled: bool) -> Any:
         results = self.backend._bls_results(bls_spec(request), decoupled)
@@ -521,6 +527,9 @@ class PythonBackend(Backend):
             stream = self._bls_streams.pop((id(worker), msg[1]), None)
             if stream is not None:
                 stream.close()
+        elif kind == "l":
+            LOGS.record(self.files.model_name, str(self.files.version), msg[1], msg[2], "logger",
+                        self.instance.name)
         elif kind == "m":
             _, call_id, op, args = msg
             try:

@@ -463,7 +463,8 @@ class ModelConfig:
 
 
 class Logger:
-    """``pb_utils.Logger.log_info(msg)`` and friends, into Python logging."""
+    """``pb_utils.Logger.log_info(msg)`` and friends: into the server's log and the model's
+    own log lines (``jupyter_triton.model_logs``); plain Python logging outside a server."""
 
     class LogLevel:
         INFO = logging.INFO
@@ -472,26 +473,35 @@ class Logger:
         VERBOSE = logging.DEBUG
 
     _log = logging.getLogger("jupyter_triton.python_backend.model")
+    _NAMES = {logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+              logging.DEBUG: "VERBOSE"}
 
     @classmethod
     def log(cls, message: str, level: int = logging.INFO) -> None:
+        host = _BLS_HOST.get() or _default_bls_host
+        if host is not None:
+            try:
+                host.model_log(cls._NAMES.get(level, "INFO"), str(message))
+                return
+            except Exception:   # a server gone away: the line still goes somewhere
+                pass
         cls._log.log(level, "%s", message)
 
     @classmethod
     def log_info(cls, message: str) -> None:
-        cls._log.info("%s", message)
+        cls.log(message, logging.INFO)
 
     @classmethod
     def log_warn(cls, message: str) -> None:
-        cls._log.warning("%s", message)
+        cls.log(message, logging.WARNING)
 
     @classmethod
     def log_error(cls, message: str) -> None:
-        cls._log.error("%s", message)
+        cls.log(message, logging.ERROR)
 
     @classmethod
     def log_verbose(cls, message: str) -> None:
-        cls._log.debug("%s", message)
+        cls.log(message, logging.DEBUG)
 
 
 LogLevel = Logger.LogLevel

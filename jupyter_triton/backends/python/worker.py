@@ -48,6 +48,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import re
 import select
 import signal
 import socket
@@ -59,6 +60,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from ...model_logs import LOGS
 from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
 from . import triton_python_backend_utils as pb_utils
 from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
@@ -160,9 +162,17 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def worker_main(conn: Connection, job: str, model_py: str, payload: Any, parent_pid: int = 0) -> None:
+def worker_main(conn: Connection, job: str, model_py: str, payload: Any,
+                log_pipes: tuple[Connection, Connection] | None = None, parent_pid: int = 0) -> None:
     """Entry point of the child. ``job`` is "serve" (payload: Triton's args) or
-    "auto_complete" (payload: (module name, config JSON))."""
+    "auto_complete" (payload: (module name, config JSON)). ``log_pipes``: where fds 1 and 2
+    go (the server reads them: the model's prints become its log lines)."""
+    if log_pipes is not None:
+        for fd, pipe in zip((1, 2), log_pipes):
+            os.dup2(pipe.fileno(), fd)
+            pipe.close()
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(line_buffering=True)   # a pipe is block-buffered otherwise
     if parent_pid:
         _die_with_parent(parent_pid)
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides.
@@ -335,6 +345,9 @@ class _WorkerHost:
     def metric_send(self, op: str, args: tuple) -> None:
         self.demux.send(("m", 0, op, args))   # id 0: no answer wanted
 
+    def model_log(self, level: str, message: str) -> None:
+        self.demux.send(("l", level, message))
+
     def bls_exec(self, request: Any, decoupled: bool) -> Any:
         call_id = self.demux.new_id()
         self.demux.send(("b", call_id, decoupled, bls_spec(request)))
@@ -466,7 +479,7 @@ def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
 
 # Worker -> server messages that are not answers to the server's own request: metrics,
 # BLS calls (the reader, or the thread that waits for a batch, hands them on).
-_SIDE = frozenset({"b", "bx", "m"})
+_SIDE = frozenset({"b", "bx", "m", "l"})
 _ALIVE = object()
 _DIED = ("died",)
 
@@ -549,6 +562,7 @@ class WorkerProcess:
         self._exitcode: Any = _ALIVE
         self._sinks: dict[int, Any] = {}
         self._keys = itertools.count(1)
+        self._logs: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -557,8 +571,18 @@ class WorkerProcess:
     def start(self) -> "WorkerProcess":
         """Spawn the process; ``wait_ready`` waits for ``initialize`` to finish."""
         sweep_once()
-        self._conn, self._process = _start_process(
-            worker_main, f"triton-python-{self.label}", ("serve", self.model_py, self.args))
+        out_r, out_w = _CONTEXT.Pipe(duplex=False)
+        err_r, err_w = _CONTEXT.Pipe(duplex=False)
+        try:
+            self._conn, self._process = _start_process(
+                worker_main, f"triton-python-{self.label}",
+                ("serve", self.model_py, self.args, (out_w, err_w)))
+        finally:
+            out_w.close()
+            err_w.close()
+        self._logs = threading.Thread(target=_read_output, args=(self, out_r, err_r), daemon=True,
+                                      name=f"triton-python-output-{self.label}")
+        self._logs.start()
         self._chan = Channel(self._conn.fileno())
         self._poll = select.poll()
         self._poll.register(self._chan.fd, select.POLLIN)
@@ -850,6 +874,11 @@ class WorkerProcess:
             self._reader.join(10)
             self._reader = None
             self.hang_up()
+        if self._logs is not None:
+            # its last lines (finalize's prints) reach the log before unload returns; a child
+            # process of the model that keeps the pipe open is not waited for long
+            self._logs.join(2)
+            self._logs = None
         self._process = None
         for attr in ("_in", "_out"):
             region = getattr(self, attr)
@@ -859,11 +888,63 @@ class WorkerProcess:
         _LIVE.discard(self)
 
 
+_WORKER_LOG_LINE = re.compile(r"^\S+ \S+ \[python backend worker \d+\] (INFO|WARNING|ERROR|DEBUG|CRITICAL) ")
+_LOG_LEVEL_NAMES = {"DEBUG": "VERBOSE", "CRITICAL": "ERROR"}
+
+
+def _read_output(worker: WorkerProcess, out_r: Connection, err_r: Connection) -> None:
+    """A worker's stdout and stderr, line by line: to the server's own streams as before, and
+    into the model's log lines."""
+    model, version = worker.args.get("model_name", ""), worker.args.get("model_version", "")
+    streams = {out_r.fileno(): ("stdout", out_r, bytearray()), err_r.fileno(): ("stderr", err_r, bytearray())}
+    poll = select.poll()
+    for fd in streams:
+        poll.register(fd, select.POLLIN)
+    try:
+        while streams:
+            for fd, _ in poll.poll():
+                source, pipe, pending = streams[fd]
+                try:
+                    chunk = os.read(fd, _READ_CHUNK)
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    pending += chunk
+                    if b"\n" not in chunk:
+                        continue
+                    done, _, rest = bytes(pending).rpartition(b"\n")
+                    pending[:] = rest
+                    _emit(worker, model, version, source, done.decode("utf-8", "replace") + "\n")
+                    continue
+                if pending:
+                    _emit(worker, model, version, source, pending.decode("utf-8", "replace") + "\n")
+                poll.unregister(fd)
+                pipe.close()
+                del streams[fd]
+    except Exception:
+        log.exception("python worker %s: reading its output failed", worker.label)
+
+
+def _emit(worker: WorkerProcess, model: str, version: str, source: str, text: str) -> None:
+    stream = sys.stdout if source == "stdout" else sys.stderr
+    if stream is not None:
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    for line in text.splitlines():
+        match = _WORKER_LOG_LINE.match(line) if source == "stderr" else None
+        level = (_LOG_LEVEL_NAMES.get(match.group(1), match.group(1)) if match
+                 else "INFO" if source == "stdout" else "WARNING")
+        LOGS.record(model, version, level, line, source, worker.label, to_server_log=False)
+
+
 def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeout: float | None = None) -> dict:
     """Run ``auto_complete_config`` in a short-lived worker, so model.py's imports and
     side effects stay out of the server process."""
     conn, process = _start_process(worker_main, "triton-python-autocomplete",
-                                   ("auto_complete", model_py, (module, config_json)))
+                                   ("auto_complete", model_py, (module, config_json), None))
     chan = Channel(conn.fileno())
     try:
         if not conn.poll(timeout):
