@@ -146,6 +146,31 @@ def _card(model: str, version: str | None = None, state: str | None = None) -> s
     return sel
 
 
+# The dashboard card (widgets/dashboard.js's markup) of a model in its main-area view, or null.
+JS_VIEW = """(model) => {
+  const v = document.querySelector('.jp-TritonModelView[data-model="' + model + '"]');
+  const card = v && v.querySelector('.jt-card[data-model="' + model + '"]');
+  if (!card) return null;
+  const value = (cls) => card.querySelector('.' + cls + ' .jt-value').textContent;
+  return {title: card.querySelector('.jt-card-title').textContent,
+          status: v.querySelector('.jt-status').textContent,
+          inferences: parseInt(value('jt-inferences').replace(/,/g, ''), 10),
+          perS: parseFloat(value('jt-throughput').replace(/,/g, '')),
+          batches: [...card.querySelectorAll('.jt-hist text.jt-axis')].map(t => t.textContent)};
+}"""
+
+
+def _infer_demo(lab, times: int) -> None:
+    """``times`` requests of batch 3 to the demo model, with the Jupyter token."""
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [3, 16], "datatype": "FP32",
+                                   "data": [0.5] * 48}]}).encode()
+    for _ in range(times):
+        req = urllib.request.Request(f"{lab.url}v2/models/demo/infer", data=body, method="POST",
+                                     headers={"Authorization": f"token {lab.token}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+
+
 def _served(lab, model: str) -> dict[str, str]:
     """version -> state, as the server's repository index says (not the panel)."""
     req = urllib.request.Request(f"{lab.url}v2/repository/index", data=b"{}", method="POST",
@@ -223,24 +248,37 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                 page.locator(_card("demo", "1", "READY")).wait_for(timeout=30_000)
                 assert _served(lab, "demo") == {"1": "READY"}
 
-                # the model's view in the main area counts what a client sends
+                # the model's dashboard in the main area: the notebook dashboard widget's own
+                # renderer (widgets/dashboard.js), fed through ServerConnection, follows a client
                 page.locator(f'{_card("demo", "1")} button[data-action="dashboard"]').click()
                 view = page.locator('.jp-TritonModelView[data-model="demo"]')
-                view.locator('.jp-TritonPanel-model[data-version="1"] .jp-TritonPanel-inferences').wait_for()
-                body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [3, 16], "datatype": "FP32",
-                                               "data": [0.5] * 48}]}).encode()
-                for _ in range(2):
-                    req = urllib.request.Request(f"{lab.url}v2/models/demo/infer", data=body, method="POST",
-                                                 headers={"Authorization": f"token {lab.token}"})
-                    with urllib.request.urlopen(req, timeout=30) as resp:
-                        assert resp.status == 200
+                view.locator('.jt-dash[data-source="browser"]').wait_for(timeout=30_000)
+                _infer_demo(lab, 2)
                 page.wait_for_function(
-                    "() => { const e = document.querySelector('.jp-TritonModelView[data-model=\"demo\"] "
-                    ".jp-TritonPanel-inferences'); return e && parseInt(e.textContent, 10) >= 6; }",
-                    timeout=15_000)
+                    f"() => {{ const v = ({JS_VIEW})('demo'); return v && v.inferences >= 6 && v.perS > 0 "
+                    f"&& v.batches.includes('3'); }}", timeout=15_000)
+                seen = page.evaluate(f"({JS_VIEW})('demo')")
+                assert seen["title"] == "demo v1" and seen["status"].startswith("demo · live from the browser"), seen
                 assert view.locator(".jp-TritonPanel-memory").first.text_content().startswith("CPU ")
-                assert view.locator('table.jp-TritonPanel-batches tr[data-batch="3"]').count() == 1
-                page.screenshot(path=str(shots / "labextension-model-view.png"))
+                # the sidebar's rate comes from the same figures() as the dashboard's
+                page.wait_for_function(
+                    f"() => {{ const e = document.querySelector('{_card('demo', '1')} .jp-TritonPanel-rate'); "
+                    "return e && parseFloat(e.textContent) > 0; }", timeout=15_000)
+                page.screenshot(path=str(shots / "labextension-model-dashboard.png"))
+
+                # with the view open: unloaded, its dashboard empties; loaded again, it counts again
+                page.locator(f'{_card("demo", "1")} button[data-action="unload"]').click()
+                view.locator('.jp-TritonPanel-model[data-version="1"][data-state="UNAVAILABLE"]'
+                             ).wait_for(timeout=30_000)
+                page.wait_for_function(f"() => ({JS_VIEW})('demo') === null", timeout=15_000)
+                page.screenshot(path=str(shots / "labextension-model-dashboard-unloaded.png"))
+                page.locator(f'{_card("demo", "1")} button[data-action="load"]').click()
+                view.locator('.jp-TritonPanel-model[data-version="1"][data-state="READY"]').wait_for(timeout=30_000)
+                view.locator('.jt-card[data-model="demo"]').wait_for(timeout=15_000)
+                _infer_demo(lab, 1)
+                page.wait_for_function(f"() => {{ const v = ({JS_VIEW})('demo'); return v && v.perS > 0; }}",
+                                       timeout=15_000)
+                assert _served(lab, "demo") == {"1": "READY"}
 
                 # the snippet runs as it is, with the user's token in the environment
                 snippet = page.locator(f'{_card("demo", "1")} button[data-action="snippet"]'

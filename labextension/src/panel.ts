@@ -9,6 +9,7 @@ import { Clipboard } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
+import { figures } from 'jupyter-triton-dashboard';
 
 import {
   IIndexEntry,
@@ -67,6 +68,11 @@ export class TritonPanel extends Widget {
         this._request<IIndexEntry[]>('v2/repository/index', { method: 'POST', body: '{}' }),
         this._request<{ model_stats: IModelStats[] }>('v2/models/stats', { method: 'GET' })
       ]);
+      // rates between two readings, computed as the notebook dashboard computes them
+      const snapshot = { t: Date.now() / 1000, model_stats: stats.model_stats || [] };
+      this._rates = new Map(this._snapshot
+        ? figures(this._snapshot, snapshot).map(f => [f.key, f.infPerS]) : []);
+      this._snapshot = snapshot;
       // an open versions menu would close under the user's pointer: redraw on the next tick
       const active = document.activeElement;
       if (!(active instanceof HTMLSelectElement && this.node.contains(active))) {
@@ -203,7 +209,7 @@ export class TritonPanel extends Widget {
       field(li, 'reason', entry.reason);
     }
     if (stats) {
-      li.appendChild(renderFigures(stats));
+      li.appendChild(renderFigures(stats, this._rates.get(key) ?? null));
     }
     li.appendChild(this._actions(name, version, state, key, versions));
     const config = this._configs.get(key);
@@ -261,7 +267,7 @@ export class TritonPanel extends Widget {
     const config = this._button(this._configs.has(key) ? 'Hide config' : 'Config', 'config',
       "The model's config (GET v2/models/<name>/config)",
       () => this._act(`config of ${name}`, () => this._toggleConfig(key, name, version)));
-    config.disabled = !ready;
+    config.disabled = !ready && !this._configs.has(key);     // a shown config can always be hidden
     bar.append(load, unload, menu, config);
     if (this._options.openDashboard) {
       const open = this._options.openDashboard;
@@ -289,4 +295,6 @@ export class TritonPanel extends Widget {
   private _ticks = 0;
   private _busy = false;
   private _configs = new Map<string, string>();
+  private _snapshot: { t: number; model_stats: IModelStats[] } | null = null;
+  private _rates = new Map<string, number>();
 }

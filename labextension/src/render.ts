@@ -111,7 +111,7 @@ export function field(parent: HTMLElement, cls: string, text: string): HTMLEleme
 }
 
 /** The figures of one version's statistics, as classed tiles (tests read them by class). */
-export function renderFigures(stats: IModelStats): HTMLElement {
+export function renderFigures(stats: IModelStats, perSecond: number | null = null): HTMLElement {
   const s = stats.inference_stats;
   const computeNs = s.compute_input.ns + s.compute_infer.ns + s.compute_output.ns;
   const figures = document.createElement('div');
@@ -124,6 +124,8 @@ export function renderFigures(stats: IModelStats): HTMLElement {
     figures.appendChild(tile);
   };
   figure('inferences', 'inferences', String(stats.inference_count), 'inference count');
+  figure('inf/s', 'rate', perSecond === null ? '–' : perSecond.toFixed(1),
+         'inferences per second since the previous reading (the notebook dashboard\'s figures())');
   figure('executions', 'executions', String(stats.execution_count), 'execution count (batches run)');
   figure('queue', 'queue', perRequestMs(s.queue.ns, s.queue.count), 'average queue time per request');
   figure(

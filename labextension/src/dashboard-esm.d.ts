@@ -1,0 +1,43 @@
+/**
+ * Types of the notebook dashboard widget's ESM (jupyter_triton/widgets/dashboard.js), aliased
+ * to this name in webpack.config.js.
+ */
+declare module 'jupyter-triton-dashboard' {
+  /** The part of an anywidget model the renderer uses. */
+  export interface IWidgetModel {
+    get(name: string): any;
+    set(name: string, value: unknown): void;
+    save_changes(): void;
+    on(event: string, callback: () => void): void;
+    off(event: string, callback: () => void): void;
+  }
+
+  export interface IRenderProps {
+    model: IWidgetModel;
+    el: HTMLElement;
+    /** Fetch a path under the server's base URL (here: through ServerConnection). */
+    request?: (path: string) => Promise<Response>;
+  }
+
+  /** Rates between two statistics snapshots ({t: seconds, model_stats}), as figures.py. */
+  export interface IFigures {
+    key: string;
+    name: string;
+    version: string;
+    infPerS: number;
+    reqPerS: number;
+    queueUs: number | null;
+    computeUs: number | null;
+    failures: number;
+    inferences: number;
+    executions: number;
+  }
+
+  export function figures(
+    prev: { t: number; model_stats: unknown[] } | null,
+    cur: { t: number; model_stats: unknown[] }
+  ): IFigures[];
+
+  const dashboard: { render(props: IRenderProps): () => void };
+  export default dashboard;
+}
