@@ -190,3 +190,88 @@ def test_browser_figures_match_the_kernel_figures(tmp_path):
     assert js["computeUs"] == pytest.approx(py.compute_us)
     assert js["failures"] == py.failures == 2 and js["pending"] == py.pending == 3
     assert {b: n for b, n in js["batches"]} == py.batch_sizes == {2: 2, 4: 4}
+
+
+# ---- decoupled models: responses per request, time to the first response ------------------
+
+def with_responses(row: dict, responses: dict[int, tuple[int, int]], empty: int = 0) -> dict:
+    """``response_stats`` as Triton writes them: per index, (success count, ns)."""
+    row["response_stats"] = {
+        str(i): {"success": {"count": c, "ns": ns}, "fail": {"count": 0, "ns": 0},
+                 "empty_response": {"count": empty if i == max(responses) else 0, "ns": 0},
+                 "cancel": {"count": 0, "ns": 0},
+                 "compute_infer": {"count": c, "ns": ns}, "compute_output": {"count": c, "ns": 0}}
+        for i, (c, ns) in responses.items()}
+    return row
+
+
+def decoupled_snapshots() -> tuple[Snapshot, Snapshot]:
+    before = Snapshot(t=1.0, model_stats=[with_responses(
+        stats_row(inferences=2, success=(2, 0), queue=(2, 2000)), {0: (2, 10_000), 1: (2, 0), 2: (2, 0)})])
+    after = Snapshot(t=3.0, model_stats=[with_responses(
+        stats_row(inferences=6, success=(6, 0), queue=(6, 10_000)), {0: (6, 50_000), 1: (6, 0), 2: (6, 0)},
+        empty=6), stats_row(name="plain", inferences=1, success=(1, 0))])
+    return before, after
+
+
+def test_a_decoupled_model_shows_responses_per_request_and_time_to_first_response():
+    (f, plain) = figures(*decoupled_snapshots())
+    assert f.decoupled and not plain.decoupled
+    assert f.responses_per_request == pytest.approx(3.0)        # 12 responses, 4 requests
+    assert f.first_response_us == pytest.approx(2.0 + 10.0)      # queue 8000/4 ns + 40000/4 ns
+    assert plain.responses_per_request is None and plain.first_response_us is None
+    from jupyter_triton.widgets.figures import html_table, text_table
+    assert "resp/req" in text_table([f, plain]) and "responses/req" in html_table([f, plain])
+    assert "resp/req" not in text_table([plain])                 # only where a model streams
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed (needed to run dashboard.js here)")
+def test_browser_figures_of_a_decoupled_model_match(tmp_path):
+    import jupyter_triton.widgets as widgets
+    before, after = decoupled_snapshots()
+    script = tmp_path / "run.mjs"
+    script.write_text(
+        f"import {{ figures }} from {json.dumps((Path(widgets.__file__).parent / 'dashboard.js').as_uri())};\n"
+        f"console.log(JSON.stringify(figures({json.dumps(before.to_json())}, {json.dumps(after.to_json())})));\n")
+    done = subprocess.run(["node", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    js, js_plain = json.loads(done.stdout)
+    py, _ = figures(before, after)
+    assert js["decoupled"] and not js_plain["decoupled"]
+    assert js["responsesPerRequest"] == pytest.approx(py.responses_per_request)
+    assert js["firstResponseUs"] == pytest.approx(py.first_response_us)
+    assert js_plain["responsesPerRequest"] is None
+
+
+def test_the_dashboard_reads_a_served_generators_response_stats(tmp_path):
+    import tritonclient.http as httpclient
+
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.kernel.artifacts import build_artifact
+    from jupyter_triton.standalone import start_in_thread
+
+    def words(prompt: str):
+        for word in prompt.split():
+            yield word
+
+    (tmp_path / "models").mkdir()
+    server = start_in_thread(EngineOptions(model_repository=tmp_path / "models", model_control_mode="explicit"),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
+    try:
+        art = build_artifact(words, "words")
+        httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}").load_model(
+            "words", config=art.config_json(), files={f"file:{k}": v for k, v in art.files.items()})
+        dash = Dashboard(FakeConnection(url=server.url + "/"), model="words", poll_kernel=False)
+        for prompt in ("a b c", "d e f g h"):
+            req = urllib.request.Request(f"{server.url}/v2/models/words/generate_stream", method="POST",
+                                         data=json.dumps({"text_input": prompt}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.read().count(b"data:") == len(prompt.split())
+        (f,) = dash.refresh()
+        assert f.decoupled and f.responses_per_request == pytest.approx(4.0)   # 8 responses, 2 requests
+        assert f.first_response_us is not None and f.first_response_us > 0
+        assert "resp/req" in dash._repr_mimebundle_()[0]["text/plain"]
+        dash.close()
+    finally:
+        server.close()

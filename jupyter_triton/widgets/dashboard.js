@@ -23,6 +23,19 @@ function histogram(m) {
   return h.sort((a, b) => a[0] - b[0]);
 }
 
+// (responses sent, first responses, their ns) from response_stats (decoupled models)
+function responses(m) {
+  let sent = 0, first = 0, firstNs = 0;
+  for (const [index, row] of Object.entries(m.response_stats || {})) {
+    for (const kind of ["success", "fail"]) {
+      const d = row[kind] || {};
+      sent += d.count || 0;
+      if (index === "0") { first += d.count || 0; firstNs += d.ns || 0; }
+    }
+  }
+  return [sent, first, firstNs];
+}
+
 export function figures(prev, cur) {
   const earlier = new Map(((prev && prev.model_stats) || []).map(m => [m.name + "/" + m.version, m]));
   const dt = prev ? cur.t - prev.t : 0;
@@ -33,6 +46,14 @@ export function figures(prev, cur) {
     const [dq, dqns] = d("queue");
     const dc = d("compute_infer")[0];
     const dcns = d("compute_input")[1] + d("compute_infer")[1] + d("compute_output")[1];
+    const decoupled = Object.keys(m.response_stats || {}).length > 0;
+    let perRequest = null, firstUs = null;
+    if (decoupled && ok) {
+      const [s1, f1, n1] = responses(m), [s0, f0, n0] = responses(p);
+      const dr = d("success")[0] + d("fail")[0];
+      if (dr > 0) perRequest = (s1 - s0) / dr;
+      if (f1 > f0) firstUs = (n1 - n0) / (f1 - f0) / 1e3 + (dq > 0 ? dqns / dq / 1e3 : 0);
+    }
     return {
       key, name: m.name, version: String(m.version),
       infPerS: ok ? ((m.inference_count || 0) - (p.inference_count || 0)) / dt : 0,
@@ -44,6 +65,7 @@ export function figures(prev, cur) {
       executions: m.execution_count || 0,
       batches: histogram(m),
       pending: cur.pending ? (cur.pending[key] ?? null) : null,
+      decoupled, responsesPerRequest: perRequest, firstResponseUs: firstUs,
     };
   });
 }
@@ -111,6 +133,10 @@ function card(f, hist) {
   stat("jt-pending", "pending", f.pending === null ? "–" : String(f.pending));
   stat("jt-failures", "failed", String(f.failures));
   stat("jt-inferences", "inferences", f.inferences.toLocaleString("en-US"));
+  if (f.decoupled) {
+    stat("jt-responses", "responses/req", fmt(f.responsesPerRequest));
+    stat("jt-first-response", "1st response µs", fmt(f.firstResponseUs));
+  }
   c.appendChild(stats);
   const plots = el("div", { class: "jt-plots" });
   const left = el("div"), right = el("div");
@@ -126,13 +152,16 @@ function card(f, hist) {
 function overview(rows) {
   const t = el("table", { class: "jt-overview" });
   const head = el("tr");
-  for (const h of ["model", "ver", "inf/s", "req/s", "queue µs", "compute µs", "pending", "failed", "inferences"])
+  const streams = rows.some(f => f.decoupled);
+  for (const h of ["model", "ver", "inf/s", "req/s", "queue µs", "compute µs", "pending", "failed", "inferences",
+                   ...(streams ? ["resp/req", "1st resp µs"] : [])])
     head.appendChild(el("th", {}, h));
   t.appendChild(head);
   for (const f of rows) {
     const r = el("tr", { "data-model": f.name });
     for (const v of [f.name, f.version, fmt(f.infPerS), fmt(f.reqPerS), fmt(f.queueUs), fmt(f.computeUs),
-                     f.pending === null ? "–" : String(f.pending), String(f.failures), f.inferences.toLocaleString("en-US")])
+                     f.pending === null ? "–" : String(f.pending), String(f.failures), f.inferences.toLocaleString("en-US"),
+                     ...(streams ? [fmt(f.responsesPerRequest), fmt(f.firstResponseUs)] : [])])
       r.appendChild(el("td", {}, v));
     t.appendChild(r);
   }

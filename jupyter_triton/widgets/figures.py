@@ -37,6 +37,10 @@ class ModelFigures:
     execution_count: int
     batch_sizes: dict[int, int] = field(default_factory=dict)   # batch size -> executions
     pending: int | None = None
+    # decoupled models (their statistics have response_stats), over the interval:
+    decoupled: bool = False
+    responses_per_request: float | None = None   # responses sent (success + fail) per request
+    first_response_us: float | None = None       # mean queue + time to response 0 per request
 
     @property
     def key(self) -> str:
@@ -58,6 +62,21 @@ def batch_histogram(stats: dict) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
+def response_counts(stats: dict) -> tuple[int, int, int]:
+    """(responses sent, first responses, their ns) from Triton's ``response_stats``: per
+    response index, ``success`` and ``fail`` count the responses that carried something
+    (``empty_response`` is the final flag alone, ``cancel`` a response nobody read)."""
+    sent = first = first_ns = 0
+    for index, row in (stats.get("response_stats") or {}).items():
+        for kind in ("success", "fail"):
+            d = row.get(kind, {})
+            sent += int(d.get("count", 0))
+            if str(index) == "0":
+                first += int(d.get("count", 0))
+                first_ns += int(d.get("ns", 0))
+    return sent, first, first_ns
+
+
 def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None = None) -> ModelFigures:
     """Figures of one model: rates and means over ``dt`` seconds since ``prev`` (the same
     model's earlier statistics; None, or counters that went down after a reload, give no
@@ -75,6 +94,15 @@ def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None =
     d_compute, _ = delta("compute_infer")
     d_compute_ns = sum(delta(p)[1] for p in COMPUTE_PHASES)
     d_inferences = int(cur.get("inference_count", 0)) - int(prev.get("inference_count", 0)) if usable else 0
+    decoupled = bool(cur.get("response_stats"))
+    per_request = first_us = None
+    if decoupled and usable:
+        (sent1, first1, ns1), (sent0, first0, ns0) = response_counts(cur), response_counts(prev)
+        d_requests = d_success + delta("fail")[0]
+        if d_requests > 0:
+            per_request = (sent1 - sent0) / d_requests
+        if first1 > first0:
+            first_us = (ns1 - ns0) / (first1 - first0) / 1e3 + (d_queue_ns / d_queue / 1e3 if d_queue > 0 else 0.0)
     return ModelFigures(
         name=str(cur.get("name", "")), version=str(cur.get("version", "")),
         inferences_per_s=d_inferences / dt if usable else 0.0,
@@ -84,7 +112,8 @@ def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None =
         failures=_count(cur, "fail")[0],
         inference_count=int(cur.get("inference_count", 0)),
         execution_count=int(cur.get("execution_count", 0)),
-        batch_sizes=batch_histogram(cur), pending=pending)
+        batch_sizes=batch_histogram(cur), pending=pending, decoupled=decoupled,
+        responses_per_request=per_request, first_response_us=first_us)
 
 
 def figures(prev: Snapshot | None, cur: Snapshot) -> list[ModelFigures]:
@@ -120,25 +149,32 @@ def _fmt(value: float | None, unit: str = "") -> str:
 
 def text_table(rows: list[ModelFigures]) -> str:
     """A plain-text overview (what front ends without widgets show)."""
+    streams = any(f.decoupled for f in rows)
     head = f"{'model':<24}{'ver':>4}{'inf/s':>9}{'req/s':>9}{'queue us':>10}{'compute us':>12}" \
-           f"{'pending':>9}{'failed':>8}  batch sizes"
+           f"{'pending':>9}{'failed':>8}" + (f"{'resp/req':>10}{'1st resp us':>13}" if streams else "") \
+           + "  batch sizes"
     lines = [head]
     for f in rows:
         hist = " ".join(f"{b}:{n}" for b, n in f.batch_sizes.items()) or "-"
         pending = "-" if f.pending is None else str(f.pending)
+        stream = f"{_fmt(f.responses_per_request):>10}{_fmt(f.first_response_us):>13}" if streams else ""
         lines.append(f"{f.name:<24}{f.version:>4}{_fmt(f.inferences_per_s):>9}{_fmt(f.requests_per_s):>9}"
-                     f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}  {hist}")
+                     f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}{stream}  {hist}")
     return "\n".join(lines)
 
 
 def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
     """The same overview as an HTML table (static: nbviewer, GitHub, nbval outputs)."""
-    cols = ("model", "version", "inf/s", "req/s", "queue µs", "compute µs", "pending", "failed", "batch sizes")
+    streams = any(f.decoupled for f in rows)
+    cols = ("model", "version", "inf/s", "req/s", "queue µs", "compute µs", "pending", "failed") \
+        + (("responses/req", "1st response µs") if streams else ()) + ("batch sizes",)
     body = []
     for f in rows:
         hist = " ".join(f"{b}×{n}" for b, n in f.batch_sizes.items()) or "–"
+        stream = (_fmt(f.responses_per_request), _fmt(f.first_response_us)) if streams else ()
         cells = (f.name, f.version, _fmt(f.inferences_per_s), _fmt(f.requests_per_s), _fmt(f.queue_us),
-                 _fmt(f.compute_us), "–" if f.pending is None else str(f.pending), str(f.failures), hist)
+                 _fmt(f.compute_us), "–" if f.pending is None else str(f.pending), str(f.failures),
+                 *stream, hist)
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return (f"<table class='jt-static'><caption>{html.escape(title)}</caption><thead><tr>"
             + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>" + "".join(body)
