@@ -11,7 +11,7 @@ import sys
 
 from .engine import CONTROL_MODES, EngineOptions
 from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
-from .protocol.errors import InvalidArgument
+from .protocol.errors import InvalidArgument, TritonError
 
 # An instance thread whose runtime has released the GIL waits up to the switch interval
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="at unload or reload, how long requests in flight may finish")
     serve.add_argument("--max-output-size", type=_non_negative(int), default=_DEFAULTS.max_output_size,
                        help="bytes of outputs one response may carry (past it: 503; 0: no bound)")
+    serve.add_argument("--cache-config", action="append", default=[],
+                       help="local,size=<bytes>: the response cache of models whose config says "
+                            "response_cache { enable: true } (as tritonserver)")
     serve.add_argument("--keep-versions", type=_non_negative(int), default=_DEFAULTS.keep_versions,
                        help="after an upload, keep the newest N versions on disk (0: delete nothing)")
     restricted = "<api>[,<api>...]:<key>=<value>: those API groups need that request header " \
@@ -172,7 +175,16 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         max_input_size=args.http_max_input_size, exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness, exit_timeout_secs=args.exit_timeout_secs,
         unload_timeout_secs=args.unload_timeout_secs, max_output_size=args.max_output_size,
-        keep_versions=args.keep_versions, trace_config=_trace_config(args))
+        keep_versions=args.keep_versions, trace_config=_trace_config(args),
+        response_cache_size=_cache_size(args.cache_config))
+
+
+def _cache_size(values: list[str]) -> int:
+    from .engine.cache import parse_cache_config
+    try:
+        return parse_cache_config(values)
+    except TritonError as err:
+        raise SystemExit(f"jupyter-triton: {err}") from None
 
 
 def _trace_config(args: argparse.Namespace) -> list[str]:

@@ -52,9 +52,14 @@ class Engine(ModelLifecycle):
         if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
             return await self.tracing.infer(self, request)
         if not uses_shared_memory(request):
-            return await self._version(request.model_name, request.model_version).infer(request)
+            mv = self._version(request.model_name, request.model_version)
+            if mv.response_cache is None:
+                return await mv.infer(request)
+            return await mv.response_cache.infer(mv, request)       # engine/cache.py
         await resolve_inputs(request, self.shared_memory)
-        response = await self._version(request.model_name, request.model_version).infer(request)
+        mv = self._version(request.model_name, request.model_version)
+        response = await (mv.infer(request) if mv.response_cache is None else
+                          mv.response_cache.infer(mv, request))
         await place_outputs(response, request, self.shared_memory)
         return response
 

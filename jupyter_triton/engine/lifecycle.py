@@ -22,6 +22,7 @@ from ..backends import ModelFiles, backend_class, backend_name
 from ..config import fill_defaults, validate_config
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
+from .cache import ResponseCache
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
 from .histograms import latency_histograms
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
@@ -70,6 +71,9 @@ class ModelLifecycle:
         self._wanted: set[str] = set()
         # Triton's rate limiter spans models: one per engine.
         self.rate_limiter = RateLimiter()
+        # Triton's response cache spans models too (--cache-config local,size=<bytes>)
+        self.response_cache = ResponseCache(options.response_cache_size) \
+            if options.response_cache_size > 0 else None
 
     # ---- the engine's own lifecycle ------------------------------------------------------
     async def start(self) -> None:
@@ -251,6 +255,9 @@ class ModelLifecycle:
                               max_output_size=self.options.max_output_size,
                               server_calls=getattr(self, "server_calls", None))
             mv.stamp = stamp[v]
+            if (self.response_cache is not None and mv.config.response_cache.enable
+                    and not mv.decoupled):
+                mv.response_cache = self.response_cache.for_model(mv.stats)
             mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
                                                      self.options.histogram_buckets_ms)
             entry.status[v] = VersionStatus("LOADING")

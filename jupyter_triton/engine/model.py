@@ -65,6 +65,9 @@ def instance_specs(config: mc.ModelConfig) -> list[tuple[InstanceSpec, mc.ModelI
 
 
 class ModelVersion:
+    # engine/cache.py's ModelCache when the config enables the server's response cache
+    response_cache = None
+
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,
                  ensemble: tuple[LookupConfig, InferFn] | None = None, *,

@@ -38,3 +38,6 @@ class EngineOptions:
     # Retention: after a successful upload keep the newest N versions on disk and delete
     # older ones that are not served. 0 (default): nothing is ever deleted.
     keep_versions: int = 0
+    # Triton's response cache, its --cache-config local,size=<bytes>: one LRU of that many
+    # bytes for every model whose config says response_cache { enable: true }. 0: no cache.
+    response_cache_size: int = 0

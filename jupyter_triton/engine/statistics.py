@@ -274,6 +274,23 @@ class ModelStatistics:
                                  StatDuration(st.fail.count, st.fail.ns)))
                     for i, st in sorted(self.steps.items())]
 
+    def record_cache_hit(self, ns: int) -> None:
+        """A request answered from the response cache after a ``ns`` lookup: Triton counts
+        it a success and in the queue (no time), not an inference nor an execution."""
+        ns = max(0, int(ns))
+        with self._lock:
+            self.cache_hit.add(1, ns)
+            self.success.add(1, ns)
+            self.queue.add(1, 0)
+            self._samples["request"].append(ns)
+            self.last_inference = max(self.last_inference, _now_ms())
+
+    def record_cache_miss(self, ns: int) -> None:
+        """A request the cache did not hold: ``ns`` of lookup and insertion (the model's run
+        is recorded as any other)."""
+        with self._lock:
+            self.cache_miss.add(1, max(0, int(ns)))
+
     def record_warmup(self, ns: int) -> None:
         """Warmup time; Triton does not report it in statistics, only as part of load time."""
         with self._lock:

@@ -22,6 +22,7 @@ from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.samples import Sample
 
 from ..engine.memory import metric_samples as memory_samples
+from ..engine.cache import metric_values as cache_metric_values
 from ..engine.histograms import FAMILIES as HISTOGRAM_FAMILIES
 from ..engine.statistics import FAILURE_REASONS, step_metric_values
 from ..model_metrics import custom_metric_families
@@ -117,6 +118,8 @@ class TritonMetricsCollector:
             yield _first_response_histogram(models)
             yield from _latency_histograms(models)
         for name, doc, kind, values in step_metric_values(stats):    # ensembles' steps
+            yield _family(name, doc, kind, values)
+        for name, doc, kind, values in cache_metric_values(getattr(self.engine, "response_cache", None), models):
             yield _family(name, doc, kind, values)
         yield _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge",
                       ((labels, s.load_seconds) for s, labels in stats))
