@@ -4,6 +4,7 @@ under load, and refused with a message naming the step when the steps do not fit
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -92,6 +93,12 @@ async def test_two_step_ensemble_from_a_kernel_by_magic_and_api(server_kernel):
         await in_thread(call, url, {"X": -x - 1}, "Y", AUTH)
     assert "ensemble 'pipe' step 2 ('checker' v1) failed: " in str(err.value)
     assert "checker refuses negative values" in str(err.value)
+    # the dashboard shows the ensemble with its steps, the failure on the second one
+    shown = await in_thread(kernel.ok, "from jupyter_triton.widgets.figures import text_table\n"
+                                       "d = jupyter_triton.dashboard('pipe')\nd.stop()\n"
+                                       "print(text_table([f for f in d.figures if f.version == '3']))")
+    assert re.search(r"step 1 double v1 .* \d+ runs, 0 failed", shown.stdout), shown.stdout
+    assert re.search(r"step 2 checker v1 .* 1 failed", shown.stdout), shown.stdout
 
     # steps that do not fit are refused before anything is uploaded, naming the step
     bad = await in_thread(kernel.run, "%%ensemble broken\ndouble: x=X -> OUTPUT__0=mid\n"

@@ -275,3 +275,33 @@ def test_the_dashboard_reads_a_served_generators_response_stats(tmp_path):
         dash.close()
     finally:
         server.close()
+
+
+def test_an_ensemble_shows_each_steps_time_and_failures(tmp_path):
+    def row(runs: tuple[int, int], ns: tuple[int, int], failed: int) -> dict:
+        r = stats_row(name="pipe", inferences=runs[0], success=(runs[0], 0))
+        r["ensemble_steps"] = [
+            {"step": 1, "model": "double", "version": "1", "success": {"count": runs[0], "ns": ns[0]},
+             "fail": {"count": 0, "ns": 0}},
+            {"step": 2, "model": "checker", "version": "3", "success": {"count": runs[1], "ns": ns[1]},
+             "fail": {"count": failed, "ns": 0}}]
+        return r
+    before = Snapshot(t=1.0, model_stats=[row((2, 2), (2000, 8000), 0)])
+    after = Snapshot(t=2.0, model_stats=[row((6, 5), (6000, 20000), 1)])
+    (f,) = figures(before, after)
+    assert [(s.label, s.mean_us, s.runs, s.failures) for s in f.steps] == [
+        ("step 1 double v1", pytest.approx(1.0), 6, 0), ("step 2 checker v3", pytest.approx(4.0), 5, 1)]
+    from jupyter_triton.widgets.figures import html_table, text_table
+    assert "step 2 checker v3" in text_table([f]) and "1 failed" in html_table([f])
+    if shutil.which("node") is None:
+        return
+    import jupyter_triton.widgets as widgets
+    script = tmp_path / "run.mjs"
+    script.write_text(
+        f"import {{ figures }} from {json.dumps((Path(widgets.__file__).parent / 'dashboard.js').as_uri())};\n"
+        f"console.log(JSON.stringify(figures({json.dumps(before.to_json())}, {json.dumps(after.to_json())})));\n")
+    done = subprocess.run(["node", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    (js,) = json.loads(done.stdout)
+    assert [(s["step"], s["meanUs"], s["runs"], s["failures"]) for s in js["steps"]] == [
+        (s.step, pytest.approx(s.mean_us), s.runs, s.failures) for s in f.steps]

@@ -36,6 +36,17 @@ function responses(m) {
   return [sent, first, firstNs];
 }
 
+function steps(p, m, ok) {
+  const earlier = new Map(((p && p.ensemble_steps) || []).map(s => [s.step, s]));
+  return (m.ensemble_steps || []).map(s => {
+    const okNow = s.success || {}, before = ((earlier.get(s.step) || {}).success) || {};
+    const dr = ok ? (okNow.count || 0) - (before.count || 0) : 0;
+    const dns = ok ? (okNow.ns || 0) - (before.ns || 0) : 0;
+    return { step: s.step, model: s.model, version: String(s.version), meanUs: dr > 0 ? dns / dr / 1e3 : null,
+             runs: okNow.count || 0, failures: ((s.fail || {}).count) || 0 };
+  });
+}
+
 export function figures(prev, cur) {
   const earlier = new Map(((prev && prev.model_stats) || []).map(m => [m.name + "/" + m.version, m]));
   const dt = prev ? cur.t - prev.t : 0;
@@ -66,6 +77,7 @@ export function figures(prev, cur) {
       batches: histogram(m),
       pending: cur.pending ? (cur.pending[key] ?? null) : null,
       decoupled, responsesPerRequest: perRequest, firstResponseUs: firstUs,
+      steps: steps(p, m, ok),
     };
   });
 }
@@ -138,6 +150,13 @@ function card(f, hist) {
     stat("jt-first-response", "1st response µs", fmt(f.firstResponseUs));
   }
   c.appendChild(stats);
+  if (f.steps.length) {
+    const list = el("ol", { class: "jt-steps" });
+    for (const s of f.steps)
+      list.appendChild(el("li", { "data-step": s.step },
+        `${s.model} v${s.version}: ${fmt(s.meanUs, " µs")}, ${s.runs} runs, ${s.failures} failed`));
+    c.appendChild(list);
+  }
   const plots = el("div", { class: "jt-plots" });
   const left = el("div"), right = el("div");
   left.appendChild(el("div", { class: "jt-label" }, "inferences/s (last minute)"));

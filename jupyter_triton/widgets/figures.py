@@ -25,6 +25,21 @@ class Snapshot:
 
 
 @dataclass
+class StepFigures:
+    """One step of an ensemble (its ``ensemble_steps`` statistics)."""
+    step: int
+    model: str
+    version: str
+    mean_us: float | None            # mean time of the step's runs over the interval
+    runs: int                        # cumulative successful runs
+    failures: int                    # cumulative failed runs
+
+    @property
+    def label(self) -> str:
+        return f"step {self.step} {self.model} v{self.version}"
+
+
+@dataclass
 class ModelFigures:
     name: str
     version: str
@@ -41,6 +56,7 @@ class ModelFigures:
     decoupled: bool = False
     responses_per_request: float | None = None   # responses sent (success + fail) per request
     first_response_us: float | None = None       # mean queue + time to response 0 per request
+    steps: list[StepFigures] = field(default_factory=list)   # an ensemble's steps
 
     @property
     def key(self) -> str:
@@ -75,6 +91,22 @@ def response_counts(stats: dict) -> tuple[int, int, int]:
                 first += int(d.get("count", 0))
                 first_ns += int(d.get("ns", 0))
     return sent, first, first_ns
+
+
+def step_figures(prev: dict | None, cur: dict, usable: bool) -> list[StepFigures]:
+    """An ensemble's steps: each one's mean time over the interval, its runs and failures."""
+    earlier = {int(s.get("step", 0)): s for s in ((prev or {}).get("ensemble_steps") or [])}
+    out = []
+    for s in cur.get("ensemble_steps") or []:
+        index = int(s.get("step", 0))
+        ok, p = s.get("success", {}), earlier.get(index, {}).get("success", {})
+        runs, ns = int(ok.get("count", 0)), int(ok.get("ns", 0))
+        d_runs = runs - int(p.get("count", 0)) if usable else 0
+        d_ns = ns - int(p.get("ns", 0)) if usable else 0
+        out.append(StepFigures(index, str(s.get("model", "")), str(s.get("version", "")),
+                               d_ns / d_runs / 1e3 if d_runs > 0 else None, runs,
+                               int(s.get("fail", {}).get("count", 0))))
+    return out
 
 
 def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None = None) -> ModelFigures:
@@ -113,7 +145,8 @@ def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None =
         inference_count=int(cur.get("inference_count", 0)),
         execution_count=int(cur.get("execution_count", 0)),
         batch_sizes=batch_histogram(cur), pending=pending, decoupled=decoupled,
-        responses_per_request=per_request, first_response_us=first_us)
+        responses_per_request=per_request, first_response_us=first_us,
+        steps=step_figures(prev, cur, usable))
 
 
 def figures(prev: Snapshot | None, cur: Snapshot) -> list[ModelFigures]:
@@ -160,6 +193,8 @@ def text_table(rows: list[ModelFigures]) -> str:
         stream = f"{_fmt(f.responses_per_request):>10}{_fmt(f.first_response_us):>13}" if streams else ""
         lines.append(f"{f.name:<24}{f.version:>4}{_fmt(f.inferences_per_s):>9}{_fmt(f.requests_per_s):>9}"
                      f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}{stream}  {hist}")
+        lines += [f"  {s.label:<26} {_fmt(s.mean_us, ' us'):>10}  {s.runs} runs, {s.failures} failed"
+                  for s in f.steps]
     return "\n".join(lines)
 
 
@@ -176,6 +211,10 @@ def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
                  _fmt(f.compute_us), "–" if f.pending is None else str(f.pending), str(f.failures),
                  *stream, hist)
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+        for step in f.steps:
+            text = f"{step.label}: {_fmt(step.mean_us, ' µs')}, {step.runs} runs, {step.failures} failed"
+            body.append(f"<tr class='jt-step'><td></td><td colspan='{len(cols) - 1}'>"
+                        f"{html.escape(text)}</td></tr>")
     return (f"<table class='jt-static'><caption>{html.escape(title)}</caption><thead><tr>"
             + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>" + "".join(body)
             + "</tbody></table>")
