@@ -355,8 +355,11 @@ def test_serve_magic_maps_knobs_and_takes_the_cells_value(monkeypatch):
     assert (kw["priority_levels"], kw["instances"], kw["kind"], kw["warmup"]) == (2, 2, "cpu", 3)
     assert kw["config"] == 'parameters { key: "k" value { string_value: "a b" } }'
 
+    assert kw["decoupled"] is None and kw["sequence"] is False      # inferred from the function
     ip.run_cell_magic("serve", "m2", "g = lambda x: x")          # a last assignment is the value
     assert calls[-1][0] is ip.user_ns["g"]
+    ip.run_cell_magic("serve", "m6 --decoupled --sequence", "g")
+    assert (calls[-1][2]["decoupled"], calls[-1][2]["sequence"]) == (True, True)
     ip.run_cell_magic("serve", "m3 --var g", "unused = 1")
     assert calls[-1][0] is ip.user_ns["g"]
     with pytest.raises(UsageError, match="no value to serve"):

@@ -4,6 +4,7 @@ raw HTTP, the handle's ``stream()``, the openai client and tritonclient's gRPC s
 ``sequence=True`` callable keeps a state per correlation id."""
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import time
@@ -108,6 +109,12 @@ def repeat(x):
         yield x * i
 
 
+async def shout_words(prompt: str):
+    for word in prompt.split():
+        await asyncio.sleep(0)
+        yield word.upper()
+
+
 def counter(x, state):
     state["total"] = state.get("total", 0) + x
     return state["total"]
@@ -195,6 +202,12 @@ def test_a_sequence_callable_keeps_one_state_per_correlation_id(grpc_server):
         totals.append(int(http.infer("counter", [tensor], sequence_id=9, sequence_start=start,
                                      sequence_end=end).as_numpy("OUTPUT__0")[0]))
     assert totals == [4, 10]
+
+
+def test_an_async_generator_streams_too(grpc_server):
+    _upload(grpc_server.http_port, shout_words, "shout_words")
+    status, _, events = generate_stream(f"{grpc_server.url}/v2/models/shout_words", {"text_input": "x y z"}, {})
+    assert status == 200 and [e["text_output"] for e in events] == ["X", "Y", "Z"]
 
 
 def test_a_client_that_leaves_mid_stream_ends_the_generator(grpc_server, tmp_path: Path):
