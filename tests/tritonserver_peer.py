@@ -72,7 +72,11 @@ class TritonServer:
     """One tritonserver process on 127.0.0.1 (explicit model control)."""
 
     def __init__(self, repository: Path, workdir: Path, load: list[str] | tuple[str, ...] = (),
-                 extra_args: list[str] | tuple[str, ...] = ()) -> None:
+                 extra_args: list[str] | tuple[str, ...] = (), control: str = "explicit",
+                 packages: list[Path] | tuple[Path, ...] = ()) -> None:
+        """``packages``: modules a Triton image would have pip-installed (cloudpickle for
+        notebook callables); the stub's sys.path ends with its working directory, where
+        they are linked."""
         dist, version, libdir = tritonserver_dist()
         backends = workdir / "backends"
         python_dir = backends / "python"
@@ -88,17 +92,22 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(libs), libdir, env.get("LD_LIBRARY_PATH"))
                                           if p)
         env["PATH"] = f"{VENV / 'bin'}:{env.get('PATH', '')}"
+        cwd = workdir / "packages"
+        cwd.mkdir(exist_ok=True)
+        for package in packages:
+            if not (cwd / package.name).exists():
+                (cwd / package.name).symlink_to(package)
         args = [str(dist / "bin" / "tritonserver"), f"--model-repository={repository}",
                 f"--backend-directory={backends}", f"--cache-directory={dist / 'caches'}",
                 "--http-address=127.0.0.1", f"--http-port={self.http_port}",
                 "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                 "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-                "--model-control-mode=explicit", "--exit-timeout-secs=5",
+                f"--model-control-mode={control}", "--exit-timeout-secs=5",
                 *[f"--load-model={m}" for m in load], *extra_args]
         self.log = workdir / "tritonserver.log"
         self._log_file = open(self.log, "wb")
         self.process = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
+                                        env=env, cwd=cwd, start_new_session=True)
         self._wait_ready(120.0)
 
     @property
