@@ -68,6 +68,22 @@ def test_labextension_is_installed_enabled_and_ok(tmp_path):
     assert (shared / build["load"]).is_file(), build
 
 
+def test_installed_bundle_is_not_older_than_its_sources():
+    """The bundle also holds the notebook dashboard's renderer (widgets/dashboard.js and .css),
+    which `pip install -e .`'s staleness check (labextension/src only) does not watch: a lab
+    showing an older renderer than the notebook's would go unnoticed."""
+    repo = HERE.parent
+    shared = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "jupyter-triton"
+    build = json.loads((shared / "package.json").read_text())["jupyterlab"]["_build"]
+    built = (shared / build["load"]).stat().st_mtime
+    sources = [*(repo / "labextension" / "src").iterdir(), *(repo / "labextension" / "style").iterdir(),
+               repo / "labextension" / "webpack.config.js", repo / "labextension" / "package.json",
+               repo / "jupyter_triton" / "widgets" / "dashboard.js", repo / "jupyter_triton" / "widgets" / "dashboard.css"]
+    newer = [str(p.relative_to(repo)) for p in sources if p.stat().st_mtime > built]
+    assert not newer, (f"the installed lab extension is older than {newer}: rebuild it "
+                       f"(cd labextension && jlpm build:prod, then pip install -e . --no-deps)")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not Path(CHROMIUM).exists(),
                     reason=f"no {CHROMIUM} (apt-get install chromium fonts-dejavu-core)")
