@@ -234,6 +234,7 @@ class _Demux:
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self.abandoned: set[int] = set()
+        self._waiters = 0
         self.closer = OrphanCloser(self._abandon)
 
     def _abandon(self, call_id: int) -> None:
@@ -255,14 +256,18 @@ class _Demux:
                 if self._replies.pop(key)[4]:
                     self.abandoned.discard(call_id)
 
-    def _wait(self, ready: Callable[[], bool]) -> None:
+    def _wait(self, ready: Callable[[], Any]) -> None:
         cond = self._cond
         with cond:
             while not ready():
                 if self._eof:
                     raise EOFError
                 if self._reading:
-                    cond.wait()
+                    self._waiters += 1
+                    try:
+                        cond.wait()
+                    finally:
+                        self._waiters -= 1
                     continue
                 self._reading = True
                 cond.release()
@@ -284,12 +289,14 @@ class _Demux:
                         self._replies[key] = msg
                 else:
                     self._commands.append(msg)
-                cond.notify_all()
+                if self._waiters or self._eof:   # the main loop alone (a plain model): no one to wake
+                    cond.notify_all()
 
     def command(self) -> Any:
         """The next batch / release / finalize message; ``EOFError`` when the server is gone."""
         commands = self._commands
-        self._wait(lambda: commands)
+        if not commands:
+            self._wait(commands.__len__)
         return commands.popleft()
 
     def reply(self, key: Any) -> Any:
