@@ -219,3 +219,52 @@ def test_statistics_of_an_unknown_version_say_the_same(both):
     (ts, theirs), (os_, ours) = both_call(both, "GET", "/v2/models/add/versions/5/stats")
     assert theirs["error"] == ours["error"]
     assert (ts, os_) == (400, 404)          # Triton: 400; NotFound is a 404 here
+
+
+# ---- the response cache ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cached_both(tmp_path_factory):
+    """Both servers with a 1 MiB local cache (--cache-config local,size=1048576) and a model
+    whose config enables it."""
+    tritonserver_dist()
+    base = tmp_path_factory.mktemp("parity-cache")
+    theirs_repo = base / "theirs"
+    _model(theirs_repo, "cached", ADD_PY, "response_cache { enable: true }")
+    ours_repo = base / "ours"
+    shutil.copytree(theirs_repo, ours_repo)
+    triton = TritonServer(theirs_repo, base / "triton", load=["cached"],
+                          extra_args=["--cache-config=local,size=1048576"])
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.standalone import start_in_thread
+    server = start_in_thread(EngineOptions(model_repository=ours_repo, model_control_mode="explicit",
+                                           load_models=["cached"], response_cache_size=1 << 20),
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
+    try:
+        yield (triton, server)
+    finally:
+        server.close()
+        triton.close()
+
+
+def test_the_response_cache_answers_and_counts_as_tritons(cached_both):
+    triton, server = cached_both
+    both = (triton.url, f"127.0.0.1:{server.http_port}")
+    one, two = _infer([1, 2, 3, 4]), _infer([5, 6, 7, 8])
+    for body in (one, one, {**one, "id": "again"}, two, two):
+        (ts, theirs), (os_, ours) = both_call(both, "POST", "/v2/models/cached/infer", body)
+        assert ts == os_ == 200 and theirs == ours, (theirs, ours)
+    (_, theirs), (_, ours) = both_call(both, "GET", "/v2/models/cached/stats")
+    theirs, ours = theirs["model_stats"][0], ours["model_stats"][0]
+    assert (theirs["inference_count"], theirs["execution_count"]) == \
+        (ours["inference_count"], ours["execution_count"]) == (2, 2)
+    for kind in ("success", "queue", "compute_infer", "cache_hit", "cache_miss"):
+        assert theirs["inference_stats"][kind]["count"] == ours["inference_stats"][kind]["count"], kind
+    assert ours["inference_stats"]["cache_hit"]["count"] == 3
+
+    def scrape(port: int) -> dict:
+        import urllib.request
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("nv_cache_num_") and "_per_model" in line}
+    assert scrape(triton.metrics_port) == scrape(server.metrics_port)
