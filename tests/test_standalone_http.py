@@ -240,3 +240,67 @@ def test_refused_requests_are_counted_as_failures(standalone, client):
     assert raw(standalone, "POST", "/v2/models/linear/infer", bad)[0] == 400
     after = client.get_inference_statistics("linear")["model_stats"][0]["inference_stats"]["fail"]["count"]
     assert after == before + 1
+
+
+TALKER_MODEL = '''\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        pb_utils.Logger.log_warn("talker warns")
+        print("talker prints", flush=True)
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
+            "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())]) for r in requests]
+'''
+
+TALKER_CONFIG = '''\
+name: "talker"
+backend: "python"
+input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+'''
+
+
+def test_model_logs_route(standalone, client, model_repo):
+    """GET v2/models/{m}[/versions/{v}]/logs: what a model logged and printed, oldest first;
+    kept after an unload; an unknown model is 404."""
+    import time
+    (model_repo / "talker" / "1").mkdir(parents=True)
+    (model_repo / "talker" / "1" / "model.py").write_text(TALKER_MODEL)
+    (model_repo / "talker" / "config.pbtxt").write_text(TALKER_CONFIG)
+    client.load_model("talker")
+    inp = httpclient.InferInput("IN", [1], "INT32")
+    inp.set_data_from_numpy(np.array([7], np.int32))
+    client.infer("talker", [inp])
+    deadline = time.monotonic() + 30
+    while True:        # the worker's stdout arrives through its pipe, a moment later
+        status, body = raw(standalone, "GET", "/v2/models/talker/versions/1/logs")
+        assert status == 200, body
+        lines = json.loads(body)["lines"]
+        messages = [(line["level"], line["source"], line["message"]) for line in lines]
+        if ("INFO", "stdout", "talker prints") in messages or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert ("WARNING", "logger", "talker warns") in messages
+    assert ("INFO", "stdout", "talker prints") in messages
+    client.unload_model("talker")
+    status, body = raw(standalone, "GET", "/v2/models/talker/logs")
+    assert status == 200 and json.loads(body)["name"] == "talker"
+    assert "talker warns" in [line["message"] for line in json.loads(body)["lines"]]
+    status, body = raw(standalone, "GET", "/v2/models/nope/logs")
+    assert status == 404 and "nope" in json.loads(body)["error"]
+
+
+async def test_model_logs_route_on_the_jupyter_server(jp_triton, jp_fetch):
+    """The route is the 'logging' group's: the user's token reaches it, an inference key not."""
+    from tornado.httpclient import HTTPClientError
+    from conftest import INFER_KEY, TOKEN
+    response = await jp_fetch("v2", "models", "linear", "logs",
+                              headers={"Authorization": f"token {TOKEN}"})
+    assert json.loads(response.body) == {"name": "linear", "version": "", "lines": []}
+    with pytest.raises(HTTPClientError) as err:
+        await jp_fetch("v2", "models", "linear", "logs",
+                       headers={"Authorization": f"Bearer {INFER_KEY}"})
+    assert err.value.code == 403

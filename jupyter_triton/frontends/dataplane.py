@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 from ..config import config_to_json
 from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
+from ..model_logs import model_logs
 from ..protocol.errors import (Internal, InvalidArgument, NotFound, TritonError, Unavailable,
                                Unsupported)
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
@@ -496,6 +497,17 @@ async def model_generate_stream(plane: DataPlane, call: Call) -> Reply:
                  stream=generate_events(first, responses, batched))
 
 
+async def model_logs_route(plane: DataPlane, call: Call) -> Reply:
+    """What a model said (``pb_utils.Logger`` lines, its worker's stdout/stderr), oldest
+    first, from the bounded buffer of jupyter_triton/model_logs.py; the lines outlive an
+    unload, so a model the repository still has is found unloaded too."""
+    model, version = call.params["model"], _version(call)
+    lines = model_logs(model, version)
+    if not lines and model not in {m["name"] for m in plane.engine.repository_index()}:
+        raise NotFound(f"Request for unknown model: '{model}' is not found")
+    return json_reply({"name": model, "version": version, "lines": lines})
+
+
 async def openai_models(plane: DataPlane, call: Call) -> Reply:
     try:
         if "model" in call.params:
@@ -595,6 +607,8 @@ ROUTES: list[Route] = [
           {"POST": model_generate}, streams_body=True),
     Route(rf"v2/models/{_MODEL}{_VERSION}/generate_stream", "ModelGenerateStream", INFERENCE,
           {"POST": model_generate_stream}, streams_body=True),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/logs", "ModelLogs", LOGGING, {"GET": model_logs_route},
+          ADMIN),
     Route(rf"v2/models/{_MODEL}{_VERSION}/?", "ModelMetadata", METADATA, {"GET": model_metadata}),
     Route(r"v2/repository/index", "RepositoryIndex", MODEL_REPOSITORY, {"POST": repository_index}, ADMIN),
     Route(rf"v2/repository/models/{_MODEL}/load", "RepositoryLoad", MODEL_REPOSITORY,
