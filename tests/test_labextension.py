@@ -296,9 +296,15 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                                        timeout=15_000)
                 assert _served(lab, "demo") == {"1": "READY"}
 
+                # Copy and Snippet put the URL and the code on the system clipboard
+                ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=lab.url.rstrip("/"))
+                page.locator(f'{_card("demo", "1")} button[data-action="copy"]').click()
+                assert page.evaluate("() => navigator.clipboard.readText()") == f"{lab.url}v2/models/demo"
+                page.locator(f'{_card("demo", "1")} button[data-action="snippet"]').click()
+                snippet = page.evaluate("() => navigator.clipboard.readText()")
+                assert snippet == page.locator(f'{_card("demo", "1")} button[data-action="snippet"]'
+                                               ).get_attribute("data-snippet"), snippet
                 # the snippet runs as it is, with the user's token in the environment
-                snippet = page.locator(f'{_card("demo", "1")} button[data-action="snippet"]'
-                                       ).get_attribute("data-snippet")
                 assert f'InferenceServerClient("127.0.0.1:{urllib.parse.urlsplit(lab.url).port}")' in snippet
                 ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
                                      timeout=60, env={**os.environ, "JUPYTER_TOKEN": lab.token})
