@@ -247,3 +247,17 @@ def test_a_client_that_does_not_read_holds_the_model_back(served, tmp_path):
     while not cancelled.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cancelled.exists(), "the held-back model never saw is_cancelled() after the client left"
+
+
+def test_the_model_sees_the_clients_parameters_but_not_the_frontends(served):
+    stream = Stream(served)
+    try:
+        stream.client.async_stream_infer("echo", _text("p", batched=True), request_id="p",
+                                         enable_empty_final_response=True,
+                                         parameters={"mine": 3})
+        result, error = stream.next()
+    finally:
+        stream.close()
+    assert error is None
+    seen = json.loads(result.as_numpy("parameters_seen")[0][0])
+    assert seen == {"mine": 3}

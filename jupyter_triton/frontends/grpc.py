@@ -228,7 +228,9 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             infer_request = decode_grpc_request(request, **self._decode_kwargs)
             if carrier is not None:        # engine/trace.py: the stream's W3C trace context
                 infer_request.trace_context = carrier
-            empty_final = infer_request.parameters.get("triton_enable_empty_final_response") is True
+            # the frontend's to act on, as in Triton: the model never sees it
+            empty_final = infer_request.parameters.pop("triton_enable_empty_final_response",
+                                                       None) is True
             responses = self.engine.infer_stream(infer_request)
             try:
                 async for response in responses:
