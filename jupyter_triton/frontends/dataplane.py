@@ -6,7 +6,12 @@ body size, bytes in flight), decode, one engine call, encode, and the error rend
 The skins (``frontends.http``: tornado handlers for the Jupyter server and the standalone
 server; ``frontends.fasthttp``: the standalone's httptools front) only move bytes: they match
 a route of ``ROUTES``, collect the body under ``DataPlane.admit``'s ticket, and write the
-Reply that ``DataPlane.handle`` returns.
+Reply that ``DataPlane.handle`` returns. A streamed Reply (``stream``: generate_stream and
+OpenAI's ``stream: true``, over ``Engine.infer_stream``) is written chunk by chunk as its
+events come; a client that goes away ends it, which cancels the model's request.
+
+Besides Triton's v2 routes: the generate extension (``frontends.generate``) and OpenAI's
+``v1/`` routes (``frontends.openai``), each mapping its JSON onto the same engine calls.
 
 A data path for one request, in the order it flows: the skin (fasthttp.py or http.py), this
 file, protocol/http_codec.py, engine/__init__.py (Engine.infer), the model's scheduler.
