@@ -202,6 +202,20 @@ def test_a_sequence_callable_keeps_one_state_per_correlation_id(grpc_server):
         totals.append(int(http.infer("counter", [tensor], sequence_id=9, sequence_start=start,
                                      sequence_end=end).as_numpy("OUTPUT__0")[0]))
     assert totals == [4, 10]
+    # the notebook handle: one object per sequence
+    from jupyter_triton.kernel import Connection, ServedModel
+    handle = ServedModel.from_server("counter", Connection(grpc_server.url + "/", mode="standalone"))
+    a, b = handle.sequence(5), handle.sequence("user-b")
+    one = np.array([1], np.int32)
+    assert [int(a.infer(one, start=True)[0]), int(b.infer(one * 7, start=True)[0]),
+            int(a.infer(one * 2)[0]), int(b.infer(one, end=True)[0]), int(a.infer(one, end=True)[0])] == [1, 7, 3, 8, 4]
+
+
+def test_a_text_function_is_called_with_a_string(grpc_server):
+    _upload(grpc_server.http_port, lambda prompt: prompt.upper(), "shout", example="hi")
+    from jupyter_triton.kernel import Connection, ServedModel
+    handle = ServedModel.from_server("shout", Connection(grpc_server.url + "/", mode="standalone"))
+    assert handle.infer("hey you") == "HEY YOU" and handle.generate("ok") == "OK"
 
 
 def test_an_async_generator_streams_too(grpc_server):

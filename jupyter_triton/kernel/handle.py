@@ -74,8 +74,22 @@ class ServedModel:
     def infer(self, *arrays: Any, **named: Any) -> np.ndarray | dict[str, np.ndarray]:
         """Run the model: inputs by position (the model's input order) or by name. Returns
         the output array, or a dict of them when the model has several. A model that
-        batches also takes one row without its batch dimension, and answers in kind."""
+        batches also takes one row without its batch dimension, and answers in kind. A text
+        model (``text_input`` -> ``text_output``) takes and returns a string."""
+        return self._infer(arrays, named, None)
+
+    def sequence(self, sequence_id: int | str) -> "Sequence":
+        """Requests of one sequence (correlation id) of a stateful model: ``s.infer(x,
+        start=True)``, ..., ``s.infer(x, end=True)``."""
+        return Sequence(self, sequence_id)
+
+    def _infer(self, arrays: tuple, named: dict, sequence: dict | None) -> Any:
         meta = self.metadata()
+        if self._text_model(meta) and len(arrays) == 1 and isinstance(arrays[0], str) and not named:
+            out = self._client.infer(self.name, {TEXT_INPUT: np.array([arrays[0].encode("utf-8")],
+                                                                      dtype=np.object_)}, sequence=sequence)
+            value = np.asarray(out[TEXT_OUTPUT]).reshape(-1)[0]
+            return value.decode("utf-8") if isinstance(value, bytes) else str(value)
         specs = meta.get("inputs", [])
         if len(arrays) > len(specs):
             raise InvalidArgument(f"model '{self.name}' takes {len(specs)} input(s) "
@@ -101,11 +115,14 @@ class ServedModel:
         if max_batch and len(rows) == 1 and rows.pop() > max_batch:
             # more rows than one request may carry: send them in max_batch_size slices
             total = next(iter(inputs.values())).shape[0]
+            if sequence:
+                raise InvalidArgument(f"model '{self.name}': a sequence request carries at most "
+                                      f"max_batch_size ({max_batch}) rows")
             parts = [self._client.infer(self.name, {k: v[i:i + max_batch] for k, v in inputs.items()})
                      for i in range(0, total, max_batch)]
             outputs = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         else:
-            outputs = self._client.infer(self.name, inputs)
+            outputs = self._client.infer(self.name, inputs, sequence=sequence)
         if added_batch:
             outputs = {k: v[0] for k, v in outputs.items()}
         order = [o["name"] for o in meta.get("outputs", [])]
@@ -281,6 +298,19 @@ class ServedModel:
                 f"<details><summary>curl</summary><pre {pre}>{e(curl)}</pre></details>"
                 f"<details><summary>{self._client_label(s)[:-1]}</summary><pre {pre}>{e(client)}</pre>"
                 f"</details></div>")
+
+
+class Sequence:
+    """One correlation id of a stateful model (``ServedModel.sequence``)."""
+
+    def __init__(self, model: ServedModel, sequence_id: int | str) -> None:
+        self.model, self.sequence_id = model, sequence_id
+
+    def infer(self, *arrays: Any, start: bool = False, end: bool = False, **named: Any) -> Any:
+        return self.model._infer(arrays, named, {"sequence_id": self.sequence_id,
+                                                 "sequence_start": start, "sequence_end": end})
+
+    __call__ = infer
 
 
 def _event_outputs(event: dict) -> dict[str, np.ndarray]:
