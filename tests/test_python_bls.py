@@ -166,3 +166,35 @@ def test_a_bls_stream_dropped_early_leaves_the_server_serving(caller):
         got = call(caller, "first_only", [1, 2, 3, 4])
         assert got["outputs"] == [["OUT", [1]]]
     assert call(caller, "stream", [9])["outputs"] == [["OUT", [9]]]
+
+
+BLS_DECOUPLED_SYNC_CONFIG = '''
+name: "bls_decoupled_sync"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [{ kind: KIND_CPU }]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nvidias_bls_decoupled_sync_example_runs_unchanged(tmp_path, mode):
+    decoupled = Path(__file__).parent / "triton_examples" / "decoupled"
+    bls_decoupled = Path(__file__).parent / "triton_examples" / "bls_decoupled"
+    repo = tmp_path / "models"
+    add_model(repo, "square_int32", (decoupled / "square_model.py").read_text(),
+              (decoupled / "square_config.pbtxt").read_text())
+    add_model(repo, "bls_decoupled_sync", (bls_decoupled / "sync_model.py").read_text(),
+              BLS_DECOUPLED_SYNC_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    try:
+        script = tmp_path / "sync_client.py"
+        script.write_text((bls_decoupled / "sync_client.py").read_text().replace(
+            '"localhost:8000"', f'"127.0.0.1:{server.http_port}"'))
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "PASS: BLS Decoupled Sync" in run.stdout
+        stats = client.get_inference_statistics("square_int32")["model_stats"][0]
+        assert stats["inference_count"] == 4   # each BLS stream counted by the model it reached
+    finally:
+        server.close()
