@@ -33,6 +33,30 @@ stopped) and unload gives up waiting for a hung ``execute`` after ``finalize_tim
 
 A batch whose tensors do not fit in /dev/shm fails with Unavailable (503) and the reason;
 the worker and the server live on.
+
+Beyond request/response, as Triton's python backend has them:
+
+- Decoupled models (``model_transaction_policy { decoupled: true }``): ``execute`` returns
+  None and answers through ``request.get_response_sender()``, zero or more responses per
+  request, from any thread, also after execute has returned, until
+  ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL``; ``is_cancelled()`` asks the server. A
+  sender dropped without the final flag closes its request (a request nobody can answer any
+  more must not stay open); a worker that dies or is killed (timeout, unload) closes every
+  open request with an error response.
+- BLS: ``pb_utils.InferenceRequest(...).exec()`` / ``exec(decoupled=True)`` /
+  ``async_exec()`` run on this server through ``Backend.server_calls`` (the engine bounds
+  depth and calls in flight); a worker process sends the call over its socket and a BLS pool
+  thread runs it. In thread mode, BLS and custom metrics work from inside ``initialize`` and
+  ``execute`` (threads the model starts itself have no way back to their model there).
+- Custom metrics (``pb_utils.MetricFamily``): ``jupyter_triton.model_metrics``, shown on the
+  metrics endpoint, released at unload.
+- Model logs: ``pb_utils.Logger`` lines and a worker's stdout/stderr, per model version in
+  ``jupyter_triton.model_logs`` (and in the server's own output, as before).
+
+Tensors of a batch travel through shared memory; those of decoupled responses and BLS calls
+travel inside the socket's messages (they leave at any time, and a region belongs to one
+batch at a time). A model that does none of this pays nothing for it: its batches take the
+same two messages as before.
 """
 from __future__ import annotations
 
