@@ -219,6 +219,13 @@ def test_exported_notebook_callables_load_and_stream_in_nvidia_tritonserver(tmp_
     config, files = pack_callable(lambda x: x + 1, name="plus_one", inputs=[("x", "FP32", [3])],
                                   outputs=[("y", "FP32", [3])], max_batch_size=4)
     repo.write_upload("plus_one", config, {f"file:{k}": v for k, v in files.items()})
+    # an ensemble as %%ensemble writes it: plus_one twice
+    from google.protobuf import json_format
+    from jupyter_triton.kernel.ensemble import ensemble_artifact, ensemble_config
+    twice = ensemble_artifact(ensemble_config(
+        "plus_two", [("plus_one", {"x": "X"}, {"y": "mid"}), ("plus_one", {"x": "mid"}, {"y": "Y"})],
+        lambda m: json_format.MessageToDict(repo.read_config(m), preserving_proto_field_name=True)))
+    repo.write_upload("plus_two", twice.config_json(), {f"file:{k}": v for k, v in twice.files.items()})
     (source / "plus_one" / "1" / "__pycache__").mkdir()        # the python backend's import
     (source / "plus_one" / "1" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")
     out = tmp_path / "exported"
@@ -231,6 +238,10 @@ def test_exported_notebook_callables_load_and_stream_in_nvidia_tritonserver(tmp_
         x.set_data_from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
         np.testing.assert_array_equal(client.infer("plus_one", [x]).as_numpy("y"),
                                       np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
+        x = httpclient.InferInput("X", [2, 3], "FP32")
+        x.set_data_from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+        np.testing.assert_array_equal(client.infer("plus_two", [x]).as_numpy("Y"),
+                                      np.arange(6, dtype=np.float32).reshape(2, 3) + 2)
 
         # generators under the generate extension's text convention, request parameters too
         assert _sse(http, "talk", {"text_input": "a b c"}) == (200, [
