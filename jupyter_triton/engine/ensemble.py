@@ -151,6 +151,7 @@ class EnsembleScheduler(Scheduler):
             task.cancel()
 
     async def _run(self, pending: Pending) -> None:
+        start = time.monotonic_ns()
         request = pending.request
         table = {t.name: t for t in request.inputs}
         left = list(self.steps)
@@ -180,6 +181,11 @@ class EnsembleScheduler(Scheduler):
             if not isinstance(err, Exception):
                 raise
             return
+        if self.stats is not None:
+            # Triton counts a successful ensemble request as one execution of its rows, with
+            # the steps' time as its compute (it never waits in a queue of the ensemble's own)
+            self.stats.record_queue(0)
+            self.stats.record_execution(pending.batch_size, 1, 0, time.monotonic_ns() - start, 0)
         if not pending.future.done():
             pending.future.set_result(outputs)
 
