@@ -289,3 +289,55 @@ def test_unload_closes_requests_still_open(tmp_path):
         backend.execute_decoupled([request("wait_cancel", [0])], None, [sender])
     got = sender.wait(5)
     assert got[-1][2] and isinstance(got[-1][1], (Unavailable, type(None)))
+
+
+# Triton 23.10+: a default (non-decoupled) model may answer through response senders too.
+SENDER_MODEL_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+def text(message):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([message.encode()], dtype=np.object_))])
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            cmd = pb_utils.get_input_tensor_by_name(request, "CMD").as_numpy().reshape(-1)[0]
+            sender = request.get_response_sender()
+            if cmd == b"one":
+                sender.send(text("hello"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            elif cmd == b"final_first":
+                try:
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except pb_utils.TritonModelException as err:
+                    sender.send(text(str(err)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            elif cmd == b"two":
+                sender.send(text("first"))
+                try:
+                    sender.send(text("second"))
+                except pb_utils.TritonModelException as err:
+                    print("TWO:", err)
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+SENDER_CONFIG = '''
+name: "sender"
+backend: "python"
+input [{ name: "CMD" data_type: TYPE_STRING dims: [ 1 ] }]
+output [{ name: "OUT" data_type: TYPE_STRING dims: [ 1 ] }]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_default_model_may_answer_through_its_response_senders(tmp_path, mode):
+    config, files = write_model(tmp_path, "sender", SENDER_MODEL_PY,
+                                SENDER_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    cmds = [{"CMD": np.array([c.encode()], dtype=np.object_)} for c in ("one", "final_first", "two", "none")]
+    with loaded(config, files) as backend:
+        one, final_first, two, none = backend.execute(cmds)
+    assert one["OUT"].tolist() == [b"hello"]
+    assert final_first["OUT"].tolist() == [b"Unable to send response. Non-decoupled model cannot send "
+                                           b"complete final before sending a response."]
+    assert two["OUT"].tolist() == [b"first"]
+    assert isinstance(none, TritonError) and "sent no response" in str(none)

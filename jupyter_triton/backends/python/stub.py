@@ -232,6 +232,8 @@ class ModelStub:
         finally:
             if token is not None:
                 pb_utils._BLS_HOST.reset(token)
+        if responses is None:   # answered through response senders (Triton 23.10+)
+            return [self._sent_response(r) for r in pb_requests]
         if not isinstance(responses, (list, tuple)):
             raise StubError("execute", "execute() must return a list of pb_utils.InferenceResponse, "
                             f"got {type(responses).__name__}")
@@ -262,6 +264,15 @@ class ModelStub:
         if result is not None:
             raise StubError("execute", f"Python model '{self.model_name}' is using the decoupled mode "
                             "and the execute function must return None.")
+
+    @classmethod
+    def _sent_response(cls, request: pb_utils.InferenceRequest) -> dict[str, np.ndarray] | ResponseError:
+        sender = request._response_sender
+        if sender is None or sender._captured is None:
+            return ResponseError(pb_utils.TritonError.INTERNAL,
+                                 "execute() returned None but sent no response for the request "
+                                 f"'{request.request_id()}' through its response sender")
+        return cls._response_data(sender._captured)
 
     @staticmethod
     def response_data(response: Any) -> dict[str, np.ndarray] | ResponseError:

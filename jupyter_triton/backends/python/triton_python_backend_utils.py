@@ -211,9 +211,9 @@ class InferenceRequest:
 
     def get_response_sender(self) -> "InferenceResponseSender":
         if self._response_sender is None:
-            raise TritonModelException(
-                "Unable to get the response sender: it is given only to the requests of a model "
-                "with model_transaction_policy { decoupled: true }")
+            # A default (non-decoupled) model may answer through a sender too (Triton 23.10+):
+            # one response, kept here until execute returns None.
+            self._response_sender = InferenceResponseSender(None, None, decoupled=False)
         return self._response_sender
 
     def exec(self, decoupled: bool = False) -> Any:
@@ -261,12 +261,15 @@ class InferenceResponseSender:
     request, from any thread, also after ``execute`` has returned, until it sends
     ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL``."""
 
-    def __init__(self, host: Any, key: Any) -> None:
+    def __init__(self, host: Any, key: Any, decoupled: bool = True) -> None:
         self._host = host
         self._key = key
+        self._decoupled = decoupled
         self._closed = False
         self._cancelled = False
         self._lock = threading.Lock()
+        self._sent = 0
+        self._captured: InferenceResponse | None = None   # a non-decoupled model's one response
 
     def send(self, response: "InferenceResponse | None" = None, flags: int = 0) -> None:
         # Triton's checks and texts (python_backend response_sender.cc).
@@ -280,13 +283,27 @@ class InferenceResponseSender:
                 f"Unable to send response. Expected an InferenceResponse, got {type(response).__name__}.")
         final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
         with self._lock:
+            if not self._decoupled:
+                if response is not None and self._sent > 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model cannot "
+                                               "send more than one response.")
+                if response is None and final and self._sent == 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model cannot "
+                                               "send complete final before sending a response.")
             if self._closed:
                 raise TritonModelException("Unable to send response. Response sender has been closed.")
             if final:
                 self._closed = True
+            self._sent += 1
+            if not self._decoupled:
+                if response is not None:
+                    self._captured = response
+                return
         self._host.respond(self._key, response, final)
 
     def is_cancelled(self) -> bool:
+        if self._host is None:
+            return False
         # Once cancelled, always cancelled: the server is asked only until it says so.
         if not self._cancelled and not self._closed:
             self._cancelled = bool(self._host.cancelled(self._key))
@@ -295,7 +312,7 @@ class InferenceResponseSender:
     def __del__(self) -> None:
         # A request whose sender is dropped without COMPLETE_FINAL would stay open forever;
         # the host closes it at its next safe point (never from inside a finalizer).
-        if not self._closed:
+        if not self._closed and self._host is not None:
             self._closed = True
             try:
                 self._host.orphaned(self._key)
