@@ -38,6 +38,13 @@ def brittle(prompt: str, limit: int = 1):
 brittle"""
 
 
+@pytest.fixture
+def jp_server_config(jp_server_config):
+    """The Jupyter server of conftest, with its gRPC port open (a free one)."""
+    jp_server_config["JupyterTriton"]["grpc_port"] = 0
+    return jp_server_config
+
+
 def generate_stream(url: str, body: dict, headers: dict) -> tuple[int, str, list[dict]]:
     """What ``curl -N .../generate_stream -d ...`` shows: the status, content type, events."""
     req = urllib.request.Request(url + "/generate_stream", data=json.dumps(body).encode(),
@@ -65,8 +72,11 @@ async def test_a_generator_from_the_notebook_streams_over_generate_stream_and_op
     assert {e["model_name"] for e in events} == {"talker"}
 
     # the handle, in the notebook
-    shown = await in_thread(kernel.ok, "print(list(_.stream('one two three')))")
+    shown = await in_thread(kernel.ok, "talker = _\nprint(list(talker.stream('one two three')))")
     assert shown.stdout.strip() == "['one', 'two', 'three']"
+    # over the Jupyter server's gRPC port, which the kernel finds in the server's runtime file
+    shown = await in_thread(kernel.ok, "print(list(talker.stream('by grpc', via='grpc')))")
+    assert shown.stdout.strip() == "['by', 'grpc']"
 
     # the official openai client, an inference key as its api_key
     from openai import OpenAI

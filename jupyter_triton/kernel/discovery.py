@@ -89,8 +89,30 @@ def from_environment(environ: dict[str, str] | None = None) -> Connection | None
     url, token = env.get(ENV_URL), env.get(ENV_TOKEN, "")
     if url and is_ready(url, token):
         # this process's own in-kernel server advertises itself the same way
-        return _IN_KERNEL.get(url) or Connection(url, token, SERVER_EXTENSION)
+        return _IN_KERNEL.get(url) or Connection(url, token, SERVER_EXTENSION,
+                                                 grpc_url=_grpc_url(url))
     return None
+
+
+def _grpc_url(url: str, runtime_dir: str | Path | None = None) -> str:
+    """The gRPC port the server at ``url`` advertises in its runtime file ("" when none)."""
+    try:
+        infos = runtime_files(runtime_dir)
+    except OSError:
+        return ""
+    for info in infos:
+        if info.get("url") == url:
+            return _grpc_of(info)
+    return ""
+
+
+def _grpc_of(info: dict) -> str:
+    port = info.get("grpc_port")
+    if not isinstance(port, int) or port <= 0:
+        return ""
+    host = info.get("grpc_address") or "127.0.0.1"
+    # a port bound on every address is reached on loopback from this machine
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
 def _alive(pid: int) -> bool:
@@ -139,7 +161,7 @@ def from_runtime_files(runtime_dir: str | Path | None = None) -> Connection | No
     for info in runtime_files(runtime_dir):
         if is_ready(info["url"], info.get("token", "")):
             return Connection(info["url"], info.get("token", ""), RUNTIME_FILE,
-                              repository=info.get("model_repository", ""))
+                              repository=info.get("model_repository", ""), grpc_url=_grpc_of(info))
     return None
 
 
