@@ -261,3 +261,26 @@ def test_the_model_sees_the_clients_parameters_but_not_the_frontends(served):
     assert error is None
     seen = json.loads(result.as_numpy("parameters_seen")[0][0])
     assert seen == {"mine": 3}
+
+
+def test_triton_grpc_error_mode_ends_the_stream_with_the_status(served):
+    """Triton's ``triton_grpc_error: true`` stream metadata: the first error closes the stream
+    with its gRPC status (nothing after it arrives)."""
+    client = served.client()
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
+                        headers={"triton_grpc_error": "true"})
+    try:
+        client.async_stream_infer("words", _text("a FAIL b"), request_id="g",
+                                  parameters={"delay": 0.2})
+        first, _ = results.get(timeout=TIMEOUT_S)
+        _, error = results.get(timeout=TIMEOUT_S)
+        with pytest.raises(queue.Empty):
+            results.get(timeout=1.0)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert first.as_numpy("text_output").tolist() == [b"a"]
+    assert isinstance(error, InferenceServerException)
+    assert "the model failed on FAIL" in error.message()
+    assert error.status() == "StatusCode.INTERNAL"   # pb_utils.TritonError's default code

@@ -75,6 +75,14 @@ class _ByteBudget:
         self.used -= n
 
 
+class _StreamFailure:
+    """An error that ends a stream (``triton_grpc_error`` mode) rather than travel on it."""
+    __slots__ = ("code", "message")
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
 def _parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
     try:
         return pb.ModelInferRequest.FromString(raw)
@@ -217,11 +225,21 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         response.parameters["triton_final_response"].bool_param = final
         return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
 
+    def _failure(self, request: pb.ModelInferRequest, err: BaseException, final: bool,
+                 grpc_error: bool) -> "pb.ModelStreamInferResponse | _StreamFailure":
+        if not grpc_error:
+            return self._stream_error(request, err, final)
+        if isinstance(err, TritonError):
+            return _StreamFailure(grpc.StatusCode[err.grpc_code], str(err))
+        log.error("gRPC ModelStreamInfer request failed", exc_info=err)
+        return _StreamFailure(grpc.StatusCode.INTERNAL, _internal_message(err))
+
     async def _stream_one(self, raw: bytes, put: Callable[[Any], Awaitable[None]],
-                          carrier: dict | None = None) -> None:
+                          carrier: dict | None = None, grpc_error: bool = False) -> None:
         """Every response of one request onto the stream (``put``), each with Triton's
         ``triton_final_response`` parameter; a decoupled model's empty final response only
-        when the request asked for it (``triton_enable_empty_final_response``)."""
+        when the request asked for it (``triton_enable_empty_final_response``). An error is
+        an error response on the stream, or (``grpc_error``) the status that ends it."""
         request = pb.ModelInferRequest()
         try:
             request = _parse_infer_request(raw)
@@ -235,7 +253,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for response in responses:
                     if response.error is not None:
-                        await put(self._stream_error(request, response.error, response.final))
+                        await put(self._failure(request, response.error, response.final,
+                                                grpc_error))
                         continue
                     if response.final and not response.outputs and not empty_final and \
                             self.engine.is_decoupled(request.model_name, request.model_version):
@@ -254,17 +273,21 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - errors travel on the stream, as in Triton
-            await put(self._stream_error(request, err))
+            await put(self._failure(request, err, True, grpc_error))
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[bytes],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request's responses are written on the stream as soon as each is ready (so
         possibly interleaved across requests, as in Triton: clients match them by ``id``).
-        A client that goes away cancels every request of the stream still running."""
+        A client that goes away cancels every request of the stream still running. With
+        Triton's ``triton_grpc_error: true`` metadata, the first error ends the stream with
+        its gRPC status instead of travelling on it."""
         try:
             self.authorize(INFERENCE, context)
         except TritonError as err:
             await context.abort(grpc.StatusCode[err.grpc_code], str(err))
+        grpc_error = dict(context.invocation_metadata() or ()).get(
+            "triton_grpc_error", "").lower() == "true"
         carrier = trace_context(_headers(context)) if self.engine.tracing.on else None
         # Bounded: a model that answers faster than the client reads waits for the client.
         results: asyncio.Queue = asyncio.Queue(STREAM_BUFFERED_RESPONSES)
@@ -274,7 +297,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def answer(raw: bytes) -> None:
             try:
-                await self._stream_one(raw, results.put, carrier)
+                await self._stream_one(raw, results.put, carrier, grpc_error)
             finally:
                 self.inflight.give(len(raw))
                 slots.release()
@@ -303,6 +326,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(read())
         try:
             while (item := await results.get()) is not done:
+                if type(item) is _StreamFailure:
+                    await context.abort(item.code, item.message)
                 yield item
         finally:
             reader.cancel()
