@@ -264,3 +264,20 @@ def test_no_message_shows_doubled_braces():
             if "f" not in prefix and "{%" not in tok.string and snippet.search(tok.string):
                 found.append(f"{path.name}:{tok.start[0]}")
     assert not found, found
+
+
+def test_unloading_a_model_the_repository_lacks_is_a_no_op(standalone):
+    # tritonserver 2.51 answers 200 (HTTP and gRPC); a name that is no model name stays a 400
+    import tritonclient.grpc as grpcclient
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{standalone.http_port}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{standalone.grpc_port}")
+    try:
+        client.unload_model("nosuch")
+        grpc.unload_model("nosuch")
+        assert "nosuch" not in {row["name"] for row in client.get_model_repository_index()}
+        assert client.is_model_ready("linear")
+        err = _error(lambda: grpc.unload_model("../linear"))
+        assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        client.close()
+        grpc.close()

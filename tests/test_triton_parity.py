@@ -258,6 +258,11 @@ def test_load_errors_start_with_tritons_words(both):
         "version 1 is at UNAVAILABLE state" in ours["error"]
 
 
+def test_unloading_a_model_the_repository_lacks_answers_alike(both):
+    (ts, _), (os_, _) = both_call(both, "POST", "/v2/repository/models/nosuch/unload", {})
+    assert ts == os_ == 200
+
+
 def test_statistics_of_an_unknown_version_say_the_same(both):
     (ts, theirs), (os_, ours) = both_call(both, "GET", "/v2/models/add/versions/5/stats")
     assert theirs["error"] == ours["error"]

@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import ModelFiles, backend_class, backend_name
 from ..config import fill_defaults, validate_config
-from ..protocol.errors import InvalidArgument, TritonError, Unavailable
+from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
 from .cache import ResponseCache
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
@@ -199,7 +199,11 @@ class ModelLifecycle:
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_explicit()
-        self.repository.model_dir(name)          # NotFound / InvalidArgument for bad names
+        try:
+            self.repository.model_dir(name)      # InvalidArgument for bad names
+        except NotFound:
+            if name not in self._entries:
+                return          # tritonserver 2.51 answers 200: nothing to unload
         entry = self._entries.get(name)
         dependents = [m for mv in (entry.serving.values() if entry else ()) if is_ensemble(mv.config)
                       for m in composing_models(mv.config)]
