@@ -108,9 +108,12 @@ def test_triton_sidebar_lists_the_models_and_counts_inferences(tmp_path):
             try:
                 page = ctx.pages[0] if ctx.pages else ctx.new_page()
                 page.set_default_timeout(60_000)
+                # the one failure this test asks for: loading the broken model (Chromium logs its 400)
+                expected = "/v2/repository/models/broken/load"
                 page.on("console", lambda m: m.type == "error"
                         and not any(r.search(m.text) for r in IGNORED_CONSOLE)
-                        and errors.append(f"console.error: {m.text[:300]}"))
+                        and not urllib.parse.urlsplit((m.location or {}).get("url", "")).path.endswith(expected)
+                        and errors.append(f"console.error: {m.text[:300]} at {m.location}"))
                 page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
                 workspace = f"t{int(time.time() * 1000)}"        # fresh workspace: no restored layout
                 page.goto(f"{lab.url}lab/workspaces/{workspace}?reset&token={urllib.parse.quote(lab.token)}",
@@ -124,6 +127,16 @@ def test_triton_sidebar_lists_the_models_and_counts_inferences(tmp_path):
                 assert demo["url"] == f"{lab.url}v2/models/demo", demo
                 assert first["models"]["broken"]["state"] == "UNAVAILABLE", first
                 assert first["models"]["broken"]["reason"], first
+
+                # a load that fails says why in the status line, Triton's words, and the panel goes on
+                page.locator(f'{PANEL} [data-model="broken"] button[data-action="load"]').click()
+                page.locator(f"{PANEL} .jp-TritonPanel-status.jp-TritonPanel-error").wait_for(timeout=30_000)
+                status = page.locator(f"{PANEL} .jp-TritonPanel-status").text_content()
+                assert status.startswith("loading broken: v2/repository/models/broken/load: 400 "), status
+                assert "broken" in status[len("loading broken: v2/repository/models/broken/load: 400 "):], status
+                page.wait_for_function(f"() => parseInt(document.querySelector('{PANEL}').dataset.ticks, 10) "
+                                       f"> {first['ticks'] + 1}", timeout=15_000)
+                assert page.evaluate(JS_PANEL)["models"]["broken"]["state"] == "UNAVAILABLE"
 
                 body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [3, 16], "datatype": "FP32",
                                                "data": [0.5] * 48}]}).encode()

@@ -92,7 +92,7 @@ export class ModelView extends Widget {
         }
         li.appendChild(head);
         if (row.reason) {
-          field(li, 'reason', row.reason);
+          field(li, 'reason', row.reason).dataset.reason = row.reason;
         }
         return li;
       }));

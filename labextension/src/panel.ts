@@ -79,7 +79,9 @@ export class TritonPanel extends Widget {
         this._render(index, stats.model_stats || []);
       }
       if (!this._busy) {
-        this._setStatus(`updated ${new Date().toLocaleTimeString()}`, false);
+        // a failed action's reason stays until the next action: a redraw must not hide it
+        const updated = `updated ${new Date().toLocaleTimeString()}`;
+        this._setStatus(this._failed ? `${this._failed} (${updated})` : updated, !!this._failed);
       }
       this.node.dataset.ticks = String(++this._ticks);
     } catch (err) {
@@ -126,6 +128,7 @@ export class TritonPanel extends Widget {
       return;
     }
     this._busy = true;
+    this._failed = null;
     this.node.dataset.busy = what;
     this._setStatus(`${what}…`, false);
     try {
@@ -135,7 +138,8 @@ export class TritonPanel extends Widget {
       this._setStatus(`${what}: done`, false);
     } catch (err) {
       this._busy = false;
-      this._setStatus(`${what}: ${err instanceof Error ? err.message : err}`, true);
+      this._failed = `${what}: ${err instanceof Error ? err.message : err}`;
+      this._setStatus(this._failed, true);
     } finally {
       delete this.node.dataset.busy;
     }
@@ -206,7 +210,7 @@ export class TritonPanel extends Widget {
     field(head, 'state', state).classList.add(`jp-TritonPanel-state-${state.toLowerCase()}`);
     li.appendChild(head);
     if (entry.reason) {
-      field(li, 'reason', entry.reason);
+      field(li, 'reason', entry.reason).dataset.reason = entry.reason;
     }
     if (stats) {
       li.appendChild(renderFigures(stats, this._rates.get(key) ?? null));
@@ -294,6 +298,7 @@ export class TritonPanel extends Widget {
   private _timer: number | undefined;
   private _ticks = 0;
   private _busy = false;
+  private _failed: string | null = null;
   private _configs = new Map<string, string>();
   private _snapshot: { t: number; model_stats: IModelStats[] } | null = null;
   private _rates = new Map<string, number>();
