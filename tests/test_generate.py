@@ -195,3 +195,34 @@ def test_generate_stream_to_an_http10_client(server):
     assert head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0]
     assert b"chunked" not in head.lower()
     assert [e["text_output"] for e in _events(events)] == ["old", "client"]
+
+
+async def test_a_jupyter_client_that_disconnects_mid_stream_cancels_its_request(
+        jp_triton, jp_base_url, tmp_path):
+    import asyncio
+    marker = tmp_path / "cancelled-jupyter"
+    body = json.dumps({"text_input": " ".join(f"w{i}" for i in range(400)),
+                       "parameters": {"delay": 0.05, "cancel_marker": str(marker)}}).encode()
+    port = jp_triton.port
+
+    def client() -> bytes:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
+        sock.sendall(b"POST %bv2/models/words/generate_stream HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                     b"Authorization: Bearer %b\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b"
+                     % (jp_base_url.encode(), port, INFER_KEY.encode(), len(body), body))
+        received = b""
+        while b"w1" not in received:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            received += chunk
+        sock.close()
+        return received
+
+    received = await asyncio.to_thread(client)
+    assert received.startswith(b"HTTP/1.1 200"), received[:200]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not marker.exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert marker.exists(), "the model never saw is_cancelled() after the client left"
