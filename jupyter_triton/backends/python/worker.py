@@ -933,13 +933,14 @@ def _read_output(worker: WorkerProcess, out_r: Connection, err_r: Connection) ->
 
 
 def _emit(worker: WorkerProcess, model: str, version: str, source: str, text: str) -> None:
-    stream = sys.stdout if source == "stdout" else sys.stderr
-    if stream is not None:
-        try:
-            stream.write(text)
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    # The server's own fd, as the worker wrote to it before its output was read here: a
+    # terminal, a log file, or whatever captures the server's output sees the same bytes.
+    data = memoryview(text.encode("utf-8", "replace"))
+    try:
+        while data:
+            data = data[os.write(1 if source == "stdout" else 2, data):]
+    except OSError:
+        pass
     for line in text.splitlines():
         match = _WORKER_LOG_LINE.match(line) if source == "stderr" else None
         level = (_LOG_LEVEL_NAMES.get(match.group(1), match.group(1)) if match
