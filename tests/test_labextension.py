@@ -200,6 +200,14 @@ def _infer_demo(lab, times: int) -> None:
             assert resp.status == 200
 
 
+def _workspace(lab, workspace: str) -> str:
+    """The saved layout of ``workspace`` as the server holds it (JupyterLab's workspaces API)."""
+    req = urllib.request.Request(f"{lab.url}lab/api/workspaces/{workspace}",
+                                 headers={"Authorization": f"token {lab.token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.read().decode()
+
+
 def _served(lab, model: str) -> dict[str, str]:
     """version -> state, as the server's repository index says (not the panel)."""
     req = urllib.request.Request(f"{lab.url}v2/repository/index", data=b"{}", method="POST",
@@ -323,6 +331,16 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                                      timeout=60, env={**os.environ, "JUPYTER_TOKEN": lab.token})
                 assert ran.returncode == 0 and "'name': 'demo'" in ran.stdout, ran.stdout + ran.stderr
                 page.locator(PANEL).screenshot(path=str(shots / "labextension-panel-actions.png"))
+
+                # the open dashboard is saved with the workspace and comes back with the page
+                deadline = time.monotonic() + 30
+                while "jupyter-triton-dashboard:demo" not in _workspace(lab, workspace):
+                    assert time.monotonic() < deadline, _workspace(lab, workspace)
+                    time.sleep(0.5)
+                page.goto(f"{lab.url}lab/workspaces/{workspace}?token={urllib.parse.quote(lab.token)}",
+                          wait_until="domcontentloaded")
+                page.locator('.jp-TritonModelView[data-model="demo"] .jt-card[data-model="demo"]'
+                             ).wait_for(timeout=30_000)
             finally:
                 ctx.close()
     finally:

@@ -7,7 +7,7 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { MainAreaWidget } from '@jupyterlab/apputils';
+import { MainAreaWidget, WidgetTracker } from '@jupyterlab/apputils';
 import { ServerConnection } from '@jupyterlab/services';
 import { LabIcon } from '@jupyterlab/ui-components';
 
@@ -29,24 +29,34 @@ const plugin: JupyterFrontEndPlugin<void> = {
   optional: [ILayoutRestorer],
   activate: (app: JupyterFrontEnd, restorer: ILayoutRestorer | null) => {
     const settings = ServerConnection.makeSettings();
-    const views = new Map<string, MainAreaWidget<ModelView>>();
+    // the open dashboards, one per model, saved with the workspace and restored with it
+    const views = new WidgetTracker<MainAreaWidget<ModelView>>({ namespace: 'jupyter-triton-dashboard' });
     const openDashboard = (name: string): void => {
-      let view = views.get(name);
-      if (!view || view.isDisposed) {
+      let view = views.find(w => w.content.model === name);
+      if (!view) {
         view = new MainAreaWidget({ content: new ModelView(settings, name) });
         view.id = `jupyter-triton-view-${name}`;
         view.title.label = `Triton: ${name}`;
         view.title.icon = tritonIcon;
-        views.set(name, view);
+        void views.add(view);
         app.shell.add(view, 'main');
       }
       app.shell.activateById(view.id);
     };
+    app.commands.addCommand('jupyter-triton:open-dashboard', {
+      label: args => (args.model ? `Triton Dashboard: ${args.model}` : 'Triton Dashboard'),
+      execute: args => openDashboard(String(args.model ?? ''))
+    });
     const panel = new TritonPanel(settings, { openDashboard });
     panel.title.icon = tritonIcon;
     app.shell.add(panel, 'left', { rank: 900 });
     if (restorer) {
       restorer.add(panel, panel.id);
+      void restorer.restore(views, {
+        command: 'jupyter-triton:open-dashboard',
+        args: view => ({ model: view.content.model }),
+        name: view => view.content.model
+      });
     }
     app.commands.addCommand('jupyter-triton:open', {
       label: 'Show Triton Models',
