@@ -456,6 +456,12 @@ def _output_bytes(response: InferResponse) -> int:
                for t in response.outputs if t.data is not None)
 
 
+# Events as they come: not cached, and not held back by a buffering proxy (nginx in front of
+# a JupyterHub reads X-Accel-Buffering).
+SSE_HEADERS = {"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
 async def _generate_request(plane: DataPlane, call: Call) -> tuple[Any, bool]:
     model, version = call.params["model"], _version(call)
     config = plane.engine.model_config(model, version)
@@ -498,7 +504,7 @@ async def model_generate_stream(plane: DataPlane, call: Call) -> Reply:
     request, batched = await _generate_request(plane, call)
     responses = plane.engine.infer_stream(request)
     first = await first_response(responses)
-    return Reply(200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"},
+    return Reply(200, headers=SSE_HEADERS,
                  stream=generate_events(first, responses, batched))
 
 
@@ -539,7 +545,7 @@ async def _openai(plane: DataPlane, call: Call, chat: bool) -> Reply:
         if not job.stream:
             return json_reply(await openai.complete(job, responses))
         first = await first_response(responses)
-        return Reply(200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"},
+        return Reply(200, headers=SSE_HEADERS,
                      stream=openai.events(job, first, responses))
     except TritonError as err:
         return json_reply(openai.error_body(err), err.status)
