@@ -86,6 +86,12 @@ def build(root: Path) -> Path:
     (root / "chain" / "1").mkdir(parents=True)
     (root / "chain" / "config.pbtxt").write_text(CHAIN)
     _model(root, "add", ADD_PY, "dynamic_batching { }")
+    (root / "bare" / "1").mkdir(parents=True)       # no instance_group, no batcher
+    (root / "bare" / "1" / "model.py").write_text(ADD_PY)
+    (root / "bare" / "config.pbtxt").write_text(
+        'name: "bare"\nbackend: "python"\nmax_batch_size: 4\n'
+        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
     _model(root, "minus_ten", ADD_PY.replace("x + 1", "x - 10").replace("x.sum() < 0", "False"))
     _model(root, "raises", RAISES_PY)
     _model(root, "to_unload", ADD_PY)
@@ -94,7 +100,7 @@ def build(root: Path) -> Path:
     return root
 
 
-LOADED = ["add", "raises", "to_unload", "chain"]
+LOADED = ["add", "raises", "to_unload", "chain", "bare"]
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +211,13 @@ def test_an_ensemble_answers_and_fails_as_tritons_naming_the_step(both):
         == (2, 1)
     assert [(s["success"]["count"], s["fail"]["count"]) for s in ours["ensemble_steps"]] == \
         [(2, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("model", ["add", "bare", "raises"])
+def test_the_served_config_is_tritons(both, model):
+    # normalized alike: preferred sizes, the backend's file name, KIND_AUTO placed
+    (_, theirs), (_, ours) = both_call(both, "GET", f"/v2/models/{model}/config")
+    assert theirs == ours
 
 
 def test_dynamic_batching_without_preferred_sizes_is_served_alike(both):

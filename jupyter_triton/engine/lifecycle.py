@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import ModelFiles, backend_class, backend_name
+from ..backends.devices import resolve_kind
 from ..config import fill_defaults, validate_config
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
@@ -333,6 +334,13 @@ class ModelLifecycle:
                            config.default_model_filename or cls.default_filename)
         config = cls.auto_complete_config(config, files)
         config = fill_defaults(config)
+        # what tritonserver 2.51 serves back: the backend's file name, and KIND_AUTO placed
+        # (on the GPU where there is one, else the CPU) as the instances will be
+        if not config.default_model_filename:
+            config.default_model_filename = cls.default_filename
+        for group in config.instance_group:
+            if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
+                group.kind = mc.ModelInstanceGroup.Kind.Value(resolve_kind("KIND_AUTO"))
         validate_config(config)
         return config, backend, versions
 
