@@ -268,6 +268,9 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                 page.locator(_card("multi", "1", "READY")).wait_for(timeout=30_000)
                 page.locator(_card("multi", "2", "READY")).wait_for(timeout=30_000)
                 assert _served(lab, "multi") == {"1": "READY", "2": "READY"}
+                page.wait_for_function(      # the panel redraws: ask the page, not an element handle
+                    "() => document.querySelector('#jupyter-triton-panel [data-model=\"multi\"][data-version=\"2\"] "
+                    "select.jp-TritonPanel-policy option[value=\"\"]').textContent === 'serving v1, v2'", timeout=15_000)
                 page.locator(f'{_card("multi", "2")} select.jp-TritonPanel-policy').select_option("v1")
                 page.wait_for_function(
                     "() => !document.querySelector('#jupyter-triton-panel [data-model=\"multi\"]"
@@ -275,6 +278,9 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                 page.locator(_card("multi", "1", "READY")).wait_for(timeout=30_000)
                 served = _served(lab, "multi")
                 assert served["1"] == "READY" and served.get("2") != "READY", served
+                page.wait_for_function(
+                    "() => document.querySelector('#jupyter-triton-panel [data-model=\"multi\"][data-version=\"1\"] "
+                    "select.jp-TritonPanel-policy option[value=\"\"]').textContent === 'serving v1'", timeout=15_000)
 
                 # unload from the panel: the state changes there and on the server; load it back
                 page.locator(f'{_card("demo", "1")} button[data-action="unload"]').click()

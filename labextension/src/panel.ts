@@ -173,10 +173,10 @@ export class TritonPanel extends Widget {
 
   private _render(index: IIndexEntry[], stats: IModelStats[]): void {
     const byKey = new Map(stats.map(s => [`${s.name}/${s.version}`, s]));
-    const versions = new Map<string, string[]>();
+    const versions = new Map<string, IIndexEntry[]>();      // a model's rows that name a version
     for (const entry of index) {
       if (entry.version) {
-        versions.set(entry.name, [...(versions.get(entry.name) || []), entry.version]);
+        versions.set(entry.name, [...(versions.get(entry.name) || []), entry]);
       }
     }
     this._list.replaceChildren(
@@ -193,7 +193,7 @@ export class TritonPanel extends Widget {
   }
 
   /** One model version: its figures as data attributes and classed fields, for tests too. */
-  private _card(entry: IIndexEntry, stats: IModelStats | undefined, versions: string[]): HTMLLIElement {
+  private _card(entry: IIndexEntry, stats: IModelStats | undefined, versions: IIndexEntry[]): HTMLLIElement {
     const li = document.createElement('li');
     const name = entry.name;
     const version = entry.version ?? '';
@@ -240,7 +240,7 @@ export class TritonPanel extends Widget {
   }
 
   private _actions(name: string, version: string, state: string, key: string,
-                   versions: string[]): HTMLElement {
+                   versions: IIndexEntry[]): HTMLElement {
     const bar = document.createElement('div');
     bar.className = 'jp-TritonPanel-actions';
     const ready = state === 'READY';
@@ -253,8 +253,11 @@ export class TritonPanel extends Widget {
     menu.className = 'jp-TritonPanel-policy';
     menu.dataset.action = 'versions';
     menu.title = 'Which versions the server serves (version_policy)';
-    const choices = [['', 'versions…'], ['latest', 'latest'], ['all', 'all'],
-                     ...versions.map(v => [`v${v}`, `only v${v}`])];
+    // the placeholder says what is served now, the choices what could be
+    const serving = versions.filter(v => v.state === 'READY').map(v => `v${v.version}`);
+    const choices = [['', serving.length ? `serving ${serving.join(', ')}` : 'versions…'],
+                     ['latest', 'latest'], ['all', 'all'],
+                     ...versions.map(v => [`v${v.version}`, `only v${v.version}`])];
     for (const [value, label] of choices) {
       const option = document.createElement('option');
       option.value = value;
