@@ -496,3 +496,43 @@ def test_many_streams_some_left_early_leave_nothing_behind(tmp_path, repeat_back
         assert got == ([0] if i % 3 == 0 else [0, 1, 2, 3, 4])
     assert stats["success"]["count"] + stats["fail"]["count"] == 50
     assert mv._inflight == 0 and not mv._streams and mv.stats.pending == 0
+
+
+def test_a_python_worker_dying_mid_stream_ends_the_stream_with_its_error(tmp_path):
+    """The python backend (worker process) closes the open senders of a worker that dies;
+    through the engine the stream ends with that error, counted, and the next request is
+    served by a new worker."""
+    from test_backend_python import write_model
+    from test_python_decoupled import REPEAT_CONFIG, REPEAT_MODEL_PY
+    write_model(tmp_path / "models", "repeat", REPEAT_MODEL_PY, REPEAT_CONFIG)
+
+    def cmd(word: str, values: list[int]) -> InferRequest:
+        data = np.array(values, np.int32)
+        return InferRequest("repeat", inputs=[
+            InferTensor("CMD", "BYTES", (1,), np.array([word.encode()], dtype=np.object_)),
+            InferTensor("IN", "INT32", data.shape, data)])
+
+    async def recovered(engine) -> list:
+        for _ in range(3):           # a death may be noticed by the next batch at worst
+            again = await _collect(engine, cmd("go", [2, 3]))
+            if again[-1].error is None:
+                break
+        return again
+
+    async def main(engine):
+        died = await _collect(engine, cmd("die_later", [8]))
+        first_again = await recovered(engine)
+        killed = await _collect(engine, cmd("kill", [1]))
+        again = await recovered(engine)
+        return died, first_again, killed, again, await _stats(engine, "repeat", 3)
+
+    died, first_again, killed, again, stats = run(main, tmp_path)
+    # the model's first response carries OUT alone (no IDX): it comes as it was sent
+    assert [t.name for t in died[0].outputs] == ["OUT"] and not died[0].final
+    assert died[0].outputs[0].data.tolist() == [8]
+    assert died[-1].final and isinstance(died[-1].error, Unavailable)
+    assert "exit code 4" in str(died[-1].error)
+    assert len(killed) == 1 and killed[0].final and "exit code 3" in str(killed[0].error)
+    for responses in (first_again, again):
+        assert [r.outputs[0].data.tolist() for r in responses if r.outputs] == [[2], [3]]
+    assert stats["inference_stats"]["fail"]["count"] >= 1

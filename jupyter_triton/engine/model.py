@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -16,7 +17,7 @@ from ..backends.base import BackendDead
 from ..backends.devices import resolve_kind
 from ..backends.signature import int_parameter
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
-from ..protocol.types import InferRequest, InferResponse
+from ..protocol.types import InferRequest, InferResponse, RequestedOutput
 from .batcher import DynamicBatcher
 from .bls import Bls
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
@@ -239,6 +240,11 @@ class ModelVersion:
         return response
 
     def _build(self, request: InferRequest, outputs: dict) -> InferResponse:
+        if request.outputs is None and len(outputs) < len(self._outputs.names):
+            # a response without some outputs nobody asked for by name: it carries the ones
+            # the model sent, as Triton's do (a decoupled model's responses often differ)
+            request = dataclasses.replace(request, outputs=[
+                RequestedOutput(name) for name in self._outputs.names if name in outputs])
         return build_response(self.config, self.version, self.model_dir, request, outputs,
                               self.max_output_size, self._outputs)
 
