@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -219,6 +221,16 @@ def test_a_sequence_callable_keeps_one_state_per_correlation_id(grpc_server):
     one = np.array([1], np.int32)
     assert [int(a.infer(one, start=True)[0]), int(b.infer(one * 7, start=True)[0]),
             int(a.infer(one * 2)[0]), int(b.infer(one, end=True)[0]), int(a.infer(one, end=True)[0])] == [1, 7, 3, 8, 4]
+    # the calls the handle shows run as shown: a one-request sequence each
+    shown = repr(handle)
+    curl = shown.split("curl:\n")[1].split("tritonclient:")[0].replace("\\\n", " ")
+    assert "sequence_start" in curl
+    done = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=30)
+    assert json.loads(done.stdout)["outputs"][0]["data"] == [0], done.stdout + done.stderr
+    snippet = "\n".join(line[2:] for line in shown.split("tritonclient:\n")[1].splitlines())
+    assert "sequence_id=1, sequence_start=True, sequence_end=True" in snippet
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[0]", done.stdout + done.stderr
 
 
 def test_a_text_function_is_called_with_a_string(grpc_server):

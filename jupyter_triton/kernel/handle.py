@@ -242,12 +242,13 @@ class ServedModel:
         except TritonError:
             meta = {}
         try:
-            decoupled = bool(self.config().get("model_transaction_policy", {}).get("decoupled"))
+            config = self.config()
         except TritonError:
-            decoupled = False
+            config = {}
         return {"state": self.state, "inputs": meta.get("inputs", []),
-                "outputs": meta.get("outputs", []), "decoupled": decoupled,
-                "text": self._text_model(meta)}
+                "outputs": meta.get("outputs", []),
+                "decoupled": bool(config.get("model_transaction_policy", {}).get("decoupled")),
+                "sequence": "sequence_batching" in config, "text": self._text_model(meta)}
 
     def snippets(self, summary: dict | None = None) -> tuple[str, str]:
         """(curl command, client code) that call this model from elsewhere: v2 infer and
@@ -259,7 +260,9 @@ class ServedModel:
         if summary.get("decoupled"):
             body = {t["name"]: _zeros_json(t) for t in summary["inputs"]}
             return _curl_generate(self, body, True), _sse_python(self, body)
-        return _curl(self, summary["inputs"]), _tritonclient(self, summary["inputs"], summary["outputs"])
+        sequence = bool(summary.get("sequence"))
+        return (_curl(self, summary["inputs"], sequence),
+                _tritonclient(self, summary["inputs"], summary["outputs"], sequence))
 
     @staticmethod
     def _client_label(summary: dict) -> str:
@@ -345,7 +348,11 @@ def _token_variable(connection: Connection) -> str:
     return IN_KERNEL_TOKEN_VARIABLE if connection.mode == IN_KERNEL else TOKEN_VARIABLE
 
 
-def _curl(model: ServedModel, inputs: list[dict]) -> str:
+#: a sequence model's one-request sequence, as the snippets send it
+_SEQUENCE = {"sequence_id": 1, "sequence_start": True, "sequence_end": True}
+
+
+def _curl(model: ServedModel, inputs: list[dict], sequence: bool = False) -> str:
     variable = _token_variable(model.connection)
     # curl -d alone says application/x-www-form-urlencoded, which the server refuses
     auth = '-H "Content-Type: application/json" ' + (
@@ -361,9 +368,10 @@ def _curl(model: ServedModel, inputs: list[dict]) -> str:
             data, generated = f"[{zero}]*{count}", True
         tensors.append(f'{{"name":"{t["name"]}","shape":{json.dumps(shape)},'
                        f'"datatype":"{t["datatype"]}","data":{data}}}')
-    body = '{"inputs":[' + ",".join(tensors) + ']}'
+    parameters = ',"parameters":' + json.dumps(_SEQUENCE, separators=(",", ":")) if sequence else ""
+    body = '{"inputs":[' + ",".join(tensors) + ']' + parameters + '}'
     if generated:
-        body = body.replace("false", "False")
+        body = body.replace("false", "False").replace("true", "True")
         payload = f"\"$(python3 -c 'import json; print(json.dumps({body}))')\""
     else:
         payload = f"'{body}'"
@@ -413,7 +421,8 @@ def _sse_python(model: ServedModel, body: dict) -> str:
         "        print(json.loads(line[5:]))"])
 
 
-def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict]) -> str:
+def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict],
+                  sequence: bool = False) -> str:
     parts = urlsplit(model.url)
     base = parts.path.split("/v2/models/")[0].rstrip("/")
     target = f"{parts.netloc}{base}"
@@ -439,6 +448,7 @@ def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict]) -
         lines.append(f'{var} = httpclient.InferInput("{t["name"]}", {shape}, "{t["datatype"]}")')
         lines.append(f"{var}.set_data_from_numpy({data})")
     call = f'result = client.infer("{model.name}", [{", ".join(names)}]' + (
+        ", sequence_id=1, sequence_start=True, sequence_end=True" if sequence else "") + (
         ", headers=headers)" if uses_token else ")")
     lines.append(call)
     lines += [f'print(result.as_numpy("{o["name"]}"))' for o in outputs]
