@@ -198,3 +198,107 @@ def test_nvidias_bls_decoupled_sync_example_runs_unchanged(tmp_path, mode):
         assert stats["inference_count"] == 4   # each BLS stream counted by the model it reached
     finally:
         server.close()
+
+
+ECHO_MODEL_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)])
+                for r in requests]
+'''
+
+ECHO_CONFIG = '''
+name: "echo"
+backend: "python"
+input [{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }]
+output [{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }]
+'''
+
+# Decoupled: two big responses per request.
+HALVES_MODEL_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            sender = r.get_response_sender()
+            for part in np.array_split(x, 2):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", part + 1)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+HALVES_CONFIG = '''
+name: "halves"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }]
+output [{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }]
+'''
+
+BIG_CALLER_MODEL_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X")
+            doubled = pb_utils.InferenceRequest(model_name="echo", inputs=[x],
+                                                requested_output_names=["Y"]).exec()
+            if doubled.has_error():
+                raise pb_utils.TritonModelException(doubled.error().message())
+            parts = [pb_utils.get_output_tensor_by_name(resp, "Y").as_numpy()
+                     for resp in pb_utils.InferenceRequest(model_name="halves", inputs=[x],
+                                                           requested_output_names=["Y"]).exec(decoupled=True)
+                     if resp.output_tensors()]
+            y = pb_utils.get_output_tensor_by_name(doubled, "Y").as_numpy() + np.concatenate(parts)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return out
+'''
+
+BIG_CALLER_CONFIG = '''
+name: "big_caller"
+backend: "python"
+input [{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }]
+output [{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }]
+'''
+
+
+def our_segments() -> set[str]:
+    import os
+    from jupyter_triton.backends.python.shm import segment_prefix
+    return {n for n in os.listdir("/dev/shm") if n.startswith(segment_prefix())}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_large_tensors_cross_bls_and_decoupled_responses_whole(tmp_path, mode):
+    repo = tmp_path / "models"
+    extra = THREAD_MODE if mode == "thread" else ""
+    add_model(repo, "echo", textwrap.dedent(ECHO_MODEL_PY), ECHO_CONFIG + extra)
+    add_model(repo, "halves", textwrap.dedent(HALVES_MODEL_PY), HALVES_CONFIG + extra)
+    add_model(repo, "big_caller", textwrap.dedent(BIG_CALLER_MODEL_PY), BIG_CALLER_CONFIG + extra)
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    at_start = our_segments()
+    try:
+        x = np.random.default_rng(0).standard_normal(1_000_000).astype(np.float32)   # 4 MB
+        inp = httpclient.InferInput("X", [x.size], "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        batches = None
+        for _ in range(3):
+            y = client.infer("big_caller", [inp]).as_numpy("Y")
+            np.testing.assert_allclose(y, x * 2 + (x + 1), rtol=1e-6, atol=1e-6)
+            # each region lent for the way there and back is given back; the regions of the
+            # batches (two per worker, one for a decoupled one's inputs) stay for the next
+            if batches is None:
+                batches = our_segments()
+            assert our_segments() == batches
+    finally:
+        server.close()
+    assert our_segments() - at_start == set()

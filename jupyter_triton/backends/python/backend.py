@@ -576,7 +576,7 @@ class PythonBackend(Backend):
         try:
             for outputs, error, final in self._bls_results(
                     spec, decoupled, lambda stream: self._bls_streams.__setitem__(key, stream)):
-                worker.send_side(("br", (call_id, seq), outputs, error, final))
+                worker.send_side(("br", (call_id, seq), worker.pack(outputs), error, final))
                 seq += 1
         finally:
             self._bls_streams.pop(key, None)

@@ -253,8 +253,15 @@ class _Demux:
         with self._cond:
             self.abandoned.add(call_id)
             for key in [k for k in self._replies if type(k) is tuple and k[0] == call_id]:
-                if self._replies.pop(key)[4]:
+                msg = self._replies.pop(key)
+                self._free(msg)
+                if msg[4]:
                     self.abandoned.discard(call_id)
+
+    def _free(self, msg: Any) -> None:
+        """A dropped BLS answer whose tensors came in a lent region: give the region back."""
+        if type(msg[2]) is tuple:
+            self.send(("af", msg[2][1]))
 
     def _wait(self, ready: Callable[[], Any]) -> None:
         cond = self._cond
@@ -283,6 +290,7 @@ class _Demux:
                 elif msg[0] in _REPLIES:
                     key = "o" if msg[0] == "o" else msg[1]
                     if type(key) is tuple and key[0] in self.abandoned:
+                        self._free(msg)
                         if msg[4]:   # a BLS stream nobody reads any more: drop it to its end
                             self.abandoned.discard(key[0])
                     else:
@@ -312,7 +320,14 @@ class _Demux:
 
 
 # Server -> worker messages that answer a waiter rather than start work.
-_REPLIES = frozenset({"o", "cr", "br", "mr"})
+_REPLIES = frozenset({"o", "cr", "br", "mr", "ar"})
+
+#: tensors of one message past this size travel in a shared-memory region, not the socket
+SHM_MESSAGE_BYTES = 1 << 20
+
+
+def _payload_bytes(tensors: dict) -> int:
+    return sum(a.nbytes if a.dtype.kind != "O" else 64 * a.size for a in tensors.values())
 
 
 class _WorkerHost:
@@ -332,7 +347,33 @@ class _WorkerHost:
         if isinstance(data, ResponseError):
             self.demux.send(("d", key, None, (data.code, data.message), final))
         else:
-            self.demux.send(("d", key, data, None, final))
+            self.demux.send(("d", key, self.pack(data), None, final))
+
+    def pack(self, tensors: dict) -> Any:
+        """Large tensors into a region the server lends (it reads and frees it)."""
+        if not tensors or _payload_bytes(tensors) < SHM_MESSAGE_BYTES:
+            return tensors
+        staged, end = stage(tensors)
+        name = self.demux.call("a", end)[2]
+        if name is None:              # no room in /dev/shm: the socket carries them
+            return tensors
+        region = ShmRegion.attach(name)
+        try:
+            refs = region.write(staged)
+        finally:
+            region.close()
+        return ("shm", name, refs)
+
+    def unpack(self, packed: Any) -> dict | None:
+        if type(packed) is not tuple:
+            return packed
+        _, name, refs = packed
+        region = ShmRegion.attach(name)
+        try:
+            return region.read(refs)
+        finally:
+            region.close()
+            self.demux.send(("af", name))
 
     def cancelled(self, key: Any) -> bool:
         return bool(self.demux.call("cq", key)[2])
@@ -356,19 +397,22 @@ class _WorkerHost:
         self.demux.send(("l", level, message))
 
     def bls_exec(self, request: Any, decoupled: bool) -> Any:
+        spec = list(bls_spec(request))
+        spec[2] = self.pack(spec[2])
         call_id = self.demux.new_id()
-        self.demux.send(("b", call_id, decoupled, bls_spec(request)))
+        self.demux.send(("b", call_id, decoupled, tuple(spec)))
         if decoupled:
-            return _BlsStream(self.demux, call_id)
+            return _BlsStream(self, call_id)
         msg = self.demux.reply((call_id, 0))
-        return bls_response(msg[2], msg[3])
+        return bls_response(self.unpack(msg[2]), msg[3])
 
 
 class _BlsStream:
     """``exec(decoupled=True)`` in a worker: the responses as the server relays them."""
 
-    def __init__(self, demux: _Demux, call_id: int) -> None:
-        self._demux = demux
+    def __init__(self, host: "_WorkerHost", call_id: int) -> None:
+        self._host = host
+        self._demux = host.demux
         self._id = call_id
         self._seq = 0
         self._done = False
@@ -386,7 +430,7 @@ class _BlsStream:
             raise StopIteration from None
         self._seq += 1
         self._done = bool(msg[4])
-        return bls_response(msg[2], msg[3])
+        return bls_response(self._host.unpack(msg[2]), msg[3])
 
     def __del__(self) -> None:
         # Dropped before its end: cancel the called request and forget its responses, from
@@ -486,7 +530,7 @@ def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
 
 # Worker -> server messages that are not answers to the server's own request: metrics,
 # BLS calls (the reader, or the thread that waits for a batch, hands them on).
-_SIDE = frozenset({"b", "bx", "m", "l"})
+_SIDE = frozenset({"b", "bx", "m", "l", "a", "af"})
 _ALIVE = object()
 _DIED = ("died",)
 
@@ -570,6 +614,9 @@ class WorkerProcess:
         self._sinks: dict[int, Any] = {}
         self._keys = itertools.count(1)
         self._logs: threading.Thread | None = None
+        # regions lent for tensors that travel with a message (BLS, decoupled responses)
+        self._loans: dict[str, ShmRegion] = {}
+        self._closed = False
 
     @property
     def pid(self) -> int | None:
@@ -687,6 +734,8 @@ class WorkerProcess:
                     kind = msg[0]
                     if kind == "d":
                         _, key, outputs, error, final = msg
+                        if type(outputs) is tuple:
+                            outputs = self._take_loan(outputs)
                         sink = sinks.pop(key, None) if final else sinks.get(key)
                         if sink is not None:
                             sink.deliver(outputs, error, final)
@@ -721,6 +770,19 @@ class WorkerProcess:
                     log.exception("python worker %s: failing an open request", self.label)
 
     def _side_message(self, msg: Any) -> None:
+        kind = msg[0]
+        if kind == "a":     # the worker wants a region for tensors it is about to send
+            self._send(("ar", msg[1], self._lend(msg[2])))
+            return
+        if kind == "af":    # it has read the region it was sent
+            region = self._loans.pop(msg[1], None)
+            if region is not None:
+                region.close()
+            return
+        if kind == "b" and type(msg[3][2]) is tuple:
+            spec = list(msg[3])
+            spec[2] = self._take_loan(spec[2])
+            msg = (*msg[:3], tuple(spec))
         if self._side is not None:
             try:
                 self._side(self, msg)
@@ -756,6 +818,45 @@ class WorkerProcess:
             self._send(msg)
         except WorkerDied:
             pass
+
+    def pack(self, tensors: dict | None) -> Any:
+        """Tensors for a message to the worker: inline when small, else in a region lent to
+        it (it says ``("af", name)`` once read; the region goes with the worker otherwise)."""
+        if not tensors or _payload_bytes(tensors) < SHM_MESSAGE_BYTES:
+            return tensors
+        staged, end = stage(tensors)
+        try:
+            region = ShmRegion.create(end)
+        except SharedMemoryFull:
+            return tensors            # no room: the socket carries them
+        refs = region.write(staged)
+        self._keep(region)
+        return ("shm", region.name, refs)
+
+    def _lend(self, nbytes: int) -> str | None:
+        try:
+            region = ShmRegion.create(nbytes)
+        except SharedMemoryFull:
+            return None
+        self._keep(region)
+        return region.name
+
+    def _keep(self, region: ShmRegion) -> None:
+        self._loans[region.name] = region
+        if self._closed:   # closed meanwhile (a BLS answer racing the worker's end)
+            self._loans.pop(region.name, None)
+            region.close()
+
+    def _take_loan(self, packed: tuple) -> dict:
+        _, name, refs = packed
+        region = self._loans.pop(name, None)
+        if region is None:   # never lent (a confused worker): no tensors rather than a dead reader
+            log.error("python worker %s: tensors in region %s, which it was not lent", self.label, name)
+            return {}
+        try:
+            return region.read(refs)
+        finally:
+            region.close()
 
     def _recv(self, what: str, timeout: float | None = None, deadline: float | None = None) -> Any:
         """The next message; ``WorkerTimeout`` (after killing the worker) past ``deadline``
@@ -892,6 +993,9 @@ class WorkerProcess:
             if region is not None:
                 region.close()
                 setattr(self, attr, None)
+        self._closed = True
+        while self._loans:
+            self._loans.popitem()[1].close()
         _LIVE.discard(self)
 
 
