@@ -53,10 +53,10 @@ Beyond request/response, as Triton's python backend has them:
 - Model logs: ``pb_utils.Logger`` lines and a worker's stdout/stderr, per model version in
   ``jupyter_triton.model_logs`` (and in the server's own output, as before).
 
-Tensors of a batch travel through shared memory; those of decoupled responses and BLS calls
-travel inside the socket's messages (they leave at any time, and a region belongs to one
-batch at a time). A model that does none of this pays nothing for it: its batches take the
-same two messages as before.
+Tensors of a batch travel through the worker's two shared-memory regions; those of decoupled
+responses and BLS calls leave at any time, so past 1 MiB they travel in a region the server
+lends for that one message (small ones ride inside it). A model that does none of this pays
+nothing for it: its batches take the same two messages as before.
 """
 from __future__ import annotations
 

@@ -32,8 +32,10 @@ Either side may send at any time. The worker's socket is read by whichever of it
 waits (``_Demux``). On the server, the thread that runs a batch reads until the batch is done
 and hands side messages on (the non-decoupled path: no thread hand-off per batch); a decoupled
 model's worker has a reader thread of its own, because its responses come after execute has
-returned. Decoupled responses carry their tensors inside the message (the regions belong to
-one batch at a time).
+returned. Decoupled responses and BLS calls carry small tensors inside the message and large
+ones (``SHM_MESSAGE_BYTES``) in a region lent for that message: ("a", id, nbytes) -> ("ar", id,
+name) when the worker sends, ("af", name) once the worker has read what the server sent. The
+server creates and unlinks every region, so a worker that dies leaks nothing.
 """
 from __future__ import annotations
 
