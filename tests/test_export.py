@@ -48,7 +48,11 @@ def worked_repo(model_repo: Path) -> Path:
     config, files = pack_callable(lambda x: x + 1, name="plus_one", inputs=[("x", "FP32", [3])],
                                   outputs=[("y", "FP32", [3])], max_batch_size=4)
     repo.write_upload("plus_one", config, {f"file:{k}": v for k, v in files.items()})
-    (model_repo / "linear" / "1" / "__pycache__").mkdir()
+    # bytecode caches wherever Python leaves them: beside a version's model.py, in a model's
+    # folder, at the repository's root
+    for folder in (model_repo / "linear" / "1", model_repo / "linear", model_repo):
+        (folder / "__pycache__").mkdir()
+        (folder / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")
     return model_repo
 
 
