@@ -213,7 +213,7 @@ def test_an_ensemble_answers_and_fails_as_tritons_naming_the_step(both):
         [(2, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("model", ["add", "bare", "raises"])
+@pytest.mark.parametrize("model", ["add", "bare", "raises", "chain"])
 def test_the_served_config_is_tritons(both, model):
     # normalized alike: preferred sizes, the backend's file name, KIND_AUTO placed
     (_, theirs), (_, ours) = both_call(both, "GET", f"/v2/models/{model}/config")

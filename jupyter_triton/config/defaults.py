@@ -22,6 +22,7 @@ def fill_defaults(config: mc.ModelConfig) -> mc.ModelConfig:
     if out.HasField("sequence_batching") and not out.sequence_batching.max_sequence_idle_microseconds:
         out.sequence_batching.max_sequence_idle_microseconds = SEQUENCE_IDLE_DEFAULT_MICROSECONDS
     if out.HasField("ensemble_scheduling"):
+        out.model_transaction_policy.SetInParent()      # Triton serves it for ensembles
         return out
     if not out.instance_group:
         out.instance_group.add(name=out.name, kind=mc.ModelInstanceGroup.KIND_AUTO, count=1)

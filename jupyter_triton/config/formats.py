@@ -130,7 +130,16 @@ def config_to_json(config: mc.ModelConfig) -> dict[str, Any]:
     out = json_format.MessageToDict(config, preserving_proto_field_name=True,
                                     **{_PRINT_DEFAULTS: True})
     _int64_as_numbers(config.DESCRIPTOR, out)
+    # fields of the tritonclient proto that Triton 2.51's ModelConfig does not have yet:
+    # printed only when set, so that the JSON is what tritonserver 2.51 serves
+    for parent, name in _NEWER_THAN_2_51:
+        section = out.get(parent)
+        if isinstance(section, dict) and not section.get(name):
+            section.pop(name, None)
     return out
+
+
+_NEWER_THAN_2_51 = (("ensemble_scheduling", "max_inflight_requests"),)
 
 
 _INT64_TYPES = {_descriptor.FieldDescriptor.CPPTYPE_INT64, _descriptor.FieldDescriptor.CPPTYPE_UINT64}
