@@ -163,7 +163,8 @@ export function tritonclientSnippet(settings: ServerConnection.ISettings, name: 
     'import os',
     'import tritonclient.http as httpclient',
     '',
-    `client = httpclient.InferenceServerClient("${url}")`,
+    // a page served over https (JupyterHub, a proxy) wants tritonclient's TLS too
+    `client = httpclient.InferenceServerClient("${url}"${base.protocol === 'https:' ? ', ssl=True' : ''})`,
     'headers = {"Authorization": "token " + os.environ["JUPYTER_TOKEN"]}',
     `print(client.get_model_metadata("${name}", headers=headers))`,
     `# client.infer("${name}", inputs, headers=headers)`
