@@ -49,6 +49,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 _SEQUENCE_START, _SEQUENCE_END = 1, 2      # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END
+_MAX_STATES = 4096                          # live sequences' states kept by one instance
 
 
 class TritonPythonModel:
@@ -135,6 +136,11 @@ class TritonPythonModel:
         key = request.correlation_id()
         flags = request.flags()
         if flags & _SEQUENCE_START or key not in self.states:
+            self.states.pop(key, None)
+            if len(self.states) >= _MAX_STATES:
+                # sequences that never sent END (their client left, the server timed them
+                # out): the longest-started goes first
+                del self.states[next(iter(self.states))]
             self.states[key] = {}
         state = self.states[key]
         if flags & _SEQUENCE_END:
