@@ -354,6 +354,7 @@ class PythonBackend(Backend):
         self._thread_sinks: set[_Sink] = set()   # thread mode: open decoupled requests
         self._orphans = OrphanCloser(lambda sink: sink.deliver(None, None, True))
         self._batch_requests: list | None = None   # the batch executing: BLS depth comes from it
+        self._bls_depth = 0                          # a decoupled model's last batch's depth
         self._bls_streams: dict[tuple[int, int], Any] = {}
         self._stub: ModelStub | None = None
         self._worker: WorkerProcess | None = None
@@ -456,22 +457,26 @@ class PythonBackend(Backend):
         with self._lock:
             if self._dead is not None:
                 raise self._dead
-            self._batch_requests = infer_requests
             t0 = time.monotonic_ns()
             data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
                     for i, inputs in enumerate(requests)]
             self.io_ns = (time.monotonic_ns() - t0, 0)     # Triton's compute_input / output
-            if self.mode == "thread":
-                if self._stub is None:
-                    raise Unavailable(f"{self._who} is not loaded")
-                try:
-                    results = self._stub.execute(data)
-                except StubError as err:
-                    return [self._execute_error(err)] * len(data)
-            else:
-                results = self._execute_in_worker(data)
-                if isinstance(results, TritonError):
-                    return [results] * len(data)
+            # BLS calls of this batch take their depth from it; not kept past it (its tensors)
+            self._batch_requests = infer_requests
+            try:
+                if self.mode == "thread":
+                    if self._stub is None:
+                        raise Unavailable(f"{self._who} is not loaded")
+                    try:
+                        results = self._stub.execute(data)
+                    except StubError as err:
+                        return [self._execute_error(err)] * len(data)
+                else:
+                    results = self._execute_in_worker(data)
+                    if isinstance(results, TritonError):
+                        return [results] * len(data)
+            finally:
+                self._batch_requests = None
             t2 = time.monotonic_ns()
             responses = [self._response(r, d) for r, d in zip(results, data)]
             self.io_ns = (self.io_ns[0], time.monotonic_ns() - t2)
@@ -485,7 +490,8 @@ class PythonBackend(Backend):
         with self._lock:
             if self._dead is not None:
                 raise self._dead
-            self._batch_requests = infer_requests
+            # a decoupled model calls on after execute returns: keep the depth, not the requests
+            self._bls_depth = max((r.bls_depth for r in infer_requests or ()), default=0)
             data = [self._request_data(inputs, infer_requests[i] if infer_requests else None)
                     for i, inputs in enumerate(requests)]
             sinks = [_Sink(self, sender, d.requested_output_names) for sender, d in zip(senders, data)]
@@ -639,8 +645,9 @@ class PythonBackend(Backend):
         for name, array in inputs.items():
             array = np.asarray(array)
             tensors.append(InferTensor(name, numpy_to_triton(array.dtype), tuple(array.shape), array))
-        batch = self._batch_requests or ()
-        depth = max((getattr(r, "bls_depth", 0) for r in batch), default=0) + 1
+        batch = self._batch_requests
+        depth = (self._bls_depth if batch is None
+                 else max((getattr(r, "bls_depth", 0) for r in batch), default=0)) + 1
         request = InferRequest(model, version, id=request_id or "", inputs=tensors,
                                outputs=[RequestedOutput(n) for n in names] or None,
                                parameters=parameters, bls_depth=depth)
