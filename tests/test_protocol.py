@@ -271,7 +271,7 @@ BAD_JSON_REQUESTS = [
     ("data and binary", _json_body(_input_doc(parameters={"binary_data_size": 8})),
      "set 'data' 'binary_data_size'"),
     ("duplicate input", _json_body({"inputs": _input_doc()["inputs"] * 2}),
-     "appears more than once"),
+     "input 'X' already exists in request"),
     ("id not a string", _json_body({"id": 7, **_input_doc()}), "unable to parse 'id'"),
     ("parameters not an object", _json_body({"parameters": [], **_input_doc()}),
      "unable to parse 'parameters'"),

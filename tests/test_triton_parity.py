@@ -149,6 +149,23 @@ def test_data_nested_unlike_its_shape_is_taken_by_both(both, data, shape):
     assert theirs["outputs"] == ours["outputs"]
 
 
+def _with(request_id: str = "", **tensor) -> dict:
+    doc = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                       "data": [1, 2, 3, 4], **tensor}]}
+    return {"id": request_id, **doc} if request_id else doc
+
+
+@pytest.mark.parametrize("body", [
+    _with(name="WRONG"), {"inputs": []}, _with("r7", datatype="INT32"),
+    _with(shape=[1, 5], data=[1, 2, 3, 4, 5]), _with("r8", shape=[9, 4], data=[1] * 36),
+    {**_with(), "outputs": [{"name": "NOPE"}]}, {"inputs": _with("r9")["inputs"] * 2, "id": "r9"},
+], ids=["unknown input", "no input", "datatype", "shape", "batch size", "unknown output",
+        "duplicate input"])
+def test_a_refused_request_reads_the_same(both, body):
+    (ts, theirs), (os_, ours) = both_call(both, "POST", "/v2/models/add/infer", body)
+    assert ts == os_ == 400 and theirs == ours, (theirs, ours)
+
+
 def test_a_data_count_mismatch_is_refused_by_both(both):
     # Triton: 500 "Unable to parse 'data': Shape does not match true shape of 'data' field"
     (ts, theirs), (os_, ours) = both_call(both, "POST", "/v2/models/add/infer",

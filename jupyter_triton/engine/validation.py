@@ -40,6 +40,18 @@ class InputPlan:
         self.known_outputs = frozenset(o.name for o in config.output)
 
 
+def _rid(request: InferRequest) -> str:
+    # tritonserver 2.51 opens its request-validation errors with the request's id
+    return f"[request id: {request.id or '<id_unknown>'}] "
+
+
+_BATCH_NOTE = (". NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+               "dimension to be prepended to each input shape. If you want to specify the full "
+               "shape including the batch dim in your input dims config, try setting "
+               "max_batch_size to zero. See the model configuration docs for more info on "
+               "max_batch_size.")
+
+
 def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan | None = None
                   ) -> tuple[dict[str, np.ndarray], int]:
     """The backend's input dict (reshaped where the config says so) and the request's batch size.
@@ -55,7 +67,7 @@ def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan
     if len(given) < len(plan.required) or any(n not in given for n in plan.required):
         missing = [n for n, i in expected.items() if n not in given and not i.optional]
         raise InvalidArgument(
-            f"expected {len(expected)} inputs but got {len(given)} inputs for model '{model}'. "
+            f"{_rid(request)}expected {len(expected)} inputs but got {len(given)} inputs for model '{model}'. "
             f"Got input(s) {sorted(given)}, but missing required input(s) {missing}. "
             f"Please provide all required input(s).")
     max_batch_size = config.max_batch_size
@@ -65,7 +77,7 @@ def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan
         want = plan.datatypes[name]
         if tensor.datatype != want:
             raise InvalidArgument(
-                f"inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
+                f"{_rid(request)}inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
                 f"expects '{want}'")
         shape = tuple(int(d) for d in tensor.shape)
         if any(d < 0 or d > MAX_DIM for d in shape):
@@ -88,14 +100,14 @@ def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan
             batch = rows
             if rows < 1 or rows > max_batch_size:
                 raise InvalidArgument(
-                    f"inference request batch-size must be <= {max_batch_size} for "
+                    f"{_rid(request)}inference request batch-size must be <= {max_batch_size} for "
                     f"'{model}'" if rows > 0 else
-                    f"inference request batch-size must be >= 1 for '{model}'")
+                    f"{_rid(request)}inference request batch-size must be >= 1 for '{model}'")
         full = plan.full[name]
         if not _matches(shape, full):
             raise InvalidArgument(
-                f"unexpected shape for input '{name}' for model '{model}'. "
-                f"Expected {_fmt(full)}, got {_fmt(shape)}")
+                f"{_rid(request)}unexpected shape for input '{name}' for model '{model}'. "
+                f"Expected {_fmt(full)}, got {_fmt(shape)}" + (_BATCH_NOTE if max_batch_size > 0 else ""))
         data = tensor.data
         target = plan.reshape.get(name)
         if target is not None:

@@ -497,7 +497,8 @@ def decode_infer_request(body: bytes | memoryview, header_length: int | None, mo
         name, dt, shape, tparams, data, binary_size = _decode_input(
             item, i, model_name, max_elements)
         if name in names:
-            raise InvalidArgument(f"input '{name}' appears more than once in the request")
+            raise InvalidArgument(f"[request id: {request_id or '<id_unknown>'}] input '{name}' "
+                                  f"already exists in request")      # tritonserver 2.51's words
         names.add(name)
         span = None
         if binary_size is not None:
