@@ -569,7 +569,7 @@ def test_grpc_raw_contents_errors():
         decode_grpc_request(msg)
 
     msg = _grpc_request([_grpc_input("X", arr, "FP32"), _grpc_input("X", arr, "FP32")])
-    with pytest.raises(InvalidArgument, match="appears more than once"):
+    with pytest.raises(InvalidArgument, match="input 'X' already exists in request"):
         decode_grpc_request(msg)
 
     msg = _grpc_request([_grpc_input("X", arr, "FP32")])

@@ -136,7 +136,8 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
         if not is_valid_datatype(dt):
             raise InvalidArgument(f"invalid datatype '{dt}' for input '{name}'")
         if name in names:
-            raise InvalidArgument(f"input '{name}' appears more than once in the request")
+            raise InvalidArgument(f"[request id: {req.id or '<id_unknown>'}] input '{name}' "
+                                  f"already exists in request")      # tritonserver 2.51's words
         names.add(name)
         shape = _check_shape(list(inp.shape), name, max_elements)
         tparams = {k: parameter_value(v) for k, v in inp.parameters.items()}
