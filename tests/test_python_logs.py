@@ -93,3 +93,31 @@ def test_the_ring_buffer_is_bounded_and_cuts_long_lines():
     lines = logs.lines("m")
     assert [e["message"][:6] for e in lines] == ["line 3", "line 4", "xxxxxx"]
     assert len(lines[-1]["message"]) < 9000 and "characters cut" in lines[-1]["message"]
+
+
+BACKGROUND_MODEL_PY = '''
+import threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        def later():
+            time.sleep(0.3)
+            pb_utils.Logger.log_warn("background: still here\\\\nsecond line")
+        threading.Thread(target=later, daemon=True).start()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([1], np.int32))])
+                for _ in requests]
+'''
+
+
+def test_a_logger_line_from_an_idle_models_thread_arrives_at_once(tmp_path):
+    config, files = write_model(tmp_path, "background", BACKGROUND_MODEL_PY,
+                                CHATTY_CONFIG.format(name="background"))
+    with loaded(config, files):
+        # no batch runs: the line is not waiting for one
+        wait_for(lambda: any(e["source"] == "logger" for e in model_logs("background")), 5)
+        line = next(e for e in model_logs("background") if e["source"] == "logger")
+        assert (line["level"], line["message"]) == ("WARNING", "background: still here\\nsecond line")

@@ -557,9 +557,6 @@ class PythonBackend(Backend):
             stream = self._bls_streams.pop((id(worker), msg[1]), None)
             if stream is not None:
                 stream.close()
-        elif kind == "l":
-            LOGS.record(self.files.model_name, str(self.files.version), msg[1], msg[2], "logger",
-                        self.instance.name)
         elif kind == "m":
             _, call_id, op, args = msg
             try:

@@ -396,7 +396,11 @@ class _WorkerHost:
         self.demux.send(("m", 0, op, args))   # id 0: no answer wanted
 
     def model_log(self, level: str, message: str) -> None:
-        self.demux.send(("l", level, message))
+        # Through stderr, which the server reads at once (the socket is read only while a
+        # batch runs, for a model that is not decoupled): one line, one write.
+        line = f"{_LOGGER_MARK}{level}\t{json.dumps(message)}\n".encode("utf-8", "replace")
+        while line:
+            line = line[os.write(2, line):]
 
     def bls_exec(self, request: Any, decoupled: bool) -> Any:
         spec = list(bls_spec(request))
@@ -532,7 +536,7 @@ def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
 
 # Worker -> server messages that are not answers to the server's own request: metrics,
 # BLS calls (the reader, or the thread that waits for a batch, hands them on).
-_SIDE = frozenset({"b", "bx", "m", "l", "a", "af"})
+_SIDE = frozenset({"b", "bx", "m", "a", "af"})
 _ALIVE = object()
 _DIED = ("died",)
 
@@ -1003,6 +1007,7 @@ class WorkerProcess:
 
 _WORKER_LOG_LINE = re.compile(r"^\S+ \S+ \[python backend worker \d+\] (INFO|WARNING|ERROR|DEBUG|CRITICAL) ")
 _LOG_LEVEL_NAMES = {"DEBUG": "VERBOSE", "CRITICAL": "ERROR"}
+_LOGGER_MARK = "\x1b[jt-model-log]"
 
 
 def _read_output(worker: WorkerProcess, out_r: Connection, err_r: Connection) -> None:
@@ -1039,19 +1044,31 @@ def _read_output(worker: WorkerProcess, out_r: Connection, err_r: Connection) ->
 
 
 def _emit(worker: WorkerProcess, model: str, version: str, source: str, text: str) -> None:
+    raw = []
+    for line in text.rstrip("\n").split("\n"):   # not splitlines(): it splits at \x1c-\x1e too
+        if source == "stderr" and line.startswith(_LOGGER_MARK):   # a pb_utils.Logger line
+            level, _, message = line[len(_LOGGER_MARK):].partition("\t")
+            try:
+                message = json.loads(message)
+            except ValueError:
+                pass
+            LOGS.record(model, version, level, str(message), "logger", worker.label)
+            continue
+        raw.append(line)
+        match = _WORKER_LOG_LINE.match(line) if source == "stderr" else None
+        level = (_LOG_LEVEL_NAMES.get(match.group(1), match.group(1)) if match
+                 else "INFO" if source == "stdout" else "WARNING")
+        LOGS.record(model, version, level, line, source, worker.label, to_server_log=False)
+    if not raw:
+        return
     # The server's own fd, as the worker wrote to it before its output was read here: a
     # terminal, a log file, or whatever captures the server's output sees the same bytes.
-    data = memoryview(text.encode("utf-8", "replace"))
+    data = memoryview(("\n".join(raw) + "\n").encode("utf-8", "replace"))
     try:
         while data:
             data = data[os.write(1 if source == "stdout" else 2, data):]
     except OSError:
         pass
-    for line in text.splitlines():
-        match = _WORKER_LOG_LINE.match(line) if source == "stderr" else None
-        level = (_LOG_LEVEL_NAMES.get(match.group(1), match.group(1)) if match
-                 else "INFO" if source == "stdout" else "WARNING")
-        LOGS.record(model, version, level, line, source, worker.label, to_server_log=False)
 
 
 def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeout: float | None = None) -> dict:
