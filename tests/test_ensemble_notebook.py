@@ -38,7 +38,7 @@ double:  x=X -> OUTPUT__0=mid
 checker: x=mid -> OUTPUT__0=Y"""
 
 API_CELL = """jupyter_triton.ensemble("pipe_api", [
-    ("double", {"x": "IN"}, {"OUTPUT__0": "twice"}),
+    ("double", {"x": "IN"}, {"OUTPUT__0": "twice"}, 1),      # pinned to version 1
     ("checker", {"x": "twice"}, {"OUTPUT__0": "OUT"}),
 ])"""
 
@@ -57,8 +57,9 @@ async def test_two_step_ensemble_from_a_kernel_by_magic_and_api(server_kernel):
     cell = await in_thread(kernel.ok, API_CELL)
     np.testing.assert_array_equal(
         await in_thread(call, cell.url("pipe_api"), {"IN": x}, "OUT", AUTH), x * 2 + 1)
-    config = (await in_thread(kernel.ok, "jupyter_triton.model('pipe_api').config()['platform']")).text
-    assert config == "'ensemble'"
+    config = (await in_thread(kernel.ok, "c = jupyter_triton.model('pipe_api').config()\n"
+                                         "c['platform'], [s['model_version'] for s in c['ensemble_scheduling']['step']]")).text
+    assert config == "('ensemble', [1, -1])"
 
     # re-running the cell under load: new versions, every request answered
     failures: list[str] = []
@@ -130,6 +131,23 @@ CONFIGS = {
     "fp_embed": _cfg("fp_embed", 4, [("IDS", "FP32", [-1])], [("E", "FP32", [16])]),
     "flat": _cfg("flat", 0, [("IDS", "INT64", [-1])], [("E", "FP32", [16])]),
 }
+
+
+def test_a_step_may_pin_its_models_version():
+    asked = []
+
+    def lookup(model: str, version: str = "") -> dict:
+        asked.append((model, version))
+        return CONFIGS[model]
+    steps = parse_steps("tokenize@2: TEXT -> IDS=ids\nembed: IDS=ids, MASK -> EMBEDDING")
+    assert steps[0] == ("tokenize", {"TEXT": "TEXT"}, {"IDS": "ids"}, 2) and len(steps[1]) == 3
+    config = ensemble_config("rag", steps, lookup)
+    assert [s.model_version for s in config.ensemble_scheduling.step] == [2, -1]
+    assert asked == [("tokenize", "2"), ("embed", "")]
+    with pytest.raises(ArtifactError, match="model@version"):
+        parse_steps("tokenize@x: TEXT -> IDS")
+    with pytest.raises(ArtifactError, match=r"\[, version\]"):
+        ensemble_config("rag", [("tokenize", {"TEXT": "TEXT"}, {"IDS": "ids"}, 0)], lookup)
 
 
 def test_inputs_outputs_types_and_batch_size_come_from_the_composing_models():

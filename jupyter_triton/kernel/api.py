@@ -85,7 +85,7 @@ def ensemble(name: str, steps: Sequence[StepSpec], *, max_batch_size: int | None
     """Serve a Triton ensemble of served models as ``name``.
 
     ``steps``: ``[(model, {model_input: ensemble_tensor}, {model_output: ensemble_tensor}),
-    ...]``. The ensemble's inputs are the tensors no step produces, its outputs those no step
+    ...]``, a fourth item pins the model's version (default: its latest ready one). The ensemble's inputs are the tensors no step produces, its outputs those no step
     reads, typed and shaped as the composing models declare them. ``max_batch_size``
     defaults to the smallest of the composing models'; ``config`` is more config.pbtxt text
     merged on top. Re-running makes a new version, as ``serve`` does.

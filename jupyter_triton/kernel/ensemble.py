@@ -23,8 +23,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .artifacts import Artifact, ArtifactError
 
-#: what a user passes: (model, {model_input: ensemble_tensor}, {model_output: ensemble_tensor})
-StepSpec = tuple[str, Mapping[str, str], Mapping[str, str]]
+#: what a user passes: (model, {model_input: ensemble_tensor}, {model_output: ensemble_tensor}),
+#: and a fourth item, the composing model's version, to pin one (default: its latest)
+StepSpec = tuple  # (str, Mapping[str, str], Mapping[str, str][, int])
 
 #: the file of an ensemble's version directory: Triton needs the directory, not its contents,
 #: and the repository API creates a version only from uploaded files
@@ -44,18 +45,21 @@ def _step_label(index: int, model: str) -> str:
     return f"step {index + 1} ('{model}')"
 
 
-def _check_steps(name: str, steps: Sequence[Any]) -> list[StepSpec]:
+def _check_steps(name: str, steps: Sequence[Any]) -> list[tuple[str, dict, dict, int]]:
     if isinstance(steps, (str, bytes)) or not steps:
         raise ArtifactError(f"ensemble '{name}': steps is a list of (model, {{model_input: "
                             f"tensor}}, {{model_output: tensor}}), got {steps!r}")
     checked = []
     for i, step in enumerate(steps):
         try:
-            model, inputs, outputs = step
+            model, inputs, outputs, *pinned = step
             inputs, outputs = dict(inputs), dict(outputs)
+            version = int(pinned[0]) if pinned and pinned[0] is not None else -1
+            if len(pinned) > 1 or version == 0 or version < -1:
+                raise ValueError("bad version")
         except (TypeError, ValueError):
             raise ArtifactError(f"ensemble '{name}': step {i + 1} is not (model, {{model_input: "
-                                f"tensor}}, {{model_output: tensor}}): {step!r}") from None
+                                f"tensor}}, {{model_output: tensor}}[, version]): {step!r}") from None
         if not isinstance(model, str) or not model:
             raise ArtifactError(f"ensemble '{name}': step {i + 1} names no model: {step!r}")
         if not outputs:
@@ -66,28 +70,29 @@ def _check_steps(name: str, steps: Sequence[Any]) -> list[StepSpec]:
                 if not isinstance(key, str) or not isinstance(value, str) or not key or not value:
                     raise ArtifactError(f"ensemble '{name}': {_step_label(i, model)} maps "
                                         f"{key!r} to {value!r}; both must be tensor names")
-        checked.append((model, inputs, outputs))
+        checked.append((model, inputs, outputs, version))
     return checked
 
 
 def ensemble_config(name: str, steps: Sequence[StepSpec],
-                    model_config: Callable[[str], dict], max_batch_size: int | None = None
+                    model_config: Callable[..., dict], max_batch_size: int | None = None
                     ) -> mc.ModelConfig:
-    """The ensemble's ``ModelConfig``; ``model_config(model)`` is the composing model's config
-    JSON as ``GET v2/models/{model}/config`` answers it."""
-    steps = _check_steps(name, steps)
-    configs: dict[str, mc.ModelConfig] = {}
-    for i, (model, _, _) in enumerate(steps):
+    """The ensemble's ``ModelConfig``; ``model_config(model)`` (``model_config(model,
+    version)`` for a pinned step) is the composing model's config JSON as ``GET
+    v2/models/{model}[/versions/{v}]/config`` answers it."""
+    checked = _check_steps(name, steps)
+    by_step: dict[tuple[str, int], mc.ModelConfig] = {}
+    for i, (model, _, _, version) in enumerate(checked):
         if model == name:
             raise ArtifactError(f"ensemble '{name}': {_step_label(i, model)} is the ensemble itself")
-        if model not in configs:
+        if (model, version) not in by_step:
             try:
-                raw = model_config(model)
+                raw = model_config(model) if version == -1 else model_config(model, str(version))
             except Exception as err:  # NotFound, Unavailable: said with the step it breaks
                 raise ArtifactError(f"ensemble '{name}': {_step_label(i, model)}: {err}") from None
-            configs[model] = json_format.ParseDict(raw, mc.ModelConfig(), ignore_unknown_fields=True)
-
-    batches = {model: int(c.max_batch_size) for model, c in configs.items()}
+            by_step[(model, version)] = json_format.ParseDict(raw, mc.ModelConfig(),
+                                                              ignore_unknown_fields=True)
+    batches = {model: int(c.max_batch_size) for model, c in _named(by_step).items()}
     batching = sorted(m for m, b in batches.items() if b > 0)
     unbatched = sorted(m for m, b in batches.items() if b == 0)
     if batching and unbatched:
@@ -107,8 +112,8 @@ def ensemble_config(name: str, steps: Sequence[StepSpec],
     produced: dict[str, _Tensor] = {}
     consumed: dict[str, _Tensor] = {}
     order: list[str] = []
-    for i, (model, inputs, outputs) in enumerate(steps):
-        config, label = configs[model], _step_label(i, model)
+    for i, (model, inputs, outputs, version) in enumerate(checked):
+        config, label = by_step[(model, version)], _step_label(i, model)
         declared_in = {t.name: t for t in config.input}
         declared_out = {t.name: t for t in config.output}
         for key in inputs:
@@ -153,10 +158,15 @@ def ensemble_config(name: str, steps: Sequence[StepSpec],
         config.input.add(name=tensor, data_type=consumed[tensor].data_type, dims=consumed[tensor].dims)
     for tensor in ensemble_outputs:
         config.output.add(name=tensor, data_type=produced[tensor].data_type, dims=produced[tensor].dims)
-    for model, inputs, outputs in steps:
-        config.ensemble_scheduling.step.add(model_name=model, model_version=-1,
+    for model, inputs, outputs, version in checked:
+        config.ensemble_scheduling.step.add(model_name=model, model_version=version,
                                             input_map=inputs, output_map=outputs)
     return config
+
+
+def _named(by_step: dict[tuple[str, int], mc.ModelConfig]) -> dict[str, mc.ModelConfig]:
+    """One config per composing model and version, named "model" or "model v2"."""
+    return {(m if v == -1 else f"{m} v{v}"): c for (m, v), c in by_step.items()}
 
 
 def _same(name: str, tensor: str, a: _Tensor, b: _Tensor) -> None:
@@ -184,20 +194,22 @@ def ensemble_artifact(config: mc.ModelConfig) -> Artifact:
 
 
 def parse_steps(text: str) -> list[StepSpec]:
-    """The ``%%ensemble`` cell: one ``model: IN=tensor, ... -> OUT=tensor, ...`` a line.
-    ``NAME`` alone stands for ``NAME=NAME``; blank lines and ``#`` comments are skipped."""
+    """The ``%%ensemble`` cell: one ``model: IN=tensor, ... -> OUT=tensor, ...`` a line
+    (``model@2: ...`` pins version 2). ``NAME`` alone stands for ``NAME=NAME``; blank lines
+    and ``#`` comments are skipped."""
     steps = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         model, colon, rest = line.partition(":")
-        model = model.strip()
-        if not colon or not model or "->" not in rest:
+        model, at, version = (p.strip() for p in model.strip().partition("@"))
+        if not colon or not model or "->" not in rest or (at and not version.isdigit()):
             raise ArtifactError(f"line {number}: expected 'model: IN=tensor, ... -> "
-                                f"OUT=tensor, ...', got {raw.strip()!r}")
+                                f"OUT=tensor, ...' (or 'model@version: ...'), got {raw.strip()!r}")
         left, _, right = rest.partition("->")
-        steps.append((model, _pairs(left, number, raw), _pairs(right, number, raw)))
+        step = (model, _pairs(left, number, raw), _pairs(right, number, raw))
+        steps.append((*step, int(version)) if at else step)
     if not steps:
         raise ArtifactError("the cell has no steps; write one 'model: IN=tensor -> OUT=tensor' a line")
     return steps

@@ -117,7 +117,8 @@ class TritonMagics(Magics):
             tokenize: TEXT=TEXT -> IDS=ids
             embed:    IDS=ids -> EMBEDDING=EMBEDDING
 
-        ``model: model_input=tensor, ... -> model_output=tensor, ...``; the tensors no step
+        ``model: model_input=tensor, ... -> model_output=tensor, ...`` (``model@2:`` pins
+        version 2 of the model, else its latest serves); the tensors no step
         produces are the ensemble's inputs, those no step reads its outputs. Every run is a
         new version, loaded before the old one retires.
         """
