@@ -302,3 +302,36 @@ def test_large_tensors_cross_bls_and_decoupled_responses_whole(tmp_path, mode):
     finally:
         server.close()
     assert our_segments() - at_start == set()
+
+
+IDLE_CALLER_MODEL_PY = '''
+import threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        def later():
+            time.sleep(0.2)   # initialize has returned: no batch runs
+            try:
+                pb_utils.InferenceRequest(model_name="echo", inputs=[], requested_output_names=[]).exec()
+                pb_utils.Logger.log_info("idle call: answered")
+            except pb_utils.TritonModelException as err:
+                pb_utils.Logger.log_error("idle call: " + str(err))
+        threading.Thread(target=later, daemon=True).start()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+'''
+
+
+def test_a_bls_call_between_batches_of_a_plain_model_fails_clearly_not_forever(tmp_path):
+    from jupyter_triton.model_logs import model_logs
+    from test_backend_python import loaded, write_model
+    from test_python_logs import wait_for
+    config, files = write_model(tmp_path, "idle_caller", IDLE_CALLER_MODEL_PY, CALLER_CONFIG.replace(
+        '"caller"', '"idle_caller"'))
+    with loaded(config, files):
+        wait_for(lambda: any(e["message"].startswith("idle call:") for e in model_logs("idle_caller")), 10)
+    line = next(e for e in model_logs("idle_caller") if e["message"].startswith("idle call:"))
+    assert "between batches gets no answer" in line["message"] and "decoupled" in line["message"]

@@ -189,13 +189,15 @@ def worker_main(conn: Connection, job: str, model_py: str, payload: Any,
             chan.send(("error", err.to_tuple()))
         return
     demux = _Demux(chan)
-    host = _WorkerHost(demux)
+    host = _WorkerHost(demux, _is_decoupled(payload))
     pb_utils._default_bls_host = host   # one model per worker: every thread of it calls here
+    host.server_reading = True          # the server waits for "ready": it answers calls
     try:
         stub = ModelStub(model_py, payload)
     except StubError as err:
         demux.send(("error", err.to_tuple()))
         return
+    host.server_reading = host.decoupled
     demux.send(("ready", os.getpid()))
     regions: dict[str, ShmRegion] = {}
     try:
@@ -204,6 +206,13 @@ def worker_main(conn: Connection, job: str, model_py: str, payload: Any,
         for region in regions.values():
             region.close()
         conn.close()
+
+
+def _is_decoupled(args: dict[str, str]) -> bool:
+    try:
+        return bool(json.loads(args["model_config"]).get("model_transaction_policy", {}).get("decoupled"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
 
 
 def _output_names(args: dict[str, str]) -> list[str]:
@@ -337,9 +346,20 @@ class _WorkerHost:
     tensors travel inside the message: they leave at any time, where the output region is
     a batch's."""
 
-    def __init__(self, demux: _Demux) -> None:
+    def __init__(self, demux: _Demux, decoupled: bool = False) -> None:
         self.demux = demux
+        self.decoupled = decoupled
+        #: whether the server reads this socket now: always for a decoupled model (a reader
+        #: thread), else only while initialize or a batch runs (the waiting thread reads)
+        self.server_reading = decoupled
         self._orphans = OrphanCloser(lambda key: demux.send(("d", key, None, None, True)))
+
+    def _answerable(self, what: str) -> None:
+        if not self.server_reading:
+            raise pb_utils.TritonModelException(
+                f"{what} from a thread of the model between batches gets no answer: the server "
+                "reads a model's messages while its initialize or execute runs, or always for a "
+                "model with model_transaction_policy { decoupled: true }")
 
     def respond(self, key: Any, response: Any, final: bool) -> None:
         if response is None:
@@ -387,6 +407,7 @@ class _WorkerHost:
         pass
 
     def metric_call(self, op: str, args: tuple, what: str) -> Any:
+        self._answerable(what)
         _, _, ok, result = self.demux.call("m", op, args)
         if not ok:
             raise pb_utils.TritonModelException(f"{what}: {result}")
@@ -403,6 +424,7 @@ class _WorkerHost:
             line = line[os.write(2, line):]
 
     def bls_exec(self, request: Any, decoupled: bool) -> Any:
+        self._answerable("A BLS request")
         spec = list(bls_spec(request))
         spec[2] = self.pack(spec[2])
         call_id = self.demux.new_id()
@@ -478,11 +500,14 @@ def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[
             continue
         _, in_name, out_name, metas = msg
         requests = _requests(regions, in_name, out_name, metas, all_outputs)
+        host.server_reading = True
         try:
             results = stub.execute(requests)
         except StubError as err:
             demux.send(("error", err.to_tuple()))
             continue
+        finally:
+            host.server_reading = False
         _send_results(demux, regions, out_name, results)
 
 
