@@ -83,6 +83,11 @@ class TritonHTTP:
         path = self._model_path(model, version) + "/stats" if model else "v2/models/stats"
         return self.get_json(path, what=f"statistics of '{model or 'all models'}'")
 
+    def logs(self, model: str, version: str = "") -> list[dict]:
+        """What the model said (pb_utils.Logger lines, its worker's stdout/stderr), oldest first."""
+        return self.get_json(self._model_path(model, version) + "/logs",
+                             what=f"logs of '{model}'")["lines"]
+
     # ---- control -----------------------------------------------------------------------
     def load(self, model: str, config: str | None = None,
              files: Mapping[str, bytes] | None = None) -> None:

@@ -70,6 +70,13 @@ class ServedModel:
         """Triton's statistics JSON of this model (every served version)."""
         return self._client.stats(self.name)
 
+    def logs(self, tail: int = 50) -> str:
+        """The model's last ``tail`` log lines (its ``pb_utils.Logger`` calls and the stdout
+        and stderr of its worker processes), as the server keeps them for every version."""
+        lines = self._client.logs(self.name)[-tail:] if tail else []
+        return "\n".join(f"{e['time']} v{e['version']} {e['level']:<7} [{e['source']}] {e['message']}"
+                         for e in lines)
+
     # ---- what it does ------------------------------------------------------------------
     def infer(self, *arrays: Any, **named: Any) -> np.ndarray | dict[str, np.ndarray]:
         """Run the model: inputs by position (the model's input order) or by name. Returns
