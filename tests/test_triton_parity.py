@@ -174,12 +174,25 @@ def test_a_data_count_mismatch_is_refused_by_both(both):
     assert os_ == 400 and "expects 4 elements, got 3" in ours["error"]
 
 
+def _stats_after(both, model: str, settled: int) -> tuple[dict, dict]:
+    """Both servers' statistics of ``model`` once Triton's success + fail counts reach
+    ``settled`` (Triton records a request's statistics after it has replied), at most 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        (_, theirs), (_, ours) = both_call(both, "GET", f"/v2/models/{model}/stats")
+        theirs, ours = theirs["model_stats"][0], ours["model_stats"][0]
+        counts = theirs["inference_stats"]
+        if counts["success"]["count"] + counts["fail"]["count"] >= settled or \
+                time.monotonic() > deadline:
+            return theirs, ours
+        time.sleep(0.1)
+
+
 def test_statistics_count_a_failed_execution_as_triton_does(both):
     for data, shape in (([-1, -1, -1, -1], [1, 4]), ([1, 2, 3, 4], [1, 4]),
                         ([1, 2, 3, 4, 5, 6, 7, 8], [2, 4])):
         both_call(both, "POST", "/v2/models/raises/infer", _infer(data, shape))
-    (_, theirs), (_, ours) = both_call(both, "GET", "/v2/models/raises/stats")
-    theirs, ours = theirs["model_stats"][0], ours["model_stats"][0]
+    theirs, ours = _stats_after(both, "raises", 3)
     for key in ("inference_count", "execution_count"):
         assert theirs[key] == ours[key], key
     for kind in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
@@ -197,8 +210,7 @@ def test_an_error_response_is_a_failure_here_and_a_success_in_triton(both):
     # model answered with an error response as a success; it answered 500, so it counts as
     # a BACKEND failure here.
     both_call(both, "POST", "/v2/models/to_unload/infer", _infer([-1, -1, -1, -1]))
-    (_, theirs), (_, ours) = both_call(both, "GET", "/v2/models/to_unload/stats")
-    theirs, ours = theirs["model_stats"][0], ours["model_stats"][0]
+    theirs, ours = _stats_after(both, "to_unload", 1)
     assert (theirs["inference_stats"]["success"]["count"], theirs["inference_count"]) == (1, 1)
     assert (ours["inference_stats"]["fail"]["count"], ours["inference_count"]) == (1, 0)
 
@@ -217,8 +229,7 @@ def test_an_ensemble_answers_and_fails_as_tritons_naming_the_step(both):
     # the same words after the step's name
     assert "ValueError: negative input" in theirs["error"], theirs
     assert "ValueError: negative input" in ours["error"], ours
-    (_, theirs), (_, ours) = both_call(both, "GET", "/v2/models/chain/stats")
-    theirs, ours = theirs["model_stats"][0], ours["model_stats"][0]
+    theirs, ours = _stats_after(both, "chain", 3)      # Triton: 1 success, the failure twice
     for key in ("inference_count", "execution_count"):
         assert theirs[key] == ours[key], key
     for kind in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
@@ -332,8 +343,7 @@ def test_the_response_cache_answers_and_counts_as_tritons(cached_both):
     for body in (one, one, {**one, "id": "again"}, two, two):
         (ts, theirs), (os_, ours) = both_call(both, "POST", "/v2/models/cached/infer", body)
         assert ts == os_ == 200 and theirs == ours, (theirs, ours)
-    (_, theirs), (_, ours) = both_call(both, "GET", "/v2/models/cached/stats")
-    theirs, ours = theirs["model_stats"][0], ours["model_stats"][0]
+    theirs, ours = _stats_after(both, "cached", 5)
     assert (theirs["inference_count"], theirs["execution_count"]) == \
         (ours["inference_count"], ours["execution_count"]) == (2, 2)
     for kind in ("success", "queue", "compute_infer", "cache_hit", "cache_miss"):
