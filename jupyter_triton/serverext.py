@@ -418,6 +418,9 @@ class JupyterTriton(ExtensionApp):
                           ).tag(config=True)
     keep_versions = Int(0, help="after an upload, keep the newest N versions of that model on disk and delete "
                                 "older ones that are not served (0: delete nothing)").tag(config=True)
+    response_cache_size = Int(0, help="bytes of Triton's response cache (tritonserver's --cache-config "
+                                      "local,size=<bytes>) for models whose config says "
+                                      "response_cache { enable: true } (0: no cache)").tag(config=True)
     body_timeout = Float(60.0, help="seconds an infer request body may take to arrive (a client that "
                                     "trickles it holds a connection and its buffer)").tag(config=True)
     max_inflight_bytes = Int(None, allow_none=True, help="request body bytes received or decoded at once, "
@@ -439,7 +442,7 @@ class JupyterTriton(ExtensionApp):
         return proposal["value"]
 
     @validate("exit_timeout_secs", "unload_timeout_secs", "max_output_size", "keep_versions",
-              "body_timeout", "max_inflight_bytes")
+              "body_timeout", "max_inflight_bytes", "response_cache_size")
     def _check_non_negative(self, proposal):
         value = proposal["value"]
         if value is not None and value < 0:
@@ -463,7 +466,8 @@ class JupyterTriton(ExtensionApp):
             strict_readiness=self.strict_readiness, exit_timeout_secs=self.exit_timeout_secs,
             unload_timeout_secs=self.unload_timeout_secs, max_output_size=self.max_output_size,
             keep_versions=self.keep_versions, histogram_latencies=self.histogram_latencies,
-            histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config)))
+            histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config),
+            response_cache_size=self.response_cache_size))
         self.server_token = secrets.token_urlsafe(32)
         self.settings[SETTINGS_KEY] = FrontendState(
             engine=self.engine, max_input_size=self.http_max_input_size,

@@ -198,3 +198,18 @@ def test_cache_config_is_parsed_as_tritonserver_spells_it():
     args = build_parser().parse_args(["serve", "--model-repository", "/tmp/x",
                                       "--cache-config", "local,size=2048"])
     assert options_from(args).response_cache_size == 2048
+
+
+def test_the_jupyter_trait_sizes_the_engines_cache(tmp_path: Path):
+    # c.JupyterTriton.response_cache_size, as --cache-config local,size=<bytes> is for the CLI
+    from traitlets import TraitError
+    from traitlets.config import Config
+    from jupyter_triton.serverext import JupyterTriton
+    app = JupyterTriton(config=Config({"JupyterTriton": {"response_cache_size": 4096}}))
+    assert app.response_cache_size == 4096
+    with pytest.raises(TraitError):
+        app.response_cache_size = -1
+    from jupyter_triton.engine import Engine
+    engine = Engine(EngineOptions(model_repository=tmp_path, response_cache_size=app.response_cache_size))
+    assert engine.response_cache is not None and engine.response_cache.size == 4096
+    assert Engine(EngineOptions(model_repository=tmp_path)).response_cache is None
