@@ -98,6 +98,14 @@ def test_compute_input_and_output_are_measured(standalone):
         assert inference[kind]["count"] == 2 and inference[kind]["ns"] > 0, (kind, inference[kind])
     for batch in stats["batch_stats"]:
         assert batch["compute_input"]["ns"] > 0 and batch["compute_output"]["ns"] > 0, batch
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", standalone.metrics_port, timeout=10)
+    conn.request("GET", "/metrics")
+    lines = conn.getresponse().read().decode().splitlines()
+    conn.close()
+    for kind in ("compute_input", "compute_output"):
+        name = f'nv_inference_{kind}_duration_us{{model="linear",version="1"}}'
+        assert f"{name} {inference[kind]['ns'] // 1000}" in lines, name
 
 
 def _linear(rows: int) -> list[httpclient.InferInput]:
