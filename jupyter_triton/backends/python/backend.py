@@ -577,8 +577,12 @@ class PythonBackend(Backend):
         key = (id(worker), call_id)
         seq = 0
         try:
-            for outputs, error, final in self._bls_results(
-                    spec, decoupled, lambda stream: self._bls_streams.__setitem__(key, stream)):
+            results = self._bls_results(spec, decoupled,
+                                        lambda stream: self._bls_streams.__setitem__(key, stream))
+            for outputs, error, final in results:
+                if worker.closed:      # the caller is gone: stop (and cancel) its stream
+                    results.close()
+                    break
                 worker.send_side(("br", (call_id, seq), worker.pack(outputs), error, final))
                 seq += 1
         finally:

@@ -749,6 +749,12 @@ class WorkerProcess:
         if msg[0] == "error":
             raise StubError(*msg[1])
 
+    @property
+    def closed(self) -> bool:
+        """Closed, or its process has ended."""
+        process = self._process
+        return self._closed or process is None or process.exitcode is not None
+
     def open_requests(self) -> int:
         """Decoupled requests whose final response has not been sent yet."""
         return len(self._sinks)
