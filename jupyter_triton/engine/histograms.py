@@ -100,6 +100,13 @@ class LatencyHistograms:
     def snapshot(self) -> dict[str, tuple[list[tuple[float, int]], float, int]]:
         return {kind: (h.cumulative(), h.sum_ms, h.count) for kind, h in self.kinds.items()}
 
+    def to_json(self) -> dict[str, dict]:
+        """The statistics' extra field ``latency_histograms`` (Triton has none): per kind its
+        finite bucket bounds (ms) and the cumulative counts, one more (+Inf: the total), so a
+        client reaching only the statistics (the dashboard's kernel poller) gets percentiles."""
+        return {kind: {"bounds_ms": list(h.bounds), "cumulative": [n for _, n in h.cumulative()]}
+                for kind, h in self.kinds.items()}
+
 
 def latency_histograms(config: mc.ModelConfig, enabled: bool,
                        buckets_ms: Sequence[float] | None = None) -> LatencyHistograms | None:

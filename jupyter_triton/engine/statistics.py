@@ -354,6 +354,7 @@ class ModelStatistics:
                 "memory_usage": memory,
                 **({"ensemble_steps": [stat.to_json(i) for i, stat in sorted(self.steps.items())]}
                    if self.steps else {}),
+                **({"latency_histograms": self.histograms.to_json()} if self.histograms is not None else {}),
             }
 
 
