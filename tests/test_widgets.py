@@ -305,3 +305,103 @@ def test_an_ensemble_shows_each_steps_time_and_failures(tmp_path):
     (js,) = json.loads(done.stdout)
     assert [(s["step"], s["meanUs"], s["runs"], s["failures"]) for s in js["steps"]] == [
         (s.step, pytest.approx(s.mean_us), s.runs, s.failures) for s in f.steps]
+
+
+# ---- p50/p95/p99 over the last minute, from the latency histograms -------------------------
+
+def with_histogram(row: dict, cumulative: list[int], bounds=(1.0, 10.0, 100.0)) -> dict:
+    """The statistics' ``latency_histograms``: the same request histogram for each kind."""
+    row["latency_histograms"] = {kind: {"bounds_ms": list(bounds), "cumulative": list(cumulative)}
+                                 for kind in ("request", "queue", "compute_infer")}
+    return row
+
+
+def histogram_snapshots() -> list[Snapshot]:
+    """Readings 30 s apart: 10 fast requests (< 1 ms) first, then 10 slow ones (10-100 ms);
+    the 3 before the first reading are of unknown age, never counted."""
+    totals = [[3, 3, 3, 3], [13, 13, 13, 13], [13, 13, 23, 23], [13, 13, 23, 23]]
+    return [Snapshot(t=100.0 + 30 * i, model_stats=[with_histogram(stats_row(), c)]) for i, c in enumerate(totals)]
+
+
+def test_percentiles_are_over_the_last_minute_of_readings():
+    from jupyter_triton.widgets.figures import LatencyWindows, html_table, text_table
+    windows, prev, seen = LatencyWindows(60.0), None, []
+    for snap in histogram_snapshots():
+        (f,) = figures(prev, snap, windows)
+        seen.append(f.latency["request"])
+        prev = snap
+    assert seen[0] == {"p50": None, "p95": None, "p99": None, "count": 0}
+    assert seen[1]["count"] == 10 and seen[1]["p99"] == pytest.approx(0.99)       # all below 1 ms
+    # half fast, half slow: the median at the 1 ms bound, p95 interpolated in 10..100 ms
+    assert seen[2]["count"] == 20 and seen[2]["p50"] == pytest.approx(1.0)
+    assert seen[2]["p95"] == pytest.approx(10 + 90 * 0.9)
+    # a minute later the fast requests have left the window: only the slow ones count
+    assert seen[3]["count"] == 10 and seen[3]["p50"] == pytest.approx(55.0)
+    assert "request p50 55.0 ms" in text_table([f]) and "p99" in html_table([f])
+    # a reload (counts going down) starts the window again instead of negative counts
+    (f,) = figures(prev, Snapshot(t=300.0, model_stats=[with_histogram(stats_row(), [2, 2, 2, 2])]), windows)
+    assert f.latency["request"]["count"] == 2 and f.latency["request"]["p50"] == pytest.approx(0.5)
+
+
+def test_without_histograms_the_dashboard_says_how_to_get_percentiles():
+    from jupyter_triton.widgets.figures import HISTOGRAMS_OFF, text_table
+    (f,) = figures(None, Snapshot(t=1.0, model_stats=[stats_row()]))
+    assert f.latency is None and text_table([f]).endswith(HISTOGRAMS_OFF)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed (needed to run dashboard.js here)")
+def test_browser_percentiles_match_the_kernel_percentiles(tmp_path):
+    import jupyter_triton.widgets as widgets
+    from jupyter_triton.widgets.figures import LatencyWindows
+    snaps = histogram_snapshots()
+    script = tmp_path / "run.mjs"
+    script.write_text(
+        f"import {{ figures, latencyWindows }} from "
+        f"{json.dumps((Path(widgets.__file__).parent / 'dashboard.js').as_uri())};\n"
+        f"const snaps = {json.dumps([s.to_json() for s in snaps])}, w = latencyWindows(60);\n"
+        "let prev = null; const out = [];\n"
+        "for (const s of snaps) { out.push(figures(prev, s, w)[0].latency); prev = s; }\n"
+        "console.log(JSON.stringify(out));\n")
+    done = subprocess.run(["node", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    windows, prev, py = LatencyWindows(60.0), None, []
+    for snap in snaps:
+        py.append(figures(prev, snap, windows)[0].latency)
+        prev = snap
+    js = json.loads(done.stdout)
+    for a, b in zip(js, py):
+        assert a.keys() == b.keys() == {"request", "queue", "compute_infer"}
+        for kind in a:
+            assert a[kind]["count"] == b[kind]["count"]
+            for q in ("p50", "p95", "p99"):
+                assert (a[kind][q] is None and b[kind][q] is None) or a[kind][q] == pytest.approx(b[kind][q])
+
+
+def test_dashboard_percentiles_from_a_server_keeping_histograms(tmp_path):
+    """The kernel reads them through the statistics (the Jupyter server's /metrics wants
+    Jupyter's login): a 20 ms model's requests land in its 10..30 ms bucket."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    from conftest import serve
+    from python_models import sleepy_model
+    sleepy_model(tmp_path / "models", "sleepy", sleep_s=0.02)
+    server, client = serve(tmp_path / "models", model_control_mode="explicit", load_models=["*"],
+                           histogram_latencies=True, histogram_buckets_ms=(10.0, 30.0, 1000.0))
+    try:
+        x = httpclient.InferInput("INPUT0", [1, 2], "FP32")
+        x.set_data_from_numpy(np.zeros((1, 2), np.float32))
+        client.infer("sleepy", [x])          # before the dashboard: not in its window
+        dash = Dashboard(FakeConnection(url=server.url + "/"), model="sleepy", poll_kernel=False)
+        assert dash.figures[0].latency["request"]["count"] == 0
+        for _ in range(5):
+            client.infer("sleepy", [x])
+        (f,) = dash.refresh()
+        request = f.latency["request"]
+        assert request["count"] == 5 and 10.0 <= request["p50"] <= request["p99"] <= 30.0, request
+        assert f.latency["compute_infer"]["count"] == 5 and f.latency["queue"]["count"] == 5
+        assert "request p50" in dash._repr_mimebundle_()[0]["text/plain"]
+        dash.close()
+    finally:
+        client.close()
+        server.close()

@@ -47,7 +47,68 @@ function steps(p, m, ok) {
   });
 }
 
-export function figures(prev, cur) {
+// Prometheus' histogram_quantile over cumulative [[bound ms, count]] (Infinity last), as
+// engine/histograms.py's quantile(); null when empty.
+export function quantile(cumulative, q) {
+  const total = cumulative.length ? cumulative[cumulative.length - 1][1] : 0;
+  if (!total) return null;
+  const rank = q * total;
+  let lower = 0, below = 0;
+  for (const [bound, n] of cumulative) {
+    if (n >= rank) {
+      if (bound === Infinity) return lower;
+      if (n === below) return bound;
+      return lower + (bound - lower) * (rank - below) / (n - below);
+    }
+    lower = bound; below = n;
+  }
+  return lower;
+}
+
+const LATENCY_SHOWN = ["request", "queue", "compute_infer"];
+export const HISTOGRAMS_OFF = "enable histogram_latencies for percentiles";
+
+// The last minute of each version's latency histograms (the statistics' latency_histograms),
+// over the dashboard's readings: engine/histograms.py's RecentQuantiles, per version and kind.
+export function latencyWindows(seconds = 60) { return { seconds, kept: new Map() }; }
+
+function recentQuantiles(windows, key, m, now) {
+  const kept = m.latency_histograms;
+  if (!kept) return null;
+  const out = {};
+  for (const kind of LATENCY_SHOWN) {
+    const h = kept[kind];
+    if (!h) continue;
+    const cum = h.cumulative.map((n, i) => [i < h.bounds_ms.length ? h.bounds_ms[i] : Infinity, n]);
+    const total = cum.length ? cum[cum.length - 1][1] : 0;
+    // a version's first reading only starts its window (what came before is of unknown age);
+    // a reload (counts going down) starts it again from zero
+    let w = windows.kept.get(key + "|" + kind);
+    const first = !w;
+    if (!w || total < w.total) w = { snaps: [], total: 0 };
+    w.total = total;
+    windows.kept.set(key + "|" + kind, w);
+    const snaps = w.snaps;
+    snaps.push([now, cum]);
+    // keep exactly one snapshot at or before the window's start
+    while (snaps.length > 2 && snaps[1][0] <= now - windows.seconds) snaps.shift();
+    let base = snaps.length > 1 ? snaps[0][1] : cum.map(([b]) => [b, 0]);
+    if (base.length !== cum.length || base.some(([b], i) => b !== cum[i][0])) {   // buckets changed
+      snaps.splice(0, snaps.length, [now, cum]);
+      base = cum.map(([b]) => [b, 0]);
+    }
+    if (first) base = cum;
+    const win = cum.map(([b, n], i) => [b, n - base[i][1]]);
+    out[kind] = { p50: quantile(win, 0.5), p95: quantile(win, 0.95), p99: quantile(win, 0.99),
+                  count: win.length ? win[win.length - 1][1] : 0 };
+  }
+  return out;
+}
+
+// `windows` (latencyWindows()): the dashboard's, kept across readings; without it the
+// percentiles are since the first reading.
+export function figures(prev, cur, windows) {
+  windows = windows || latencyWindows();
   const earlier = new Map(((prev && prev.model_stats) || []).map(m => [m.name + "/" + m.version, m]));
   const dt = prev ? cur.t - prev.t : 0;
   return (cur.model_stats || []).map(m => {
@@ -78,6 +139,7 @@ export function figures(prev, cur) {
       pending: cur.pending ? (cur.pending[key] ?? null) : null,
       decoupled, responsesPerRequest: perRequest, firstResponseUs: firstUs,
       steps: steps(p, m, ok),
+      latency: recentQuantiles(windows, key, m, cur.t),
     };
   });
 }
@@ -150,6 +212,16 @@ function card(f, hist) {
     stat("jt-first-response", "1st response µs", fmt(f.firstResponseUs));
   }
   c.appendChild(stats);
+  const lat = el("div", { class: "jt-latency" + (f.latency ? "" : " jt-latency-off") });
+  if (!f.latency) lat.textContent = HISTOGRAMS_OFF;
+  else for (const [kind, q] of Object.entries(f.latency)) {
+    const row = el("div", { class: "jt-latency-row", "data-kind": kind });
+    row.appendChild(el("span", { class: "jt-label" }, `${kind} (last minute, ${q.count})`));
+    for (const p of ["p50", "p95", "p99"])
+      row.appendChild(el("span", { class: "jt-pct", "data-q": p }, `${p} ${fmt(q[p], " ms")}`));
+    lat.appendChild(row);
+  }
+  c.appendChild(lat);
   if (f.steps.length) {
     const list = el("ol", { class: "jt-steps" });
     for (const s of f.steps)
@@ -197,12 +269,13 @@ function render({ model, el: host, request }) {
   host.appendChild(root);
 
   const history = new Map();          // model key -> inferences/s, last HISTORY readings
+  const windows = latencyWindows();   // percentiles over the last minute of readings
   let prev = null, source = null, timer = null, stopped = false, failures = 0, ticks = 0;
 
   function draw(snap, from) {
     if (source !== from) prev = null;  // never take deltas across sources (different clocks)
     source = from;
-    const rows = figures(prev, snap);
+    const rows = figures(prev, snap, windows);
     prev = snap;
     for (const f of rows) {
       const h = history.get(f.key) || [];

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import anywidget
 import traitlets
 
-from .figures import ModelFigures, Snapshot, figures, html_table, text_table
+from .figures import LatencyWindows, ModelFigures, Snapshot, figures, html_table, text_table
 from .poller import StatsPoller, describe_error, stats_url
 
 HERE = pathlib.Path(__file__).parent
@@ -56,6 +56,7 @@ class Dashboard(anywidget.AnyWidget):
         self._prev: Snapshot | None = None
         self._last: Snapshot | None = None
         self.figures: list[ModelFigures] = []
+        self._windows = LatencyWindows()
         # Where the pending-request gauge can be read with the kernel's credentials ("" or
         # absent: nowhere; the Jupyter server's own /metrics wants Jupyter's login).
         metrics_url = getattr(connection, "metrics_url", None) or None
@@ -71,7 +72,7 @@ class Dashboard(anywidget.AnyWidget):
 
     def _on_snapshot(self, snap: Snapshot) -> None:
         self._prev, self._last = self._last, snap
-        self.figures = figures(self._prev, snap)
+        self.figures = figures(self._prev, snap, self._windows)
         self.error = ""
         self.snapshot = snap.to_json()
 

@@ -7,9 +7,14 @@ are deltas of two snapshots. ``dashboard.js`` computes the same figures in the b
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass, field
 
 COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")
+#: the latency histograms (the statistics' ``latency_histograms``) the dashboard shows
+LATENCY_SHOWN = ("request", "queue", "compute_infer")
+#: what it says where the server keeps none
+HISTOGRAMS_OFF = "enable histogram_latencies for percentiles"
 
 
 @dataclass
@@ -57,6 +62,9 @@ class ModelFigures:
     responses_per_request: float | None = None   # responses sent (success + fail) per request
     first_response_us: float | None = None       # mean queue + time to response 0 per request
     steps: list[StepFigures] = field(default_factory=list)   # an ensemble's steps
+    # p50/p95/p99 (ms, None: nothing finished) and count over the last minute per kind of
+    # LATENCY_SHOWN; None where the server keeps no histograms
+    latency: dict[str, dict[str, float | None]] | None = None
 
     @property
     def key(self) -> str:
@@ -109,6 +117,42 @@ def step_figures(prev: dict | None, cur: dict, usable: bool) -> list[StepFigures
     return out
 
 
+class LatencyWindows:
+    """The last minute of each model version's latency histograms, as a dashboard polls:
+    one engine/histograms.py ``RecentQuantiles`` per version and kind, fed the cumulative
+    buckets of every reading (the window is the dashboard's readings, so it needs no state on
+    the server). A version's first reading only starts its window (what came before it is
+    of unknown age); a reload (counts going down) starts it again from zero."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self._windows: dict[tuple[str, str], tuple[object, int]] = {}
+
+    def quantiles(self, key: str, stats: dict, now: float) -> dict[str, dict[str, float | None]] | None:
+        """{kind: {"p50", "p95", "p99": ms or None, "count": n}}; None without histograms."""
+        kept = stats.get("latency_histograms")
+        if not kept:
+            return None
+        from ..engine.histograms import RecentQuantiles
+        out = {}
+        for kind in LATENCY_SHOWN:
+            h = kept.get(kind)
+            if not h:
+                continue
+            cumulative = list(zip([*map(float, h["bounds_ms"]), math.inf], map(int, h["cumulative"])))
+            total = cumulative[-1][1] if cumulative else 0
+            window, last_total = self._windows.get((key, kind), (None, 0))
+            first = window is None
+            if first or total < last_total:
+                window = RecentQuantiles(self.seconds)
+            self._windows[(key, kind)] = (window, total)
+            q = window.add(cumulative, now)
+            if first:
+                q = {"p50": math.nan, "p95": math.nan, "p99": math.nan, "count": 0}
+            out[kind] = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in q.items()}
+        return out
+
+
 def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None = None) -> ModelFigures:
     """Figures of one model: rates and means over ``dt`` seconds since ``prev`` (the same
     model's earlier statistics; None, or counters that went down after a reload, give no
@@ -149,15 +193,19 @@ def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None =
         steps=step_figures(prev, cur, usable))
 
 
-def figures(prev: Snapshot | None, cur: Snapshot) -> list[ModelFigures]:
-    """Figures of every model in ``cur``, matched with ``prev`` by name and version."""
+def figures(prev: Snapshot | None, cur: Snapshot, windows: LatencyWindows | None = None) -> list[ModelFigures]:
+    """Figures of every model in ``cur``, matched with ``prev`` by name and version;
+    percentiles over ``windows`` (the dashboard's; without it, since the first reading)."""
+    windows = windows or LatencyWindows()
     earlier = {f"{m.get('name')}/{m.get('version')}": m for m in (prev.model_stats if prev else [])}
     dt = cur.t - prev.t if prev else 0.0
     out = []
     for m in cur.model_stats:
         key = f"{m.get('name')}/{m.get('version')}"
         pending = cur.pending.get(key) if cur.pending is not None else None
-        out.append(model_figures(earlier.get(key), m, dt, pending))
+        f = model_figures(earlier.get(key), m, dt, pending)
+        f.latency = windows.quantiles(key, m, cur.t)
+        out.append(f)
     return out
 
 
@@ -180,6 +228,14 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return f"{value:,.1f}{unit}" if value < 100 else f"{value:,.0f}{unit}"
 
 
+def latency_text(f: ModelFigures, unit: str = " ms") -> list[str]:
+    """One line per kind: its percentiles over the last minute (or why there are none)."""
+    if f.latency is None:
+        return [HISTOGRAMS_OFF]
+    return [f"{kind} p50 {_fmt(q['p50'], unit)} · p95 {_fmt(q['p95'], unit)} · p99 {_fmt(q['p99'], unit)}"
+            f" ({q['count']} in the last minute)" for kind, q in f.latency.items()]
+
+
 def text_table(rows: list[ModelFigures]) -> str:
     """A plain-text overview (what front ends without widgets show)."""
     streams = any(f.decoupled for f in rows)
@@ -195,6 +251,9 @@ def text_table(rows: list[ModelFigures]) -> str:
                      f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}{stream}  {hist}")
         lines += [f"  {s.label:<26} {_fmt(s.mean_us, ' us'):>10}  {s.runs} runs, {s.failures} failed"
                   for s in f.steps]
+        lines += [f"  {line}" for line in latency_text(f)] if f.latency is not None else []
+    if rows and all(f.latency is None for f in rows):
+        lines.append(HISTOGRAMS_OFF)
     return "\n".join(lines)
 
 
@@ -215,6 +274,11 @@ def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
             text = f"{step.label}: {_fmt(step.mean_us, ' µs')}, {step.runs} runs, {step.failures} failed"
             body.append(f"<tr class='jt-step'><td></td><td colspan='{len(cols) - 1}'>"
                         f"{html.escape(text)}</td></tr>")
+        if f.latency is not None:
+            body.append(f"<tr class='jt-latency'><td></td><td colspan='{len(cols) - 1}'>"
+                        + "<br>".join(html.escape(line) for line in latency_text(f)) + "</td></tr>")
+    if rows and all(f.latency is None for f in rows):
+        body.append(f"<tr class='jt-latency'><td colspan='{len(cols)}'>{HISTOGRAMS_OFF}</td></tr>")
     return (f"<table class='jt-static'><caption>{html.escape(title)}</caption><thead><tr>"
             + "".join(f"<th>{c}</th>" for c in cols) + "</tr></thead><tbody>" + "".join(body)
             + "</tbody></table>")
