@@ -377,31 +377,85 @@ def test_browser_percentiles_match_the_kernel_percentiles(tmp_path):
                 assert (a[kind][q] is None and b[kind][q] is None) or a[kind][q] == pytest.approx(b[kind][q])
 
 
-def test_dashboard_percentiles_from_a_server_keeping_histograms(tmp_path):
-    """The kernel reads them through the statistics (the Jupyter server's /metrics wants
-    Jupyter's login): a 20 ms model's requests land in its 10..30 ms bucket."""
-    import numpy as np
-    import tritonclient.http as httpclient
+TALKER_PY = """
+import triton_python_backend_utils as pb_utils
 
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            pb_utils.Logger.log_warn(f"talker saw {x.shape[0]} rows")
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
+
+
+@pytest.fixture(scope="module")
+def histogram_server(tmp_path_factory):
+    """A server keeping latency histograms (10/30/1000 ms buckets): 'sleepy' takes 20 ms a
+    request, 'talker' logs a warning at each one (pb_utils.Logger)."""
     from conftest import serve
     from python_models import sleepy_model
-    sleepy_model(tmp_path / "models", "sleepy", sleep_s=0.02)
-    server, client = serve(tmp_path / "models", model_control_mode="explicit", load_models=["*"],
+    root = tmp_path_factory.mktemp("widgets") / "models"
+    sleepy_model(root, "sleepy", sleep_s=0.02)
+    talker = sleepy_model(root, "talker")
+    (talker / "1" / "model.py").write_text(TALKER_PY)
+    server, client = serve(root, model_control_mode="explicit", load_models=["*"],
                            histogram_latencies=True, histogram_buckets_ms=(10.0, 30.0, 1000.0))
+    yield server, client
+    client.close()
+    server.close()
+
+
+def infer_rows(client, model: str, rows: int = 1) -> None:
+    import numpy as np
+    import tritonclient.http as httpclient
+    x = httpclient.InferInput("INPUT0", [rows, 2], "FP32")
+    x.set_data_from_numpy(np.zeros((rows, 2), np.float32))
+    client.infer(model, [x])
+
+
+def test_dashboard_percentiles_from_a_server_keeping_histograms(histogram_server):
+    """The kernel reads them through the statistics (the Jupyter server's /metrics wants
+    Jupyter's login): a 20 ms model's requests land in its 10..30 ms bucket."""
+    server, client = histogram_server
+    infer_rows(client, "sleepy")          # before the dashboard: not in its window
+    dash = Dashboard(FakeConnection(url=server.url + "/"), model="sleepy", poll_kernel=False)
+    assert dash.figures[0].latency["request"]["count"] == 0
+    for _ in range(5):
+        infer_rows(client, "sleepy")
+    (f,) = dash.refresh()
+    request = f.latency["request"]
+    assert request["count"] == 5 and 10.0 <= request["p50"] <= request["p99"] <= 30.0, request
+    assert f.latency["compute_infer"]["count"] == 5 and f.latency["queue"]["count"] == 5
+    assert "request p50" in dash._repr_mimebundle_()[0]["text/plain"]
+    dash.close()
+    # what the server adds to the statistics: every kind's cumulative buckets, +Inf last
+    kept = client.get_inference_statistics("sleepy")["model_stats"][0]["latency_histograms"]
+    assert kept["request"]["bounds_ms"] == [10.0, 30.0, 1000.0] and kept["request"]["cumulative"][-1] == 6
+
+
+def test_logs_tab_shows_the_models_last_lines(histogram_server):
+    server, client = histogram_server
+    for rows in (1, 2, 3):
+        infer_rows(client, "talker", rows)
+    dash = Dashboard(FakeConnection(url=server.url + "/"), model="talker", interval=0.1)
     try:
-        x = httpclient.InferInput("INPUT0", [1, 2], "FP32")
-        x.set_data_from_numpy(np.zeros((1, 2), np.float32))
-        client.infer("sleepy", [x])          # before the dashboard: not in its window
-        dash = Dashboard(FakeConnection(url=server.url + "/"), model="sleepy", poll_kernel=False)
-        assert dash.figures[0].latency["request"]["count"] == 0
-        for _ in range(5):
-            client.infer("sleepy", [x])
-        (f,) = dash.refresh()
-        request = f.latency["request"]
-        assert request["count"] == 5 and 10.0 <= request["p50"] <= request["p99"] <= 30.0, request
-        assert f.latency["compute_infer"]["count"] == 5 and f.latency["queue"]["count"] == 5
-        assert "request p50" in dash._repr_mimebundle_()[0]["text/plain"]
-        dash.close()
+        wait_for(lambda: dash.refresh() and "talker saw 3 rows" in dash.logs_text())
+        text = dash.logs_text()
+        assert [line.split("[")[0].split()[-1] for line in text.splitlines() if "talker saw" in line] == \
+            ["WARNING"] * 3, text
+        assert dash.logs[-1]["model"] == "talker"
+        # while no view shows the logs tab, the kernel poller reads the statistics alone
+        assert dash.poller.poll_once().logs is None
+        dash.tab = "logs"                     # what a view sets when its logs tab is opened
+        infer_rows(client, "talker", 4)
+        wait_for(lambda: any("talker saw 4 rows" in e["message"] for e in dash.logs))
     finally:
-        client.close()
-        server.close()
+        dash.close()
+    # a dashboard of every model has no logs tab (the route is per model)
+    every = Dashboard(FakeConnection(url=server.url + "/"), poll_kernel=False)
+    assert every.poller.logs_url is None and every.logs == []
+    every.close()

@@ -259,13 +259,34 @@ function overview(rows) {
   return t;
 }
 
+const LOG_TAIL = 200;
+
+// One line of the logs tab, as figures.py's log_line() (and handle.logs()) writes it.
+export function logLine(e) {
+  const version = e.version ? `v${e.version} ` : "";
+  return `${e.time || ""} ${version}${String(e.level || "").padEnd(7)} [${e.source || ""}] ${e.message || ""}`;
+}
+
 // `request(path)` (optional, a Response promise): how a host other than anywidget, the lab
 // extension's model view, reaches the server (JupyterLab's ServerConnection); it implies canFetch.
 function render({ model, el: host, request }) {
   const root = el("div", { class: "jt-dash" });
   const status = el("div", { class: "jt-status" });
   const body = el("div", { class: "jt-body" });
-  root.append(status, body);
+  const only = model.get("model");
+  // one model's dashboard has a second tab: what the model said (its log lines)
+  const tabs = el("div", { class: "jt-tabs" });
+  const logsPane = el("div", { class: "jt-logs" });
+  logsPane.hidden = true;
+  let tab = "stats";
+  if (only) {
+    for (const [name, label] of [["stats", "statistics"], ["logs", "logs"]]) {
+      const b = el("button", { class: "jt-tab", "data-tab": name, type: "button" }, label);
+      b.addEventListener("click", () => showTab(name));
+      tabs.appendChild(b);
+    }
+    root.append(status, tabs, body, logsPane);
+  } else root.append(status, body);
   host.appendChild(root);
 
   const history = new Map();          // model key -> inferences/s, last HISTORY readings
@@ -296,11 +317,36 @@ function render({ model, el: host, request }) {
     root.setAttribute("data-ticks", String(ticks));
   }
 
+  function drawLogs(lines) {
+    const shown = (lines || []).slice(-LOG_TAIL);
+    logsPane.replaceChildren(...shown.map(e =>
+      el("div", { class: "jt-log-line", "data-level": e.level || "" }, logLine(e))));
+    if (!shown.length) logsPane.appendChild(el("div", { class: "jt-log-empty" },
+      "no log lines yet (the model's pb_utils.Logger calls, print and stderr show here)"));
+    root.setAttribute("data-log-lines", String(shown.length));
+    if (tab === "logs") logsPane.scrollTop = logsPane.scrollHeight;
+  }
+
+  function showTab(name) {
+    tab = name;
+    for (const b of tabs.querySelectorAll(".jt-tab")) b.classList.toggle("jt-tab-active", b.dataset.tab === name);
+    body.hidden = name !== "stats";
+    logsPane.hidden = name !== "logs";
+    root.setAttribute("data-tab", name);
+    if (model.get("tab") !== name) {      // the kernel poller reads the lines while the tab shows
+      model.set("tab", name);
+      model.save_changes();
+    }
+    if (name === "logs") {
+      if (canFetch && !stopped) readLogs(); else drawLogs(model.get("logs"));
+    }
+  }
+
   // The browser polls when its page is served by the Jupyter server that hosts the models.
   const cfg = pageConfig();
   const base = cfg && cfg.baseUrl;
   const canFetch = !!request || (!!base && model.get("server_path") !== "" && base === model.get("server_path"));
-  const only = model.get("model");
+  const logsPath = only ? `v2/models/${encodeURIComponent(only)}/logs` : null;
   const statsPath = only ? `v2/models/${encodeURIComponent(only)}/stats` : "v2/models/stats";
   const headers = cfg && cfg.token ? { Authorization: `token ${cfg.token}` } : {};
   let metricsOk = true;
@@ -321,6 +367,18 @@ function render({ model, el: host, request }) {
     return { t: Date.now() / 1000, model_stats: body.model_stats || [], pending };
   }
 
+  async function readLogs() {
+    const opts = { credentials: "same-origin", headers, cache: "no-store" };
+    const get = request || ((path) => fetch(base + path, opts));
+    try {
+      const r = await get(logsPath);
+      if (r.ok) drawLogs((await r.json()).lines);
+      else drawLogs([{ level: "ERROR", source: "dashboard", message: `logs request failed: HTTP ${r.status}` }]);
+    } catch (e) {
+      drawLogs([{ level: "ERROR", source: "dashboard", message: `logs request failed: ${e}` }]);
+    }
+  }
+
   function setPolling(on) {
     if (model.get("browser_polling") === on) return;
     model.set("browser_polling", on);
@@ -335,6 +393,7 @@ function render({ model, el: host, request }) {
       failures = 0;
       setPolling(true);
       draw(snap, "browser");
+      if (tab === "logs") await readLogs();
     } catch (e) {
       failures += 1;
       if (failures >= 3) {
@@ -354,6 +413,11 @@ function render({ model, el: host, request }) {
     if (snap && snap.t && (source !== "browser" || stopped)) draw(snap, "kernel");
   };
   model.on("change:snapshot", onKernel);
+  const onKernelLogs = () => { if (source !== "browser" || stopped || !canFetch) drawLogs(model.get("logs")); };
+  if (only) {
+    model.on("change:logs", onKernelLogs);
+    showTab(model.get("tab") === "logs" ? "logs" : "stats");
+  }
   onKernel();
   if (canFetch) loop(); else status.textContent += " (statistics from the kernel)";
 
@@ -361,6 +425,7 @@ function render({ model, el: host, request }) {
     stopped = true;
     clearTimeout(timer);
     model.off("change:snapshot", onKernel);
+    if (only) model.off("change:logs", onKernelLogs);
     if (source === "browser") setPolling(false);
   };
 }

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import anywidget
 import traitlets
 
-from .figures import LatencyWindows, ModelFigures, Snapshot, figures, html_table, text_table
-from .poller import StatsPoller, describe_error, stats_url
+from .figures import LatencyWindows, ModelFigures, Snapshot, figures, html_table, log_line, text_table
+from .poller import StatsPoller, describe_error, logs_url, stats_url
 
 HERE = pathlib.Path(__file__).parent
 
@@ -46,6 +46,10 @@ class Dashboard(anywidget.AnyWidget):
     snapshot = traitlets.Dict().tag(sync=True)                 # the kernel poller's latest reading
     error = traitlets.Unicode("").tag(sync=True)
     browser_polling = traitlets.Bool(False).tag(sync=True)     # set by a browser view
+    # "stats" or "logs": the tab a view shows (set by the view; the kernel poller reads the
+    # model's log lines only while one shows its logs)
+    tab = traitlets.Unicode("stats").tag(sync=True)
+    logs = traitlets.List().tag(sync=True)                      # the model's last log lines
 
     def __init__(self, connection: _Connection, model: str | None = None, interval: float = 1.0,
                  *, duration: float = 3600.0, poll_kernel: bool = True, **kwargs: Any) -> None:
@@ -62,9 +66,10 @@ class Dashboard(anywidget.AnyWidget):
         metrics_url = getattr(connection, "metrics_url", None) or None
         self.poller = StatsPoller(stats_url(connection.url, model), connection.headers, self._on_snapshot,
                                   interval=interval, metrics_url=metrics_url, on_error=self._on_error,
-                                  duration=duration)
+                                  duration=duration, logs_url=logs_url(connection.url, model) if model else None,
+                                  logs_wanted=lambda: self.tab == "logs")
         try:
-            self._on_snapshot(self.poller.poll_once())   # something to show at once
+            self._on_snapshot(self.poller.poll_once(with_logs=True))   # something to show at once
         except Exception as err:
             self._on_error(describe_error(err))
         if poll_kernel:
@@ -74,6 +79,8 @@ class Dashboard(anywidget.AnyWidget):
         self._prev, self._last = self._last, snap
         self.figures = figures(self._prev, snap, self._windows)
         self.error = ""
+        if snap.logs is not None and snap.logs != self.logs:
+            self.logs = snap.logs
         self.snapshot = snap.to_json()
 
     def _on_error(self, message: str) -> None:
@@ -92,9 +99,14 @@ class Dashboard(anywidget.AnyWidget):
         return max(rows, key=lambda f: int(f.version) if f.version.isdigit() else -1) if rows else None
 
     def refresh(self) -> list[ModelFigures]:
-        """Take one reading now (also while the poller is paused) and return the figures."""
-        self._on_snapshot(self.poller.poll_once())
+        """Take one reading now (also while the poller is paused; with the log lines) and
+        return the figures."""
+        self._on_snapshot(self.poller.poll_once(with_logs=True))
         return self.figures
+
+    def logs_text(self, tail: int = 50) -> str:
+        """The logs tab as text: the model's last ``tail`` lines of the latest reading."""
+        return "\n".join(log_line(e) for e in self.logs[-tail:]) if tail else ""
 
     def stop(self) -> None:
         """Stop the kernel-side poller (the browser views keep polling while shown)."""

@@ -20,10 +20,12 @@ HISTOGRAMS_OFF = "enable histogram_latencies for percentiles"
 @dataclass
 class Snapshot:
     """One reading of ``GET v2/models/stats``: ``t`` in seconds, ``pending`` from /metrics
-    (``nv_inference_pending_request_count`` per "name/version"; None when unreachable)."""
+    (``nv_inference_pending_request_count`` per "name/version"; None when unreachable);
+    ``logs``: the model's last log lines when read (None: not read this time)."""
     t: float
     model_stats: list[dict]
     pending: dict[str, int] | None = None
+    logs: list[dict] | None = None
 
     def to_json(self) -> dict:
         return {"t": self.t, "model_stats": self.model_stats, "pending": self.pending}
@@ -234,6 +236,12 @@ def latency_text(f: ModelFigures, unit: str = " ms") -> list[str]:
         return [HISTOGRAMS_OFF]
     return [f"{kind} p50 {_fmt(q['p50'], unit)} · p95 {_fmt(q['p95'], unit)} · p99 {_fmt(q['p99'], unit)}"
             f" ({q['count']} in the last minute)" for kind, q in f.latency.items()]
+
+
+def log_line(e: dict) -> str:
+    """One line of the logs tab, as ``handle.logs()`` prints it."""
+    version = f"v{e.get('version')} " if e.get("version") else ""
+    return f"{e.get('time', '')} {version}{e.get('level', ''):<7} [{e.get('source', '')}] {e.get('message', '')}"
 
 
 def text_table(rows: list[ModelFigures]) -> str:

@@ -18,6 +18,9 @@ from typing import Callable
 
 from .figures import Snapshot, parse_pending
 
+#: log lines a dashboard shows (the newest)
+LOG_TAIL = 200
+
 
 def stats_url(server_url: str, model: str | None) -> str:
     """``{server_url}v2/models/stats`` or the per-model route; ``server_url`` ends in "/"."""
@@ -26,15 +29,24 @@ def stats_url(server_url: str, model: str | None) -> str:
     return f"{server_url}v2/models/stats"
 
 
+def logs_url(server_url: str, model: str) -> str:
+    """``{server_url}v2/models/{model}/logs``: every version's lines, oldest first."""
+    return f"{server_url}v2/models/{urllib.parse.quote(model, safe='')}/logs"
+
+
 class StatsPoller:
     """Polls until ``stop()``, ``duration`` seconds, or ``max_polls`` readings, whichever
-    comes first. ``paused`` (an Event) skips readings while set: the browser is polling."""
+    comes first. ``paused`` (an Event) skips readings while set: the browser is polling.
+    With ``logs_url``, a reading also takes the model's last log lines while ``logs_wanted()``
+    (a view shows its logs tab)."""
 
     def __init__(self, url: str, headers: dict[str, str], on_snapshot: Callable[[Snapshot], None],
                  *, interval: float = 1.0, metrics_url: str | None = None,
                  on_error: Callable[[str], None] | None = None, duration: float = 3600.0,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, logs_url: str | None = None,
+                 logs_wanted: Callable[[], bool] = lambda: False) -> None:
         self.url, self.headers, self.metrics_url = url, dict(headers), metrics_url
+        self.logs_url, self.logs_wanted = logs_url, logs_wanted
         self.on_snapshot, self.on_error = on_snapshot, on_error
         self.interval, self.duration, self.timeout = max(0.1, interval), duration, timeout
         self.max_polls = int(duration / self.interval) + 1
@@ -47,8 +59,9 @@ class StatsPoller:
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return resp.read()
 
-    def poll_once(self) -> Snapshot:
-        """One reading. Raises on an unreachable server or an error answer."""
+    def poll_once(self, with_logs: bool = False) -> Snapshot:
+        """One reading (with the log lines when ``with_logs`` or wanted). Raises on an
+        unreachable server or an error answer of the statistics."""
         t = time.time()
         body = json.loads(self._get(self.url))
         pending = None
@@ -59,7 +72,15 @@ class StatsPoller:
                 # /metrics needs Jupyter's own credentials on the Jupyter server: the
                 # kernel's token does not reach it, so pending counts are left out.
                 self.metrics_url = None
-        return Snapshot(t=t, model_stats=body.get("model_stats", []), pending=pending)
+        logs = None
+        if self.logs_url and (with_logs or self.logs_wanted()):
+            try:
+                logs = json.loads(self._get(self.logs_url)).get("lines", [])[-LOG_TAIL:]
+            except (OSError, ValueError) as err:
+                # the statistics were read: show them, and say why the lines are missing
+                logs = [{"time": "", "version": "", "level": "ERROR", "source": "dashboard",
+                         "message": describe_error(err).replace("statistics", "logs", 1)}]
+        return Snapshot(t=t, model_stats=body.get("model_stats", []), pending=pending, logs=logs)
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.duration

@@ -24,7 +24,9 @@ function viewModel(name: string, intervalS: number): IWidgetModel {
     ['server_path', ''],
     ['snapshot', {}],
     ['error', ''],
-    ['browser_polling', false]
+    ['browser_polling', false],
+    ['tab', 'stats'],     // its logs tab reads v2/models/{m}/logs through ServerConnection too
+    ['logs', []]
   ]);
   return {
     get: key => values.get(key),
