@@ -164,7 +164,9 @@ def info(result) -> dict:
 
 
 def our_shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("jt_")}
+    # This process's segments only: test runs of other processes on the host come and go.
+    from jupyter_triton.backends.python.shm import segment_prefix
+    return {n for n in os.listdir("/dev/shm") if n.startswith(segment_prefix())}
 
 
 def test_registry_finds_the_python_backend():
