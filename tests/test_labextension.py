@@ -303,6 +303,8 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                 seen = page.evaluate(f"({JS_VIEW})('demo')")
                 assert seen["title"] == "demo v1" and seen["status"].startswith("demo · live from the browser"), seen
                 assert view.locator(".jp-TritonPanel-memory").first.text_content().startswith("CPU ")
+                # this server keeps no latency histograms: the card says how to get percentiles
+                assert view.locator(".jt-latency-off").text_content() == "enable histogram_latencies for percentiles"
                 # the sidebar's rate comes from the same figures() as the dashboard's
                 page.wait_for_function(
                     f"() => {{ const e = document.querySelector('{_card('demo', '1')} .jp-TritonPanel-rate'); "
@@ -347,6 +349,136 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
                           wait_until="domcontentloaded")
                 page.locator('.jp-TritonModelView[data-model="demo"] .jt-card[data-model="demo"]'
                              ).wait_for(timeout=30_000)
+            finally:
+                ctx.close()
+    finally:
+        lab.stop()
+    assert errors == [], errors
+
+
+PIPE = """name: "pipe"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2 ] } ]
+ensemble_scheduling { step [
+  { model_name: "talker" model_version: -1
+    input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "OUTPUT0" value: "mid" } },
+  { model_name: "sleepy" model_version: 1
+    input_map { key: "INPUT0" value: "mid" } output_map { key: "OUTPUT0" value: "OUTPUT0" } } ] }
+"""
+
+TALKER_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            pb_utils.Logger.log_warn(f"talker saw {x.shape[0]} rows")
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
+
+# An ensemble card's steps in the sidebar, and a model view's percentiles and log lines.
+JS_STEPS = """(model) => [...document.querySelectorAll('#jupyter-triton-panel .jp-TritonPanel-model[data-model="'
+  + model + '"] li.jp-TritonPanel-step')].map(li => [li.dataset.step, li.dataset.composingModel,
+  li.dataset.composingVersion, li.textContent])"""
+JS_PERCENTILES = """(model) => {
+  const v = document.querySelector('.jp-TritonModelView[data-model="' + model + '"]');
+  const row = v && v.querySelector('.jt-latency-row[data-kind="request"]');
+  if (!row) return null;
+  return {label: row.querySelector('.jt-label').textContent,
+          ...Object.fromEntries([...row.querySelectorAll('.jt-pct')].map(e => [e.dataset.q, e.textContent]))};
+}"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                    reason=f"no {CHROMIUM} (apt-get install chromium fonts-dejavu-core)")
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
+                    reason="the python package playwright is not installed (pip install playwright; "
+                           "the browser is Debian's chromium, no `playwright install`)")
+def test_ensemble_steps_percentiles_and_logs_tab_in_a_real_browser(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from python_models import sleepy_model
+
+    shots = Path(os.environ.get("JUPYTER_TRITON_SCREENSHOTS") or tempfile.mkdtemp(prefix="jt-shots-"))
+    shots.mkdir(parents=True, exist_ok=True)
+    repository = tmp_path / "models"
+    sleepy_model(repository, "sleepy", sleep_s=0.02)
+    (sleepy_model(repository, "talker") / "1" / "model.py").write_text(TALKER_PY)
+    (repository / "pipe" / "1").mkdir(parents=True)
+    (repository / "pipe" / "config.pbtxt").write_text(PIPE)
+    (tmp_path / "root").mkdir()
+    lab = start_lab(tmp_path / "state", tmp_path / "root", repository,
+                    triton={"histogram_latencies": True, "histogram_buckets_ms": [10.0, 30.0, 1000.0]})
+
+    def infer_pipe(times: int) -> None:
+        body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32",
+                                       "data": [1.0, 0.0]}]}).encode()   # [id, extra sleep s]
+        for _ in range(times):
+            req = urllib.request.Request(f"{lab.url}v2/models/pipe/infer", data=body, method="POST",
+                                         headers={"Authorization": f"token {lab.token}"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+
+    errors: list[str] = []
+    try:
+        with sync_playwright() as p:
+            ctx = launch_browser(p, tmp_path / "chromium")
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.set_default_timeout(60_000)
+                page.on("console", lambda m: m.type == "error"
+                        and not any(r.search(m.text) for r in IGNORED_CONSOLE)
+                        and errors.append(f"console.error: {m.text[:300]}"))
+                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+                page.goto(f"{lab.url}lab/workspaces/t{int(time.time() * 1000)}?reset&token="
+                          f"{urllib.parse.quote(lab.token)}", wait_until="domcontentloaded")
+                page.locator(PANEL_TAB).click()
+                page.locator(_card("pipe", "1", "READY")).wait_for(timeout=30_000)
+
+                # the ensemble's card: its steps as its config names them (talker: the latest)
+                page.wait_for_function(f"() => ({JS_STEPS})('pipe').length === 2", timeout=15_000)
+                steps = page.evaluate(f"({JS_STEPS})('pipe')")
+                assert [s[:3] for s in steps] == [["1", "talker", ""], ["2", "sleepy", "1"]], steps
+                assert "latest" in steps[0][3] and not page.evaluate(f"({JS_STEPS})('talker')")
+                # once it ran: the version each step ran on, its runs and failures
+                infer_pipe(3)
+                page.wait_for_function(f"() => ({JS_STEPS})('pipe').every(s => s[3].includes('3 runs, 0 failed'))",
+                                       timeout=15_000)
+                assert [s[2] for s in page.evaluate(f"({JS_STEPS})('pipe')")] == ["1", "1"]
+                page.locator(PANEL).screenshot(path=str(shots / "labextension-ensemble-steps.png"))
+
+                # talker's view: request p50/p95/p99 over the last minute, then its logs tab
+                page.locator(f'{_card("talker", "1")} button[data-action="dashboard"]').click()
+                view = page.locator('.jp-TritonModelView[data-model="talker"]')
+                view.locator('.jt-dash[data-source="browser"]').wait_for(timeout=30_000)
+                page.wait_for_function("() => { const d = document.querySelector("
+                                       "'.jp-TritonModelView[data-model=\"talker\"] .jt-dash'); "
+                                       "return d && parseInt(d.dataset.ticks || '0', 10) >= 2; }", timeout=15_000)
+                infer_pipe(4)         # after the view's first reading: inside its window
+                page.wait_for_function(f"() => {{ const q = ({JS_PERCENTILES})('talker'); "
+                                       "return q && q.label.includes('4)'); }", timeout=15_000)
+                seen = page.evaluate(f"({JS_PERCENTILES})('talker')")
+                assert seen["label"] == "request (last minute, 4)", seen
+                for q in ("p50", "p95", "p99"):        # a quick model: within its first bucket
+                    value = float(seen[q].split()[1])
+                    assert seen[q].startswith(q) and seen[q].endswith(" ms") and 0 < value <= 10, seen
+                page.screenshot(path=str(shots / "labextension-model-percentiles.png"))
+                view.locator('.jt-tab[data-tab="logs"]').click()
+                view.locator('.jt-logs .jt-log-line').first.wait_for(timeout=15_000)
+                lines = view.locator(".jt-logs .jt-log-line").all_text_contents()
+                assert sum("WARNING [logger] talker saw 1 rows" in line for line in lines) == 7, lines
+                assert view.locator(".jt-body").is_hidden()
+                infer_pipe(1)          # the tab follows the model while shown
+                page.wait_for_function("() => document.querySelectorAll('.jp-TritonModelView[data-model=\"talker\"] "
+                                       ".jt-log-line').length === 8", timeout=15_000)
+                page.screenshot(path=str(shots / "labextension-model-logs.png"))
             finally:
                 ctx.close()
     finally:

@@ -12,11 +12,13 @@ import { Widget } from '@lumino/widgets';
 import { figures } from 'jupyter-triton-dashboard';
 
 import {
+  IEnsembleStep,
   IIndexEntry,
   IModelStats,
   field,
   modelPath,
   renderFigures,
+  renderSteps,
   requestJSON,
   tritonclientSnippet
 } from './render';
@@ -73,6 +75,7 @@ export class TritonPanel extends Widget {
       this._rates = new Map(this._snapshot
         ? figures(this._snapshot, snapshot).map(f => [f.key, f.infPerS]) : []);
       this._snapshot = snapshot;
+      await this._readSteps(index);
       // an open versions menu would close under the user's pointer: redraw on the next tick
       const active = document.activeElement;
       if (!(active instanceof HTMLSelectElement && this.node.contains(active))) {
@@ -171,6 +174,24 @@ export class TritonPanel extends Widget {
     this._configs.set(key, JSON.stringify(config, null, 2));
   }
 
+  /**
+   * Which ready versions are ensembles, and their steps, from their configs: read once per
+   * version (a re-run ensemble is a new version), so a refresh costs no more calls after.
+   */
+  private async _readSteps(index: IIndexEntry[]): Promise<void> {
+    const unread = index.filter(e => e.version && e.state === 'READY' && !this._steps.has(`${e.name}/${e.version}`));
+    await Promise.all(unread.map(async e => {
+      try {
+        const config = await this._request<{ platform?: string; ensemble_scheduling?: { step?: IEnsembleStep[] } }>(
+          `${modelPath(e.name)}/versions/${encodeURIComponent(e.version as string)}/config`, { method: 'GET' });
+        this._steps.set(`${e.name}/${e.version}`,
+                        config.platform === 'ensemble' ? config.ensemble_scheduling?.step || [] : null);
+      } catch {
+        // unloaded meanwhile: read again once it is ready
+      }
+    }));
+  }
+
   private _render(index: IIndexEntry[], stats: IModelStats[]): void {
     const byKey = new Map(stats.map(s => [`${s.name}/${s.version}`, s]));
     const versions = new Map<string, IIndexEntry[]>();      // a model's rows that name a version
@@ -214,6 +235,11 @@ export class TritonPanel extends Widget {
     }
     if (stats) {
       li.appendChild(renderFigures(stats, this._rates.get(key) ?? null));
+    }
+    const steps = this._steps.get(key);
+    if (steps) {
+      li.dataset.ensemble = 'true';
+      li.appendChild(renderSteps(steps, stats));
     }
     li.appendChild(this._actions(name, version, state, key, versions));
     const config = this._configs.get(key);
@@ -305,4 +331,5 @@ export class TritonPanel extends Widget {
   private _configs = new Map<string, string>();
   private _snapshot: { t: number; model_stats: IModelStats[] } | null = null;
   private _rates = new Map<string, number>();
+  private _steps = new Map<string, IEnsembleStep[] | null>();   // "name/version": null if no ensemble
 }

@@ -41,6 +41,43 @@ export interface IModelStats {
   };
   batch_stats?: { batch_size: number; compute_infer: IDuration }[];
   memory_usage?: IMemoryUsage[];
+  /** an ensemble's steps as they ran (an extra field, once the ensemble has run) */
+  ensemble_steps?: { step: number; model: string; version: string; success: IDuration; fail: IDuration }[];
+}
+
+/** One step of an ensemble's config (ensemble_scheduling.step). */
+export interface IEnsembleStep {
+  model_name: string;
+  model_version?: number | string;
+}
+
+/**
+ * An ensemble's steps: each one's composing model and version as its config names them
+ * (-1: the latest), and once it has run, the version it ran on and its runs and failures.
+ */
+export function renderSteps(steps: IEnsembleStep[], stats: IModelStats | undefined): HTMLElement {
+  const ran = new Map((stats?.ensemble_steps || []).map(s => [s.step, s]));
+  const list = document.createElement('ol');
+  list.className = 'jp-TritonPanel-steps';
+  list.title = "the ensemble's steps: composing model and version";
+  steps.forEach((step, i) => {
+    const pinned = Number(step.model_version ?? -1);
+    const run = ran.get(i + 1);
+    const version = run ? String(run.version) : pinned >= 0 ? String(pinned) : '';
+    const li = document.createElement('li');
+    li.className = 'jp-TritonPanel-step';
+    li.dataset.step = String(i + 1);
+    // not data-model/data-version: those name the cards
+    li.dataset.composingModel = step.model_name;
+    li.dataset.composingVersion = version;
+    field(li, 'step-model', step.model_name);
+    field(li, 'step-version', version ? `v${version}` : 'latest');
+    if (run) {
+      field(li, 'step-runs', `${run.success.count} runs, ${run.fail.count} failed`);
+    }
+    list.appendChild(li);
+  });
+  return list;
 }
 
 /** A v2 call through ServerConnection; a Triton error body becomes the Error's message. */

@@ -101,8 +101,10 @@ class Lab:
                 self.proc.wait(5)
 
 
-def start_lab(state: Path, root: Path, repository: Path, timeout: float = 60.0) -> Lab:
-    """JupyterLab with the extension enabled, serving ``repository``; state under ``state``."""
+def start_lab(state: Path, root: Path, repository: Path, timeout: float = 60.0,
+              triton: dict | None = None) -> Lab:
+    """JupyterLab with the extension enabled, serving ``repository``; state under ``state``;
+    ``triton``: more JupyterTriton traits."""
     for sub in ("config", "data", "runtime", "ipython", "xdg"):
         (state / sub).mkdir(parents=True, exist_ok=True)
     settings = state / "config" / "lab" / "user-settings"
@@ -116,7 +118,7 @@ def start_lab(state: Path, root: Path, repository: Path, timeout: float = 60.0) 
     (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}\n')
     (state / "config" / "jupyter_server_config.json").write_text(json.dumps({
         "ServerApp": {"jpserver_extensions": {"jupyter_triton": True}},
-        "JupyterTriton": {"model_repository": str(repository), "create_demo_model": False}}))
+        "JupyterTriton": {"model_repository": str(repository), "create_demo_model": False, **(triton or {})}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_TRITON_", "JUPYTERHUB_"))}
     env.update(JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_DATA_DIR=str(state / "data"),
                JUPYTER_RUNTIME_DIR=str(state / "runtime"), IPYTHONDIR=str(state / "ipython"),
