@@ -197,3 +197,41 @@ def test_dashboard_falls_back_to_the_kernel_poller(lab, browser_page):
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.locator(".jt-dash").first.screenshot(path=str(SHOTS / "kernel-fallback-dashboard.png"))
     assert page.js_errors == []
+
+
+NOTEBOOK_LOGS = [
+    "%load_ext jupyter_triton",
+    "%%serve chatty\n"
+    "def chatty(prompt: str) -> str:\n"
+    "    print(f'chatty saw {len(prompt.split())} words', flush=True)\n"
+    "    return prompt.upper()\n"
+    "chatty",
+    "chatty = _\nprint(chatty.infer('a b c'))",
+    "chatty.dashboard(interval=0.3)",
+]
+
+
+def test_notebook_dashboard_logs_tab_and_percentiles_note(lab, browser_page):
+    """The notebook widget of one model: its logs tab shows what the served function printed
+    (read by the browser through the Jupyter server), and without latency histograms the
+    card says how to get percentiles."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_LOGS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "logs.ipynb")
+    page = browser_page
+    panel, handle = open_notebook(page, lab, "logs.ipynb")
+    run_all(page, handle)
+    wait_all_done(page, handle, timeout=150)
+    assert tracebacks(page, handle) == []
+    dash = page.locator('.jt-dash[data-source="browser"]')
+    dash.locator('.jt-card[data-model="chatty"]').wait_for(timeout=30_000)
+    assert dash.locator(".jt-latency-off").text_content() == "enable histogram_latencies for percentiles"
+    dash.locator('.jt-tab[data-tab="logs"]').click()
+    page.wait_for_function("() => [...document.querySelectorAll('.jt-dash .jt-log-line')]"
+                           ".some(e => e.textContent.includes('[stdout] chatty saw 3 words'))", timeout=15_000)
+    assert dash.locator(".jt-body").is_hidden() and dash.get_attribute("data-tab") == "logs"
+    dash.screenshot(path=str(SHOTS / "notebook-dashboard-logs.png"))
+    dash.locator('.jt-tab[data-tab="stats"]').click()
+    assert dash.locator(".jt-logs").is_hidden() and dash.locator('.jt-card[data-model="chatty"]').is_visible()
+    assert page.js_errors == []
