@@ -235,3 +235,65 @@ def test_notebook_dashboard_logs_tab_and_percentiles_note(lab, browser_page):
     dash.locator('.jt-tab[data-tab="stats"]').click()
     assert dash.locator(".jt-logs").is_hidden() and dash.locator('.jt-card[data-model="chatty"]').is_visible()
     assert page.js_errors == []
+
+
+KERNEL_LOGS = [
+    # A python model in an in-kernel server (the browser cannot reach it): the logs tab is
+    # fed by the kernel poller, which reads the lines once the view says the tab shows.
+    "import base64, json, urllib.request\n"
+    "from jupyter_triton.kernel.discovery import start_in_kernel\n"
+    "from jupyter_triton.widgets import Dashboard\n"
+    "conn = start_in_kernel()\n"
+    "PY = '''\n"
+    "import triton_python_backend_utils as pb_utils\n"
+    "class TritonPythonModel:\n"
+    "    def execute(self, requests):\n"
+    "        out = []\n"
+    "        for r in requests:\n"
+    "            x = pb_utils.get_input_tensor_by_name(r, 'INPUT0').as_numpy()\n"
+    "            pb_utils.Logger.log_warn(f'talker saw {x.shape[0]} rows')\n"
+    "            out.append(pb_utils.InferenceResponse([pb_utils.Tensor('OUTPUT0', x)]))\n"
+    "        return out\n"
+    "'''\n"
+    "config = {'name': 'talker', 'backend': 'python', 'max_batch_size': 8,\n"
+    "          'input': [{'name': 'INPUT0', 'data_type': 'TYPE_FP32', 'dims': [2]}],\n"
+    "          'output': [{'name': 'OUTPUT0', 'data_type': 'TYPE_FP32', 'dims': [2]}],\n"
+    "          'parameters': {'EXECUTION_MODE': {'string_value': 'thread'}}}\n"
+    "def post(path, body):\n"
+    "    req = urllib.request.Request(conn.url + path, data=json.dumps(body).encode(),\n"
+    "                                 headers={**conn.headers, 'Content-Type': 'application/json'})\n"
+    "    return urllib.request.urlopen(req, timeout=60).read()\n"
+    "post('v2/repository/models/talker/load', {'parameters': {'config': json.dumps(config),\n"
+    "     'file:1/model.py': base64.b64encode(PY.encode()).decode()}})\n"
+    "for rows in (1, 2):\n"
+    "    post('v2/models/talker/infer', {'inputs': [{'name': 'INPUT0', 'shape': [rows, 2], 'datatype': 'FP32',\n"
+    "                                                'data': [0.0] * (2 * rows)}]})\n"
+    "import threading, time\n"
+    "def later():   # a request after the view shows: its line comes once the logs tab is open\n"
+    "    time.sleep(4)\n"
+    "    post('v2/models/talker/infer', {'inputs': [{'name': 'INPUT0', 'shape': [3, 2], 'datatype': 'FP32',\n"
+    "                                                'data': [0.0] * 6}]})\n"
+    "threading.Thread(target=later, daemon=True).start()\n"
+    "dash = Dashboard(conn, model='talker', interval=0.3)\n"
+    "dash",
+]
+
+
+def test_notebook_logs_tab_fed_by_the_kernel(lab, browser_page):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in KERNEL_LOGS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "kernel-logs.ipynb")
+    page = browser_page
+    panel, handle = open_notebook(page, lab, "kernel-logs.ipynb")
+    run_all(page, handle)
+    wait_all_done(page, handle, timeout=150)
+    assert tracebacks(page, handle) == []
+    dash = page.locator('.jt-dash[data-source="kernel"]')
+    dash.locator('.jt-card[data-model="talker"]').wait_for(timeout=30_000)
+    dash.locator('.jt-tab[data-tab="logs"]').click()
+    page.wait_for_function("() => [...document.querySelectorAll('.jt-dash .jt-log-line')].filter(e => "
+                           "/WARNING \\[logger\\] talker saw [123] rows/.test(e.textContent)).length === 3",
+                           timeout=15_000)
+    dash.screenshot(path=str(SHOTS / "notebook-dashboard-logs-from-the-kernel.png"))
+    assert page.js_errors == []

@@ -268,7 +268,11 @@ def test_the_dashboard_reads_a_served_generators_response_stats(tmp_path):
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as resp:
                 assert resp.read().count(b"data:") == len(prompt.split())
-        (f,) = dash.refresh()
+        # the server records a request's statistics after its last response: read them settled
+        settled = wait_for(lambda: (s := dash.poller.poll_once()) and
+                           s.model_stats[0]["inference_stats"]["success"]["count"] == 2 and s)
+        dash._on_snapshot(settled)
+        (f,) = dash.figures
         assert f.decoupled and f.responses_per_request == pytest.approx(4.0)   # 8 responses, 2 requests
         assert f.first_response_us is not None and f.first_response_us > 0
         assert "resp/req" in dash._repr_mimebundle_()[0]["text/plain"]

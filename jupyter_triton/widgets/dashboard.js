@@ -317,14 +317,21 @@ function render({ model, el: host, request }) {
     root.setAttribute("data-ticks", String(ticks));
   }
 
+  let logsDrawn = null;
   function drawLogs(lines) {
     const shown = (lines || []).slice(-LOG_TAIL);
+    // redraw only when a line came or went: a reader scrolled up keeps their place
+    const last = shown.length ? shown[shown.length - 1] : null;
+    const stamp = `${shown.length}|${last ? last.timestamp ?? last.time : ""}|${last ? last.message : ""}`;
+    if (stamp === logsDrawn) return;
+    logsDrawn = stamp;
+    const atBottom = logsPane.scrollHeight - logsPane.scrollTop - logsPane.clientHeight < 20;
     logsPane.replaceChildren(...shown.map(e =>
       el("div", { class: "jt-log-line", "data-level": e.level || "" }, logLine(e))));
     if (!shown.length) logsPane.appendChild(el("div", { class: "jt-log-empty" },
       "no log lines yet (the model's pb_utils.Logger calls, print and stderr show here)"));
     root.setAttribute("data-log-lines", String(shown.length));
-    if (tab === "logs") logsPane.scrollTop = logsPane.scrollHeight;
+    if (tab === "logs" && atBottom) logsPane.scrollTop = logsPane.scrollHeight;
   }
 
   function showTab(name) {

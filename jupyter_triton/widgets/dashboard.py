@@ -1,5 +1,7 @@
 """The live dashboard widget: throughput, queue and compute time per request, batch sizes
-formed, pending requests and failures, per model and for all models.
+formed, pending requests and failures, per model and for all models; request, queue and
+compute p50/p95/p99 over the last minute where the server keeps latency histograms; and for
+one model, a logs tab with its last log lines (``v2/models/{m}/logs``).
 
 Two sources of statistics, so that it keeps moving while the kernel is busy running a cell:
 the browser fetches ``v2/models/stats`` itself when the notebook page is served by the same

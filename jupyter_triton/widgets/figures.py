@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import math
+import threading
 from dataclasses import dataclass, field
 
 COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")
@@ -129,12 +130,17 @@ class LatencyWindows:
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
         self._windows: dict[tuple[str, str], tuple[object, int]] = {}
+        self._lock = threading.Lock()     # the poller's thread and refresh() both read
 
     def quantiles(self, key: str, stats: dict, now: float) -> dict[str, dict[str, float | None]] | None:
         """{kind: {"p50", "p95", "p99": ms or None, "count": n}}; None without histograms."""
         kept = stats.get("latency_histograms")
         if not kept:
             return None
+        with self._lock:
+            return self._quantiles(key, kept, now)
+
+    def _quantiles(self, key: str, kept: dict, now: float) -> dict[str, dict[str, float | None]]:
         from ..engine.histograms import RecentQuantiles
         out = {}
         for kind in LATENCY_SHOWN:
