@@ -31,11 +31,20 @@ declare module 'jupyter-triton-dashboard' {
     failures: number;
     inferences: number;
     executions: number;
+    /** p50/p95/p99 (ms) and count over the last minute per kind; null without histograms */
+    latency: Record<string, { p50: number | null; p95: number | null; p99: number | null; count: number }> | null;
   }
+
+  /** Percentile windows kept across readings (pass the same one to every figures() call). */
+  export interface ILatencyWindows {
+    seconds: number;
+  }
+  export function latencyWindows(seconds?: number): ILatencyWindows;
 
   export function figures(
     prev: { t: number; model_stats: unknown[] } | null,
-    cur: { t: number; model_stats: unknown[] }
+    cur: { t: number; model_stats: unknown[] },
+    windows?: ILatencyWindows
   ): IFigures[];
 
   const dashboard: { render(props: IRenderProps): () => void };
