@@ -80,7 +80,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ...protocol.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                 TritonError, Unavailable, Unsupported)
-from ... import model_metrics
+# model_metrics (prometheus_client, ~100 ms to import) is imported where it is used: every
+# worker process imports this module and never needs it.
 from ...model_logs import LOGS
 from ...protocol.datatypes import numpy_to_triton
 from ...protocol.types import InferRequest, InferTensor, RequestedOutput
@@ -278,6 +279,7 @@ class _ThreadBls:
         self.backend = backend
 
     def metric_call(self, op: str, args: tuple, what: str) -> Any:
+        from ... import model_metrics
         try:
             return model_metrics.apply(op, args, self.backend)
         except (model_metrics.MetricError, TypeError, ValueError) as err:
@@ -535,6 +537,7 @@ class PythonBackend(Backend):
                 error = worker.stop(self.finalize_timeout_s)
             for sink in list(self._thread_sinks):
                 sink.fail("closed", "the model instance was unloaded")
+            from ... import model_metrics
             model_metrics.REGISTRY.release(self)
             if error is not None:
                 log.warning("%s: finalize failed: %s\n%s", self._who, error.message, error.traceback)
@@ -559,6 +562,7 @@ class PythonBackend(Backend):
                 stream.close()
         elif kind == "m":
             _, call_id, op, args = msg
+            from ... import model_metrics
             try:
                 result, ok = model_metrics.apply(op, args, self), True
             except (model_metrics.MetricError, TypeError, ValueError) as err:
