@@ -235,7 +235,7 @@ def test_latency_histograms_per_model(histograms):
 
 
 def test_histogram_quantiles_for_the_dashboard(histograms):
-    from jupyter_triton.engine.histograms import quantile
+    from jupyter_triton.protocol.quantiles import quantile
     [slow] = [m for m in histograms.engine.models() if m.name == "slow"]
     cumulative, _, count = slow.stats.histograms.snapshot()["request"]
     assert count == 3
@@ -249,7 +249,8 @@ def test_no_histograms_unless_asked(server, counted):
 
 
 def test_recent_quantiles_cover_the_last_window_only():
-    from jupyter_triton.engine.histograms import Histogram, RecentQuantiles
+    from jupyter_triton.engine.histograms import Histogram
+    from jupyter_triton.protocol.quantiles import RecentQuantiles
     h = Histogram((1.0, 10.0, 100.0))
     recent = RecentQuantiles(seconds=60)
     for _ in range(100):

@@ -48,7 +48,7 @@ function steps(p, m, ok) {
 }
 
 // Prometheus' histogram_quantile over cumulative [[bound ms, count]] (Infinity last), as
-// engine/histograms.py's quantile(); null when empty.
+// protocol/quantiles.py's quantile(); null when empty.
 export function quantile(cumulative, q) {
   const total = cumulative.length ? cumulative[cumulative.length - 1][1] : 0;
   if (!total) return null;
@@ -69,7 +69,7 @@ const LATENCY_SHOWN = ["request", "queue", "compute_infer"];
 export const HISTOGRAMS_OFF = "enable histogram_latencies for percentiles";
 
 // The last minute of each version's latency histograms (the statistics' latency_histograms),
-// over the dashboard's readings: engine/histograms.py's RecentQuantiles, per version and kind.
+// over the dashboard's readings: protocol/quantiles.py's RecentQuantiles, per version and kind.
 export function latencyWindows(seconds = 60) { return { seconds, kept: new Map() }; }
 
 function recentQuantiles(windows, key, m, now) {

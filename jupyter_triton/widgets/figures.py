@@ -122,7 +122,7 @@ def step_figures(prev: dict | None, cur: dict, usable: bool) -> list[StepFigures
 
 class LatencyWindows:
     """The last minute of each model version's latency histograms, as a dashboard polls:
-    one engine/histograms.py ``RecentQuantiles`` per version and kind, fed the cumulative
+    one protocol/quantiles.py ``RecentQuantiles`` per version and kind, fed the cumulative
     buckets of every reading (the window is the dashboard's readings, so it needs no state on
     the server). A version's first reading only starts its window (what came before it is
     of unknown age); a reload (counts going down) starts it again from zero."""
@@ -141,7 +141,7 @@ class LatencyWindows:
             return self._quantiles(key, kept, now)
 
     def _quantiles(self, key: str, kept: dict, now: float) -> dict[str, dict[str, float | None]]:
-        from ..engine.histograms import RecentQuantiles
+        from ..protocol.quantiles import RecentQuantiles
         out = {}
         for kind in LATENCY_SHOWN:
             h = kept.get(kind)
