@@ -55,7 +55,11 @@ def test_poll_mode_follows_the_repository(model_repo):
         linear(W, new / "1" / "model.onnx")
         (new / "config.pbtxt").write_text(LINEAR_CONFIG.replace('"linear"', '"added"'))
         assert wait_for(lambda: client.is_model_ready("added"))
-        linear(2 * W, new / "2" / "model.onnx")        # a new version appears: latest policy serves it
+        # a new version appears (written aside and renamed in, as a polled repository must be
+        # changed: the poller may otherwise see a half-written model.onnx): latest serves it
+        staged = model_repo.parent / "staged-version"
+        linear(2 * W, staged / "model.onnx")
+        staged.rename(new / "2")
         assert wait_for(lambda: client.get_model_metadata("added")["versions"] == ["2"])
         x = np.ones((1, 16), np.float32)
         inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
