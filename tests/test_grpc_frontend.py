@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from pathlib import Path
 
 import grpc
 import ml_dtypes
@@ -15,6 +16,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
+from jupyter_triton.engine import EngineOptions
 from jupyter_triton.engine.shared_memory import SharedMemoryRegistry
 from jupyter_triton.frontends.grpc import start_grpc_server
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
@@ -26,6 +28,7 @@ class FakeEngine:
     """The Engine API over one model, 'identity': OUTPUTn = INPUTn for any datatype."""
 
     def __init__(self) -> None:
+        self.options = EngineOptions(model_repository=Path("unused"))   # the limits it serves with
         self.tracing = Tracing()        # the engine's, off (engine/trace.py)
         self.loaded: list[tuple] = []
         self.unloaded: list[tuple] = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from jupyter_triton.engine import EngineOptions
 from jupyter_triton.engine.statistics import ModelStatistics
 from jupyter_triton.frontends.metrics import exposition, metrics_registry
 
@@ -67,6 +69,10 @@ def test_statistics_json_parses_as_tritons_grpc_message():
     assert message.model_stats[0].batch_stats[0].compute_infer.ns == 2
 
 
+def _options(summaries: bool) -> EngineOptions:
+    return EngineOptions(model_repository=Path("unused"), summary_latencies=summaries)
+
+
 def _engine_after_traffic(summaries: bool):
     """Run real batches through a DynamicBatcher, recording end-to-end results like the engine."""
     async def main():
@@ -83,7 +89,7 @@ def _engine_after_traffic(summaries: bool):
     stats.load_seconds = 1.5
     config = text_format.Parse('name: "m"', mc.ModelConfig())
     model = SimpleNamespace(name="m", version=1, stats=stats, pending_count=0, config=config)
-    return SimpleNamespace(models=lambda: [model], options=SimpleNamespace(summary_latencies=summaries)), stats
+    return SimpleNamespace(models=lambda: [model], options=_options(summaries), response_cache=None), stats
 
 
 def _scrape(engine) -> tuple[str, dict]:
@@ -148,7 +154,7 @@ def test_latency_summaries_are_opt_in_with_tritons_quantiles():
 def test_label_values_are_escaped():
     s = ModelStatistics('we"ird\\name', "1")
     model = SimpleNamespace(name=s.name, version=1, stats=s, pending_count=2, config=mc.ModelConfig())
-    engine = SimpleNamespace(models=lambda: [model], options=SimpleNamespace(summary_latencies=False))
+    engine = SimpleNamespace(models=lambda: [model], options=_options(False), response_cache=None)
     body, _ = exposition(metrics_registry(engine, cpu=False, gpu=False))
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     [sample] = families["nv_inference_pending_request_count"].samples
@@ -185,7 +191,7 @@ def test_gpu_metrics_come_from_nvml_per_gpu_uuid(monkeypatch):
         nvmlDeviceGetPowerUsage=lambda h: 123_456, nvmlDeviceGetPowerManagementLimit=unsupported,
         nvmlDeviceGetTotalEnergyConsumption=lambda h: next(energy))
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    engine = SimpleNamespace(models=lambda: [], options=SimpleNamespace(summary_latencies=False))
+    engine = SimpleNamespace(models=lambda: [], options=_options(False), response_cache=None)
     body, _ = exposition(metrics_registry(engine, cpu=False))
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     gpu = {"gpu_uuid": "GPU-1234"}
@@ -205,7 +211,7 @@ def test_gpu_metrics_come_from_nvml_per_gpu_uuid(monkeypatch):
 
 def test_no_nvml_means_no_gpu_metrics(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "pynvml", None)   # import fails
-    engine = SimpleNamespace(models=lambda: [], options=SimpleNamespace(summary_latencies=False))
+    engine = SimpleNamespace(models=lambda: [], options=_options(False), response_cache=None)
     body, _ = exposition(metrics_registry(engine, cpu=False))
     assert b"nv_gpu" not in body and b"nv_energy" not in body
 

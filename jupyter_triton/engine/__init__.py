@@ -6,7 +6,7 @@ This module is the data plane and the model queries; loading, unloading, polling
 stopping live in ``lifecycle``; the operator's options in ``options``."""
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -28,6 +28,15 @@ EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dep
 
 
 class Engine(ModelLifecycle):
+    """What every frontend calls. Besides the methods below, its public attributes are
+    ``options`` (EngineOptions: the limits and metric switches frontends honour),
+    ``repository``, ``response_cache`` (None without --cache-config), ``shared_memory``,
+    ``tracing`` and ``server_calls`` (BLS); frontends use these, never probe for others."""
+
+    shared_memory: SharedMemoryRegistry
+    server_calls: Bls
+    tracing: Tracing
+
     def __init__(self, options: EngineOptions) -> None:
         if options.model_control_mode not in CONTROL_MODES:
             raise ValueError(f"model control mode must be one of {CONTROL_MODES}")
@@ -63,11 +72,11 @@ class Engine(ModelLifecycle):
         await place_outputs(response, request, self.shared_memory)
         return response
 
-    async def infer_stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+    async def infer_stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
         """Every response of ``request``, the last with ``final=True`` (a non-decoupled
         model: exactly one). Refusals raise on the first ``__anext__``; a decoupled model's
-        error responses come with ``.error`` set. Closing the iterator early (``aclose()``, or
-        cancelling the task that iterates) cancels the request."""
+        error responses come with ``.error`` set. Closing the generator early (``aclose()``,
+        or cancelling the task that iterates) cancels the request."""
         if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
             traced = self.tracing.infer_stream(self, request)
             try:

@@ -68,6 +68,9 @@ def instance_specs(config: mc.ModelConfig) -> list[tuple[InstanceSpec, mc.ModelI
 class ModelVersion:
     # engine/cache.py's ModelCache when the config enables the server's response cache
     response_cache = None
+    # the lifecycle's digest of the config and files this version loaded: a reload keeps a
+    # version whose digest is unchanged
+    stamp: str = ""
 
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
-from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
+from tritonclient.utils import deserialize_bytes_tensor
 
+from ..protocol.datatypes import config_to_triton, triton_to_numpy
 from ..protocol.errors import InvalidArgument
 
 Tensors = dict[str, np.ndarray]
@@ -58,16 +59,16 @@ def warmup_samples(config: mc.ModelConfig, model_dir: Path | str) -> list[Warmup
 
 def _input_data(spec: mc.ModelWarmup.Input, name: str, where: str, model_dir: Path,
                 rng: np.random.Generator, batching: bool) -> np.ndarray:
-    datatype = mc.DataType.Name(spec.data_type)[len("TYPE_"):]
-    if datatype == "INVALID":
+    if spec.data_type == mc.TYPE_INVALID:
         raise InvalidArgument(f"{where}: input '{name}' needs a data_type")
+    datatype = config_to_triton(mc.DataType.Name(spec.data_type))
     if any(d < 0 for d in spec.dims):
         raise InvalidArgument(f"{where}: input '{name}' dims {list(spec.dims)} must all be >= 0 "
                               f"(warmup data has a fixed shape)")
     shape = ((1,) if batching else ()) + tuple(spec.dims)
     count = int(np.prod(shape))
     source = spec.WhichOneof("input_data_type")
-    if datatype == "STRING":
+    if datatype == "BYTES":
         if source == "input_data_file":
             raw = _read(model_dir, spec.input_data_file, name, where)
             values = deserialize_bytes_tensor(raw)
@@ -78,7 +79,7 @@ def _input_data(spec: mc.ModelWarmup.Input, name: str, where: str, model_dir: Pa
         # Triton's zero and random strings are both empty strings.
         return np.full(shape, b"", dtype=object)
     # numpy has no bfloat16: BF16 tensors live as float32 (see protocol.types).
-    dtype = np.dtype(np.float32) if datatype == "BF16" else np.dtype(triton_to_np_dtype(datatype))
+    dtype = triton_to_numpy(datatype)
     if source == "input_data_file":
         raw = _read(model_dir, spec.input_data_file, name, where)
         itemsize = 2 if datatype == "BF16" else dtype.itemsize

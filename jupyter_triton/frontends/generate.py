@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -139,7 +139,7 @@ def error_message(err: BaseException) -> str:
     return str(err) if isinstance(err, TritonError) else f"internal error: {type(err).__name__}"
 
 
-async def first_response(responses: AsyncIterator[InferResponse]) -> InferResponse | None:
+async def first_response(responses: AsyncGenerator[InferResponse, None]) -> InferResponse | None:
     """The first response of an engine stream (None: the model sent none); validation
     errors raise here, before a status line is written."""
     try:
@@ -151,11 +151,9 @@ async def first_response(responses: AsyncIterator[InferResponse]) -> InferRespon
         raise
 
 
-async def close_stream(responses: Any) -> None:
+async def close_stream(responses: AsyncGenerator[InferResponse, None]) -> None:
     """Close an engine stream early: the model sees ``is_cancelled()``."""
-    close = getattr(responses, "aclose", None)
-    if close is not None:
-        await close()
+    await responses.aclose()
 
 
 def is_empty_final(response: InferResponse) -> bool:
@@ -163,7 +161,7 @@ def is_empty_final(response: InferResponse) -> bool:
     return response.final and not response.outputs and response.error is None
 
 
-async def generate_events(first: InferResponse | None, responses: AsyncIterator[InferResponse],
+async def generate_events(first: InferResponse | None, responses: AsyncGenerator[InferResponse, None],
                           batched: bool) -> AsyncIterator[bytes]:
     """The SSE body of ``/generate_stream``: one ``data:`` event per response, an error
     (the model's error response, or a failure mid-stream) as an ``{"error": ...}`` event,

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
@@ -133,7 +134,7 @@ def _unimplemented(group: str, what: str) -> Callable:
 class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Triton's inference service; ``engine`` is jupyter_triton.engine.Engine's public API."""
 
-    def __init__(self, engine: Any, max_elements: int | None = None,
+    def __init__(self, engine: Engine, max_elements: int | None = None,
                  access: AccessPolicy | None = None,
                  max_inflight_bytes: int = DEFAULT_INFLIGHT_MESSAGES * DEFAULT_MAX_INPUT_SIZE
                  ) -> None:
@@ -267,9 +268,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await put(pb.ModelStreamInferResponse(infer_response=message))
             finally:
                 # Early exit (the stream ended, a put cancelled): the model sees is_cancelled().
-                close = getattr(responses, "aclose", None)
-                if close is not None:
-                    await close()
+                await responses.aclose()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - errors travel on the stream, as in Triton
@@ -449,12 +448,7 @@ def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHa
     return handlers
 
 
-def _max_input_size(engine: Any) -> int:
-    size = getattr(getattr(engine, "options", None), "max_input_size", None)
-    return int(size) if size else DEFAULT_MAX_INPUT_SIZE
-
-
-async def start_grpc_server(engine: Any, host: str, port: int,
+async def start_grpc_server(engine: Engine, host: str, port: int,
                             max_receive_message_size: int | None = None, *,
                             access: AccessPolicy | None = None,
                             max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
@@ -472,7 +466,7 @@ async def start_grpc_server(engine: Any, host: str, port: int,
     """
     if transport not in ("h2", "aio"):
         raise ValueError(f"gRPC transport must be 'h2' or 'aio', got {transport!r}")
-    limit = max_receive_message_size or _max_input_size(engine)
+    limit = max_receive_message_size or engine.options.max_input_size or DEFAULT_MAX_INPUT_SIZE
     service = GRPCInferenceService(
         engine, access=access,
         max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)

@@ -21,7 +21,9 @@ import psutil
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.samples import Sample
 
+from ..engine import Engine
 from ..engine.memory import metric_samples as memory_samples
+from ..engine.model import ModelVersion
 from ..engine.cache import metric_values as cache_metric_values
 from ..engine.histograms import FAMILIES as HISTOGRAM_FAMILIES
 from ..engine.statistics import FAILURE_REASONS, step_metric_values
@@ -70,7 +72,7 @@ _SUMMARIES = (
 class TritonMetricsCollector:
     """A prometheus_client collector over ``engine.models()`` plus CPU and (if any) GPU metrics."""
 
-    def __init__(self, engine: Any, cpu: bool = True, gpu: bool = True,
+    def __init__(self, engine: Engine, cpu: bool = True, gpu: bool = True,
                  counter_type: str = "counter") -> None:
         self.engine = engine
         self.cpu = cpu
@@ -110,16 +112,17 @@ class TritonMetricsCollector:
         for name, doc, attr in _DURATIONS:
             yield _family(name, doc, "counter",
                           ((labels, getattr(s, attr).ns // 1000) for s, labels in stats))
-        if getattr(getattr(self.engine, "options", None), "summary_latencies", False):
+        options = self.engine.options
+        if options.summary_latencies:
             for name, doc, kind, attr in _SUMMARIES:
                 yield _summary(name, doc, ((labels, s.samples(kind), getattr(s, attr))
                                            for s, labels in stats))
-        if getattr(getattr(self.engine, "options", None), "histogram_latencies", False):
+        if options.histogram_latencies:
             yield _first_response_histogram(models)
             yield from _latency_histograms(models)
         for name, doc, kind, values in step_metric_values(stats):    # ensembles' steps
             yield _family(name, doc, kind, values)
-        for name, doc, kind, values in cache_metric_values(getattr(self.engine, "response_cache", None), models):
+        for name, doc, kind, values in cache_metric_values(self.engine.response_cache, models):
             yield _family(name, doc, kind, values)
         yield _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge",
                       ((labels, s.load_seconds) for s, labels in stats))
@@ -138,15 +141,15 @@ def _family(name: str, doc: str, kind: str, values: Iterable[tuple[dict, float]]
     return family
 
 
-def _first_response_histogram(models: list) -> Metric:
+def _first_response_histogram(models: list[tuple[ModelVersion, dict]]) -> Metric:
     """Triton's nv_inference_first_response_histogram_ms: decoupled models only (a
     non-decoupled model's first response is its whole request)."""
     name = "nv_inference_first_response_histogram_ms"
     family = Metric(name, "Duration from request to first response in milliseconds", "histogram")
     for m, labels in models:
-        if not getattr(m, "decoupled", False):
+        if not m.decoupled:
             continue
-        kept = getattr(m.stats, "histograms", None)     # with the model's own buckets
+        kept = m.stats.histograms     # with the model's own buckets
         buckets, total_ms, count = (kept.snapshot()["first_response"] if kept is not None
                                     else m.stats.first_response_histogram())
         for bound, n in buckets:
@@ -156,11 +159,11 @@ def _first_response_histogram(models: list) -> Metric:
     return family
 
 
-def _latency_histograms(models: list) -> Iterator[Metric]:
+def _latency_histograms(models: list[tuple[ModelVersion, dict]]) -> Iterator[Metric]:
     """Request, queue and compute histograms (engine/histograms.py), named in the pattern of
     Triton's first-response histogram; the bucket counts are cumulative, ``le`` last."""
     snapshots = [(m.stats.histograms.snapshot(), labels) for m, labels in models
-                 if getattr(m.stats, "histograms", None) is not None]
+                 if m.stats.histograms is not None]
     for kind, (name, doc) in HISTOGRAM_FAMILIES.items():
         if kind == "first_response":
             continue
@@ -262,7 +265,7 @@ class _Gpus:
                       readings["energy"])
 
 
-def metrics_registry(engine: Any, cpu: bool = True, gpu: bool = True) -> CollectorRegistry:
+def metrics_registry(engine: Engine, cpu: bool = True, gpu: bool = True) -> CollectorRegistry:
     """A registry of its own (no global state) holding the engine's Triton metrics, for
     ``exposition``. Keep it: each scrape's CPU utilization is measured since the previous one."""
     registry = CollectorRegistry(auto_describe=False)

@@ -8,11 +8,12 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
+from ..engine import Engine
 from ..engine.server_log import SERVER_LOG
 from ..protocol.errors import InvalidArgument, NotFound, TritonError
 
 
-def _known_model(engine: Any, model: str) -> None:
+def _known_model(engine: Engine, model: str) -> None:
     """Triton's refusal of a trace setting for a model it does not know."""
     try:
         engine.model_metadata(model)
@@ -22,7 +23,7 @@ def _known_model(engine: Any, model: str) -> None:
         pass                    # known, only not ready: its settings may still be set
 
 
-def trace_setting(engine: Any, model: str, updates: dict | None) -> dict:
+def trace_setting(engine: Engine, model: str, updates: dict | None) -> dict:
     """GET (``updates`` None) or POST of the trace settings of ``model`` ("" = global)."""
     if model:
         _known_model(engine, model)
@@ -31,7 +32,7 @@ def trace_setting(engine: Any, model: str, updates: dict | None) -> dict:
     return engine.tracing.update(model, updates)
 
 
-def grpc_trace_setting(engine: Any, request: pb.TraceSettingRequest) -> pb.TraceSettingResponse:
+def grpc_trace_setting(engine: Engine, request: pb.TraceSettingRequest) -> pb.TraceSettingResponse:
     updates: dict[str, Any] = {}
     for name, value in request.settings.items():
         values = list(value.value)
@@ -44,12 +45,12 @@ def grpc_trace_setting(engine: Any, request: pb.TraceSettingRequest) -> pb.Trace
     return response
 
 
-def log_settings(engine: Any, updates: dict | None) -> dict:
+def log_settings(engine: Engine, updates: dict | None) -> dict:
     """GET (``updates`` None) or POST of ``v2/logging``."""
     return SERVER_LOG.settings() if not updates else SERVER_LOG.update(updates)
 
 
-def grpc_log_settings(engine: Any, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
+def grpc_log_settings(engine: Engine, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
     updates: dict[str, Any] = {}
     for name, value in request.settings.items():
         choice = value.WhichOneof("parameter_choice")

@@ -25,11 +25,12 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..engine import Engine
 from ..protocol.errors import InvalidArgument, NotFound, TritonError
 from ..protocol.types import InferRequest, InferResponse
 from .generate import close_stream, error_message, generate_request
@@ -60,14 +61,14 @@ def error_body(err: BaseException) -> dict:
                       "code": None}}
 
 
-def model_list(engine: Any) -> dict:
+def model_list(engine: Engine) -> dict:
     """``GET v1/models``: every ready model that follows the text convention."""
     names = {version.name for version in engine.models()
-             if getattr(version, "ready", False) and follows_text_convention(version.config)}
+             if version.ready and follows_text_convention(version.config)}
     return {"object": "list", "data": [_model_card(name) for name in sorted(names)]}
 
 
-def model_card(engine: Any, name: str) -> dict:
+def model_card(engine: Engine, name: str) -> dict:
     config = engine.model_config(name, "")
     if not follows_text_convention(config):
         raise NotFound(f"model '{name}' does not follow the text convention "
@@ -146,7 +147,7 @@ class Completion:
     created: int = 0
 
 
-def prepare(engine: Any, body: dict, chat: bool) -> Completion:
+def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
     """Check an OpenAI request body and map it onto the model's generate request."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -232,7 +233,7 @@ def _model_error(response: InferResponse) -> TritonError:
     return err if isinstance(err, TritonError) else InvalidArgument(error_message(err))
 
 
-async def complete(job: Completion, responses: AsyncIterator[InferResponse]) -> dict:
+async def complete(job: Completion, responses: AsyncGenerator[InferResponse, None]) -> dict:
     """A non-streamed completion: every response's text joined (up to a stop sequence)."""
     scan = _StopScan(job.stops)
     try:
@@ -277,7 +278,7 @@ def _chunk(job: Completion, text: str | None, finish: str | None, role: bool = F
 
 
 async def events(job: Completion, first: InferResponse | None,
-                 responses: AsyncIterator[InferResponse]) -> AsyncIterator[bytes]:
+                 responses: AsyncGenerator[InferResponse, None]) -> AsyncIterator[bytes]:
     """A streamed completion: one chunk per response (a chat's first names the role), a
     last chunk with ``finish_reason``, then ``data: [DONE]``. Leaving early (the client went
     away, a stop sequence) cancels the model's request."""

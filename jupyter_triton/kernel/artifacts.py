@@ -34,7 +34,9 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.datatypes import DATATYPES
+from ..protocol.datatypes import (DATATYPES, numpy_to_triton, parse_datatype, triton_to_config,
+                                  triton_to_numpy)
+from ..protocol.errors import InvalidArgument
 from ..repository.callable_format import pack_callable, pack_model_py
 
 TensorSpec = tuple[str, str, list[int]]
@@ -132,11 +134,10 @@ def _base_config(name: str, backend: str, platform: str = "", max_batch_size: in
 def triton_dtype(value: Any) -> str:
     """Triton's datatype name ("FP32") for an array, a tensor, a dtype or a spelled name."""
     if isinstance(value, str):
-        spelled = value.upper().removeprefix("TYPE_")
-        if spelled == "STRING":
-            return "BYTES"
-        if spelled in DATATYPES:
-            return spelled
+        try:
+            return parse_datatype(value).name
+        except InvalidArgument:
+            pass            # maybe a numpy spelling ("float32")
     torch = sys.modules.get("torch")
     if torch is not None:
         if isinstance(value, torch.Tensor):
@@ -153,11 +154,10 @@ def triton_dtype(value: Any) -> str:
         raise ArtifactError(f"unknown datatype {value!r} (use Triton's names: FP32, INT64, BYTES, ...)") from None
     if dtype.kind in ("U", "S", "O"):
         return "BYTES"
-    from tritonclient.utils import np_to_triton_dtype
-    found = np_to_triton_dtype(dtype)
-    if found is None:
-        raise ArtifactError(f"numpy dtype {dtype} cannot be served by Triton")
-    return found
+    try:
+        return numpy_to_triton(dtype)
+    except InvalidArgument:
+        raise ArtifactError(f"numpy dtype {dtype} cannot be served by Triton") from None
 
 
 def _spec(spec: Any, model: str) -> TensorSpec:
@@ -277,14 +277,13 @@ def _batchable(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> tuple[boo
 def _probe_values(specs: list[TensorSpec], batch_rows: int = _PROBE_ROWS) -> list[np.ndarray]:
     """Arrays of ones (not zeros: a probe should not divide by zero) in the declared shapes,
     ``batch_rows`` rows where the first dimension is -1."""
-    from tritonclient.utils import triton_to_np_dtype
     out = []
     for _, datatype, shape in specs:
         dims = [batch_rows if (i == 0 and d < 0) else (1 if d < 0 else d) for i, d in enumerate(shape)]
         if datatype == "BYTES":
             out.append(np.full(dims, b"a", dtype=np.object_))
         else:
-            out.append(np.ones(dims, dtype=triton_to_np_dtype(datatype)))
+            out.append(np.ones(dims, dtype=triton_to_numpy(datatype)))
     return out
 
 
@@ -530,8 +529,8 @@ def _script_artifact(script, name: str, inputs: list[TensorSpec], outputs: list[
     config = _base_config(name, "pytorch", "pytorch_libtorch", mbs)
     for kind, specs in (("input", inputs), ("output", outputs)):
         for tensor, datatype, shape in specs:
-            getattr(config, kind).add(name=tensor, data_type=mc.DataType.Value("TYPE_" + (
-                "STRING" if datatype == "BYTES" else datatype)), dims=_config_dims(shape, mbs > 0))
+            getattr(config, kind).add(name=tensor, data_type=mc.DataType.Value(
+                triton_to_config(datatype)), dims=_config_dims(shape, mbs > 0))
     _reshape_scalars(config, inputs, outputs, mbs > 0)
     return Artifact(config, {"1/model.pt": data}, "torchscript", list(inputs), mbs > 0, notes)
 

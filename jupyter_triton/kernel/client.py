@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ..protocol.datatypes import numpy_to_triton
 from ..protocol.errors import (Cancelled, Internal, InvalidArgument, NotFound, TritonError,
                                Unavailable)
 from .discovery import Connection
@@ -179,10 +180,7 @@ class TritonHTTP:
 
 
 def _triton_dtype(value: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-    if value.dtype.kind in ("U", "S", "O"):
-        return "BYTES"
-    datatype = np_to_triton_dtype(value.dtype)
-    if datatype is None:
-        raise InvalidArgument(f"arrays of dtype {value.dtype} cannot be sent to Triton")
-    return datatype
+    try:
+        return numpy_to_triton(value.dtype)
+    except InvalidArgument:
+        raise InvalidArgument(f"arrays of dtype {value.dtype} cannot be sent to Triton") from None

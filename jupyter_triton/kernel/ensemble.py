@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import config_to_triton
 from .artifacts import Artifact, ArtifactError
 
 #: what a user passes: (model, {model_input: ensemble_tensor}, {model_output: ensemble_tensor}),
@@ -182,7 +183,7 @@ def _same(name: str, tensor: str, a: _Tensor, b: _Tensor) -> None:
 
 
 def _dtype(value: int) -> str:
-    return mc.DataType.Name(value).removeprefix("TYPE_").replace("STRING", "BYTES")
+    return config_to_triton(mc.DataType.Name(value))
 
 
 def ensemble_artifact(config: mc.ModelConfig) -> Artifact:

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from ..protocol.datatypes import triton_to_numpy
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 from .client import TritonHTTP
@@ -332,8 +333,7 @@ def _to_numpy(value: Any, datatype: str) -> np.ndarray:
         value = value.detach().cpu().numpy()
     if datatype == "BYTES":
         return np.asarray(value, dtype=np.object_)
-    from tritonclient.utils import triton_to_np_dtype
-    return np.asarray(value, dtype=triton_to_np_dtype(datatype))
+    return np.asarray(value, dtype=triton_to_numpy(datatype))
 
 
 def _tensor_text(t: dict) -> str:
@@ -440,7 +440,6 @@ def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict],
     uses_token = bool(variable)
     if uses_token:
         lines.append(f'headers = {{"Authorization": "token " + os.environ["{variable}"]}}')
-    from tritonclient.utils import triton_to_np_dtype
     names = []
     for i, t in enumerate(inputs):
         shape = _example_shape(t["shape"])
@@ -451,7 +450,7 @@ def _tritonclient(model: ServedModel, inputs: list[dict], outputs: list[dict],
         elif t["datatype"] == "BF16":     # numpy has no bfloat16; the client sends float32 as BF16
             data = f"np.zeros({tuple(shape)}, np.float32)"
         else:
-            data = f"np.zeros({tuple(shape)}, np.{np.dtype(triton_to_np_dtype(t['datatype'])).name})"
+            data = f"np.zeros({tuple(shape)}, np.{triton_to_numpy(t['datatype']).name})"
         lines.append(f'{var} = httpclient.InferInput("{t["name"]}", {shape}, "{t["datatype"]}")')
         lines.append(f"{var}.set_data_from_numpy({data})")
     call = f'result = client.infer("{model.name}", [{", ".join(names)}]' + (

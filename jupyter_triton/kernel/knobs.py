@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import triton_to_config
 from .artifacts import Artifact, ArtifactError, TensorSpec
 
 _KINDS = {"auto": mc.ModelInstanceGroup.KIND_AUTO, "cpu": mc.ModelInstanceGroup.KIND_CPU,
@@ -86,6 +87,6 @@ def _add_warmup(config: mc.ModelConfig, artifact: Artifact, count: int) -> None:
     for tensor, datatype, shape in specs:
         dims = shape[1:] if batching else shape
         warm = sample.inputs[tensor]
-        warm.data_type = mc.DataType.Value("TYPE_" + ("STRING" if datatype == "BYTES" else datatype))
+        warm.data_type = mc.DataType.Value(triton_to_config(datatype))
         warm.dims.extend([1 if d < 0 else d for d in dims] or [1])
         warm.zero_data = True

@@ -59,6 +59,16 @@ _FROM_NUMPY: dict[np.dtype, str] = {
 }
 
 
+def parse_datatype(spelled: str) -> Datatype:
+    """A datatype as users and configs spell it: ``FP32``, ``fp32``, ``TYPE_FP32``; BYTES
+    also as model_config.proto's ``STRING`` / ``TYPE_STRING``."""
+    name = str(spelled).upper().removeprefix("TYPE_")
+    try:
+        return DATATYPES["BYTES" if name == "STRING" else name]
+    except KeyError:
+        raise InvalidArgument(f"invalid datatype '{spelled}'") from None
+
+
 def is_valid_datatype(dt: str) -> bool:
     return dt in DATATYPES
 

@@ -21,6 +21,9 @@ import cloudpickle
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..protocol.datatypes import parse_datatype
+from ..protocol.errors import InvalidArgument
+
 PAYLOAD_FORMAT = "jupyter_triton.callable/1"
 
 TensorSpec = tuple[str, str, list[int]]     # (name, datatype as "FP32" or "TYPE_FP32", dims)
@@ -393,14 +396,10 @@ def model_config_json(name: str, inputs: list[TensorSpec] = (), outputs: list[Te
 
 
 def _data_type(datatype: str, model: str, tensor: str) -> int:
-    spelled = str(datatype).upper()
-    if spelled in ("BYTES", "STRING"):
-        spelled = "STRING"
-    if not spelled.startswith("TYPE_"):
-        spelled = "TYPE_" + spelled
-    if spelled not in mc.DataType.keys() or spelled == "TYPE_INVALID":
-        raise ValueError(f"model '{model}', tensor '{tensor}': unknown datatype '{datatype}'")
-    return mc.DataType.Value(spelled)
+    try:
+        return parse_datatype(datatype).code
+    except InvalidArgument:
+        raise ValueError(f"model '{model}', tensor '{tensor}': unknown datatype '{datatype}'") from None
 
 
 def pack_model_py(source: str, *, name: str, inputs: list[TensorSpec] = (),
