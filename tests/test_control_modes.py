@@ -1,6 +1,8 @@
 """Model control modes none / explicit / poll, as tritonserver's --model-control-mode."""
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import time
 
@@ -69,6 +71,72 @@ def test_poll_mode_follows_the_repository(model_repo):
         assert wait_for(lambda: not client.is_model_ready("added"))
         with pytest.raises(InferenceServerException, match="not allowed"):
             client.load_model("linear")
+    finally:
+        server.close()
+
+
+def test_poll_mode_retries_a_version_once_its_files_change(model_repo, caplog):
+    """A version caught half-written fails to load; it is not retried (nor logged) at every
+    poll while its files stay as they are, and it is served once they change, as Triton's
+    poller does. Nothing in the repository is moved or deleted on the way."""
+    caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle")
+
+    def failures() -> int:
+        return sum("failed to load model 'linear'" in r.getMessage() for r in caplog.records)
+
+    server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.1)
+    try:
+        version = model_repo / "linear" / "2"
+        version.mkdir()
+        (version / "model.onnx").write_bytes(linear(2 * W)[:40])    # a copy caught midway
+        assert wait_for(lambda: failures() >= 1)
+        time.sleep(1.0)                                            # about ten more polls
+        assert failures() == 1
+        assert client.get_model_metadata("linear")["versions"] == ["1"]    # v1 keeps serving
+        staged = version / ".model.onnx.partial"                  # hidden: not the model's
+        linear(2 * W, staged)
+        os.replace(staged, version / "model.onnx")
+        assert wait_for(lambda: client.get_model_metadata("linear")["versions"] == ["2"])
+        x = np.ones((1, 16), np.float32)
+        inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_allclose(client.infer("linear", [inp]).as_numpy("OUTPUT0"), x @ (2 * W),
+                                   rtol=1e-5)
+        assert sorted(p.name for p in version.iterdir()) == ["model.onnx"]
+        assert (model_repo / "linear" / "1" / "model.onnx").is_file()
+        assert sorted(p.name for p in model_repo.iterdir()) == ["identity_int32", "linear", "simple"]
+    finally:
+        server.close()
+
+
+CHAIN = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+ensemble_scheduling { step [ { model_name: "later" model_version: -1
+  input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } } ] }
+"""
+
+
+def test_poll_mode_retries_an_ensemble_when_its_composing_model_arrives(model_repo, tmp_path):
+    """An ensemble polled in before its composing model fails; it is loaded again once that
+    model loads, though its own files never changed (Triton follows the dependency too)."""
+    (model_repo / "chain" / "1").mkdir(parents=True)
+    (model_repo / "chain" / "config.pbtxt").write_text(CHAIN)
+    server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.1)
+    try:
+        assert not client.is_model_ready("chain")
+        staged = tmp_path / "later"
+        linear(W, staged / "1" / "model.onnx")
+        (staged / "config.pbtxt").write_text(LINEAR_CONFIG.replace('"linear"', '"later"'))
+        staged.rename(model_repo / "later")
+        assert wait_for(lambda: client.is_model_ready("chain"))
+        x = np.ones((1, 16), np.float32)
+        inp = httpclient.InferInput("X", [1, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_allclose(client.infer("chain", [inp]).as_numpy("Y"), x @ W, rtol=1e-5)
     finally:
         server.close()
 

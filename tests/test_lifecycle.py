@@ -190,7 +190,7 @@ def test_kill_9_mid_upload_then_restart_serves_the_previous_version(model_repo, 
             proc.wait(30)
         hold.unlink()
     # a crash while an upload was being written leaves a staging folder: swept at start
-    stale = model_repo / "linear" / ".upload-0123456789abcdef" / "3"
+    stale = model_repo / "linear" / ".upload-0123456789abcdef0123456789abcdef" / "3"
     stale.mkdir(parents=True)
     (stale / "model.onnx").write_bytes(b"half written")
     server, client = serve(model_repo, model_control_mode="explicit", load_models=["linear"])

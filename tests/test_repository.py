@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -373,12 +374,16 @@ def test_recover_leaves_a_live_servers_load_alone(repo):
 
 def test_staging_left_by_a_crash_is_swept(repo):
     make_model(repo.root, "adder", versions=(1,))
-    stale = repo.root / "adder" / ".upload-0123" / "2"
+    stale = repo.root / "adder" / f".upload-{uuid.uuid4().hex}" / "2"
     stale.mkdir(parents=True)
     (stale / "model.onnx").write_bytes(b"half")
-    (repo.root / "adder" / ".config.pbtxt.0123.tmp").write_bytes(b"torn")
+    (repo.root / "adder" / f".config.pbtxt.{uuid.uuid4().hex}.tmp").write_bytes(b"torn")
+    # hidden files of the user's own, whatever they look like, are not the server's to sweep
+    (repo.root / "adder" / ".upload-notes").mkdir()
+    (repo.root / "adder" / ".draft.tmp").write_bytes(b"mine")
     assert repo.recover() == ["adder"]
-    assert sorted(p.name for p in (repo.root / "adder").iterdir()) == ["1"]
+    assert sorted(p.name for p in (repo.root / "adder").iterdir()) == [
+        ".draft.tmp", ".upload-notes", "1"]
 
 
 def test_version_fingerprint_ignores_bytecode_and_hidden_files(repo):

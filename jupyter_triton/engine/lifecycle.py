@@ -32,6 +32,7 @@ from .rate_limiter import RateLimiter
 
 if TYPE_CHECKING:
     from ..protocol.types import InferRequest, InferResponse
+    from .bls import Bls
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,15 @@ class Entry:
     name: str
     serving: dict[int, ModelVersion] = field(default_factory=dict)
     status: dict[int, VersionStatus] = field(default_factory=dict)
+    # poll mode: the model's files as they were when its last load began (whether that
+    # load succeeded or failed): the poller loads the model again once they differ
     fingerprint: str = ""
     reason: str = ""            # why the model as a whole could not be prepared
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changes: int = 0            # bumped whenever the versions it serves change
+    # a failed ensemble: its composing models' ``changes`` at the failure; the poller
+    # tries it again when one of them loads or goes, even if its own files did not change
+    waits_on: dict[str, int] = field(default_factory=dict)
 
 
 class ModelLifecycle:
@@ -57,6 +64,8 @@ class ModelLifecycle:
     options: EngineOptions
     repository: Repository
     rate_limiter: RateLimiter
+    response_cache: ResponseCache | None
+    server_calls: "Bls | None" = None      # the Engine's; what loaded models call models with
     _version: Callable[[str, str], ModelVersion]
     infer: Callable[["InferRequest"], "InferResponse"]
 
@@ -220,6 +229,8 @@ class ModelLifecycle:
             return
         async with entry.lock:
             old, entry.serving = entry.serving, {}
+            if old:
+                entry.changes += 1
             for v, mv in old.items():
                 entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
             await asyncio.gather(*(mv.unload(drain_seconds=self.options.unload_timeout_secs)
@@ -238,6 +249,13 @@ class ModelLifecycle:
         stop serving; if anything fails, what was serving keeps serving."""
         model_dir = self.repository.model_dir(name)
         loop = asyncio.get_running_loop()
+        # Taken before any file is read, and kept whatever the outcome: a file still being
+        # written while this load reads it changes the fingerprint after this point, so the
+        # next poll loads the model again; unchanged broken files are not retried (nor
+        # logged) at every poll. Triton's poller does the same with its timestamps.
+        if self.options.model_control_mode == "poll":
+            entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
+        entry.waits_on = {}
         try:
             config, backend, versions = await loop.run_in_executor(None, self._prepare, name, model_dir)
         except TritonError as err:
@@ -246,9 +264,10 @@ class ModelLifecycle:
         entry.reason = ""
         if backend == ENSEMBLE_BACKEND:
             await self._load_composing(name, config)
+            entry.waits_on = {m: self._changes(m) for m in composing_models(config)}
         stamp = await loop.run_in_executor(None, self._stamp, name, config, versions)
         keep = {v: mv for v, mv in entry.serving.items()
-                if v in versions and stamp.get(v) == getattr(mv, "stamp", None)}
+                if v in versions and stamp.get(v) == mv.stamp}
         fresh: dict[int, ModelVersion] = {}
         errors: list[tuple[int, TritonError]] = []
         for v in versions:
@@ -258,7 +277,7 @@ class ModelLifecycle:
                               (_Composing(self._version), self.infer)
                               if backend == ENSEMBLE_BACKEND else None,
                               max_output_size=self.options.max_output_size,
-                              server_calls=getattr(self, "server_calls", None))
+                              server_calls=self.server_calls)
             mv.stamp = stamp[v]
             if (self.response_cache is not None and mv.config.response_cache.enable
                     and not mv.decoupled):
@@ -285,9 +304,11 @@ class ModelLifecycle:
             for v, mv in entry.serving.items():
                 entry.status[v] = VersionStatus(READY)
             raise errors[0][1]
+        entry.waits_on = {}
         retired = {v: mv for v, mv in entry.serving.items() if v not in keep}
         entry.serving = {**keep, **fresh}
-        entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
+        if fresh or retired:
+            entry.changes += 1
         for v in entry.serving:
             entry.status[v] = VersionStatus(READY)
         for v, mv in retired.items():
@@ -368,18 +389,30 @@ class ModelLifecycle:
                 log.exception("repository poll failed")
 
     async def poll_once(self) -> None:
-        """Poll mode: load new models, reload changed ones, unload removed ones."""
-        on_disk = set(self.repository.model_names())
+        """Poll mode: load new models, reload changed ones (a model whose last load failed
+        counts as changed once its files change), unload removed ones. Reads the
+        repository only: nothing on disk is moved or deleted."""
+        loop = asyncio.get_running_loop()
+        on_disk = await loop.run_in_executor(None, self.repository.fingerprints)
         for name in sorted(on_disk):
             entry = self._entries.get(name)
-            if entry is None or entry.fingerprint != self._fingerprint_or_empty(name):
-                self._wanted.add(name)
-                try:
-                    await self._load(name)
-                except TritonError as err:
-                    log.error("failed to load model '%s': %s", name, err)
-        for name in set(self._entries) - on_disk:
+            if entry is not None and entry.fingerprint == on_disk[name] and not any(
+                    self._changes(m) != n for m, n in entry.waits_on.items()):
+                continue
+            self._wanted.add(name)
+            try:
+                await self._load(name)
+            except (TritonError, OSError) as err:    # OSError: files going away mid-poll
+                log.error("failed to load model '%s': %s", name, err)
+        for name in set(self._entries) - set(on_disk):
             await self._unload(name)
+            gone = self._entries.get(name)
+            if gone is not None:
+                gone.fingerprint = ""      # the same files moved back in are a new model
+
+    def _changes(self, name: str) -> int:
+        entry = self._entries.get(name)
+        return entry.changes if entry is not None else 0
 
 
 class _Composing:

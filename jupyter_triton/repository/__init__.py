@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -44,6 +45,9 @@ REASON_FILENAME = "REASON.txt"
 JOURNAL_FILENAME = ".pending-load.json"
 MARKER_FILENAME = ".jupyter-triton-upload"    # in a version dir: the upload that wrote it
 _UPLOAD_PREFIX = ".upload-"
+# what recover() may sweep: only the names this server writes (staging, _write_atomic)
+_STAGING_NAME = re.compile(re.escape(_UPLOAD_PREFIX) + r"[0-9a-f]{32}")
+_TMP_NAME = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
 _RENAME_ATTEMPTS = 100
 _MAX_SET_ASIDE_LISTED = 50
 INTERRUPTED = "the server stopped before this upload finished loading"
@@ -240,8 +244,8 @@ class Repository:
                 continue
             model_dir = Path(entry.path)
             for child in os.scandir(model_dir):
-                if child.name.startswith(_UPLOAD_PREFIX) or (
-                        child.name.startswith(".") and child.name.endswith(".tmp")):
+                # a user's own hidden files stay
+                if _STAGING_NAME.fullmatch(child.name) or _TMP_NAME.fullmatch(child.name):
                     _remove(Path(child.path))
                     changed.append(entry.name)
             journal = _read_journal(model_dir)
@@ -598,7 +602,10 @@ def _fingerprint(model_dir: Path) -> str:
                     st = os.lstat(path)   # a dangling symlink is still a change
                 except FileNotFoundError:
                     continue
-            digest.update(f"f\0{rel}/{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            # the inode too: a file replaced by rename (an atomic write, rsync, cp -p) may
+            # keep its size and mtime
+            digest.update(f"f\0{rel}/{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
+                          .encode())
     return digest.hexdigest()
 
 
