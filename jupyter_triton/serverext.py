@@ -296,23 +296,13 @@ class TritonJupyterHandler(JupyterHandler):
 
     def _observe_duration(self, status: int) -> None:
         """Jupyter's ``prometheus_log_method``: the request's duration in its histogram,
-        labelled as Jupyter labels it, through the labelled child found once (a label
-        lookup validates and locks on every call)."""
-        metric = jupyter_prometheus.HTTP_REQUEST_DURATION_SECONDS
+        labelled as Jupyter labels it."""
         if jupyter_prometheus.prometheus_log_method is not prometheus_log_method:
             prometheus_log_method(self)       # replaced by someone: theirs, as Jupyter would
             return
-        children: dict = self.settings[CACHE_KEY]["durations"]
-        key = (self.request.method, type(self), status)
-        entry = children.get(key)
-        if entry is None or entry[0] is not metric:
-            if len(children) >= 256:          # bounded: the method is the client's choice
-                children.clear()
-            cls = type(self)
-            entry = children[key] = (metric, metric.labels(
-                method=self.request.method, handler=f"{cls.__module__}.{cls.__name__}",
-                status_code=status))
-        entry[1].observe(self.request.request_time())
+        cls = type(self)
+        _observe_duration(self.settings, self.request.method, f"{cls.__module__}.{cls.__name__}",
+                          status, self.request.request_time())
 
     async def prepare(self) -> None:
         group = api_group(type(self))
@@ -354,6 +344,22 @@ class TritonJupyterHandler(JupyterHandler):
         self._triton_authorized = True
 
 
+def _observe_duration(settings: dict, method: str | None, handler: str, status: int,
+                      seconds: float) -> None:
+    """One observation of Jupyter's request-duration histogram, through the labelled child
+    found once (a label lookup validates and locks on every call)."""
+    metric = jupyter_prometheus.HTTP_REQUEST_DURATION_SECONDS
+    children: dict = settings[CACHE_KEY]["durations"]
+    key = (method, handler, status)
+    entry = children.get(key)
+    if entry is None or entry[0] is not metric:
+        if len(children) >= 256:          # bounded: the method is the client's choice
+            children.clear()
+        entry = children[key] = (metric, metric.labels(method=method, handler=handler,
+                                                       status_code=status))
+    entry[1].observe(seconds)
+
+
 def _guard(method):
     # prepare() has authenticated and authorized the request (with the route's own action);
     # the guard refuses a method reached any other way (a prepare that was overridden
@@ -364,6 +370,20 @@ def _guard(method):
             raise web.HTTPError(403, f"not authorized to use {AUTH_RESOURCE}")
         return method(self, *args, **kwargs)
     return web.authenticated(checked)
+
+
+def jupyter_token_verifier(identity_provider: IdentityProvider, authorizer: Authorizer):
+    """``AccessPolicy.verify`` for the Jupyter server's token where no handler asks Jupyter:
+    it reaches every API group, as over HTTP with Jupyter's stock token check and authorizer;
+    with a custom identity provider or authorizer, nothing (those need a handler)."""
+    stock = type(authorizer) is AllowAllAuthorizer
+
+    def jupyter_token(credential: str) -> frozenset[str] | None:
+        token = identity_provider.token
+        if stock and token and hmac.compare_digest(credential.encode(), token.encode()):
+            return GROUPS
+        return None
+    return jupyter_token
 
 
 def default_repository() -> Path:
@@ -426,6 +446,11 @@ class JupyterTriton(ExtensionApp):
     max_inflight_bytes = Int(None, allow_none=True, help="request body bytes received or decoded at once, "
                                                          "server-wide (past it: 503; None: 4 x "
                                                          "http_max_input_size)").tag(config=True)
+    fast_routes = Bool(True, help="serve the v2 routes' API calls (a token in the Authorization header, no "
+                                  "cookie, no Origin, no query) with the fast HTTP front on the Jupyter "
+                                  "server's own port, with the same credentials, Host check and answers; "
+                                  "every other request is Jupyter's as before (False: all are)"
+                       ).tag(config=True)
     gil_switch_interval = Float(
         0.0005, allow_none=True,
         help="sys.setswitchinterval for the server process (None: leave Python's 5 ms). Instance "
@@ -495,20 +520,13 @@ class JupyterTriton(ExtensionApp):
         Jupyter server's token reaches every API, as over HTTP with Jupyter's default
         authorizer; a custom authorizer cannot be asked without an HTTP handler, so with one
         the Jupyter token is not taken here (inference keys and the server token are)."""
-        stock = type(authorizer) is AllowAllAuthorizer
-        if not stock:
+        if type(authorizer) is not AllowAllAuthorizer:
             self.log.warning("jupyter_triton: the gRPC port does not take the Jupyter token: "
                              "ServerApp.authorizer_class %s is custom, and gRPC has no handler to "
                              "ask it about; use an inference key or the server token",
                              type(authorizer).__name__)
-
-        def jupyter_token(credential: str) -> frozenset[str] | None:
-            token = identity_provider.token
-            if stock and token and hmac.compare_digest(credential.encode(), token.encode()):
-                return GROUPS
-            return None
-        own = self.own_credentials()
-        return AccessPolicy(tokens=own.tokens, verify=jupyter_token,
+        return AccessPolicy(tokens=self.own_credentials().tokens,
+                            verify=jupyter_token_verifier(identity_provider, authorizer),
                             anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
     def initialize_handlers(self) -> None:
@@ -523,6 +541,14 @@ class JupyterTriton(ExtensionApp):
         # Jupyter added our routes to its web app by now (after initialize_handlers).
         if not remember_routes(serverapp.web_app, getattr(self, "_route_classes", set())):
             self.log.debug("jupyter_triton: route table left as tornado walks it")
+        self._fast_routes = None
+        if self.fast_routes:
+            from . import fast_routes
+            classes = getattr(self, "_route_classes", set())
+            infer = next((c for c in classes if c.route.name == "ModelInfer"), None)
+            if infer is not None:
+                labels = {c.route.name: f"{c.__module__}.{c.__name__}" for c in classes}
+                self._fast_routes = fast_routes.start(self, serverapp, infer, labels)
         self._collector = None
         try:
             from prometheus_client import REGISTRY
@@ -577,6 +603,9 @@ class JupyterTriton(ExtensionApp):
                        if self._data_front is not None else None}, f)
 
     async def stop_extension(self) -> None:
+        if getattr(self, "_fast_routes", None) is not None:
+            self._fast_routes.uninstall()
+            self._fast_routes.stop()
         if getattr(self, "_data_front", None) is not None:
             self._data_front.stop()
             self._data_front.plane.close()

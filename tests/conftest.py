@@ -110,8 +110,10 @@ async def in_thread(fn, *args):
 
 
 @pytest.fixture
-def jp_triton(jp_serverapp, jp_fetch, jp_asyncio_loop):
+def jp_triton(jp_serverapp, jp_fetch, jp_asyncio_loop, http_server):
     """The Jupyter server with its HTTP port open and the extensions' start hooks run
-    (pytest-jupyter initialises the app but does not run ``_post_start``)."""
+    (pytest-jupyter initialises the app but does not run ``_post_start``). The port's
+    tornado HTTPServer is the app's own, as in a real server: the fast routes take it."""
+    jp_serverapp._http_server = http_server
     jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
     return jp_serverapp

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 import httptools
 
 from ..protocol.errors import InvalidArgument, TritonError
-from .dataplane import Call, DataPlane, Reply, RequestTimeout, error_reply
+from .dataplane import Call, DataPlane, Reply, RequestTimeout, Route, error_reply
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as for tornado
@@ -64,6 +64,8 @@ class _Message:
 class HTTPFront:
     """Listening sockets serving one DataPlane."""
 
+    fixed_headers = b""         # header lines every reply carries (a host's defaults)
+
     def __init__(self, plane: DataPlane, *, body_timeout: float = 60.0,
                  idle_timeout: float = 300.0, access_log: bool = True) -> None:
         self.plane = plane
@@ -79,6 +81,10 @@ class HTTPFront:
         self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
                                                 reuse_address=True, backlog=1024)
         return self._server.sockets[0].getsockname()[1]
+
+    def route(self, path: str) -> tuple[Route, dict[str, str]]:
+        """The data-plane route of a request path (and its parameters)."""
+        return self.plane.match(path)
 
     def stop(self) -> None:
         """Stop accepting; idle connections close now, busy ones after their reply."""
@@ -187,7 +193,7 @@ class _Connection(asyncio.Protocol):
                 m.path = httptools.parse_url(url).path.decode("latin-1")
             except httptools.HttpParserInvalidURLError:
                 m.path = ""
-        m.route, params = self.plane.match(m.path)
+        m.route, params = self.front.route(m.path)
         m.params = {k: unquote(v) for k, v in params.items()} if params else params
         self._disarm()
         if "content-length" in m.headers or "transfer-encoding" in m.headers:
@@ -315,7 +321,8 @@ class _Connection(asyncio.Protocol):
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
                 b"Date: ", _Date.now(),
                 b"\r\nContent-Length: %d\r\n" % len(reply.body) if reply.stream is None
-                else b"\r\nTransfer-Encoding: chunked\r\n" if chunked else b"\r\n"]
+                else b"\r\nTransfer-Encoding: chunked\r\n" if chunked else b"\r\n",
+                self.front.fixed_headers]
         for item in reply.headers.items():
             line = _HEADER_LINES.get(item)
             if line is None:
