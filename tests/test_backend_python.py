@@ -359,6 +359,73 @@ def test_unknown_execution_mode_is_refused(tmp_path):
         PythonBackend(config, files, InstanceSpec("probe_0_0"))
 
 
+BLAS_MODEL_PY = '''
+import json, os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from jupyter_triton.backends.python import blas
+
+class TritonPythonModel:
+    def execute(self, requests):
+        w = np.ones((256, 256), np.float32)
+        outs = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            info = {"threads": blas.threads(), "env": os.environ.get("OPENBLAS_NUM_THREADS"),
+                    "sum": float((x @ w).sum())}
+            outs.append(pb_utils.InferenceResponse([pb_utils.Tensor(
+                "INFO", np.array([json.dumps(info).encode()], dtype=np.object_))]))
+        return outs
+'''
+
+BLAS_CONFIG = '''
+name: "blas"
+backend: "python"
+input [{ name: "X" data_type: TYPE_FP32 dims: [ 32, 256 ] }]
+output [{ name: "INFO" data_type: TYPE_STRING dims: [ 1 ] }]
+'''
+
+
+def blas_threads_of_worker(tmp_path: Path, parameter: str | None) -> dict:
+    config_text = BLAS_CONFIG
+    if parameter is not None:
+        config_text += f'parameters {{ key: "blas_thread_count" value: {{ string_value: "{parameter}" }} }}'
+    config, files = write_model(tmp_path / (parameter or "default"), "blas", BLAS_MODEL_PY, config_text)
+    with loaded(config, files) as backend:
+        out = info(backend.execute([{"X": np.ones((32, 256), np.float32)}])[0])
+    assert out["sum"] == 32 * 256 * 256   # the product ran, whatever the threads
+    return out
+
+
+def test_a_workers_blas_gets_one_thread_unless_configured(tmp_path, monkeypatch):
+    from jupyter_triton.backends.python import blas
+    for key in blas.ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    default = blas_threads_of_worker(tmp_path, None)
+    assert default["threads"] and set(default["threads"]) == {1}, default
+    assert default["env"] == "1"     # BLAS libraries the model loads later read it
+    assert set(blas_threads_of_worker(tmp_path, "3")["threads"]) == {3}
+    library_default = blas_threads_of_worker(tmp_path, "0")
+    assert library_default["env"] is None
+    if len(os.sched_getaffinity(0)) > 1:   # one thread per core, the library's own choice
+        assert set(library_default["threads"]) != {1}, library_default
+
+
+def test_the_environment_chooses_blas_threads_when_the_config_does_not(tmp_path, monkeypatch):
+    from jupyter_triton.backends.python import blas
+    for key in blas.ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")   # the worker inherits it; OpenBLAS reads it at load
+    assert set(blas_threads_of_worker(tmp_path, None)["threads"]) == {2}
+
+
+def test_a_bad_blas_thread_count_is_refused(tmp_path):
+    config, files = write_model(tmp_path, "blas", BLAS_MODEL_PY, BLAS_CONFIG +
+                                'parameters { key: "blas_thread_count" value: { string_value: "many" } }')
+    with pytest.raises(InvalidArgument, match="blas_thread_count must be a number of threads"):
+        PythonBackend(config, files, InstanceSpec("blas_0_0"))
+
+
 def test_tensors_cross_through_shared_memory_and_nothing_leaks(tmp_path):
     before = our_shm()
     config, files = write_model(tmp_path, "add_sub", ADD_SUB_MODEL_PY, ADD_SUB_CONFIG.replace(

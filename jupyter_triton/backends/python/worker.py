@@ -165,10 +165,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(conn: Connection, job: str, model_py: str, payload: Any,
-                log_pipes: tuple[Connection, Connection] | None = None, parent_pid: int = 0) -> None:
+                log_pipes: tuple[Connection, Connection] | None = None, blas_threads: int = 0,
+                parent_pid: int = 0) -> None:
     """Entry point of the child. ``job`` is "serve" (payload: Triton's args) or
     "auto_complete" (payload: (module name, config JSON)). ``log_pipes``: where fds 1 and 2
-    go (the server reads them: the model's prints become its log lines)."""
+    go (the server reads them: the model's prints become its log lines). ``blas_threads``:
+    threads for BLAS (numpy's OpenBLAS, MKL) before the model is imported; 0 leaves them."""
     if log_pipes is not None:
         for fd, pipe in zip((1, 2), log_pipes):
             os.dup2(pipe.fileno(), fd)
@@ -177,6 +179,9 @@ def worker_main(conn: Connection, job: str, model_py: str, payload: Any,
             sys.stdout.reconfigure(line_buffering=True)   # a pipe is block-buffered otherwise
     if parent_pid:
         _die_with_parent(parent_pid)
+    if blas_threads:
+        from . import blas
+        blas.set_threads(blas_threads)
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -621,10 +626,11 @@ class WorkerProcess:
     """The server's handle on one worker process and the two regions it reads and writes."""
 
     def __init__(self, model_py: str, args: dict[str, str], label: str, decoupled: bool = False,
-                 side: Callable[["WorkerProcess", Any], None] | None = None) -> None:
+                 side: Callable[["WorkerProcess", Any], None] | None = None, blas_threads: int = 0) -> None:
         self.model_py = model_py
         self.args = args
         self.label = label
+        self.blas_threads = blas_threads
         self.ready = False
         self.decoupled = decoupled
         #: why open decoupled requests are failed when the worker ends: (kind, message),
@@ -661,7 +667,7 @@ class WorkerProcess:
         try:
             self._conn, self._process = _start_process(
                 worker_main, f"triton-python-{self.label}",
-                ("serve", self.model_py, self.args, (out_w, err_w)))
+                ("serve", self.model_py, self.args, (out_w, err_w), self.blas_threads))
         finally:
             out_w.close()
             err_w.close()
@@ -1106,7 +1112,7 @@ def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeou
     """Run ``auto_complete_config`` in a short-lived worker, so model.py's imports and
     side effects stay out of the server process."""
     conn, process = _start_process(worker_main, "triton-python-autocomplete",
-                                   ("auto_complete", model_py, (module, config_json), None))
+                                   ("auto_complete", model_py, (module, config_json), None, 0))
     chan = Channel(conn.fileno())
     try:
         if not conn.poll(timeout):
