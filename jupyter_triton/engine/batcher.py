@@ -40,7 +40,7 @@ from typing import Iterator
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.errors import Internal, InvalidArgument, Unavailable
-from .instances import Instance, InstancePool
+from .instances import Deferred, Instance, InstancePool
 from .scheduler import DEFAULT_MAX_QUEUE_SIZE, Pending, Scheduler, default_max_queue_size
 from .statistics import ModelStatistics, mark_failure
 from .timer import Alarm
@@ -100,6 +100,12 @@ class DynamicBatcher(Scheduler):
         self._alarm = Alarm(self._pump)      # sub-ms deadlines (asyncio's are ms-late)
         self._pumping = False
         self._pump_soon: asyncio.Handle | None = None
+        # A batch a free instance's thread holds to start at its deadline (pool.defer), and
+        # that instance; with preserve_ordering the batch leaves from the loop instead.
+        self._deferred: Deferred | None = None
+        self._deferred_on: Instance | None = None
+        self._deferred_done: asyncio.Future | None = None
+        self._defer_ok = not self.preserve_ordering
         pool.on_release = self._pump
         self._inflight: set[asyncio.Future] = set()
         self._order: deque[tuple[Pending, asyncio.Future]] = deque()
@@ -165,6 +171,9 @@ class DynamicBatcher(Scheduler):
         level = self._where.get(p)
         if level is not None:
             self._unqueue(p, level)
+            if self._deferred is not None and self._pump_soon is None and not self._closed:
+                # a thread may hold it in a batch for later: that batch is formed again
+                self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
 
     def _unqueue(self, p: Pending, level: _Level) -> None:
         level.remove(p)
@@ -175,9 +184,11 @@ class DynamicBatcher(Scheduler):
     # -- forming batches ---------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Form and send every batch that can leave now; otherwise arm the alarm for when one
-        can (the oldest request's delay, a queue timeout). Runs synchronously from ``submit``,
-        the alarm and an instance's release: no batcher task, no wake-up between them."""
+        """Form and send every batch that can leave now; otherwise hand the batch that would
+        leave at its deadline to a free instance's thread, which starts it then (``defer``),
+        or arm the alarm for when one can (a queue timeout, no free instance). Runs
+        synchronously from ``submit``, the alarm and an instance's release: no batcher task,
+        no wake-up between them."""
         self._pump_soon = None
         if self._pumping:
             return
@@ -188,7 +199,13 @@ class DynamicBatcher(Scheduler):
                 self._expire(now)
                 if not self._where:
                     break
-                if not self.pool.idle_count():
+                deferred = self._deferred
+                if deferred is not None and self._timed:
+                    # timeouts are the alarm's: the batch comes back to the loop
+                    if not self._take_back(deferred):
+                        continue
+                    deferred = None
+                if deferred is None and not self.pool.idle_count():
                     # every instance busy: a release pumps again; meanwhile only timeouts wake
                     next_timeout = self._next_timeout_ns()
                     if next_timeout is not None:
@@ -196,8 +213,26 @@ class DynamicBatcher(Scheduler):
                     elif self._alarm.deadline_ns is not None:
                         self._alarm.cancel()
                     return
-                batch, wait_ns = self._form_batch(now)
+                batch, wait_ns, taken = self._form_batch(now)
+                if deferred is not None:
+                    # The queue changed while a thread holds a batch for later: it becomes
+                    # what the queue says now (leaving at once if it should).
+                    if not deferred.update(batch or taken, 0 if batch else now + wait_ns):
+                        self._claimed(deferred)       # it started: look again without it
+                        continue
+                    if not batch:
+                        return
+                    self._deferred = None
+                    for p in batch:
+                        self._unqueue(p, self._where[p])
+                    continue
                 if not batch:
+                    if self._defer_ok and not self._timed:
+                        instance = self.pool.try_acquire()
+                        if self.pool.can_defer(instance):
+                            self._defer(instance, taken, now + wait_ns)
+                            break
+                        self.pool.release(instance)   # (pumping: this only frees it)
                     deadline = now + wait_ns
                     next_timeout = self._next_timeout_ns()
                     if next_timeout is not None:
@@ -209,6 +244,8 @@ class DynamicBatcher(Scheduler):
                     self._unqueue(p, self._where[p])
                 instance = self.pool.try_acquire()
                 self._dispatch(instance, batch)
+            if self._deferred is not None and not self._where:
+                self._take_back(self._deferred)   # its requests have left (cancelled)
             if self._alarm.deadline_ns is not None:
                 self._alarm.cancel()          # its requests have left: no wake-up for nothing
         except Exception:
@@ -217,6 +254,39 @@ class DynamicBatcher(Scheduler):
             self._fail_queued(Internal(f"model '{self.model}': dynamic batcher failed"), "OTHER")
         finally:
             self._pumping = False
+
+    def _defer(self, instance: Instance, taken: list[Pending], deadline_ns: int) -> None:
+        deferred, done = self.pool.defer(instance, taken, deadline_ns, self._claimed)
+        self._deferred, self._deferred_on, self._deferred_done = deferred, instance, done
+        self._inflight.add(done)
+        done.add_done_callback(lambda t: self._finished(t, deferred.batch))
+
+    def _take_back(self, deferred: Deferred) -> bool:
+        """Retract the batch a thread holds for later (True), or, where it has started
+        already, forget its requests here (False)."""
+        if deferred.retract():
+            self.pool.release(self._retracted())
+            return True
+        self._claimed(deferred)
+        return False
+
+    def _retracted(self) -> Instance:
+        """The deferred batch was taken back: it will never run; its instance is free."""
+        done, self._deferred_done = self._deferred_done, None
+        self._inflight.discard(done)
+        done.set_result(None)
+        self._deferred = None
+        return self._deferred_on
+
+    def _claimed(self, deferred: Deferred) -> None:
+        """``deferred``'s thread has started it: its requests are no longer queued."""
+        if self._deferred is not deferred:
+            return
+        self._deferred = None
+        for p in deferred.batch:
+            level = self._where.get(p)
+            if level is not None:
+                self._unqueue(p, level)
 
     def _ordered(self) -> Iterator[Pending]:
         return chain.from_iterable(self._levels[lvl] for lvl in sorted(self._levels))
@@ -227,20 +297,22 @@ class DynamicBatcher(Scheduler):
         return tuple((name, arr.dtype.str, arr.shape[1:] if self._batching else arr.shape)
                      for name, arr in sorted(p.inputs.items()) if name not in self._ragged)
 
-    def _form_batch(self, now_ns: int) -> tuple[list[Pending], int]:
-        """Triton's GetDynamicBatch: (batch to send now, []) or ([], ns to wait)."""
+    def _form_batch(self, now_ns: int) -> tuple[list[Pending], int, list[Pending]]:
+        """Triton's GetDynamicBatch: (batch to send now, 0, _) or ([], ns to wait, the batch
+        that would leave if nothing else came)."""
         taken: list[Pending] = []
         rows = 0
         best = 0                          # requests in the best batch found so far
         send_now = False
         key = None
-        for p in self._ordered():
+        # A lone request (c=1) needs no service order and no shape comparison.
+        for p in self._where if len(self._where) == 1 else self._ordered():
             size = max(1, p.batch_size)
-            if not taken:
-                key = self._shape_key(p)
-            else:
+            if taken:
                 if rows + size > self.max_preferred_batch_size and best == 0:
                     best = len(taken)     # can't grow past the largest preferred size
+                if key is None:
+                    key = self._shape_key(taken[0])
                 if rows + size > self.max_batch_size or self._shape_key(p) != key:
                     send_now = True
                     break
@@ -248,14 +320,14 @@ class DynamicBatcher(Scheduler):
             rows += size
             if rows in self.preferred_batch_sizes:
                 best = len(taken)
-        oldest = min(p.enqueue_ns for p in taken)
+        oldest = min(p.enqueue_ns for p in taken) if len(taken) > 1 else taken[0].enqueue_ns
         waited = now_ns - oldest
         delay_exceeded = self.delay_ns != 0 and waited >= self.delay_ns
         if best and not delay_exceeded:
-            return taken[:best], 0
+            return taken[:best], 0, taken
         if send_now or rows >= self.max_preferred_batch_size or delay_exceeded or not self.delay_ns:
-            return taken, 0
-        return [], self.delay_ns - waited
+            return taken, 0, taken
+        return [], self.delay_ns - waited, taken
 
     def _expire(self, now_ns: int) -> None:
         """Apply each level's timeout_action to requests whose queue timeout has passed."""
@@ -346,7 +418,16 @@ class DynamicBatcher(Scheduler):
         if self._pump_soon is not None:
             self._pump_soon.cancel()
             self._pump_soon = None
+        taken_back = None
+        deferred = self._deferred
+        if deferred is not None:
+            if deferred.retract():
+                taken_back = self._retracted()
+            else:
+                self._claimed(deferred)       # it runs: not failed as queued
         self._fail_queued(Unavailable(
             f"model '{self.model}' was unloaded before the request could be scheduled"), "REJECTED")
+        if taken_back is not None:
+            self.pool.release(taken_back)
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)

@@ -1,0 +1,198 @@
+"""A batch that must wait for its queue delay is held by a free instance's thread, which starts
+it at the deadline (engine/instances.py ``Deferred``): Triton's batching rules still hold while
+it is held (arrivals join it, a preferred size or a full batch sends it at once, a request that
+leaves is not run, timeouts and unloading take it back). A real InstancePool and a recording
+backend; no HTTP."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from jupyter_triton.backends.base import Backend, InstanceSpec, ModelFiles
+from jupyter_triton.engine.batcher import DynamicBatcher
+from jupyter_triton.engine.instances import Instance, InstancePool
+from jupyter_triton.engine.scheduler import Pending
+from jupyter_triton.engine.statistics import ModelStatistics
+from jupyter_triton.protocol.errors import Unavailable
+from jupyter_triton.protocol.types import InferRequest
+
+BASE = 'name: "m" input [{name: "IN" data_type: TYPE_FP32 dims: [-1]}] '
+
+
+class Recording(Backend):
+    """Doubles its input; records each batch's ids, start time and thread."""
+
+    def __init__(self, config, log):
+        super().__init__(config, ModelFiles("m", 1, Path("."), Path(".")), InstanceSpec("m_0_0"))
+        self.log = log
+
+    def load(self) -> None:
+        pass
+
+    def execute(self, requests, infer_requests=None):
+        self.log.append(([int(r["IN"].flat[0]) for r in requests], time.monotonic_ns(),
+                         threading.current_thread().name))
+        return [{"OUT": r["IN"] * 2} for r in requests]
+
+
+def batcher(config_text: str):
+    config = text_format.Parse(BASE + config_text, mc.ModelConfig())
+    stats = ModelStatistics("m", "1")
+    log: list = []
+    pool = InstancePool([Instance(Recording(config, log))], stats)
+    return DynamicBatcher(config, pool, stats), log, stats
+
+
+def pending(rid: int, rows: int = 1, timeout_us: int = 0) -> Pending:
+    inputs = {"IN": np.full((rows, 2), rid, dtype=np.float32)}
+    future = asyncio.get_running_loop().create_future()
+    return Pending(InferRequest("m"), inputs, rows, future, timeout_ns=timeout_us * 1000)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_a_lone_request_waits_the_whole_delay_then_runs_on_the_instance_thread():
+    async def main():
+        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 30000 }")
+        p = pending(7)
+        await b.submit(p)
+        assert b._deferred is not None          # held by the thread, not by the loop's alarm
+        result = await p.future
+        await b.close()
+        return p, result, log, stats
+
+    p, result, log, stats = run(main())
+    assert np.array_equal(result["OUT"], np.full((1, 2), 14, dtype=np.float32))
+    [(ids, start_ns, thread)] = log
+    assert ids == [7] and thread == "triton-m_0_0"
+    waited = start_ns - p.enqueue_ns
+    assert 30_000_000 <= waited < 30_000_000 + 20_000_000
+    assert stats.queue.count == 1 and 30_000_000 <= stats.queue.ns <= waited
+
+
+def test_requests_that_arrive_while_a_batch_is_held_join_it_and_keep_the_first_deadline():
+    async def main():
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 60000 }")
+        ps = [pending(0)]
+        await b.submit(ps[0])
+        await asyncio.sleep(0.01)
+        for i in (1, 2):
+            ps.append(pending(i))
+            await b.submit(ps[-1])
+        results = await asyncio.gather(*(p.future for p in ps))
+        await b.close()
+        return ps, results, log
+
+    ps, results, log = run(main())
+    [(ids, start_ns, _)] = log
+    assert ids == [0, 1, 2]
+    assert start_ns - ps[0].enqueue_ns >= 60_000_000      # the oldest request's delay, in full
+    assert start_ns - ps[2].enqueue_ns < 60_000_000       # not the newest one's
+    assert [int(r["OUT"].flat[0]) for r in results] == [0, 2, 4]
+
+
+def test_a_held_batch_that_reaches_the_preferred_size_leaves_at_once():
+    async def main():
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { preferred_batch_size: [3] "
+                            "max_queue_delay_microseconds: 5000000 }")
+        ps = []
+        start = time.monotonic()
+        for i in range(3):
+            ps.append(pending(i))
+            await b.submit(ps[-1])
+            await asyncio.sleep(0.002)
+        await asyncio.gather(*(p.future for p in ps))
+        elapsed = time.monotonic() - start
+        await b.close()
+        return elapsed, log
+
+    elapsed, log = run(main())
+    assert [ids for ids, _, _ in log] == [[0, 1, 2]]
+    assert elapsed < 2.0                                  # not the 5 s delay
+
+
+def test_a_request_that_does_not_fit_sends_the_held_batch_at_once_and_waits_itself():
+    async def main():
+        b, log, _ = batcher("max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 400000 }")
+        first, second = pending(0, rows=2), pending(1, rows=3)
+        start = time.monotonic()
+        await b.submit(first)
+        await b.submit(second)
+        await first.future
+        first_done = time.monotonic() - start
+        await second.future
+        second_start = log[1][1] - second.enqueue_ns
+        await b.close()
+        return first_done, second_start, log
+
+    first_done, second_start, log = run(main())
+    assert [ids for ids, _, _ in log] == [[0], [1]]
+    assert first_done < 0.3                               # it left when [1] could not join
+    assert second_start >= 400_000_000                    # [1] waited its own full delay
+
+
+def test_a_request_that_leaves_while_held_is_not_run():
+    async def main():
+        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 100000 }")
+        kept, gone = pending(0), pending(1)
+        await b.submit(kept)
+        await b.submit(gone)
+        await asyncio.sleep(0.01)
+        gone.future.cancel()                              # the client went away
+        result = await kept.future
+        await b.close()
+        return result, log, stats
+
+    result, log, stats = run(main())
+    assert [ids for ids, _, _ in log] == [[0]]
+    assert int(result["OUT"].flat[0]) == 0
+    assert stats.queue.count == 1
+
+
+def test_a_queue_timeout_takes_the_held_batch_back_to_the_loop():
+    async def main():
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 "
+                            "default_queue_policy { timeout_action: REJECT allow_timeout_override: true } }")
+        patient, hurried = pending(0), pending(1, timeout_us=20000)
+        start = time.monotonic()
+        await b.submit(patient)
+        await b.submit(hurried)
+        outcome = await asyncio.gather(hurried.future, return_exceptions=True)
+        timed_out = time.monotonic() - start
+        await patient.future
+        ran_after = log[0][1] - patient.enqueue_ns
+        await b.close()
+        return outcome[0], timed_out, ran_after, log
+
+    err, timed_out, ran_after, log = run(main())
+    assert isinstance(err, Unavailable) and "timeout" in str(err)
+    assert 0.02 <= timed_out < 0.25                       # on its own time, not the batch's
+    assert [ids for ids, _, _ in log] == [[0]]
+    assert ran_after >= 300_000_000
+
+
+def test_unloading_takes_a_held_batch_back_fails_its_requests_and_frees_the_instance():
+    async def main():
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 5000000 }")
+        ps = [pending(0), pending(1)]
+        for p in ps:
+            await b.submit(p)
+        start = time.monotonic()
+        await b.close()
+        closing = time.monotonic() - start
+        outcomes = await asyncio.gather(*(p.future for p in ps), return_exceptions=True)
+        await asyncio.sleep(0.05)                         # a thread that ran it would log by now
+        return closing, outcomes, log, b.pool.idle_count()
+
+    closing, outcomes, log, idle = run(main())
+    assert closing < 1.0
+    assert all(isinstance(o, Unavailable) for o in outcomes)
+    assert log == [] and idle == 1
