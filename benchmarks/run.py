@@ -239,6 +239,7 @@ class Ours(Target):
 class Jupyter(Target):
     name = "jupyter"
     label = "ours, Jupyter server routes (token header)"
+    fast_routes = True
 
     def __init__(self, workdir: Path, repository: Path) -> None:
         super().__init__(workdir)
@@ -266,7 +267,7 @@ class Jupyter(Target):
                           "jpserver_extensions": {"jupyter_triton": True}},
             "IdentityProvider": {"token": self.token},
             "JupyterTriton": {"model_repository": str(self.repository), "create_demo_model": False,
-                              "load_models": [ONNX_MODEL]},
+                              "load_models": [ONNX_MODEL], "fast_routes": self.fast_routes},
         }
         path = home / "config" / "jupyter_server_config.json"
         path.write_text(json.dumps(config, indent=1))
@@ -276,6 +277,18 @@ class Jupyter(Target):
         exe = Path(sys.executable).with_name("jupyter-server")
         base = [str(exe)] if exe.exists() else [sys.executable, "-m", "jupyter_server"]
         return [*base, f"--config={path}"], env
+
+
+class JupyterTornado(Jupyter):
+    """The same, every request through tornado and Jupyter's handlers (fast_routes off): what
+    the fast routes save, in the same run."""
+    name = "jupyter-tornado"
+    label = "ours, Jupyter server routes through tornado (fast_routes off)"
+    fast_routes = False
+
+    def __init__(self, workdir: Path, repository: Path) -> None:
+        (workdir / "tornado").mkdir(exist_ok=True)      # a Jupyter home of its own
+        super().__init__(workdir / "tornado", repository)
 
 
 class PyTriton(Target):
@@ -439,8 +452,9 @@ def plan(targets: list[str], protocols: list[str], concurrency: list[int]) -> li
             if "ours" in targets:
                 rows += [Row("ours", ONNX_MODEL, p, c), Row("ours", PYTHON_MODEL, p, c),
                          Row("ours", ONNX_MODEL, p, c, shm=True)]
-            if "jupyter" in targets and p == "http":
-                rows.append(Row("jupyter", ONNX_MODEL, p, c))
+            for name in ("jupyter", "jupyter-tornado"):
+                if name in targets and p == "http":
+                    rows.append(Row(name, ONNX_MODEL, p, c))
             if "pytriton" in targets:
                 rows.append(Row("pytriton", PYTRITON_MODEL, p, c))
     return rows
@@ -533,8 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=int, help="perf_analyzer window (default 3000; --quick 1000)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
-    parser.add_argument("--targets", nargs="+", choices=("ours", "jupyter", "pytriton"),
-                        default=["ours", "pytriton", "jupyter"])
+    parser.add_argument("--targets", nargs="+", choices=("ours", "jupyter", "jupyter-tornado", "pytriton"),
+                        default=["ours", "pytriton", "jupyter", "jupyter-tornado"])
     parser.add_argument("--pytriton-venv", type=Path,
                         default=Path(os.environ.get("PYTRITON_VENV", DEFAULT_PYTRITON_VENV)),
                         help="PyTriton's own venv, created when missing (env PYTRITON_VENV)")
@@ -568,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                 targets += [Ours(workdir, repositories[m], m) for m in (ONNX_MODEL, PYTHON_MODEL)]
             elif name == "jupyter":
                 targets.append(Jupyter(workdir, repositories[ONNX_MODEL]))
+            elif name == "jupyter-tornado":
+                targets.append(JupyterTornado(workdir, repositories[ONNX_MODEL]))
             else:
                 python, detail = ensure_pytriton(args.pytriton_venv, workdir)
                 if python is None:
@@ -666,7 +682,8 @@ def _ours_variants(rows: list[Row]) -> list[tuple[str, str, str, bool]]:
 
 
 def variant_label(target: str, model: str, protocol: str, shm: bool) -> str:
-    where = "Jupyter routes" if target == "jupyter" else "standalone"
+    where = {"jupyter": "Jupyter routes", "jupyter-tornado": "Jupyter routes via tornado"}.get(
+        target, "standalone")
     return f"ours {where}, {MODEL_LABEL[model]}, {protocol.upper() if protocol == 'http' else 'gRPC'}" + \
         (" + system shm" if shm else "")
 
@@ -744,8 +761,9 @@ def markdown(p: dict, rows: list[Row]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     flagged = False
-    labels = {"ours": "ours standalone", "jupyter": "ours, Jupyter server (token)", "pytriton": "PyTriton"}
-    order = {"pytriton": 0, "ours": 1, "jupyter": 2}
+    labels = {"ours": "ours standalone", "jupyter": "ours, Jupyter server (token)",
+              "jupyter-tornado": "ours, Jupyter server (token), fast_routes off", "pytriton": "PyTriton"}
+    order = {"pytriton": 0, "ours": 1, "jupyter": 2, "jupyter-tornado": 3}
     for r in sorted(rows, key=lambda r: (r.concurrency, r.protocol != "http", order[r.target], r.model, r.shm)):
         if not r.median:
             continue
