@@ -76,9 +76,10 @@ def test_poll_mode_follows_the_repository(model_repo):
 
 
 def test_poll_mode_retries_a_version_once_its_files_change(model_repo, caplog):
-    """A version caught half-written fails to load; it is not retried (nor logged) at every
-    poll while its files stay as they are, and it is served once they change, as Triton's
-    poller does. Nothing in the repository is moved or deleted on the way."""
+    """A version caught half-written fails to load and is listed UNAVAILABLE with its
+    reason; while its files stay as they are it is tried again only after a back-off and
+    its error is logged once (tritonserver 2.51 tries and logs at every poll); it is served
+    at the first poll after they change. Nothing in the repository is moved or deleted."""
     caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle")
 
     def failures() -> int:
@@ -93,6 +94,9 @@ def test_poll_mode_retries_a_version_once_its_files_change(model_repo, caplog):
         time.sleep(1.0)                                            # about ten more polls
         assert failures() == 1
         assert client.get_model_metadata("linear")["versions"] == ["1"]    # v1 keeps serving
+        [row] = [r for r in client.get_model_repository_index()
+                 if r["name"] == "linear" and r["version"] == "2"]
+        assert row["state"] == "UNAVAILABLE" and "could not be loaded" in row["reason"], row
         staged = version / ".model.onnx.partial"                  # hidden: not the model's
         linear(2 * W, staged)
         os.replace(staged, version / "model.onnx")
@@ -105,6 +109,59 @@ def test_poll_mode_retries_a_version_once_its_files_change(model_repo, caplog):
         assert sorted(p.name for p in version.iterdir()) == ["model.onnx"]
         assert (model_repo / "linear" / "1" / "model.onnx").is_file()
         assert sorted(p.name for p in model_repo.iterdir()) == ["identity_int32", "linear", "simple"]
+    finally:
+        server.close()
+
+
+NEEDS_SERVICE_PY = """
+import os
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if not os.path.exists(%r):
+            raise RuntimeError("the service this model needs is down")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 2)])
+            for r in requests]
+"""
+
+
+def test_poll_mode_tries_unchanged_files_again_after_a_back_off(model_repo, tmp_path, caplog):
+    """A failure outside the model's files (here: a service it needs) heals without
+    touching the repository, as with Triton's poller, which tries at every poll; here the
+    tries back off (1, 2, 4, ... polls) and the error is logged once."""
+    caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle")
+    service = tmp_path / "service-is-up"
+    (model_repo / "needs" / "1").mkdir(parents=True)
+    (model_repo / "needs" / "1" / "model.py").write_text(NEEDS_SERVICE_PY % str(service))
+    (model_repo / "needs" / "config.pbtxt").write_text("""
+name: "needs"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
+""")
+    server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.05)
+    try:
+        time.sleep(1.0)                    # about 20 polls
+        assert not client.is_model_ready("needs")
+        logged = [r.getMessage() for r in caplog.records
+                  if r.name == "jupyter_triton.engine.lifecycle" and "needs" in r.getMessage()]
+        assert len(logged) == 2, logged             # its version, then the model: once each
+        tries = [r for r in caplog.records if r.name == "jupyter_triton.backends.python.backend"
+                 and "initialize failed" in r.getMessage()]
+        # at start, then at polls 1, 2, 4, 8, 16 (at every poll: 21)
+        assert 3 <= len(tries) <= 7, len(tries)
+        service.touch()
+        assert wait_for(lambda: client.is_model_ready("needs"))
+        inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 4), np.float32))
+        np.testing.assert_allclose(client.infer("needs", [inp]).as_numpy("OUTPUT0"), 2 * np.ones((1, 4)))
     finally:
         server.close()
 

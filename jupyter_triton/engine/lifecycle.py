@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Poll mode: a model whose files did not change since its failed load is tried again (a
+# failure need not be in the files: memory, a device, a service the model calls) after 1, 2,
+# 4, ... polls, at most this many; tritonserver 2.51 tries again at every poll.
+MAX_RETRY_POLLS = 32
+
 # models this task is loading, outermost first: an ensemble loads its composing models, and
 # one that (indirectly) contains itself must fail instead of waiting on its own lock
 _LOADING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading", default=())
@@ -56,6 +61,12 @@ class Entry:
     # a failed ensemble: its composing models' ``changes`` at the failure; the poller
     # tries it again when one of them loads or goes, even if its own files did not change
     waits_on: dict[str, int] = field(default_factory=dict)
+    failed: bool = False        # its last load failed, with this error:
+    last_error: str = ""
+    # poll mode, a failed model whose files did not change: polls between its tries and
+    # polls left before the next one
+    retry_every: int = 0
+    retry_in: int = 0
 
 
 class ModelLifecycle:
@@ -247,19 +258,33 @@ class ModelLifecycle:
     async def _load_locked(self, name: str, entry: Entry) -> None:
         """(Re)load a model from the repository. New versions become READY before old ones
         stop serving; if anything fails, what was serving keeps serving."""
+        try:
+            await self._load_versions(name, entry)
+        except BaseException as err:
+            entry.failed = True
+            entry.last_error = str(err)
+            raise
+        entry.failed = False
+        entry.last_error = ""
+
+    async def _load_versions(self, name: str, entry: Entry) -> None:
         model_dir = self.repository.model_dir(name)
         loop = asyncio.get_running_loop()
         # Taken before any file is read, and kept whatever the outcome: a file still being
         # written while this load reads it changes the fingerprint after this point, so the
-        # next poll loads the model again; unchanged broken files are not retried (nor
-        # logged) at every poll. Triton's poller does the same with its timestamps.
+        # next poll loads the model again at once (unchanged files only after a back-off).
         if self.options.model_control_mode == "poll":
             entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
         entry.waits_on = {}
         try:
             config, backend, versions = await loop.run_in_executor(None, self._prepare, name, model_dir)
         except TritonError as err:
-            entry.reason = str(err)
+            stage = getattr(err, "load_stage", None)
+            if isinstance(stage, int):       # one version's files: that version's state
+                entry.status[stage] = VersionStatus(UNAVAILABLE, str(err))
+                entry.reason = ""
+            else:
+                entry.reason = str(err)
             raise
         entry.reason = ""
         if backend == ENSEMBLE_BACKEND:
@@ -292,7 +317,8 @@ class ModelLifecycle:
                 terr = err if isinstance(err, TritonError) else InvalidArgument(
                     f"{type(err).__name__}: {err}")
                 terr.load_stage = v  # type: ignore[attr-defined]
-                log.warning("loading %s v%d failed: %s", name, v, terr)
+                (log.debug if str(terr) == entry.last_error else log.warning)(
+                    "loading %s v%d failed: %s", name, v, terr)
                 errors.append((v, terr))
         if errors:
             for v, mv in fresh.items():
@@ -353,7 +379,13 @@ class ModelLifecycle:
         latest = max(versions)
         files = ModelFiles(name, latest, model_dir, model_dir / str(latest),
                            config.default_model_filename or cls.default_filename)
-        config = cls.auto_complete_config(config, files)
+        try:
+            config = cls.auto_complete_config(config, files)
+        except TritonError as err:
+            # it read the latest version's files: as in Triton, whose backends complete the
+            # config when that version loads, the version failed, not the model's config
+            err.load_stage = latest  # type: ignore[attr-defined]
+            raise
         config = fill_defaults(config)
         # what tritonserver 2.51 serves back: the backend's file name, and KIND_AUTO placed
         # (on the GPU where there is one, else the CPU) as the instances will be
@@ -396,14 +428,27 @@ class ModelLifecycle:
         on_disk = await loop.run_in_executor(None, self.repository.fingerprints)
         for name in sorted(on_disk):
             entry = self._entries.get(name)
-            if entry is not None and entry.fingerprint == on_disk[name] and not any(
-                    self._changes(m) != n for m, n in entry.waits_on.items()):
-                continue
+            unchanged = entry is not None and entry.fingerprint == on_disk[name] and not any(
+                self._changes(m) != n for m, n in entry.waits_on.items())
+            if unchanged:
+                if not entry.failed:
+                    continue
+                entry.retry_in -= 1
+                if entry.retry_in > 0:
+                    continue
+            previous = entry.last_error if entry is not None else ""
             self._wanted.add(name)
             try:
                 await self._load(name)
             except (TritonError, OSError) as err:    # OSError: files going away mid-poll
-                log.error("failed to load model '%s': %s", name, err)
+                # the same error as last time is logged once
+                (log.debug if str(err) == previous else log.error)(
+                    "failed to load model '%s': %s", name, err)
+            entry = self._entries.get(name)
+            if entry is not None:
+                entry.retry_every = (min(max(entry.retry_every * 2, 1), MAX_RETRY_POLLS)
+                                     if entry.failed and unchanged else int(entry.failed))
+                entry.retry_in = entry.retry_every
         for name in set(self._entries) - set(on_disk):
             await self._unload(name)
             gone = self._entries.get(name)
