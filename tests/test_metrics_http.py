@@ -135,9 +135,10 @@ def test_summaries_when_summary_latencies_is_on(counted):
 
 
 def test_pending_gauge_and_rejections_of_a_busy_model(server):
-    # "busy" runs one request for 0.8 s at a time and queues at most one more
-    def call(i: int, delay: float):
-        time.sleep(delay)
+    # "busy" runs one request for 0.8 s at a time and queues at most one more. Each call is
+    # sent once the one before is seen running or queued, not after a fixed delay (a loaded
+    # machine can take longer than any delay to get a request in).
+    def call(i: int):
         client = new_client(server)
         try:
             client.infer("busy", request(i))
@@ -147,10 +148,27 @@ def test_pending_gauge_and_rejections_of_a_busy_model(server):
         finally:
             client.close()
 
+    def until(predicate) -> None:
+        deadline = time.monotonic() + 10
+        while not predicate():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def started() -> int:
+        client = new_client(server)
+        try:
+            stats = client.get_inference_statistics("busy")["model_stats"][0]
+        finally:
+            client.close()
+        return int(stats["inference_stats"]["queue"]["count"])   # counted when execution starts
+
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = [pool.submit(call, 1, 0.0), pool.submit(call, 2, 0.15), pool.submit(call, 3, 0.3)]
-        time.sleep(0.5)
+        futures = [pool.submit(call, 1)]
+        until(lambda: started() == 1)
+        futures.append(pool.submit(call, 2))
+        until(lambda: value(scrape(server), "nv_inference_pending_request_count", "busy") == 1)
         during = scrape(server)
+        futures.append(pool.submit(call, 3))
         results = [f.result(timeout=30) for f in futures]
     after = scrape(server)
     assert results[0] is None and results[1] is None
