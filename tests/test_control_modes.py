@@ -130,6 +130,16 @@ class TritonPythonModel:
 """
 
 
+NEEDS_CONFIG = """
+name: "needs"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
+"""
+
+
 def test_poll_mode_tries_unchanged_files_again_after_a_back_off(model_repo, tmp_path, caplog):
     """A failure outside the model's files (here: a service it needs) heals without
     touching the repository, as with Triton's poller, which tries at every poll; here the
@@ -138,14 +148,7 @@ def test_poll_mode_tries_unchanged_files_again_after_a_back_off(model_repo, tmp_
     service = tmp_path / "service-is-up"
     (model_repo / "needs" / "1").mkdir(parents=True)
     (model_repo / "needs" / "1" / "model.py").write_text(NEEDS_SERVICE_PY % str(service))
-    (model_repo / "needs" / "config.pbtxt").write_text("""
-name: "needs"
-backend: "python"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
-""")
+    (model_repo / "needs" / "config.pbtxt").write_text(NEEDS_CONFIG)
     server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.05)
     try:
         time.sleep(1.0)                    # about 20 polls
@@ -162,6 +165,54 @@ parameters { key: "EXECUTION_MODE" value: { string_value: "thread" } }
         inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
         inp.set_data_from_numpy(np.ones((1, 4), np.float32))
         np.testing.assert_allclose(client.infer("needs", [inp]).as_numpy("OUTPUT0"), 2 * np.ones((1, 4)))
+    finally:
+        server.close()
+
+
+SLOW_LOAD_PY = """
+import pathlib
+import time
+import triton_python_backend_utils as pb_utils
+
+ADD = %d
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        pathlib.Path(%r).write_text("loading")
+        time.sleep(1.0)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() + ADD)])
+            for r in requests]
+"""
+
+
+def test_poll_mode_reloads_files_changed_while_they_were_loading(model_repo, tmp_path):
+    """A load that read the files before they changed (a copy still going on, an edit)
+    does not count the change as seen: the next poll loads the model again."""
+    started = tmp_path / "initialize-started"
+    staged = tmp_path / "slow"
+    (staged / "1").mkdir(parents=True)
+    (staged / "1" / "model.py").write_text(SLOW_LOAD_PY % (1, str(started)))
+    (staged / "config.pbtxt").write_text(NEEDS_CONFIG.replace('"needs"', '"slow"'))
+    server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.1)
+    try:
+        staged.rename(model_repo / "slow")
+        assert wait_for(started.exists)                # model.py imported: ADD = 1 is loading
+        edit = model_repo / "slow" / "1" / ".model.py.partial"
+        edit.write_text(SLOW_LOAD_PY % (2, str(started)))
+        os.replace(edit, model_repo / "slow" / "1" / "model.py")
+        inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+
+        def adds() -> float | None:
+            if not client.is_model_ready("slow"):
+                return None
+            return float(client.infer("slow", [inp]).as_numpy("OUTPUT0")[0, 0])
+
+        assert wait_for(lambda: adds() == 2.0), adds()
     finally:
         server.close()
 
