@@ -256,7 +256,11 @@ class DynamicBatcher(Scheduler):
             self._pumping = False
 
     def _defer(self, instance: Instance, taken: list[Pending], deadline_ns: int) -> None:
-        deferred, done = self.pool.defer(instance, taken, deadline_ns, self._claimed)
+        try:
+            deferred, done = self.pool.defer(instance, taken, deadline_ns, self._claimed)
+        except BaseException:
+            self.pool.release(instance)       # (pumping: this only frees it)
+            raise
         self._deferred, self._deferred_on, self._deferred_done = deferred, instance, done
         self._inflight.add(done)
         done.add_done_callback(lambda t: self._finished(t, deferred.batch))
