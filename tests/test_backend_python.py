@@ -426,6 +426,49 @@ def test_a_bad_blas_thread_count_is_refused(tmp_path):
         PythonBackend(config, files, InstanceSpec("blas_0_0"))
 
 
+KEEPER_MODEL_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.kept = None
+
+    def execute(self, requests):
+        outs = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            previous = x if self.kept is None else self.kept
+            self.kept = x          # an input kept past its batch, as a stateful model does
+            outs.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", previous)]))
+        return outs
+'''
+
+KEEPER_CONFIG = '''
+name: "keeper"
+backend: "python"
+input [{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }]
+output [{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }]
+'''
+
+
+@pytest.mark.parametrize("size", [16, 300_000])   # one copy of a small batch; a copy per large tensor
+def test_tensors_kept_past_their_batch_are_not_overwritten_by_the_next(tmp_path, size):
+    config, files = write_model(tmp_path, "keeper", KEEPER_MODEL_PY, KEEPER_CONFIG)
+    with loaded(config, files) as backend:
+        first = [np.full(size, i, np.float32) for i in range(3)]
+        results = backend.execute([{"X": x} for x in first])
+        kept_outputs = [r["Y"] for r in results]
+        second = backend.execute([{"X": np.full(size, 9, np.float32)}])
+        assert np.array_equal(second[0]["Y"], first[2])   # kept in the worker across batches
+        third = backend.execute([{"X": np.full(size, 7, np.float32)}, {"X": np.full(size, 8, np.float32)}])
+        assert np.array_equal(third[0]["Y"], np.full(size, 9, np.float32))
+        assert np.array_equal(third[1]["Y"], np.full(size, 7, np.float32))
+        # outputs handed back earlier do not change when later batches reuse the region
+        assert [float(y[0]) for y in kept_outputs] == [0.0, 0.0, 1.0]
+        assert all(y.shape == (size,) for y in kept_outputs)
+
+
 def test_tensors_cross_through_shared_memory_and_nothing_leaks(tmp_path):
     before = our_shm()
     config, files = write_model(tmp_path, "add_sub", ADD_SUB_MODEL_PY, ADD_SUB_CONFIG.replace(

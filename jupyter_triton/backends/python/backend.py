@@ -390,6 +390,7 @@ class PythonBackend(Backend):
         # implicit state: the sequence batcher takes the state outputs from the responses
         self._all_outputs += [s.output_name for s in config.sequence_batching.state
                               if s.output_name not in self._all_outputs]
+        self._all_output_set = frozenset(self._all_outputs)
         self.decoupled = bool(config.model_transaction_policy.decoupled)
         self._thread_sinks: set[_Sink] = set()   # thread mode: open decoupled requests
         self._orphans = OrphanCloser(lambda sink: sink.deliver(None, None, True))
@@ -775,7 +776,9 @@ class PythonBackend(Backend):
     # -- conversions --------------------------------------------------------------------------
 
     def _request_data(self, inputs: Tensors, request: InferRequest | None) -> RequestData:
-        all_outputs = list(self._all_outputs)   # the model may change its copy
+        # shared by every request that names no outputs: pb_utils.InferenceRequest copies it
+        # for the model, the worker gets its own, and nothing here changes it
+        all_outputs = self._all_outputs
         if request is None:
             return RequestData(inputs=inputs, requested_output_names=all_outputs)
         params = request.parameters or {}
@@ -796,8 +799,13 @@ class PythonBackend(Backend):
         if isinstance(result, ResponseError):
             return _ERROR_BY_CODE.get(result.code, Internal)(
                 f"model '{self.files.model_name}': {result.message}")
-        wanted = set(request.requested_output_names)
-        return {name: value for name, value in result.items() if not wanted or name in wanted}
+        names = request.requested_output_names
+        if not names:
+            return result
+        wanted = self._all_output_set if names is self._all_outputs else set(names)
+        if result.keys() <= wanted:   # the usual case: the model returned what was asked
+            return result
+        return {name: value for name, value in result.items() if name in wanted}
 
     def _execute_error(self, err: StubError) -> TritonError:
         log.error("%s: %s failed:\n%s", self._who, err.stage, err.traceback or err.message)

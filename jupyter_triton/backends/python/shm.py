@@ -2,8 +2,8 @@
 
 The server process creates and unlinks every segment (so a worker that dies leaks
 nothing); the worker only attaches. A region is reused for every batch and replaced by a
-bigger one when a batch does not fit. Only ``TensorRef`` tuples (name, dtype, shape,
-offset, size) cross the pipe; the bytes stay in the region. BYTES tensors are stored in
+bigger one when a batch does not fit. Only refs, plain tuples (name, dtype, shape,
+offset, size), cross the pipe; the bytes stay in the region. BYTES tensors are stored in
 Triton's serialized form (4-byte little-endian length before each element).
 
 Segments are named ``jt_<server pid>_<pid namespace>_<random>``. A server killed with SIGKILL
@@ -23,7 +23,6 @@ import re
 import secrets
 import threading
 from multiprocessing import shared_memory
-from typing import NamedTuple
 
 import numpy as np
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
@@ -56,17 +55,26 @@ class SharedMemoryFull(Exception):
     """No room in /dev/shm for a region: the message says how much was asked and is free."""
 
 
-class TensorRef(NamedTuple):
-    name: str
-    dtype: str          # numpy dtype.str ("<f4"), or "BYTES"
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+#: A tensor's place in a region, as it crosses the wire: (name, dtype, shape, offset, nbytes),
+#: dtype a numpy ``dtype.str`` ("<f4") or "BYTES". A plain tuple: a batch lays out, pickles
+#: and reads one per request and tensor, and named tuples cost several times more.
+Ref = tuple
+#: (ref, payload): an array, or the serialized bytes of a BYTES tensor
+Staged = tuple
+
+#: below this many bytes, the tensors of a batch are copied out of a region in one piece
+#: and viewed in place (one copy, not one per tensor); above it each gets a copy of its own,
+#: so that a tensor someone keeps (a model, the response cache) keeps at most this much alive
+SNAPSHOT_BYTES = 1 << 18
+
+_DTYPES: dict[str, np.dtype] = {}
 
 
-class Staged(NamedTuple):
-    ref: TensorRef
-    payload: np.ndarray | bytes
+def _dtype(spelling: str) -> np.dtype:
+    dtype = _DTYPES.get(spelling)
+    if dtype is None:
+        dtype = _DTYPES[spelling] = np.dtype(spelling)
+    return dtype
 
 
 def stage(tensors: dict[str, np.ndarray], offset: int = 0) -> tuple[list[Staged], int]:
@@ -74,13 +82,14 @@ def stage(tensors: dict[str, np.ndarray], offset: int = 0) -> tuple[list[Staged]
     offset where the next tensor may start."""
     staged = []
     for name, array in tensors.items():
-        array = np.asarray(array)
+        if type(array) is not np.ndarray:
+            array = np.asarray(array)
         if array.dtype.kind in "OSU":
             payload: np.ndarray | bytes = _serialize_bytes(array)
             dtype, nbytes = BYTES, len(payload)
         else:
             payload, dtype, nbytes = array, array.dtype.str, array.nbytes
-        staged.append(Staged(TensorRef(name, dtype, tuple(array.shape), offset, nbytes), payload))
+        staged.append(((name, dtype, array.shape, offset, nbytes), payload))
         offset += -(-nbytes // ALIGN) * ALIGN
     return staged, offset
 
@@ -187,11 +196,20 @@ def _reserve(shm: shared_memory.SharedMemory) -> None:
             raise
 
 
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _arrays(buf: memoryview | bytearray, refs: list[Ref], copy: bool) -> dict[str, np.ndarray]:
+    """Arrays over ``buf`` (views of a private copy), or copies when ``copy``."""
+    out = {}
+    for name, dtype, shape, offset, nbytes in refs:
+        if not nbytes:
+            array = np.empty(shape, dtype=np.object_ if dtype == BYTES else dtype)
+        elif dtype == BYTES:
+            array = deserialize_bytes_tensor(bytes(buf[offset:offset + nbytes])).reshape(shape)
+        else:
+            array = np.ndarray(shape, _dtype(dtype), buffer=buf, offset=offset)
+            if copy:
+                array = array.copy()
+        out[name] = array
+    return out
 
 
 class ShmRegion:
@@ -241,35 +259,44 @@ class ShmRegion:
     def size(self) -> int:
         return self._shm.size
 
-    def write(self, staged: list[Staged]) -> list[tuple]:
-        """Copies in; returns the layout as plain tuples (what crosses the wire)."""
+    def write(self, staged: list[Staged]) -> list[Ref]:
+        """Copies in; returns the layout (what crosses the wire)."""
         buf = self._shm.buf
         for ref, payload in staged:
-            if ref.nbytes == 0:
+            nbytes = ref[4]
+            if nbytes == 0:
                 continue
-            if isinstance(payload, bytes):
-                buf[ref.offset:ref.offset + ref.nbytes] = payload
-            else:
-                view = np.ndarray(payload.shape, payload.dtype, buffer=buf, offset=ref.offset)
-                np.copyto(view, payload, casting="no")
-                del view   # a live view would keep the segment from closing
-        return [tuple(s.ref) for s in staged]
+            offset = ref[3]
+            if type(payload) is bytes:
+                buf[offset:offset + nbytes] = payload
+                continue
+            if payload.flags.c_contiguous:
+                try:   # a byte view of the array: a plain memcpy
+                    buf[offset:offset + nbytes] = memoryview(payload).cast("B")
+                    continue
+                except (TypeError, ValueError):   # a format memoryview cannot cast (byte order)
+                    pass
+            view = np.ndarray(payload.shape, payload.dtype, buffer=buf, offset=offset)
+            np.copyto(view, payload, casting="no")
+            del view   # a live view would keep the segment from closing
+        return [ref for ref, _ in staged]
 
-    def read(self, refs: list[tuple]) -> dict[str, np.ndarray]:
-        """Copies out: the region is overwritten by the next batch. ``refs`` are
-        ``TensorRef``s or the plain tuples they travel as."""
+    def read(self, refs: list[Ref]) -> dict[str, np.ndarray]:
+        """Copies out: the region is overwritten by the next batch."""
+        return self.read_many([refs])[0]
+
+    def read_many(self, groups: list[list[Ref]]) -> list[dict[str, np.ndarray]]:
+        """The tensors of several requests (one dict per list of refs), copied out."""
+        end = 0
+        for refs in groups:
+            for ref in refs:
+                if ref[3] + ref[4] > end:
+                    end = ref[3] + ref[4]
         buf = self._shm.buf
-        out = {}
-        for name, dtype, shape, offset, nbytes in refs:
-            if not nbytes:
-                array = np.empty(shape, dtype=np.object_ if dtype == BYTES else dtype)
-            elif dtype == BYTES:
-                array = deserialize_bytes_tensor(bytes(buf[offset:offset + nbytes])).reshape(shape)
-            else:
-                array = np.frombuffer(buf, dtype=dtype, count=_count(shape), offset=offset) \
-                    .reshape(shape).copy()
-            out[name] = array
-        return out
+        if end <= SNAPSHOT_BYTES:
+            chunk = bytearray(buf[:end])
+            return [_arrays(chunk, refs, False) for refs in groups]
+        return [_arrays(buf, refs, True) for refs in groups]
 
     def close(self) -> None:
         try:

@@ -30,7 +30,7 @@ def install_pb_utils() -> None:
     sys.modules.setdefault(PB_UTILS_NAME, pb_utils)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestData:
     """What ``pb_utils.InferenceRequest`` is built from."""
 
@@ -213,14 +213,12 @@ class ModelStub:
 
     def _pb_requests(self, requests: list[RequestData]) -> list[pb_utils.InferenceRequest]:
         version = int(self.args.get("model_version") or -1)
-        return [
-            pb_utils.InferenceRequest(
-                model_name=self.model_name,
-                inputs=[pb_utils.Tensor(n, a) for n, a in r.inputs.items()],
-                requested_output_names=r.requested_output_names, request_id=r.request_id,
-                correlation_id=r.correlation_id, flags=r.flags, parameters=r.parameters,
-                model_version=version)
-            for r in requests]
+        name, request, tensor = self.model_name, pb_utils.InferenceRequest, pb_utils.Tensor._of
+        # positional: InferenceRequest(model_name, inputs, requested_output_names, request_id,
+        # correlation_id, model_version, flags, timeout, parameters)
+        return [request(name, [tensor(n, a) for n, a in r.inputs.items()], r.requested_output_names,
+                        r.request_id, r.correlation_id, version, r.flags, 0, r.parameters)
+                for r in requests]
 
     def execute(self, requests: list[RequestData]) -> list[dict[str, np.ndarray] | ResponseError]:
         pb_requests = self._pb_requests(requests)

@@ -121,6 +121,20 @@ class Tensor:
         self._triton_dtype = triton_dtype
         self._numpy_array = array
 
+    @classmethod
+    def _of(cls, name: str, array: Any) -> "Tensor":
+        """The backend's own tensors (a request's inputs): an ndarray of a Triton numeric
+        type is taken as it is, without the checks a model's arguments need (every request
+        of every batch builds them); anything else goes through ``__init__``."""
+        code = _NUMPY_TO_TRITON_ENUM.get(array.dtype) if type(array) is np.ndarray else None
+        if code is None:
+            return cls(name, array)
+        tensor = cls.__new__(cls)
+        tensor._name = name
+        tensor._triton_dtype = code
+        tensor._numpy_array = array
+        return tensor
+
     def name(self) -> str:
         return self._name
 

@@ -522,16 +522,16 @@ def _requests(regions: dict[str, ShmRegion], in_name: str, out_name: str, metas:
         for stale in [n for n in regions if n != in_name and n != out_name]:
             regions.pop(stale).close()
     in_region = _region(regions, in_name) if in_name else None
+    groups = [meta if type(meta) is list else meta[0] for meta in metas]
+    inputs = in_region.read_many(groups) if in_region is not None else [{} for _ in groups]
     requests = []
-    for meta in metas:
-        if type(meta) is list:
-            refs, rid, cid, params, names, flags = meta, "", 0, "{}", None, 0
-        else:
-            refs, rid, cid, params, names, flags = meta
-        requests.append(RequestData(
-            inputs=in_region.read(refs) if in_region is not None and refs else {},
-            request_id=rid, correlation_id=cid, parameters=params,
-            requested_output_names=list(all_outputs) if names is None else names, flags=flags))
+    for meta, tensors in zip(metas, inputs):
+        if type(meta) is list:   # a plain request: every output, no id, no parameters
+            requests.append(RequestData(tensors, "", 0, "{}", list(all_outputs), 0))
+            continue
+        _, rid, cid, params, names, flags = meta
+        requests.append(RequestData(tensors, rid, cid, params,
+                                    list(all_outputs) if names is None else names, flags))
     return requests
 
 
@@ -697,7 +697,7 @@ class WorkerProcess:
         for req in requests:
             s, end = stage(req.inputs, end)
             staged.extend(s)
-            refs = [tuple(x.ref) for x in s]
+            refs = [x[0] for x in s]
             names = None if all_outputs is not None and req.requested_output_names == all_outputs \
                 else req.requested_output_names
             if not req.request_id and not req.correlation_id and req.parameters == "{}" \
@@ -734,9 +734,9 @@ class WorkerProcess:
             msg = self._recv("execute", timeout, deadline)
         if msg[0] == "error":
             raise StubError(*msg[1])
-        out = self._out
-        return [out.read(item) if type(item) is list else ResponseError(*item)
-                for item in msg[1]]
+        items = msg[1]
+        tensors = iter(self._out.read_many([item for item in items if type(item) is list]))
+        return [next(tensors) if type(item) is list else ResponseError(*item) for item in items]
 
     def execute_decoupled(self, requests: list[RequestData], sinks: list[Any],
                           timeout: float | None = None, all_outputs: list[str] | None = None) -> None:
