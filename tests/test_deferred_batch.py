@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -196,3 +197,23 @@ def test_unloading_takes_a_held_batch_back_fails_its_requests_and_frees_the_inst
     assert closing < 1.0
     assert all(isinstance(o, Unavailable) for o in outcomes)
     assert log == [] and idle == 1
+
+
+def test_instance_threads_wait_for_deadlines_without_timer_slack():
+    # Linux lets a timed wait end up to the thread's timer slack late (50 us by default); the
+    # instance thread, which waits for batch deadlines, asks for none.
+    async def main():
+        b, _, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 100 }")
+        thread = b.pool.instances[0].thread._thread
+        p = pending(1)
+        await b.submit(p)
+        await p.future                    # the thread is surely past its start by now
+        await b.close()
+        return thread.native_id
+
+    tid = run(main())
+    path = Path(f"/proc/{tid}/timerslack_ns")   # a thread id names its own /proc entry
+    if not path.exists():
+        pytest.skip("no /proc timer slack here (not Linux)")
+    assert int(path.read_text()) == 1
+    assert int(Path(f"/proc/{threading.get_native_id()}/timerslack_ns").read_text()) != 1
