@@ -217,3 +217,46 @@ def test_instance_threads_wait_for_deadlines_without_timer_slack():
         pytest.skip("no /proc timer slack here (not Linux)")
     assert int(path.read_text()) == 1
     assert int(Path(f"/proc/{threading.get_native_id()}/timerslack_ns").read_text()) != 1
+
+
+def test_bursts_and_departures_over_two_instances_run_every_request_once():
+    # Held batches are reshaped, claimed and taken back from two threads at once; whatever the
+    # interleaving, each request runs at most once, every one that stayed gets its own answer,
+    # and both instances end free.
+    import random
+
+    async def main():
+        config = text_format.Parse(
+            BASE + "max_batch_size: 8 dynamic_batching { preferred_batch_size: [4] "
+                   "max_queue_delay_microseconds: 2000 }", mc.ModelConfig())
+        stats = ModelStatistics("m", "1")
+        log: list = []
+        pool = InstancePool([Instance(Recording(config, log)) for _ in range(2)], stats)
+        b = DynamicBatcher(config, pool, stats)
+        rng = random.Random(8)
+        ps, gone = [], set()
+        for rid in range(400):
+            p = pending(rid, rows=rng.choice((1, 1, 2, 3)))
+            ps.append(p)
+            await b.submit(p)
+            if rng.random() < 0.1:
+                gone.add(rid)
+                p.future.cancel()
+            if rng.random() < 0.3:
+                await asyncio.sleep(rng.choice((0, 0.0005, 0.002)))
+        outcomes = await asyncio.gather(*(p.future for p in ps), return_exceptions=True)
+        await b.close()
+        return ps, gone, outcomes, log, pool.idle_count()
+
+    ps, gone, outcomes, log, idle = run(main())
+    ran = [rid for ids, _, _ in log for rid in ids]
+    assert len(ran) == len(set(ran))                      # nothing ran twice
+    for rid, (p, outcome) in enumerate(zip(ps, outcomes)):
+        if rid in gone:
+            assert isinstance(outcome, asyncio.CancelledError)
+        else:
+            assert rid in ran
+            assert np.array_equal(outcome["OUT"], np.full((p.batch_size, 2), 2 * rid, dtype=np.float32))
+    assert all(sum(ps[rid].batch_size for rid in ids) <= 8 for ids, _, _ in log)
+    assert any(len(ids) > 1 for ids, _, _ in log)       # requests did join held batches
+    assert idle == 2
