@@ -72,3 +72,58 @@ def test_hostile_bytes_cost_only_their_own_connection(server, case):
         except (socket.timeout, ConnectionResetError):
             pass
     _infer_ok(server.grpc_port)
+
+
+def _call(sock: socket.socket, sid: int, block: bytes, decoder) -> dict:
+    """One unary call with the header block ``block`` (an empty request message); the
+    response's headers and trailers, decoded."""
+    sock.sendall(frame(1, 0x4, sid, block) + frame(0, 0x1, sid, b"\x00\x00\x00\x00\x00"))
+    buf, headers = b"", {}
+    while True:
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            buf += chunk
+        n = int.from_bytes(buf[:3], "big")
+        ftype, flags, fsid, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]
+        buf = buf[9 + n:]
+        if ftype == 1 and fsid == sid:
+            headers.update(decoder.decode(payload))
+            if flags & 0x1:
+                return headers
+
+
+def test_a_repeated_header_block_follows_the_hpack_table(server):
+    """The same header block bytes mean other headers once the client's HPACK table has
+    changed: the server must answer what the table says now, not what it said before."""
+    from hpack import Decoder
+    service = "/inference.GRPCInferenceService/"
+    # :method POST, :scheme http, content-type and te as literals the table does not keep
+    fixed = b"\x83\x86" + b"\x0f\x10\x10application/grpc" + b"\x00\x02te\x08trailers"
+    # literal with incremental indexing, name ':path' (static 4): becomes dynamic entry 62
+    def insert(path: str) -> bytes:
+        return b"\x44" + bytes([len(path)]) + path.encode()
+    newest = b"\xbe"                    # indexed: dynamic entry 62, the newest
+    decoder = Decoder()
+    with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=10) as sock:
+        sock.sendall(PREFACE + frame(4, 0, 0))
+        sid = 1
+        for path, status in ((service + "ServerLive", "0"), (service + "NoSuchMethod", "12"),
+                             (service + "ServerReady", "0"), (service + "NoSuchMethod", "12")):
+            # the path enters the table, then the same block bytes refer to it twice
+            assert _call(sock, sid, fixed + insert(path), decoder)["grpc-status"] == status
+            for _ in range(2):
+                sid += 2
+                assert _call(sock, sid, fixed + newest, decoder)["grpc-status"] == status, path
+            sid += 2
+        # a table size update to 0 empties the table: entry 62 is gone, a protocol error
+        sock.sendall(frame(1, 0x5, sid, b"\x20" + fixed + newest))
+        sock.settimeout(5)
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except (socket.timeout, ConnectionResetError):
+            pass
+        assert b"\x00\x00\x08\x07" in data          # GOAWAY
+    _infer_ok(server.grpc_port)
