@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from .datatypes import element_count, is_valid_datatype, tensor_from_wire, tensor_to_wire
+from .datatypes import DATATYPES, element_count, tensor_from_wire, tensor_to_wire
 from .errors import InvalidArgument
 from .http_codec import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput
@@ -61,6 +61,15 @@ def set_parameter(param: Any, value: Any) -> None:
 
 
 def _check_shape(shape: list[int], name: str, max_elements: int) -> tuple[int, ...]:
+    if len(shape) <= MAX_RANK:      # one pass for a shape that passes every check below
+        count = 1
+        for d in shape:
+            if d < 0 or d > max_elements:
+                break
+            count *= d
+        else:
+            if count <= max_elements:
+                return tuple(shape)
     if len(shape) > MAX_RANK:
         raise InvalidArgument(
             f"input '{name}' has {len(shape)} dimensions, more than the limit of {MAX_RANK}")
@@ -114,50 +123,66 @@ def _from_contents(contents: Any, dt: str, shape: tuple[int, ...], name: str,
     return np.array(values, dtype=np_dtype).reshape(shape)
 
 
+# Fixed-size datatypes that np.frombuffer reads as they are (BF16 and BOOL need more):
+# datatype -> (bytes per element, little-endian dtype)
+_PLAIN: dict[str, tuple[int, np.dtype]] = {
+    name: (d.size, d.numpy.newbyteorder("<")) for name, d in DATATYPES.items()
+    if d.size is not None and name not in ("BF16", "BOOL")}
+
+
 def decode_grpc_request(req: service_pb2.ModelInferRequest,
                         max_elements: int = DEFAULT_MAX_ELEMENTS) -> InferRequest:
-    """Decode a gRPC ModelInferRequest; raises InvalidArgument/Unsupported on client errors."""
+    """Decode a gRPC ModelInferRequest; raises InvalidArgument/Unsupported on client errors.
+
+    Per-request Python work is kept to what the checks need (this runs for every call):
+    empty parameter maps are not walked, and a fixed-size input is a view of its bytes."""
     model = req.model_name
     parameters = check_request_parameters(
-        {k: parameter_value(v) for k, v in req.parameters.items()})
+        {k: parameter_value(v) for k, v in req.parameters.items()}) if req.parameters else {}
     raw = req.raw_input_contents
+    req_inputs = req.inputs
+    tparams_of = [{k: parameter_value(v) for k, v in inp.parameters.items()}
+                  if inp.parameters else {} for inp in req_inputs]
     # an input in a shared memory region has no entry in raw_input_contents
-    in_body = [i for i, inp in enumerate(req.inputs) if "shared_memory_region" not in inp.parameters]
-    raw_index = {i: k for k, i in enumerate(in_body)}
+    in_body = [i for i, tparams in enumerate(tparams_of) if "shared_memory_region" not in tparams]
     if len(raw) and len(raw) != len(in_body):
         raise InvalidArgument(
             f"expected {len(in_body)} inputs but got {len(raw)} inputs in "
             f"'raw_input_contents' for model '{model}'")
+    raw_index = {i: k for k, i in enumerate(in_body)}
 
     specs = []
     names: set[str] = set()
-    for i, inp in enumerate(req.inputs):
+    for i, inp in enumerate(req_inputs):
         name, dt = inp.name, inp.datatype
-        if not is_valid_datatype(dt):
+        if dt not in DATATYPES:
             raise InvalidArgument(f"invalid datatype '{dt}' for input '{name}'")
         if name in names:
             raise InvalidArgument(f"[request id: {req.id or '<id_unknown>'}] input '{name}' "
                                   f"already exists in request")      # tritonserver 2.51's words
         names.add(name)
         shape = _check_shape(list(inp.shape), name, max_elements)
-        tparams = {k: parameter_value(v) for k, v in inp.parameters.items()}
         if len(raw) and inp.HasField("contents"):
             raise InvalidArgument(
                 f"contents field must not be specified when using raw_input_contents for "
                 f"'{name}' for model '{model}'")
-        specs.append((i, name, dt, shape, tparams))
+        specs.append((inp, name, dt, shape, tparams_of[i], i))
 
     inputs = []
-    for i, name, dt, shape, tparams in specs:
-        inp = req.inputs[i]
+    for inp, name, dt, shape, tparams, i in specs:
         if "shared_memory_region" in tparams:
             arr = None      # the engine reads it from the region (engine/shared_memory.py)
         elif len(raw):
-            arr = tensor_from_wire(raw[raw_index[i]], dt, shape, name, model)
+            buf = raw[raw_index[i]]
+            plain = _PLAIN.get(dt)
+            count = element_count(shape)
+            if plain is not None and len(buf) == count * plain[0]:
+                arr = np.frombuffer(buf, dtype=plain[1], count=count).reshape(shape)
+            else:           # BYTES, BF16, BOOL, and the size error's words
+                arr = tensor_from_wire(buf, dt, shape, name, model)
         else:
             arr = _from_contents(inp.contents, dt, shape, name, model)
-        inputs.append(InferTensor(name=name, datatype=dt, shape=shape, data=arr,
-                                  parameters=tparams))
+        inputs.append(InferTensor(name, dt, shape, arr, tparams))
 
     outputs: list[RequestedOutput] = []
     seen: set[str] = set()
@@ -165,16 +190,18 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
         if out.name in seen:
             raise InvalidArgument(f"output '{out.name}' is requested more than once")
         seen.add(out.name)
+        if not out.parameters:
+            outputs.append(RequestedOutput(out.name, {}))
+            continue
         oparams = {k: parameter_value(v) for k, v in out.parameters.items()}
         cls = oparams.get("classification")
         if cls is not None and (isinstance(cls, bool) or not isinstance(cls, int) or cls < 0):
             raise InvalidArgument(
                 f"unable to set 'classification' of output '{out.name}': expected a "
                 "non-negative integer")
-        outputs.append(RequestedOutput(name=out.name, parameters=oparams))
+        outputs.append(RequestedOutput(out.name, oparams))
 
-    return InferRequest(model_name=model, model_version=req.model_version, id=req.id,
-                        inputs=inputs, outputs=outputs or None, parameters=parameters)
+    return InferRequest(model, req.model_version, req.id, inputs, outputs or None, parameters)
 
 
 def encode_grpc_response(resp: InferResponse, request: InferRequest
