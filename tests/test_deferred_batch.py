@@ -29,9 +29,9 @@ BASE = 'name: "m" input [{name: "IN" data_type: TYPE_FP32 dims: [-1]}] '
 class Recording(Backend):
     """Doubles its input; records each batch's ids, start time and thread."""
 
-    def __init__(self, config, log):
+    def __init__(self, config, log, seconds: float = 0.0):
         super().__init__(config, ModelFiles("m", 1, Path("."), Path(".")), InstanceSpec("m_0_0"))
-        self.log = log
+        self.log, self.seconds = log, seconds
 
     def load(self) -> None:
         pass
@@ -39,14 +39,15 @@ class Recording(Backend):
     def execute(self, requests, infer_requests=None):
         self.log.append(([int(r["IN"].flat[0]) for r in requests], time.monotonic_ns(),
                          threading.current_thread().name))
+        time.sleep(self.seconds)
         return [{"OUT": r["IN"] * 2} for r in requests]
 
 
-def batcher(config_text: str):
+def batcher(config_text: str, seconds: float = 0.0):
     config = text_format.Parse(BASE + config_text, mc.ModelConfig())
     stats = ModelStatistics("m", "1")
     log: list = []
-    pool = InstancePool([Instance(Recording(config, log))], stats)
+    pool = InstancePool([Instance(Recording(config, log, seconds))], stats)
     return DynamicBatcher(config, pool, stats), log, stats
 
 
@@ -260,3 +261,28 @@ def test_bursts_and_departures_over_two_instances_run_every_request_once():
     assert all(sum(ps[rid].batch_size for rid in ids) <= 8 for ids, _, _ in log)
     assert any(len(ids) > 1 for ids, _, _ in log)       # requests did join held batches
     assert idle == 2
+
+
+def test_a_held_batch_leaves_the_queue_and_the_pending_count_as_it_starts_not_as_it_ends():
+    # Triton: queue time and nv_inference_pending_request_count end when the backend is about
+    # to execute; a long execution must not keep its requests "pending".
+    async def main():
+        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 10000 }",
+                                seconds=0.5)
+        ps = [pending(0), pending(1)]
+        for p in ps:
+            stats.pending += 1                # as the engine counts a request it accepts
+            await b.submit(p)
+        for _ in range(200):
+            if log:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)             # the thread runs; the loop has heard it started
+        during = (stats.queue.count, stats.pending, all(p.started for p in ps), ps[0].future.done())
+        await asyncio.gather(*(p.future for p in ps))
+        await b.close()
+        return during, stats.queue.count, stats.pending
+
+    during, queued_after, pending_after = run(main())
+    assert during == (2, 0, True, False)
+    assert queued_after == 2 and pending_after == 0

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A held batch still running this long after its deadline has its start recorded by the loop
+# (Deferred, InstancePool._check_later): statistics are at most this late for long executions.
+CHECK_S = 0.001
+
 
 class Instance:
     def __init__(self, backend: Backend) -> None:
@@ -56,7 +60,7 @@ class Deferred:
     once) or take the batch back; after, the batch is the thread's and runs as claimed.
     ``start_ns`` is when it was claimed: the requests' queue time ends there."""
 
-    __slots__ = ("batch", "deadline_ns", "start_ns", "_state", "_lock", "_wake")
+    __slots__ = ("batch", "deadline_ns", "start_ns", "live", "check", "_state", "_lock", "_wake")
 
     OPEN, CLAIMED, RETRACTED = range(3)
 
@@ -64,6 +68,8 @@ class Deferred:
         self.batch = batch
         self.deadline_ns = deadline_ns
         self.start_ns = 0
+        self.live: list[int] | None = None      # once its start is recorded: indices still wanted
+        self.check: asyncio.TimerHandle | None = None   # the loop's look for a long run (defer)
         self._state = self.OPEN
         # Two plain locks, not a Condition (which costs ~10 us to build, once a batch): _lock
         # guards the fields; _wake is held while nobody has news for the thread, which waits
@@ -91,7 +97,9 @@ class Deferred:
                 return False
             self._state = self.RETRACTED
             self._notify()
-            return True
+        if self.check is not None:
+            self.check.cancel()
+        return True
 
     def _notify(self) -> None:
         # Only the loop releases, only the thread acquires: a held lock stays held until here.
@@ -317,28 +325,62 @@ class InstancePool:
     def defer(self, instance: Instance, batch: list["Pending"], deadline_ns: int,
               claimed: Callable[[Deferred], Any]) -> tuple[Deferred, asyncio.Future]:
         """Hand ``batch`` to ``instance``'s thread to start at ``deadline_ns`` (see
-        ``Deferred``). Once it has run, ``claimed(deferred)`` is called on the loop (the
-        batcher forgets the claimed requests), then every request's future is resolved and
-        the instance released. If the caller retracts it, the caller releases the instance.
-        The returned future ends when the batch has run and been delivered."""
+        ``Deferred``). Once the thread has started it, ``claimed(deferred)`` is called on the
+        loop (the batcher forgets the claimed requests) and their queue time and pending
+        count end (``_deferred_started``); once it has run, every request's future is resolved
+        and the instance released. If the caller retracts it, the caller releases the
+        instance. The returned future ends when the batch has run and been delivered."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         deferred = Deferred(batch, deadline_ns)
         instance.thread.post_deferred(
             loop, functools.partial(self._deferred_ran, instance, deferred, claimed, done),
             functools.partial(_run_batch, instance.backend), deferred)
+        self._check_later(loop, deferred, claimed)
         return deferred, done
+
+    def _check_later(self, loop: asyncio.AbstractEventLoop, deferred: Deferred,
+                     claimed: Callable[[Deferred], Any]) -> None:
+        # Triton ends a request's queue time and pending count as its execution starts. The
+        # thread does not tell the loop when it starts (that wake-up, measured, cost more than
+        # the hand-over saves): a batch that ran quickly is recorded when its results come,
+        # one still running CHECK_S after its deadline is recorded then, by this timer (never
+        # armed twice, cancelled when the results come: no wake-up for a quick batch).
+        delay = (deferred.deadline_ns - time.monotonic_ns()) / 1e9 + CHECK_S
+        deferred.check = loop.call_later(max(delay, CHECK_S), self._check, loop, deferred, claimed)
+
+    def _check(self, loop: asyncio.AbstractEventLoop, deferred: Deferred,
+               claimed: Callable[[Deferred], Any]) -> None:
+        deferred.check = None
+        if deferred.live is not None or deferred._state == Deferred.RETRACTED:
+            return
+        if deferred._state == Deferred.OPEN:    # its thread is late (busy cores): look again
+            deferred.check = loop.call_later(CHECK_S, self._check, loop, deferred, claimed)
+            return
+        self._deferred_started(deferred, claimed)
+
+    def _deferred_started(self, deferred: Deferred, claimed: Callable[[Deferred], Any]) -> None:
+        claimed(deferred)
+        ran = deferred.batch
+        keep = [i for i, p in enumerate(ran) if not p.future.done()]    # left while held
+        self._begin([ran[i] for i in keep], deferred.start_ns)
+        deferred.live = keep
 
     def _deferred_ran(self, instance: Instance, deferred: Deferred, claimed: Callable[[Deferred], Any],
                       done: asyncio.Future, result: Any, error: BaseException | None) -> None:
         try:
-            claimed(deferred)
+            if deferred.check is not None:
+                deferred.check.cancel()
+                deferred.check = None
+            if deferred.live is None:
+                self._deferred_started(deferred, claimed)
+            keep = deferred.live
             ran = deferred.batch
-            live = self._begin(ran, deferred.start_ns)
+            live = [ran[i] for i in keep]
             if live:
-                if error is None and len(live) != len(ran):     # some left while it ran
+                if error is None and len(live) != len(ran):
                     results, timing = result
-                    result = [r for p, r in zip(ran, results) if not p.future.done()], timing
+                    result = [results[i] for i in keep], timing
                 self._deliver(instance, live, result, error)
         except BaseException as err:
             done.set_exception(err)
