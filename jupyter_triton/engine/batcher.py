@@ -11,8 +11,11 @@ way Triton's ``DynamicBatchScheduler::GetDynamicBatch`` does:
   found leaves at once;
 * otherwise it waits until the oldest request taken has been queued
   ``max_queue_delay_microseconds`` (0: no wait) or until more requests arrive, then sends
-  whatever it has. The wait ends on a ``timer.Alarm`` (tens of microseconds late), not on
-  an asyncio timer (up to a millisecond late).
+  whatever it has. While an instance is free, the batch that would leave is handed to its
+  thread at once and the thread starts it at the deadline (``InstancePool.defer``); until
+  then arrivals reshape it as above. Otherwise (queue timeouts pending, every instance busy,
+  preserve_ordering, a rate limiter, a decoupled model) the wait ends on a ``timer.Alarm``
+  (tens of microseconds late), not on an asyncio timer (up to a millisecond late).
 
 Without ``preferred_batch_size`` Triton prefers ``max_batch_size``; so do we.
 

@@ -1,8 +1,10 @@
 """Model instances: one worker thread each, handed out first-free, never two batches at once.
 
-``execute`` is the one place where a batch leaves the event loop: it runs
+``execute`` / ``launch`` / ``defer`` are where a batch leaves the event loop: each runs
 ``backend.execute`` on the instance's own thread, times compute input/infer/output for the
-statistics, and resolves each request's future with its outputs or its error.
+statistics, and resolves each request's future with its outputs or its error. ``defer`` hands
+the thread a batch before its queue delay has ended; the thread starts it at the deadline
+(``Deferred``), so the hop from the loop to the thread happens during the wait.
 """
 from __future__ import annotations
 
