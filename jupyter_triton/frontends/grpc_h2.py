@@ -40,8 +40,10 @@ MAX_STREAMS_PER_CONNECTION = 1024
 MAX_WINDOW = (1 << 31) - 1
 # Bytes of a streaming RPC's responses queued behind flow control before its handler waits.
 STREAM_PENDING_BYTES = 1 << 20
-# Distinct request header blocks remembered per connection (see _Connection._head).
+# Distinct request header blocks remembered per connection, and the largest remembered
+# (a repeated block is all table references: tens of bytes), see _Connection._head.
 HEAD_CACHE = 32
+HEAD_CACHE_BLOCK = 1024
 # Headers that are gRPC's own, not the call's metadata.
 _NOT_METADATA = frozenset(("te", "content-type", "grpc-timeout", "grpc-encoding",
                            "grpc-accept-encoding"))
@@ -332,7 +334,7 @@ class _Connection(asyncio.Protocol):
         state = (newest, len(entries), table.maxsize)
         head = _Head(self.decoder.decode(block))
         if (entries[0] if entries else None) is newest and len(entries) == state[1] \
-                and table.maxsize == state[2]:
+                and table.maxsize == state[2] and len(block) <= HEAD_CACHE_BLOCK:
             if len(self.heads) >= HEAD_CACHE:
                 self.heads.clear()
             self.heads[block] = (*state, head)
