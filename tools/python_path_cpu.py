@@ -30,25 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.models import PYTHON_MODEL, build_repository  # noqa: E402
+from tools.python_backend_cpu import tree  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
-
-
-def tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def ticks(path: str) -> tuple[float, float]:

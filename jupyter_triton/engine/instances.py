@@ -298,14 +298,7 @@ class InstancePool:
         done = loop.create_future()
 
         def finished(result: Any, error: BaseException | None) -> None:
-            try:
-                self._deliver(instance, live, result, error)
-            except BaseException as err:
-                done.set_exception(err)
-            else:
-                done.set_result(None)
-            finally:
-                self.release(instance)
+            self._settle(done, instance, self._deliver, instance, live, result, error)
 
         try:
             live = self._begin(batch)
@@ -370,20 +363,30 @@ class InstancePool:
 
     def _deferred_ran(self, instance: Instance, deferred: Deferred, claimed: Callable[[Deferred], Any],
                       done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        self._settle(done, instance, self._deliver_deferred, instance, deferred, claimed, result, error)
+
+    def _deliver_deferred(self, instance: Instance, deferred: Deferred,
+                          claimed: Callable[[Deferred], Any], result: Any,
+                          error: BaseException | None) -> None:
+        if deferred.check is not None:
+            deferred.check.cancel()
+            deferred.check = None
+        if deferred.live is None:
+            self._deferred_started(deferred, claimed)
+        keep = deferred.live
+        ran = deferred.batch
+        live = [ran[i] for i in keep]
+        if live:
+            if error is None and len(live) != len(ran):
+                results, timing = result
+                result = [results[i] for i in keep], timing
+            self._deliver(instance, live, result, error)
+
+    def _settle(self, done: asyncio.Future, instance: Instance, deliver: Callable[..., None],
+                *args: Any) -> None:
+        """``deliver(*args)``, then ``done`` ends with its outcome and the instance is free."""
         try:
-            if deferred.check is not None:
-                deferred.check.cancel()
-                deferred.check = None
-            if deferred.live is None:
-                self._deferred_started(deferred, claimed)
-            keep = deferred.live
-            ran = deferred.batch
-            live = [ran[i] for i in keep]
-            if live:
-                if error is None and len(live) != len(ran):
-                    results, timing = result
-                    result = [results[i] for i in keep], timing
-                self._deliver(instance, live, result, error)
+            deliver(*args)
         except BaseException as err:
             done.set_exception(err)
         else:
