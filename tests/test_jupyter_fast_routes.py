@@ -196,3 +196,29 @@ async def test_fast_routes_off(jp_triton, jp_http_port, jp_base_url):
     [(status, _, body)] = await exchange(
         jp_http_port, request("POST", f"{jp_base_url}v2/models/linear/infer", AUTH, ROW))
     assert status == 200 and json.loads(body)["outputs"][0]["name"] == "OUTPUT0"
+
+
+async def test_malformed_requests_are_refused_as_jupyter_refuses_them(jp_triton, jp_http_port,
+                                                                      jp_base_url):
+    async def raw(data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
+        writer.write(data)
+        try:
+            return await asyncio.wait_for(reader.read(65536), 10)
+        finally:
+            writer.close()
+
+    lane = lane_of(jp_triton)
+    before = lane.handed_off
+    assert (await raw(b"GARBAGE\r\n\r\n")).startswith(b"HTTP/1.1 400")
+    # A head that never ends: past 64 KiB it is tornado's, which ends the connection at once
+    # (the bytes held for it reach it in one read, so it needs none from the client).
+    assert await raw(b"POST /" + b"a" * 70000) == b""
+    # Content-Length and Transfer-Encoding together (smuggling): never ours.
+    both = request("POST", f"{jp_base_url}v2/models/linear/infer", {**AUTH, "Transfer-Encoding": "chunked"},
+                   ROW)
+    assert (await raw(both)).startswith(b"HTTP/1.1 400")
+    assert lane.handed_off >= before + 3
+    [(status, _, _)] = await exchange(jp_http_port, request(
+        "POST", f"{jp_base_url}v2/models/linear/infer", AUTH, ROW))
+    assert status == 200            # and the server serves on

@@ -42,10 +42,16 @@ class ClaimedMessage(_Message):
 
 class PrefilledIOStream(IOStream):
     """An IOStream that first reads ``data`` (what the fast front received and did not
-    serve), then the socket: tornado's documented subclass hook ``read_from_fd``."""
+    serve), then the socket: tornado's documented subclass hook ``read_from_fd``.
 
-    def __init__(self, sock: socket.socket, data: bytes, **kwargs) -> None:
-        super().__init__(sock, **kwargs)
+    The prefill is given in one read: tornado reads the socket again only when it is readable,
+    so bytes held back here past a read would wait for the client's next ones (its reads are
+    chunks of ``read_chunk_size``, raised for the first read and put back after it)."""
+
+    def __init__(self, sock: socket.socket, data: bytes, read_chunk_size: int | None = None,
+                 **kwargs) -> None:
+        self._chunk_size = read_chunk_size or 65536
+        super().__init__(sock, read_chunk_size=max(self._chunk_size, len(data)), **kwargs)
         self._prefill = memoryview(data)
 
     def read_from_fd(self, buf: bytearray | memoryview) -> int | None:
@@ -53,6 +59,8 @@ class PrefilledIOStream(IOStream):
             n = min(len(buf), len(self._prefill))
             buf[:n] = self._prefill[:n]
             self._prefill = self._prefill[n:]
+            if not self._prefill:
+                self.read_chunk_size = self._chunk_size
             return n
         return super().read_from_fd(buf)
 
