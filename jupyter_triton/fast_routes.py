@@ -66,10 +66,18 @@ class _Detached:
         pass
 
 
+_PROBES: dict[type, type] = {}
+
+
 def probe(web_app, handler_class: type, host: str):
     """A handler of ``handler_class`` for a GET with this Host and nothing else: its
-    ``_headers`` are the defaults every reply starts with; ``check_host()`` is Jupyter's."""
-    cls = type("Probe", (handler_class,), {"log": property(lambda self: _quiet)})
+    ``_headers`` are the defaults every reply starts with; ``check_host()`` is Jupyter's.
+    One probe class per handler class: Jupyter's handlers keep per-class records (our
+    default-header layouts), and the Host is the client's choice."""
+    cls = _PROBES.get(handler_class)
+    if cls is None:
+        cls = _PROBES[handler_class] = type("Probe", (handler_class,),
+                                            {"log": property(lambda self: _quiet)})
     request = httputil.HTTPServerRequest(method="GET", uri="/", connection=_Detached(),
                                          headers=httputil.HTTPHeaders({"Host": host}))
     return cls(web_app, request)

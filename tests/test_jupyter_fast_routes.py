@@ -222,3 +222,18 @@ async def test_malformed_requests_are_refused_as_jupyter_refuses_them(jp_triton,
     [(status, _, _)] = await exchange(jp_http_port, request(
         "POST", f"{jp_base_url}v2/models/linear/infer", AUTH, ROW))
     assert status == 200            # and the server serves on
+
+
+async def test_foreign_hosts_leave_nothing_behind(jp_triton, jp_http_port, jp_base_url):
+    """Each new Host is asked of Jupyter's check through a probe handler; a client choosing
+    Host values must not grow the server's per-class records."""
+    from jupyter_triton.serverext import CACHE_KEY
+    cache = jp_triton.web_app.settings[CACHE_KEY]
+    foreign = request("GET", f"{jp_base_url}v2/models/linear", AUTH)
+    await exchange(jp_http_port, foreign.replace(b"Host: 127.0.0.1", b"Host: a.example"))
+    before = len(cache["defaults"])
+    for i in range(20):
+        [(status, _, _)] = await exchange(
+            jp_http_port, foreign.replace(b"Host: 127.0.0.1", f"Host: h{i}.example".encode()))
+        assert status == 403
+    assert len(cache["defaults"]) == before and len(cache["hosts"]) <= 2

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.models import PYTHON_MODEL, build_repository  # noqa: E402
-from tools.python_backend_cpu import tree  # noqa: E402
+from tools.python_backend_cpu import free_port, tree  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -53,12 +52,6 @@ def threads(pids: list[int]) -> dict[tuple[int, int], tuple[float, float]]:
         for tid in tids:
             out[(pid, int(tid))] = ticks(f"/proc/{pid}/task/{tid}/stat")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
