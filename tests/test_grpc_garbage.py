@@ -74,19 +74,24 @@ def test_hostile_bytes_cost_only_their_own_connection(server, case):
     _infer_ok(server.grpc_port)
 
 
+def read_frame(sock: socket.socket, buf: bytes) -> tuple[tuple[int, int, int, bytes], bytes]:
+    """The next frame (type, flags, stream id, payload) from ``buf`` and the socket, and
+    what is left of ``buf`` after it."""
+    while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        buf += chunk
+    n = int.from_bytes(buf[:3], "big")
+    return (buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]), buf[9 + n:]
+
+
 def _call(sock: socket.socket, sid: int, block: bytes, decoder) -> dict:
     """One unary call with the header block ``block`` (an empty request message); the
     response's headers and trailers, decoded."""
     sock.sendall(frame(1, 0x4, sid, block) + frame(0, 0x1, sid, b"\x00\x00\x00\x00\x00"))
     buf, headers = b"", {}
     while True:
-        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
-            chunk = sock.recv(65536)
-            assert chunk, "the server closed the connection"
-            buf += chunk
-        n = int.from_bytes(buf[:3], "big")
-        ftype, flags, fsid, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]
-        buf = buf[9 + n:]
+        (ftype, flags, fsid, payload), buf = read_frame(sock, buf)
         if ftype == 1 and fsid == sid:
             headers.update(decoder.decode(payload))
             if flags & 0x1:
@@ -146,13 +151,7 @@ def test_the_connection_window_is_given_back(server):
             sock.sendall(frame(1, 0x4, sid, live) + frame(0, 0x1, sid, message))
         given, done, buf = 0, 0, b""
         while done < calls:
-            while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
-                chunk = sock.recv(65536)
-                assert chunk, "the server closed the connection"
-                buf += chunk
-            n = int.from_bytes(buf[:3], "big")
-            ftype, flags, fsid, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]
-            buf = buf[9 + n:]
+            (ftype, flags, fsid, payload), buf = read_frame(sock, buf)
             if ftype == 8 and fsid == 0:
                 given += struct.unpack(">L", payload)[0]
             elif ftype == 1 and flags & 0x1:
