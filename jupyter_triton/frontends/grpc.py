@@ -473,8 +473,8 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if transport == "h2":
         try:
-            return await serve_h2(method_handlers(service), SERVICE_NAME, host.strip("[]"), port,
-                                  limit, max_concurrent_rpcs)
+            return await serve_h2({SERVICE_NAME: method_handlers(service)}, host.strip("[]"),
+                                  port, limit, max_concurrent_rpcs)
         except OSError as err:
             raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
     server = grpc.aio.server(options=[

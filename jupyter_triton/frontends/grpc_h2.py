@@ -18,10 +18,18 @@ import base64
 import gzip
 import logging
 import struct
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 from hpack import Decoder
+
+from .limits import HTTP2Limits
+
+if TYPE_CHECKING:
+    from ssl import SSLContext
+
+# (service, method, the call's headers) -> None to admit, or (status, details) to refuse
+Admit = Callable[[str, str, list], "tuple[grpc.StatusCode, str] | None"]
 
 
 log = logging.getLogger(__name__)
@@ -409,8 +417,7 @@ class _Connection(asyncio.Protocol):
     # -- calls -----------------------------------------------------------------------------
     def _start(self, st: _Stream) -> None:
         service, _, method = st.head.path.lstrip("/").partition("/")
-        handler = self.server.handlers.get(method) if service == self.server.service_name \
-            else None
+        handler = self.server.services.get(service, {}).get(method)
         if handler is None:
             return self._reply_error(st, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         if self.server.active >= self.server.max_concurrent_rpcs:
@@ -580,14 +587,20 @@ class _Connection(asyncio.Protocol):
 
 
 class H2GrpcServer:
-    """What standalone/serverext use of grpc.aio.Server: ``stop(grace)``."""
+    """What standalone/serverext use of grpc.aio.Server: ``stop(grace)``.
 
-    def __init__(self, handlers: dict, service_name: str, max_receive: int,
-                 max_concurrent_rpcs: int) -> None:
-        self.handlers = handlers
-        self.service_name = service_name
+    ``services``: service name -> (method name -> grpc method handler). ``admit(service,
+    method, headers)`` is asked when a call's HEADERS are complete, before any of its body is
+    taken: None admits, else the ``(grpc.StatusCode, details)`` the call is refused with."""
+
+    def __init__(self, services: dict[str, dict[str, grpc.RpcMethodHandler]], max_receive: int,
+                 max_concurrent_rpcs: int, limits: HTTP2Limits = HTTP2Limits(),
+                 admit: Admit | None = None) -> None:
+        self.services = services
         self.max_receive = max_receive
         self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.limits = limits
+        self.admit = admit
         self.active = 0
         self.connections: set[_Connection] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -608,12 +621,13 @@ class H2GrpcServer:
             await self._server.wait_closed()
 
 
-async def serve_h2(handlers: dict[str, grpc.RpcMethodHandler], service_name: str, host: str,
-                   port: int, max_receive: int, max_concurrent_rpcs: int
-                   ) -> tuple[H2GrpcServer, int]:
-    """Serve ``handlers`` (method name -> grpc method handler) of ``service_name`` on
-    ``host:port`` (0: a free port) on the running loop; returns the server and its port."""
-    server = H2GrpcServer(handlers, service_name, max_receive, max_concurrent_rpcs)
+async def serve_h2(services: dict[str, dict[str, grpc.RpcMethodHandler]], host: str, port: int,
+                   max_receive: int, max_concurrent_rpcs: int, *,
+                   limits: HTTP2Limits = HTTP2Limits(), admit: Admit | None = None,
+                   ssl: "SSLContext | None" = None) -> tuple[H2GrpcServer, int]:
+    """Serve ``services`` (see H2GrpcServer) on ``host:port`` (0: a free port) on the running
+    loop, over TLS when ``ssl`` is given; returns the server and its port."""
+    server = H2GrpcServer(services, max_receive, max_concurrent_rpcs, limits, admit)
     loop = asyncio.get_running_loop()
-    server._server = await loop.create_server(lambda: _Connection(server), host, port)
+    server._server = await loop.create_server(lambda: _Connection(server), host, port, ssl=ssl)
     return server, server._server.sockets[0].getsockname()[1]
