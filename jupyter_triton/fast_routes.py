@@ -25,9 +25,9 @@ from tornado import httputil
 from .frontends import auth
 from .frontends.auth import AccessPolicy
 from .frontends.dataplane import Reply, Route
+from .frontends.http import SETTINGS_KEY
 from .frontends.shared_port import ClaimedMessage, SharedPort
-from .serverext import (CACHE_KEY, SETTINGS_KEY, _observe_duration, _stock_token_auth,
-                        jupyter_token_verifier)
+from .jupyter_auth import CACHE_KEY, jupyter_token_verifier, observe_duration, stock_token_auth
 
 log = logging.getLogger(__name__)
 _quiet = logging.getLogger(__name__ + ".probe")
@@ -102,7 +102,7 @@ def start(extension, serverapp, handler_class: type,
     identity = serverapp.identity_provider
     # Jupyter's token only where Jupyter's own prepare() would check it as the verifier does.
     verify = (jupyter_token_verifier(identity, serverapp.authorizer)
-              if _stock_token_auth(identity) else None)
+              if stock_token_auth(identity) else None)
     policy = AccessPolicy(tokens=extension.own_credentials().tokens, verify=verify)
     hosts: set[str] = settings[CACHE_KEY]["hosts"]
 
@@ -146,8 +146,8 @@ def _served(settings: dict, logger: logging.Logger,
         status = reply.status
         route = getattr(m, "route", None)
         if record and route is not None:
-            _observe_duration(settings, m.method, labels.get(route.name, route.name), status,
-                              seconds)
+            observe_duration(settings, m.method, labels.get(route.name, route.name), status,
+                             seconds)
         if status >= 400:       # Jupyter's access log: successes at debug, which it drops
             level = logging.WARNING if status < 500 else logging.ERROR
             logger.log(level, "%d %s %s (%s) %.2fms", status, m.method, m.path,

@@ -38,15 +38,13 @@ from traitlets import Bool, Float, Int, List, TraitError, Unicode, default, vali
 
 from .engine import CONTROL_MODES, Engine, EngineOptions
 from .frontends import auth
+from .jupyter_auth import (ACCESS_KEY, AUTH_RESOURCE, CACHE_KEY, EXECUTE, READ, WRITE,
+                           jupyter_token_verifier, new_cache, observe_duration, stock_token_auth)
 from .frontends.auth import (GROUPS, HEALTH, INFERENCE, INFERENCE_SCOPE, METADATA, MODEL_CONFIG,
                              MODEL_REPOSITORY, STATISTICS, AccessPolicy)
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 
-AUTH_RESOURCE = "jupyter_triton"
-ACCESS_KEY = "jupyter_triton_access"        # settings key of our own credentials' policy
-CACHE_KEY = "jupyter_triton_auth_cache"     # settings key of what auth finds constant
 ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
-READ, WRITE, EXECUTE = "read", "write", "execute"
 KEY_USER = "jupyter_triton-key"
 
 # The API group of each route class, for route classes that do not (yet) carry ``api_group``.
@@ -89,14 +87,6 @@ class _ScopedAuthorizer:
 
     def is_authorized(self, handler, user, action, resource) -> bool:
         return resource == AUTH_RESOURCE and api_group(type(handler)) in self.groups
-
-
-def _stock_token_auth(provider: IdentityProvider) -> bool:
-    """Whether ``provider`` authenticates a token exactly as jupyter_server's own
-    IdentityProvider does (then ``_jupyter_token_user`` may stand in for it)."""
-    cls = type(provider)
-    return all(getattr(cls, name) is getattr(IdentityProvider, name)
-               for name in ("get_user", "_get_user", "get_user_token", "get_token"))
 
 
 def _shows_debug(logger: logging.Logger) -> bool:
@@ -268,7 +258,7 @@ class TritonJupyterHandler(JupyterHandler):
         cache = self.settings[CACHE_KEY]
         stock = cache.get("stock")
         if stock is None:
-            stock = cache["stock"] = _stock_token_auth(provider)
+            stock = cache["stock"] = stock_token_auth(provider)
         if (not stock or not token or self.request.headers.get("Cookie") is not None
                 or "token" in self.request.query_arguments
                 or not hmac.compare_digest(credential.encode(), token.encode())):
@@ -301,8 +291,8 @@ class TritonJupyterHandler(JupyterHandler):
             prometheus_log_method(self)       # replaced by someone: theirs, as Jupyter would
             return
         cls = type(self)
-        _observe_duration(self.settings, self.request.method, f"{cls.__module__}.{cls.__name__}",
-                          status, self.request.request_time())
+        observe_duration(self.settings, self.request.method, f"{cls.__module__}.{cls.__name__}",
+                         status, self.request.request_time())
 
     async def prepare(self) -> None:
         group = api_group(type(self))
@@ -344,22 +334,6 @@ class TritonJupyterHandler(JupyterHandler):
         self._triton_authorized = True
 
 
-def _observe_duration(settings: dict, method: str | None, handler: str, status: int,
-                      seconds: float) -> None:
-    """One observation of Jupyter's request-duration histogram, through the labelled child
-    found once (a label lookup validates and locks on every call)."""
-    metric = jupyter_prometheus.HTTP_REQUEST_DURATION_SECONDS
-    children: dict = settings[CACHE_KEY]["durations"]
-    key = (method, handler, status)
-    entry = children.get(key)
-    if entry is None or entry[0] is not metric:
-        if len(children) >= 256:          # bounded: the method is the client's choice
-            children.clear()
-        entry = children[key] = (metric, metric.labels(method=method, handler=handler,
-                                                       status_code=status))
-    entry[1].observe(seconds)
-
-
 def _guard(method):
     # prepare() has authenticated and authorized the request (with the route's own action);
     # the guard refuses a method reached any other way (a prepare that was overridden
@@ -370,20 +344,6 @@ def _guard(method):
             raise web.HTTPError(403, f"not authorized to use {AUTH_RESOURCE}")
         return method(self, *args, **kwargs)
     return web.authenticated(checked)
-
-
-def jupyter_token_verifier(identity_provider: IdentityProvider, authorizer: Authorizer):
-    """``AccessPolicy.verify`` for the Jupyter server's token where no handler asks Jupyter:
-    it reaches every API group, as over HTTP with Jupyter's stock token check and authorizer;
-    with a custom identity provider or authorizer, nothing (those need a handler)."""
-    stock = type(authorizer) is AllowAllAuthorizer
-
-    def jupyter_token(credential: str) -> frozenset[str] | None:
-        token = identity_provider.token
-        if stock and token and hmac.compare_digest(credential.encode(), token.encode()):
-            return GROUPS
-        return None
-    return jupyter_token
 
 
 def default_repository() -> Path:
@@ -500,8 +460,7 @@ class JupyterTriton(ExtensionApp):
             allow_anonymous_inference=self.allow_anonymous_inference,
             max_inflight_bytes=self.max_inflight_bytes, body_timeout=self.body_timeout)
         self.settings[ACCESS_KEY] = self.own_credentials()
-        self.settings[CACHE_KEY] = {"hosts": set(), "token_user": None, "stock": None,
-                                    "defaults": {}, "durations": {}}
+        self.settings[CACHE_KEY] = new_cache()
 
     def own_credentials(self) -> AccessPolicy:
         """The credentials of ours the v2 routes take before Jupyter's: the server token

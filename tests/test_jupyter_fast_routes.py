@@ -227,7 +227,7 @@ async def test_malformed_requests_are_refused_as_jupyter_refuses_them(jp_triton,
 async def test_foreign_hosts_leave_nothing_behind(jp_triton, jp_http_port, jp_base_url):
     """Each new Host is asked of Jupyter's check through a probe handler; a client choosing
     Host values must not grow the server's per-class records."""
-    from jupyter_triton.serverext import CACHE_KEY
+    from jupyter_triton.jupyter_auth import CACHE_KEY
     cache = jp_triton.web_app.settings[CACHE_KEY]
     foreign = request("GET", f"{jp_base_url}v2/models/linear", AUTH)
     await exchange(jp_http_port, foreign.replace(b"Host: 127.0.0.1", b"Host: a.example"))
