@@ -30,11 +30,13 @@ from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 from ..engine.trace import trace_context
-from . import observability
+from . import grpc_health, observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 from .dataplane import decoupled_unsupported
 from .grpc_h2 import H2GrpcServer, serve_h2
+from .grpc_options import GrpcTLS, aio_options
+from .limits import HTTP2Limits
 
 log = logging.getLogger(__name__)
 
@@ -452,7 +454,8 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
                             max_receive_message_size: int | None = None, *,
                             access: AccessPolicy | None = None,
                             max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                            max_inflight_bytes: int | None = None, transport: str = "h2"
+                            max_inflight_bytes: int | None = None, transport: str = "h2",
+                            limits: HTTP2Limits | None = None, ssl: GrpcTLS | None = None
                             ) -> tuple[H2GrpcServer | grpc.aio.Server, int]:
     """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
 
@@ -463,6 +466,9 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     ``max_concurrent_rpcs`` RPCs at once, or ``max_inflight_bytes`` of inference requests
     (default: 4x the receive limit), an RPC fails at once with RESOURCE_EXHAUSTED.
     ``transport``: "h2" (ours, a third of grpc.aio's CPU per RPC) or "aio" (grpc.aio).
+    ``limits``: the connections' HTTP/2 limits and keep-alive (tritonserver's gRPC flags);
+    ``ssl``: serve TLS (``--grpc-use-ssl``). Beside Triton's service, the port serves
+    ``grpc.health.v1.Health`` (frontends/grpc_health.py) under the same access policy.
     """
     if transport not in ("h2", "aio"):
         raise ValueError(f"gRPC transport must be 'h2' or 'aio', got {transport!r}")
@@ -470,22 +476,28 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     service = GRPCInferenceService(
         engine, access=access,
         max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)
+    limits = limits or HTTP2Limits()
+    services = {SERVICE_NAME: method_handlers(service),
+                grpc_health.SERVICE_NAME: grpc_health.method_handlers(
+                    grpc_health.HealthService(engine, service.authorize))}
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if transport == "h2":
         try:
-            return await serve_h2({SERVICE_NAME: method_handlers(service)}, host.strip("[]"),
-                                  port, limit, max_concurrent_rpcs)
+            return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
+                                  limits=limits, ssl=ssl.ssl_context() if ssl else None)
         except OSError as err:
             raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_SIZE),
+        *aio_options(limits),
     ], maximum_concurrent_rpcs=max_concurrent_rpcs)
     # generic, not registered: see the module's docstring
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service)),))
+    server.add_generic_rpc_handlers(tuple(
+        grpc.method_handlers_generic_handler(name, handlers) for name, handlers in services.items()))
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, ssl.server_credentials()) if ssl else \
+            server.add_insecure_port(address)
     except RuntimeError as err:
         raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
     if not bound:
