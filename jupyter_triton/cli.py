@@ -11,6 +11,8 @@ import sys
 
 from .engine import CONTROL_MODES, EngineOptions
 from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
+from .frontends.grpc_options import KEEPALIVE_FLAGS, GrpcTLS, http2_limits
+from .frontends.limits import HTTP2Limits
 from .protocol.errors import InvalidArgument, TritonError
 
 # An instance thread whose runtime has released the GIL waits up to the switch interval
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="<api>[,<api>...]:<key>=<value>", help=restricted)
     serve.add_argument("--grpc-restricted-protocol", action="append", default=[], type=_restriction,
                        metavar="<api>[,<api>...]:<key>=<value>", help=restricted + " (gRPC metadata)")
+    _grpc_connection_flags(serve)
     export = sub.add_parser(
         "export", help="copy a repository into the form NVIDIA Triton and KServe serve as is")
     export.add_argument("--model-repository", required=True)
@@ -147,6 +150,52 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--storage-uri", default="",
                         help="where KServe will find the repository (e.g. s3://bucket/models)")
     return parser
+
+
+def _grpc_connection_flags(serve: argparse.ArgumentParser) -> None:
+    """tritonserver's gRPC keep-alive, connection-age and TLS flags (times in milliseconds)."""
+    defaults = HTTP2Limits()
+    for flag, (field, unit) in KEEPALIVE_FLAGS.items():
+        default = getattr(defaults, field)
+        if unit == "bool":
+            serve.add_argument(f"--grpc-{flag}", type=_bool, default=None, metavar="<bool>",
+                               help=f"as tritonserver (default: {str(default).lower()})")
+        elif unit == "ms":
+            serve.add_argument(f"--grpc-{flag}", type=_non_negative(int), default=None,
+                               metavar="<ms>", help="milliseconds, as tritonserver (default: " +
+                               (f"{round(default * 1000)})" if default is not None else "none)"))
+        else:
+            serve.add_argument(f"--grpc-{flag}", type=_non_negative(int), default=None,
+                               metavar="<n>", help=f"as tritonserver (default: {default})")
+    serve.add_argument("--grpc-use-ssl", type=_bool, default=False, metavar="<bool>",
+                       help="serve TLS on the gRPC port (needs --grpc-server-cert and --grpc-server-key)")
+    serve.add_argument("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="<bool>",
+                       help="TLS, and every client presents a certificate --grpc-root-cert signed")
+    serve.add_argument("--grpc-server-cert", default="", metavar="<file>",
+                       help="PEM certificate (chain) of the gRPC port")
+    serve.add_argument("--grpc-server-key", default="", metavar="<file>",
+                       help="PEM private key of the gRPC port")
+    serve.add_argument("--grpc-root-cert", default="", metavar="<file>",
+                       help="PEM CA certificate(s) that client certificates must chain to (mutual TLS)")
+
+
+def grpc_connection_options(args: argparse.Namespace) -> tuple[HTTP2Limits, GrpcTLS | None]:
+    """The gRPC port's limits and TLS from the flags; a file that does not load stops here,
+    with the flag's name, before anything is served."""
+    limits = http2_limits({flag: getattr(args, "grpc_" + flag.replace("-", "_"))
+                           for flag in KEEPALIVE_FLAGS})
+    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+        if args.grpc_server_cert or args.grpc_server_key or args.grpc_root_cert:
+            logging.warning("--grpc-server-cert/--grpc-server-key/--grpc-root-cert are ignored "
+                            "without --grpc-use-ssl true")
+        return limits, None
+    tls = GrpcTLS(args.grpc_server_cert, args.grpc_server_key, args.grpc_root_cert,
+                  mutual=args.grpc_use_ssl_mutual)
+    try:
+        tls.check()
+    except ValueError as err:
+        raise SystemExit(f"jupyter-triton serve: {err}") from None
+    return limits, tls
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -209,12 +258,14 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.metrics_address not in (None, args.http_address):
         logging.warning("--metrics-address is served on --http-address here")
     warn_open_repository(args)
+    grpc_limits, grpc_ssl = grpc_connection_options(args)
     server = await start_standalone(
         options_from(args), host=args.http_address, http_port=args.http_port,
         metrics_port=args.metrics_port if args.allow_metrics else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,
         access=AccessPolicy.open(args.http_restricted_api),
-        grpc_access=AccessPolicy.open(args.grpc_restricted_protocol), grpc_host=args.grpc_address)
+        grpc_access=AccessPolicy.open(args.grpc_restricted_protocol), grpc_host=args.grpc_address,
+        grpc_limits=grpc_limits, grpc_ssl=grpc_ssl)
     print(f"jupyter-triton: HTTP {server.url}  gRPC {server.grpc_port}  metrics {server.metrics_port}",
           flush=True)
     stop = asyncio.Event()

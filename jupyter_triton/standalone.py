@@ -18,7 +18,9 @@ from .engine import Engine, EngineOptions
 from .frontends.auth import STATISTICS, AccessPolicy
 from .frontends.dataplane import DataPlane
 from .frontends.fasthttp import HTTPFront
+from .frontends.grpc_options import GrpcTLS
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
+from .frontends.limits import HTTP2Limits
 from .frontends.metrics import exposition, metrics_registry
 from .protocol.errors import PermissionDenied, TritonError
 
@@ -115,7 +117,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
                            access_log: bool = True, *, access: AccessPolicy | None = None,
                            grpc_access: AccessPolicy | None = None, grpc_host: str | None = None,
                            check_host: bool = False, strict_content_type: bool = False,
-                           http_front: str = "fast", max_inflight_bytes: int | None = None
+                           http_front: str = "fast", max_inflight_bytes: int | None = None,
+                           grpc_limits: HTTP2Limits | None = None, grpc_ssl: GrpcTLS | None = None
                            ) -> StandaloneServer:
     """Start the engine and its listeners on the running loop; port 0 picks a free port.
 
@@ -126,6 +129,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     port takes ``access`` too (as the ``statistics`` group) and ``check_host``. ``http_front``:
     "fast" (httptools) or "tornado". ``max_inflight_bytes`` bounds the request body bytes being
     received or decoded at once, server-wide (None: 4 x max_input_size; past it, 503).
+    ``grpc_limits`` (keep-alive, connection age: tritonserver's gRPC flags) and ``grpc_ssl``
+    (TLS) are the gRPC port's.
     ``access_log=False`` keeps request lines out of a
     notebook's cell output (in-kernel use)."""
     if http_front not in HTTP_FRONTS:
@@ -160,7 +165,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     if grpc_port is not None:
         from .frontends.grpc import start_grpc_server
         result._grpc, result.grpc_port = await start_grpc_server(
-            engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access)
+            engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access,
+            limits=grpc_limits, ssl=grpc_ssl)
     log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s)", options.model_repository,
              result.http_port, http_front, result.grpc_port, result.metrics_port)
     return result
@@ -172,12 +178,14 @@ def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: 
                     access: AccessPolicy | None = None, grpc_access: AccessPolicy | None = None,
                     grpc_host: str | None = None, check_host: bool = False,
                     strict_content_type: bool = False, http_front: str = "fast",
-                    max_inflight_bytes: int | None = None) -> StandaloneServer:
+                    max_inflight_bytes: int | None = None, grpc_limits: HTTP2Limits | None = None,
+                    grpc_ssl: GrpcTLS | None = None) -> StandaloneServer:
     """Run a standalone server on its own loop in a daemon thread (the kernel fallback);
     the keywords are ``start_standalone``'s."""
     keywords = dict(access=access, grpc_access=grpc_access, grpc_host=grpc_host,
                     check_host=check_host, strict_content_type=strict_content_type,
-                    http_front=http_front, max_inflight_bytes=max_inflight_bytes)
+                    http_front=http_front, max_inflight_bytes=max_inflight_bytes,
+                    grpc_limits=grpc_limits, grpc_ssl=grpc_ssl)
     ready: dict = {}
     started = threading.Event()
 
