@@ -383,6 +383,26 @@ class JupyterTriton(ExtensionApp):
     grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds (loopback by default; it takes "
                                              "the same credentials as the HTTP routes, in 'authorization' "
                                              "metadata)").tag(config=True)
+    # tritonserver's gRPC flags for the gRPC port (milliseconds as there; None: HTTP2Limits' default)
+    grpc_keepalive_time = Int(None, allow_none=True, help="ms, as --grpc-keepalive-time").tag(config=True)
+    grpc_keepalive_timeout = Int(None, allow_none=True, help="ms, as --grpc-keepalive-timeout").tag(config=True)
+    grpc_keepalive_permit_without_calls = Bool(None, allow_none=True, help="as "
+                                               "--grpc-keepalive-permit-without-calls").tag(config=True)
+    grpc_http2_max_pings_without_data = Int(None, allow_none=True, help="as "
+                                            "--grpc-http2-max-pings-without-data").tag(config=True)
+    grpc_http2_min_recv_ping_interval_without_data = Int(None, allow_none=True, help="ms, as "
+        "--grpc-http2-min-recv-ping-interval-without-data").tag(config=True)
+    grpc_http2_max_ping_strikes = Int(None, allow_none=True, help="as --grpc-http2-max-ping-strikes"
+                                      ).tag(config=True)
+    grpc_max_connection_age = Int(None, allow_none=True, help="ms, as --grpc-max-connection-age").tag(config=True)
+    grpc_max_connection_age_grace = Int(None, allow_none=True, help="ms, as --grpc-max-connection-age-grace"
+                                        ).tag(config=True)
+    grpc_use_ssl = Bool(False, help="serve TLS on the gRPC port (as --grpc-use-ssl)").tag(config=True)
+    grpc_use_ssl_mutual = Bool(False, help="TLS, and clients present a certificate grpc_root_cert signed "
+                                           "(as --grpc-use-ssl-mutual)").tag(config=True)
+    grpc_server_cert = Unicode("", help="PEM certificate (chain) of the gRPC port").tag(config=True)
+    grpc_server_key = Unicode("", help="PEM private key of the gRPC port").tag(config=True)
+    grpc_root_cert = Unicode("", help="PEM CA that client certificates chain to (mutual TLS)").tag(config=True)
     http_data_port = Int(-1, help="also serve the v2 routes on this port with the fast HTTP front, for "
                                   "high-rate clients (-1: off, 0: any free port); it takes inference keys "
                                   "and the server token only (not the Jupyter token: no Jupyter in that "
@@ -474,6 +494,23 @@ class JupyterTriton(ExtensionApp):
         return AccessPolicy(tokens=self.own_credentials().tokens,
                             anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
+    def grpc_connection_options(self) -> tuple:
+        """The gRPC port's HTTP2Limits and GrpcTLS (None: plaintext) from the grpc_* traits;
+        a bad value or a certificate that does not load raises TraitError naming the flag."""
+        from .frontends.grpc_options import KEEPALIVE_FLAGS, GrpcTLS, http2_limits
+        try:
+            limits = http2_limits({flag: getattr(self, "grpc_" + flag.replace("-", "_"))
+                                   for flag in KEEPALIVE_FLAGS})
+            if not (self.grpc_use_ssl or self.grpc_use_ssl_mutual):
+                return limits, None
+            tls = GrpcTLS(self.grpc_server_cert, self.grpc_server_key, self.grpc_root_cert,
+                          mutual=self.grpc_use_ssl_mutual)
+            tls.check()
+        except ValueError as err:
+            raise TraitError(f"JupyterTriton's gRPC port: {err} (each grpc_* trait is "
+                             "tritonserver's --grpc-* flag of that name)") from None
+        return limits, tls
+
     def grpc_access(self, identity_provider: IdentityProvider, authorizer: Authorizer) -> AccessPolicy:
         """The gRPC port's policy: exactly the HTTP routes' credentials and scopes. The
         Jupyter server's token reaches every API, as over HTTP with Jupyter's default
@@ -520,9 +557,11 @@ class JupyterTriton(ExtensionApp):
         self._grpc = None
         if self.grpc_port >= 0:
             from .frontends.grpc import start_grpc_server
+            limits, tls = self.grpc_connection_options()
             self._grpc, self.bound_grpc_port = await start_grpc_server(
                 self.engine, self.grpc_address, self.grpc_port,
-                access=self.grpc_access(serverapp.identity_provider, serverapp.authorizer))
+                access=self.grpc_access(serverapp.identity_provider, serverapp.authorizer),
+                limits=limits, ssl=tls)
         self._data_front = None
         if self.http_data_port >= 0:
             from .frontends.dataplane import DataPlane
