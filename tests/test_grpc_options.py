@@ -20,6 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from conftest import INFER_KEY, in_thread
 from jupyter_triton.cli import build_parser, grpc_connection_options
 from jupyter_triton.engine import Engine, EngineOptions
 from jupyter_triton.frontends.grpc import start_grpc_server
@@ -188,6 +189,41 @@ def test_mutual_tls_needs_a_client_certificate_the_root_signed(simple_repo: Path
                     private_key=f"{pki['other-client']}.key",
                     certificate_chain=f"{pki['other-client']}.pem")):
             assert _refused(refused) == "StatusCode.UNAVAILABLE"
+
+
+@pytest.fixture
+def jp_server_config(jp_server_config, pki):
+    return {**jp_server_config, "JupyterTriton": {
+        **jp_server_config["JupyterTriton"], "grpc_port": 0, "grpc_use_ssl": True,
+        "grpc_server_cert": f"{pki['server']}.pem", "grpc_server_key": f"{pki['server']}.key",
+        "grpc_keepalive_time": 60000, "grpc_max_connection_age": 600000}}
+
+
+async def test_the_extension_grpc_port_takes_the_same_tls_traits(jp_triton, pki):
+    (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
+    limits, tls = ext.grpc_connection_options()
+    assert (limits.keepalive_time, limits.max_connection_age) == (60.0, 600.0) and not tls.mutual
+    url = f"127.0.0.1:{ext.bound_grpc_port}"
+
+    def story():
+        client = grpcclient.InferenceServerClient(url, ssl=True,
+                                                  root_certificates=f"{pki['ca']}.pem")
+        try:
+            live = client.is_server_live(headers={"authorization": f"Bearer {INFER_KEY}"})
+        finally:
+            client.close()
+        return live, _refused(grpcclient.InferenceServerClient(url))
+
+    assert await in_thread(story) == (True, "StatusCode.UNAVAILABLE")
+
+
+def test_bad_tls_traits_are_refused_by_name(tmp_path: Path):
+    from traitlets import TraitError
+    from jupyter_triton.serverext import JupyterTriton
+    app = JupyterTriton(grpc_use_ssl=True, grpc_server_cert=str(tmp_path / "missing.pem"),
+                        grpc_server_key=str(tmp_path / "missing.key"))
+    with pytest.raises(TraitError, match="--grpc-server-cert .*missing.pem: no such file"):
+        app.grpc_connection_options()
 
 
 # -- the CLI's flags -----------------------------------------------------------------------
