@@ -9,12 +9,15 @@ Both methods are Triton's HEALTH API group for access control, like ``ServerLive
 
 Watch sends the status at once, then every change. The engine has no model-state event to
 subscribe to, so a watch looks again every ``WATCH_INTERVAL_S``: a dictionary lookup for a
-ready model, a directory listing for one that is not.
+ready model; for one that is not, the repository's listing, read at most once per interval for
+all calls together (a thousand watches of made-up names cost one directory listing, not a
+thousand).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -48,6 +51,7 @@ class HealthService:
         self.engine = engine
         self.authorize = authorize
         self.watch_interval = watch_interval
+        self._listed: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
     def status(self, service: str) -> int:
         """The serving status of ``service`` ("" or a model name); SERVICE_UNKNOWN when the
@@ -57,9 +61,17 @@ class HealthService:
             return SERVING if engine.live() and engine.ready() else NOT_SERVING
         if engine.model_ready(service):
             return SERVING
-        known = service in engine.repository.model_names() or \
+        known = service in self._repository_models() or \
             any(mv.name == service for mv in engine.models())
         return NOT_SERVING if known else SERVICE_UNKNOWN
+
+    def _repository_models(self) -> frozenset[str]:
+        when, names = self._listed
+        now = time.monotonic()
+        if now - when >= self.watch_interval:
+            names = frozenset(self.engine.repository.model_names())
+            self._listed = (now, names)
+        return names
 
     async def _admit(self, context: Any) -> None:
         if self.authorize is None:
