@@ -217,13 +217,15 @@ async def test_the_extension_grpc_port_takes_the_same_tls_traits(jp_triton, pki)
     assert await in_thread(story) == (True, "StatusCode.UNAVAILABLE")
 
 
-def test_bad_tls_traits_are_refused_by_name(tmp_path: Path):
+def test_bad_grpc_traits_are_refused_by_name(tmp_path: Path):
     from traitlets import TraitError
     from jupyter_triton.serverext import JupyterTriton
     app = JupyterTriton(grpc_use_ssl=True, grpc_server_cert=str(tmp_path / "missing.pem"),
                         grpc_server_key=str(tmp_path / "missing.key"))
     with pytest.raises(TraitError, match="--grpc-server-cert .*missing.pem: no such file"):
         app.grpc_connection_options()
+    with pytest.raises(TraitError, match="--grpc-keepalive-time must be a whole number, 0 or more"):
+        JupyterTriton(grpc_keepalive_time=-5).grpc_connection_options()
 
 
 # -- the CLI's flags -----------------------------------------------------------------------

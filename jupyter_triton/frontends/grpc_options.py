@@ -30,26 +30,20 @@ KEEPALIVE_FLAGS: dict[str, tuple[str, str]] = {
 
 def http2_limits(values: Mapping[str, int | bool | None],
                  base: HTTP2Limits = HTTP2Limits()) -> HTTP2Limits:
-    """``base`` with tritonserver's flag values applied; ``values`` is keyed by the flag
-    (``"keepalive-time"``) or its HTTP2Limits field (``"keepalive_time"``); None: unset."""
-    fields = {field: unit for field, unit in KEEPALIVE_FLAGS.values()}
+    """``base`` with tritonserver's flag values applied: ``values`` maps a flag of
+    KEEPALIVE_FLAGS (``"keepalive-time"``) to its value as tritonserver takes it (None: unset)."""
     changes: dict[str, object] = {}
-    for key, value in values.items():
-        field, unit = KEEPALIVE_FLAGS[key] if key in KEEPALIVE_FLAGS else (key, fields[key])
+    for flag, value in values.items():
+        field, unit = KEEPALIVE_FLAGS[flag]
         if value is None:
             continue
         if unit == "bool":
             changes[field] = bool(value)
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"--grpc-{_flag(field)} must be a whole number, 0 or more; "
-                             f"got {value!r}")
-        changes[field] = value / 1000.0 if unit == "ms" else value
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"--grpc-{flag} must be a whole number, 0 or more; got {value!r}")
+        else:
+            changes[field] = value / 1000.0 if unit == "ms" else value
     return dataclasses.replace(base, **changes)
-
-
-def _flag(field: str) -> str:
-    return next(flag for flag, (f, _) in KEEPALIVE_FLAGS.items() if f == field)
 
 
 @dataclass(frozen=True)
