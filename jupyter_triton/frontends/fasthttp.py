@@ -6,11 +6,20 @@ What it keeps from tornado's server, as the tornado skin does: keep-alive (HTTP/
 asked), pipelined requests answered in order, a body cap (``DataPlane.admit``), a body
 deadline and an idle timeout, Content-Length and chunked bodies, ``Expect: 100-continue``,
 HEAD, a client that hangs up cancelling its request, and a graceful close.
+
+What a peer may send is bounded by ``limits.HTTP1Limits`` (nginx's defences, counted as the
+bytes arrive, before the parser has a whole head): the request line (414), each header line,
+all header lines and their count (431), the head's time (``header_timeout``), the body
+(``DataPlane.admit`` / ``receive``, chunked ones included, refused as soon as they pass the
+cap), idle keep-alive time, the number of connections, and the replies a peer leaves unread
+(past ``max_pending_reply_bytes`` it is not read; with no progress for ``send_timeout`` it is
+dropped). Only HTTP/1.0 and 1.1 are served. A refusal is a Triton error reply, then a close.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import time
 from email.utils import formatdate
@@ -19,8 +28,9 @@ from urllib.parse import unquote
 
 import httptools
 
-from ..protocol.errors import InvalidArgument, TritonError
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .dataplane import Call, DataPlane, Reply, RequestTimeout, Route, error_reply
+from .limits import HTTP1Limits
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as for tornado
@@ -28,6 +38,25 @@ access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _REASONS[499] = b"Client Closed Request"
 _HEADER_LINES: dict[tuple[str, str], bytes] = {}
+
+
+class URITooLong(TritonError):
+    status = 414
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class HeaderTooLarge(TritonError):
+    status = 431
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: parsing stops, ``error`` is the answer, the connection
+    closes after it (httptools re-raises it as the context of an HttpParserCallbackError)."""
+
+    def __init__(self, error: TritonError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Date:
@@ -46,7 +75,7 @@ class _Date:
 class _Message:
     """One request being received, then queued until its turn."""
     __slots__ = ("method", "url", "headers", "chunks", "size", "length", "route", "params",
-                 "ticket", "refused", "keep_alive", "path")
+                 "ticket", "refused", "keep_alive", "path", "head", "count", "repeated")
 
     def __init__(self) -> None:
         self.method = "GET"
@@ -59,6 +88,9 @@ class _Message:
         self.ticket = None
         self.refused: Reply | None = None
         self.keep_alive = True
+        self.head = 0           # bytes of the header lines parsed; -1 once the head is whole
+        self.count = 0          # header lines parsed
+        self.repeated: dict[str, list[str]] | None = None   # values of repeated header names
 
 
 class HTTPFront:
@@ -67,10 +99,15 @@ class HTTPFront:
     fixed_headers = b""         # header lines every reply carries (a host's defaults)
 
     def __init__(self, plane: DataPlane, *, body_timeout: float = 60.0,
-                 idle_timeout: float = 300.0, access_log: bool = True) -> None:
+                 idle_timeout: float | None = None, access_log: bool = True,
+                 limits: HTTP1Limits | None = None) -> None:
         self.plane = plane
+        self.limits = limits = limits or HTTP1Limits()
         self.body_timeout = body_timeout
-        self.idle_timeout = idle_timeout
+        # The host's own keep-alive setting, within the limit.
+        self.idle_timeout = (limits.idle_timeout if idle_timeout is None
+                             else min(idle_timeout, limits.idle_timeout))
+        self.header_timeout = limits.header_timeout
         self.access_log = access_log
         self.connections: set[_Connection] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -98,6 +135,11 @@ class _Connection(asyncio.Protocol):
     def __init__(self, front: HTTPFront) -> None:
         self.front = front
         self.plane = front.plane
+        limits = front.limits
+        self.max_url = limits.max_request_line
+        self.max_line = limits.max_header_line
+        self.max_head = limits.max_header_bytes
+        self.max_headers = limits.max_headers
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -105,6 +147,8 @@ class _Connection(asyncio.Protocol):
         self.queue: collections.deque[_Message] = collections.deque()   # received, not answered
         self.task: asyncio.Task | None = None     # answering queue[0]
         self.closing = False                      # no more requests on this connection
+        self.ended = False                        # the last reply is written: closing
+        self.answering = False                    # in _answer_queued's loop
         # One lazy timer: _arm only moves the deadline; the handle is rescheduled only when a
         # deadline comes earlier than it (two call_later and two cancels a request otherwise).
         self.timer: asyncio.TimerHandle | None = None
@@ -112,14 +156,32 @@ class _Connection(asyncio.Protocol):
         self.on_timeout = None
         self.peer = ""
         self.writable: asyncio.Future | None = None   # set while the transport's buffer is full
+        self.head_bytes = 0                       # bytes of a head that spans reads
+        self.stall: asyncio.TimerHandle | None = None  # watching a peer that does not read
+        self.unsent = 0
 
     # -- connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport       # type: ignore[assignment]
-        self.front.connections.add(self)
+        front = self.front
+        if len(front.connections) >= front.limits.max_connections:
+            self._turn_away()
+            return
+        front.connections.add(self)
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else ""
-        self._arm(self.front.idle_timeout, self._idle)
+        transport.set_write_buffer_limits(high=front.limits.max_pending_reply_bytes)
+        # A new connection's first request head is due within the header deadline.
+        self._arm(min(front.header_timeout, front.idle_timeout), self._idle)
+
+    def _turn_away(self) -> None:
+        """One connection past ``max_connections``: a 503 and a close, nothing read."""
+        self.closing = self.ended = True
+        reply = error_reply(Unavailable(
+            f"the server holds its maximum of {self.front.limits.max_connections} HTTP "
+            "connections; retry later"))
+        self.transport.write(self._head(reply, close=True, body=reply.body))
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.front.connections.discard(self)
@@ -127,7 +189,10 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.closing = True
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+        self.closing = self.ended = True
         if self.task is not None and not self.task.done():
             self.task.cancel()
         for m in [self.message, *self.queue]:
@@ -139,21 +204,84 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return              # lingering after a refusal: drained, never parsed
+        before = self.message
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as err:
+            refused = err.__context__
+            if isinstance(refused, _Refused):
+                self._fail(refused.error)
+            else:
+                self._fail(InvalidArgument(f"malformed HTTP request: {err}"))
+            return
         except httptools.HttpParserUpgrade:
             self._fail(InvalidArgument("protocol upgrades are not supported"))
+            return
         except httptools.HttpParserError as err:
             self._fail(InvalidArgument(f"malformed HTTP request: {err}"))
+            return
+        m = self.message
+        if m is not None and m.head >= 0:
+            self._head_unfinished(m, m is before, len(data))
+
+    def _head_unfinished(self, m: _Message, continued: bool, received: int) -> None:
+        """A request head still incomplete after a read (not the fast path: a whole head
+        usually comes in one). The parser holds its unfinished line where no callback sees
+        it, so its bytes are counted here: those of every read that continued the head, a
+        lower bound that misses at most the read the head began in."""
+        if not continued:
+            self.head_bytes = 0
+            self._arm(self.front.header_timeout, self._head_late)
+            return
+        self.head_bytes += received
+        if self.head_bytes > self.max_url + self.max_head:     # (on_url bounds the URL)
+            self._fail(HeaderTooLarge(f"the request's header lines exceed {self.max_head} bytes"))
 
     def pause_writing(self) -> None:
+        # A peer that does not read what it is sent is not read either (its pipelined
+        # requests would queue their replies here): reading resumes when the buffer drains.
         if self.writable is None:
             self.writable = self.loop.create_future()
+        self.transport.pause_reading()
+        self._watch_writes()
 
     def resume_writing(self) -> None:
         writable, self.writable = self.writable, None
         if writable is not None and not writable.done():
             writable.set_result(None)
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+        if self.task is None and not self.ended:
+            if self.queue:
+                self._next()
+            else:
+                self._idle_again()
+
+    def _may_read(self) -> bool:
+        return True
+
+    def _watch_writes(self) -> None:
+        """Drop a peer whose unread replies make no progress for ``send_timeout`` (nginx's
+        send_timeout): held back here, they would hold memory for as long as it likes."""
+        if self.stall is None and self.transport is not None:
+            self.unsent = self.transport.get_write_buffer_size()
+            self.stall = self.loop.call_later(self.front.limits.send_timeout, self._stalled)
+
+    def _stalled(self) -> None:
+        self.stall = None
+        transport = self.transport
+        if transport is None:
+            return
+        unsent = transport.get_write_buffer_size()
+        if not unsent:
+            return
+        if unsent < self.unsent:
+            self._watch_writes()        # slow but reading
+            return
+        log.debug("dropping %s: %d reply bytes unread for %g s", self.peer, unsent,
+                  self.front.limits.send_timeout)
+        transport.abort()
 
     def eof_received(self) -> bool | None:
         return None             # close: a half-closed client has left (as tornado treats it)
@@ -168,23 +296,70 @@ class _Connection(asyncio.Protocol):
         self.message = _Message()
 
     def on_url(self, url: bytes) -> None:
-        if self.message is not None:
-            self.message.url += url
+        m = self.message
+        if m is not None:
+            m.url += url
+            if len(m.url) > self.max_url:
+                raise _Refused(URITooLong(f"the request line exceeds {self.max_url} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.message is None:
-            return
-        key = name.decode("latin-1").lower()
-        headers = self.message.headers
-        text = value.decode("latin-1")
-        headers[key] = headers[key] + "," + text if key in headers else text
-
-    def on_headers_complete(self) -> None:
         m = self.message
         if m is None:
             return
+        line = len(name) + len(value)
+        m.head += line + 4
+        m.count += 1
+        if line > self.max_line or m.head > self.max_head or m.count > self.max_headers:
+            raise _Refused(self._too_large(m, line))
+        key = name.decode("latin-1").lower()
+        headers = m.headers
+        text = value.decode("latin-1")
+        if key in headers:
+            # Joined once the head is whole: joining here would copy the value so far
+            # again for every repeat (quadratic in their count).
+            repeated = m.repeated
+            if repeated is None:
+                repeated = m.repeated = {}
+            values = repeated.get(key)
+            if values is None:
+                repeated[key] = [headers[key], text]
+            else:
+                values.append(text)
+        else:
+            headers[key] = text
+
+    def _too_large(self, m: _Message, line: int) -> TritonError:
+        if line > self.max_line:
+            return HeaderTooLarge(f"a header line exceeds {self.max_line} bytes")
+        if m.count > self.max_headers:
+            return HeaderTooLarge(f"the request has more than {self.max_headers} header lines")
+        return HeaderTooLarge(f"the request's header lines exceed {self.max_head} bytes")
+
+    def on_headers_complete(self) -> None:
+        m = self.message
+        if m is not None:
+            self._whole_head(m)
+            self._take(m)
+
+    def _whole_head(self, m: _Message) -> None:
+        """The head is complete: its repeated headers joined, its method, keep-alive and
+        version read (raises _Refused for a version other than HTTP/1.0 and 1.1)."""
+        m.head = -1
+        if m.repeated is not None:
+            for key, values in m.repeated.items():
+                m.headers[key] = ",".join(values)
         m.method = self.parser.get_method().decode("latin-1")
-        m.keep_alive = self.parser.should_keep_alive()
+        m.keep_alive = keep = self.parser.should_keep_alive()
+        # llhttp also takes 0.9 request lines (no version), and 2.0. A request that keeps its
+        # connection without asking is 1.1: the version is asked of the others only.
+        if (not keep or "connection" in m.headers) and \
+                self.parser.get_http_version() not in ("1.1", "1.0"):
+            raise _Refused(InvalidArgument(
+                f"HTTP/{self.parser.get_http_version()} is not served: send HTTP/1.1"))
+
+    def _take(self, m: _Message) -> None:
+        """Route and admit a whole head; what is refused is answered (and, with a body that
+        is not wanted, the connection closed)."""
         url = m.url
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
             m.path = url.decode("latin-1")      # origin-form, no query: the path itself
@@ -207,9 +382,10 @@ class _Connection(asyncio.Protocol):
         except Exception as err:
             m.refused = self.plane.refuse(err)
         if m.refused is not None:
-            # What a refused client still sends is not kept; a large body ends the connection
-            # (as tornado does) rather than be read through.
-            if m.length is not None and m.length > self.plane.max_input_size:
+            # What a refused client still sends is not kept; a large or chunked body ends the
+            # connection (as tornado does) rather than be read through.
+            if (m.length > self.plane.max_input_size if m.length is not None
+                    else "transfer-encoding" in m.headers):
                 self._answer_then_close(m)
             return
         if m.headers.get("expect", "").lower() == "100-continue" and not self.queue:
@@ -220,12 +396,12 @@ class _Connection(asyncio.Protocol):
         if m is None or m.refused is not None:
             return
         if m.length is None:
+            # A chunked body is counted as it comes: past the cap (or the bytes in flight)
+            # it is refused now, not read through to its end.
             try:
                 self.plane.receive(m.ticket, m.size, len(body))
             except TritonError as err:
-                m.refused, m.chunks = error_reply(err), []
-                m.refused.close = True
-                return
+                raise _Refused(err) from None
         m.size += len(body)
         m.chunks.append(body)
 
@@ -251,13 +427,31 @@ class _Connection(asyncio.Protocol):
     # -- answering ----------------------------------------------------------------------------
     def _next(self) -> None:
         m = self.queue[0]
-        if m.refused is not None:
-            self._send(m, m.refused)
+        if m.refused is not None or self.writable is not None:
+            self._answer_queued()
             return
         body = m.chunks[0] if len(m.chunks) == 1 else m.chunks
         call = Call(m.method, m.path, m.params, m.headers, body, m.ticket)
         m.chunks = []
         self.task = self.loop.create_task(self._answer(m.route, call))
+
+    def _answer_queued(self) -> None:
+        """Refusals at the queue's head are written here, in a loop (a pipeline of them
+        would otherwise recurse through _sent), up to the first request to serve; nothing
+        is answered while the peer leaves earlier replies unread."""
+        if self.answering:
+            return              # called back from _sent inside the loop below
+        self.answering = True
+        try:
+            queue = self.queue
+            while queue and self.task is None and self.writable is None and not self.ended:
+                m = queue[0]
+                if m.refused is None:
+                    self._next()
+                    break
+                self._send(m, m.refused)
+        finally:
+            self.answering = False
 
     async def _answer(self, route, call: Call) -> None:
         # The reply is written from the task itself: a done callback costs a loop iteration.
@@ -365,11 +559,18 @@ class _Connection(asyncio.Protocol):
         if close:
             self._close_after_write()
         elif self.queue:
-            self._next()
-        else:
+            if not self.answering:
+                self._next()
+        elif self.writable is None:
+            self._idle_again()
+        # else: resume_writing reads on once the peer has read its replies
+
+    def _idle_again(self) -> None:
+        """Every request answered: read the next one, and wait at most the idle timeout."""
+        if self._may_read():
             self.transport.resume_reading()
-            if self.deadline is None:           # no body under its deadline: idle (or slow headers)
-                self._arm(self.front.idle_timeout, self._idle)
+        if self.deadline is None:           # no body under its deadline: idle (or slow headers)
+            self._arm(self.front.idle_timeout, self._idle)
 
     def _answer_then_close(self, m: _Message) -> None:
         """Answer ``m`` at once (its body is not wanted) and close, after what came before."""
@@ -382,18 +583,24 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, err: TritonError) -> None:
         m = self.message or _Message()
+        if m.ticket is not None:
+            m.ticket.release()
+            m.ticket = None
         m.refused = error_reply(err)
+        m.chunks = []
         self._answer_then_close(m)
 
     def _close_after_write(self) -> None:
         # Half-close first, then drain what the client still sends for a moment: closing a
         # socket with unread data makes the kernel send a reset that can destroy the reply.
-        self.closing = True
+        self.closing = self.ended = True
         transport = self.transport
         if transport.can_write_eof():
             transport.write_eof()
         transport.resume_reading()
         self._arm(2.0, transport.close)
+        if transport.get_write_buffer_size():
+            self._watch_writes()
 
     # -- timers ---------------------------------------------------------------------------------
     def _arm(self, delay: float, callback) -> None:
@@ -419,17 +626,28 @@ class _Connection(asyncio.Protocol):
         callback, self.deadline, self.on_timeout = self.on_timeout, None, None
         callback()
 
+    def _head_pending(self) -> bool:
+        m = self.message
+        return m is not None and m.head >= 0
+
     def _idle(self) -> None:
         if self.task is None and not self.queue and self.transport is not None:
+            if self._head_pending():            # a head began meanwhile: it is late
+                self._head_late()
+                return
             self.transport.close()
+            if self.transport.get_write_buffer_size():
+                self._watch_writes()
+
+    def _head_late(self) -> None:
+        if not self._head_pending():
+            return
+        self._fail(RequestTimeout(
+            f"the request head was not received within {self.front.header_timeout:g} s"))
 
     def _body_late(self) -> None:
         m = self.message
         if m is None:
             return
-        if m.ticket is not None:
-            m.ticket.release()
-        m.refused = error_reply(RequestTimeout(
+        self._fail(RequestTimeout(
             f"the request body was not received within {self.front.body_timeout:g} s"))
-        self._answer_then_close(m)
-

@@ -3,7 +3,8 @@ and grpc core's channel arguments name theirs) and read from here by every skin.
 
 The gRPC names follow tritonserver's flags (``--grpc-keepalive-time`` is ``keepalive_time``,
 in seconds here where Triton takes milliseconds); the HTTP/1 ones follow nginx's
-(``large_client_header_buffers``, ``client_header_timeout``, ``keepalive_timeout``).
+(``large_client_header_buffers``, ``client_header_timeout``, ``keepalive_timeout``,
+``send_timeout``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class HTTP1Limits:
     idle_timeout: float = 300.0             # seconds a kept-alive connection may sit idle
     max_connections: int = 4096             # per listener; beyond, accepted then closed
     max_pending_reply_bytes: int = 1 << 20  # write buffer past which the peer is not read
+    send_timeout: float = 60.0              # seconds unread replies may make no progress
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ gets differs from tornado's answer.
 
 TLS is tornado's alone (an SSL stream is never taken). Bodies sent chunked are never claimed:
 where such a body ends is the parser's business, and a later request could not be handed on.
+
+Limits (``HTTP1Limits``): a claimed request meets fasthttp's; a head past one of them, or in a
+version other than HTTP/1.0 and 1.1, is not claimed (tornado refuses it, with its own limits);
+nothing is held for tornado past ``HEAD_LIMIT`` (and one read); a head not whole within
+``header_timeout`` is refused here (408), as is a connection past ``max_connections`` (503).
 """
 from __future__ import annotations
 
@@ -24,12 +29,13 @@ from typing import Callable
 
 from tornado.iostream import IOStream, SSLIOStream
 
-from .dataplane import NOT_FOUND, DataPlane, Reply, Route
+from .dataplane import NOT_FOUND, DataPlane, Reply, RequestTimeout, Route
 from .fasthttp import HTTPFront, _Connection, _Message
+from .limits import HTTP1Limits
 
 log = logging.getLogger(__name__)
 
-HEAD_LIMIT = 65536      # a head not complete by then is tornado's to refuse
+HEAD_LIMIT = 65536      # a head not complete by then is tornado's to refuse (its max_header_size)
 
 
 class ClaimedMessage(_Message):
@@ -77,9 +83,9 @@ class SharedPort(HTTPFront):
                  claims: Callable[[ClaimedMessage, Route], bool], *,
                  served: Callable[[ClaimedMessage, Reply, float], None] | None = None,
                  fixed_headers: bytes = b"", body_timeout: float = 60.0,
-                 idle_timeout: float = 3600.0) -> None:
+                 idle_timeout: float | None = None, limits: HTTP1Limits | None = None) -> None:
         super().__init__(plane, body_timeout=body_timeout, idle_timeout=idle_timeout,
-                         access_log=False)
+                         access_log=False, limits=limits)
         self.http_server = http_server
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
         self.prefix_bytes = self.prefix.encode("latin-1")
@@ -140,6 +146,7 @@ class _ClaimingConnection(_Connection):
         self.body_left: int | None = None    # None: the next bytes start a request head
         self.unclaimed: bytearray | None = None   # set: going to tornado with these bytes
         self.transport_socket: socket.socket | None = None
+        self.head_timed = False         # the header deadline runs for the head in ``raw``
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -176,7 +183,11 @@ class _ClaimingConnection(_Connection):
                 if end < 0:
                     if len(raw) > HEAD_LIMIT:
                         self._unclaim()
+                    elif not self.head_timed:       # a head in pieces: under its deadline
+                        self.head_timed = True
+                        self._arm(self.front.header_timeout, self._head_late)
                     return
+                self.head_timed = False
                 head = bytes(raw[:end + 4])
                 self.body_left = 0
                 try:
@@ -202,7 +213,8 @@ class _ClaimingConnection(_Connection):
         m = self.message
         if m is None:
             return
-        m.method = self.parser.get_method().decode("latin-1")
+        # Past a limit, or not HTTP/1.x: raises, and _feed hands the request to tornado.
+        self._whole_head(m)
         url = m.url
         route = None
         if (url.startswith(self.front.prefix_bytes) and b"?" not in url and b"#" not in url
@@ -212,7 +224,7 @@ class _ClaimingConnection(_Connection):
             self.message = None
             self._unclaim()
             return
-        super().on_headers_complete()
+        self._take(m)
         length = m.length
         self.body_left = length if length else None
 
@@ -253,6 +265,18 @@ class _ClaimingConnection(_Connection):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._hand_off_when_idle()
+
+    def _may_read(self) -> bool:
+        return self.unclaimed is None           # reading is tornado's once it is handed over
+
+    def _head_pending(self) -> bool:
+        return bool(self.raw) and self.body_left is None and self.unclaimed is None
+
+    def _head_late(self) -> None:
+        if self._head_pending():
+            self.raw = bytearray()
+            self._fail(RequestTimeout(
+                f"the request head was not received within {self.front.header_timeout:g} s"))
 
     def _sent(self, m: _Message, reply: Reply, close: bool) -> None:
         served = self.front.served
