@@ -16,7 +16,6 @@ thousand).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -26,8 +25,6 @@ from grpc_health.v1 import health_pb2 as hpb
 from ..engine import Engine
 from ..protocol.errors import TritonError
 from .auth import HEALTH
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = "grpc.health.v1.Health"
 # Every method of the service is the HEALTH group (what an admission hook asks about).
