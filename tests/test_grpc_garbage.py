@@ -1,6 +1,7 @@
 """Whatever bytes reach the gRPC port, the server keeps serving: our HTTP/2 front
 (frontends/grpc_h2.py) parses frames itself, so a broken or hostile peer must cost only its
-own connection. Each case opens a raw socket, sends the bytes, and then an unmodified
+own connection. Each case opens a raw socket, sends the bytes, checks that the server ended
+that connection as RFC 9113 says (GOAWAY with the error code it names), and then an unmodified
 tritonclient.grpc client must still get correct answers."""
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def frame(ftype: int, flags: int, sid: int, payload: bytes = b"", length: int | 
     return struct.pack(">BHBBL", n >> 16, n & 0xFFFF, ftype, flags, sid) + payload
 
 
+PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, COMPRESSION_ERROR = 0x1, 0x3, 0x6, 0x9
 rng = random.Random(7)
 CASES = {
     "random bytes": bytes(rng.randrange(256) for _ in range(4096)),
@@ -35,6 +37,20 @@ CASES = {
     "headers on stream 0": PREFACE + frame(4, 0, 0) + frame(1, 0x4, 0, b"\x82"),
     "continuation without headers": PREFACE + frame(4, 0, 0) + frame(9, 0x4, 3, b"\x82"),
     "half a frame header then close": PREFACE + b"\x00\x00",
+}
+# The GOAWAY error code each case must get (None: the peer stalls, nothing to answer yet).
+EXPECTED = {
+    "random bytes": PROTOCOL_ERROR,
+    "bad preface": PROTOCOL_ERROR,
+    "frame longer than allowed": FRAME_SIZE_ERROR,
+    "settings of odd length": FRAME_SIZE_ERROR,
+    "headers with broken hpack": COMPRESSION_ERROR,
+    "data on a stream never opened": PROTOCOL_ERROR,
+    "window update overflowing": FLOW_CONTROL_ERROR,
+    "padding longer than the frame": PROTOCOL_ERROR,
+    "headers on stream 0": PROTOCOL_ERROR,
+    "continuation without headers": PROTOCOL_ERROR,
+    "half a frame header then close": None,
 }
 
 
@@ -66,12 +82,29 @@ def test_hostile_bytes_cost_only_their_own_connection(server, case):
     with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5) as sock:
         sock.sendall(CASES[case])
         sock.settimeout(3)
-        try:                       # the server answers (GOAWAY) or closes; it never hangs us forever
-            while sock.recv(65536):
-                pass
+        data, closed = b"", False
+        try:                       # the server answers (GOAWAY) and closes; it never hangs us forever
+            while chunk := sock.recv(65536):
+                data += chunk
+            closed = True
         except (socket.timeout, ConnectionResetError):
             pass
+    goaways = [payload for ftype, _, _, payload in _frames(data) if ftype == 7]
+    if EXPECTED[case] is not None:
+        assert closed, "the server kept the connection open after a connection error"
+        assert goaways, f"no GOAWAY; got {data[:200]!r}"
+        assert struct.unpack(">L", goaways[0][4:8])[0] == EXPECTED[case]
     _infer_ok(server.grpc_port)
+
+
+def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """The whole frames in ``data`` (type, flags, stream id, payload)."""
+    out = []
+    while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+        n = int.from_bytes(data[:3], "big")
+        out.append((data[3], data[4], int.from_bytes(data[5:9], "big"), data[9:9 + n]))
+        data = data[9 + n:]
+    return out
 
 
 def read_frame(sock: socket.socket, buf: bytes) -> tuple[tuple[int, int, int, bytes], bytes]:
@@ -130,14 +163,18 @@ def test_a_repeated_header_block_follows_the_hpack_table(server):
                 data += chunk
         except (socket.timeout, ConnectionResetError):
             pass
-        assert b"\x00\x00\x08\x07" in data          # GOAWAY
+        goaways = [payload for ftype, _, _, payload in _frames(data) if ftype == 7]
+        assert goaways and struct.unpack(">LL", goaways[0][:8]) == (sid, COMPRESSION_ERROR)
     _infer_ok(server.grpc_port)
 
 
 def test_the_connection_window_is_given_back(server):
-    """Received DATA is given back to the connection's flow-control window (in batches of
-    WINDOW_REFILL bytes): a client that sends more than that gets it back and goes on."""
-    from jupyter_triton.frontends.grpc_h2 import OUR_WINDOW, WINDOW_REFILL
+    """Received DATA is given back to the connection's flow-control window once the handlers
+    took it (in batches of WINDOW_REFILL bytes): a client that sends more than that gets it
+    back and goes on."""
+    from jupyter_triton.frontends.grpc_h2 import WINDOW_REFILL
+    from jupyter_triton.frontends.limits import HTTP2Limits
+    window = HTTP2Limits().connection_window
     live = b"\x83\x86" + b"\x04\x2a/inference.GRPCInferenceService/ServerLive" + \
         b"\x0f\x10\x10application/grpc" + b"\x00\x02te\x08trailers"
     # a ServerLiveRequest carrying an unknown field (kept by the parser): 16 KiB a call
@@ -158,5 +195,5 @@ def test_the_connection_window_is_given_back(server):
                 assert b"grpc-status\x010" in payload, payload     # each call answered OK
                 done += 1
     sent = calls * len(message)
-    given -= OUR_WINDOW - 65535         # the first update: the window beyond RFC 9113's default
+    given -= window - 65535             # the first update: the window beyond RFC 9113's default
     assert given >= WINDOW_REFILL and 0 <= sent - given < WINDOW_REFILL, (sent, given)

@@ -4,24 +4,43 @@ frontends/grpc.py (``method_handlers``) on the engine's loop.
 Why not grpc.aio's server: its per-RPC machinery (four completion-queue round trips through a
 poller thread and a socket, five tasks, an ``asyncio.wait`` over every pending accept) cost
 more event-loop time than the whole fast HTTP path: measured with perf_analyzer at c=32,
-~300 us of server CPU per RPC over a trivial engine, against ~110 us here.
+~300 us of server CPU per RPC over a trivial engine, against ~110 us here. Nor the ``h2``
+package: its state machine is sound but costs more per call than this whole front.
 
 What gRPC clients need from HTTP/2 and no more: the preface, SETTINGS, HEADERS (+CONTINUATION,
 HPACK via the ``hpack`` package), DATA with both flow-control windows, WINDOW_UPDATE, PING,
 RST_STREAM (cancels the handler), GOAWAY (graceful stop). Responses use precomputed header and
 trailer blocks. The handlers are frontends/grpc.py's ``method_handlers(service)``.
+
+What a hostile peer meets (issue 17; every limit is a field of ``HTTP2Limits``):
+- every connection error RFC 9113 names ends the connection with GOAWAY (the right code and
+  the last stream processed), then a close;
+- header blocks (CONTINUATION included) are bounded by SETTINGS_MAX_HEADER_LIST_SIZE, frames
+  by SETTINGS_MAX_FRAME_SIZE, streams by SETTINGS_MAX_CONCURRENT_STREAMS (REFUSED_STREAM);
+- receive windows are handed back only as the handlers take messages (or while one message
+  is still arriving), so what a peer can make us hold is one message plus the windows;
+- control frames (PING, SETTINGS, RST_STREAM, PRIORITY, empty DATA, unknown) are counted per
+  second, and pings policed as grpc core does: past either, GOAWAY ENHANCE_YOUR_CALM;
+- a peer that does not read: past the write buffer's high-water mark we stop reading it, and
+  responses held behind its flow control are bounded per connection;
+- the credentials of a call are checked (``admit``) on its HEADERS, before its body is taken;
+- compressed messages (gzip, deflate) inflate to at most the receive limit, off the loop when
+  large;
+- one timer per connection: handshake, idle, keep-alive and age deadlines.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import gzip
+import binascii
 import logging
 import struct
+import zlib
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 from hpack import Decoder
+from hpack.exceptions import HPACKError, OversizedHeaderListError
 
 from .limits import HTTP2Limits
 
@@ -38,23 +57,39 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = \
     range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-OUR_WINDOW = 1 << 30
-# Received bytes given back to the connection's window in one WINDOW_UPDATE: a frame per
-# DATA frame was work on both sides for a window that never runs low (1 GiB).
+# RFC 9113 §7 error codes
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+ENHANCE_YOUR_CALM = 0xB
+# SETTINGS identifiers (RFC 9113 §6.5.2)
+S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS = 1, 2, 3
+S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 4, 5, 6
+# Received bytes given back in one WINDOW_UPDATE at most this late: a frame per DATA frame was
+# work on both sides for windows that are far from running low.
 WINDOW_REFILL = 1 << 20
-MAX_FRAME = 16384                   # RFC 9113's default, which we do not raise
-# Streams one connection may have open; beyond, REFUSED_STREAM (the RPC cap is global).
-MAX_STREAMS_PER_CONNECTION = 1024
+DEFAULT_FRAME = 16384               # RFC 9113's initial SETTINGS_MAX_FRAME_SIZE
 MAX_WINDOW = (1 << 31) - 1
 # Bytes of a streaming RPC's responses queued behind flow control before its handler waits.
 STREAM_PENDING_BYTES = 1 << 20
+# A compressed message larger than this is inflated on a worker thread, not on the loop.
+INFLATE_ON_LOOP = 64 * 1024
 # Distinct request header blocks remembered per connection, and the largest remembered
 # (a repeated block is all table references: tens of bytes), see _Connection._head.
 HEAD_CACHE = 32
 HEAD_CACHE_BLOCK = 1024
+KEEPALIVE_PING = b"jtkalive"
 # Headers that are gRPC's own, not the call's metadata.
 _NOT_METADATA = frozenset(("te", "content-type", "grpc-timeout", "grpc-encoding",
                            "grpc-accept-encoding"))
+ENCODINGS = ("gzip", "deflate")
+
+
+class ConnectionError_(Exception):
+    """An RFC 9113 connection error: GOAWAY with ``code``, then close."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 def _int(n: int, prefix: int, first: int = 0) -> bytes:
@@ -76,8 +111,10 @@ def _literal(name: bytes, value: bytes) -> bytes:
     return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
 
 
-# :status 200 (static index 8); content-type (static name 31) application/grpc
-RESPONSE_HEADERS = b"\x88" + b"\x0f\x10" + _int(16, 7) + b"application/grpc"
+# :status 200 (static index 8); content-type (static name 31) application/grpc; the
+# encodings we accept (grpc core sends it so that clients may compress)
+RESPONSE_HEADERS = b"\x88" + b"\x0f\x10" + _int(16, 7) + b"application/grpc" + \
+    _literal(b"grpc-accept-encoding", b"identity,deflate,gzip")
 TRAILERS_OK = _literal(b"grpc-status", b"0")
 
 
@@ -92,6 +129,10 @@ def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     return struct.pack(">BHBBL", n >> 16, n & 0xFFFF, ftype, flags, sid) + payload
 
 
+def _window_update(sid: int, n: int) -> bytes:
+    return struct.pack(">BHBBLL", 0, 4, WINDOW_UPDATE, 0, sid, n)
+
+
 def _timeout(value: str) -> float | None:
     units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
     if len(value) < 2 or value[-1] not in units or not value[:-1].isdigit():
@@ -103,6 +144,27 @@ class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
+
+
+class _Compressed(bytes):
+    """A message as it came (compressed): inflated when its handler takes it."""
+    __slots__ = ()
+
+
+def _inflate(data: bytes, limit: int) -> bytes:
+    """gzip or zlib ("deflate" in gRPC) ``data``, never more than ``limit`` bytes of output."""
+    inflater = zlib.decompressobj(47)           # 32 + 15: a gzip or a zlib header
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as err:
+        raise _Abort(grpc.StatusCode.INTERNAL, f"Failed to decompress the message: {err}") from None
+    if len(out) > limit:
+        raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     f"Received message larger than max (more than {limit} bytes once "
+                     f"decompressed vs. {limit})")
+    if not inflater.eof:
+        raise _Abort(grpc.StatusCode.INTERNAL, "Failed to decompress the message: truncated")
+    return out
 
 
 class _Context:
@@ -138,14 +200,19 @@ class _Head:
                 self.timeout = _timeout(value) if value else None
 
     def metadata(self) -> tuple:
-        """The call's metadata, ``-bin`` values decoded (a bad one raises in the call)."""
+        """The call's metadata, ``-bin`` values decoded; a value that is not base64 is
+        INVALID_ARGUMENT (raised inside the call, whose resources a ``finally`` frees)."""
         if self._metadata is None:
             out = []
             for key, value in self.headers:
                 if key[0] == ":" or key in _NOT_METADATA:
                     continue
                 if key.endswith("-bin"):
-                    value = base64.b64decode(value + "=" * (-len(value) % 4))
+                    try:
+                        value = base64.b64decode(value + "=" * (-len(value) % 4))
+                    except (binascii.Error, ValueError):
+                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"metadata '{key}' is not base64") from None
                 out.append((key, value))
             self._metadata = tuple(out)
         return self._metadata
@@ -156,9 +223,10 @@ _NO_HEAD = _Head([])
 
 class _Stream:
     __slots__ = ("sid", "block", "head", "buf", "messages", "queue", "task", "window",
-                 "pending", "trailers", "ended", "handler", "method", "encoding", "writable")
+                 "pending", "trailers", "ended", "handler", "method", "encoding", "writable",
+                 "recv_window", "credit", "held", "waiting", "refused")
 
-    def __init__(self, sid: int, window: int) -> None:
+    def __init__(self, sid: int, window: int, recv_window: int) -> None:
         self.sid = sid
         self.block = bytearray()
         self.head = _NO_HEAD            # the request's headers, once they are complete
@@ -166,7 +234,7 @@ class _Stream:
         self.messages: list[bytes] = []
         self.queue: asyncio.Queue | None = None
         self.task: asyncio.Task | None = None
-        self.window = window
+        self.window = window            # send window
         self.pending = bytearray()      # DATA payload not yet sent (flow control)
         self.trailers: bytes | None = None
         self.ended = False              # the client sent END_STREAM
@@ -174,6 +242,11 @@ class _Stream:
         self.method = ""
         self.encoding = "identity"
         self.writable: asyncio.Future | None = None     # a stream handler waiting on flow control
+        self.recv_window = recv_window  # what the peer may still send on this stream
+        self.credit = 0                 # received bytes not yet given back to the peer
+        self.held = 0                   # received bytes no handler has taken yet
+        self.waiting = 0                # whole messages no handler has taken yet
+        self.refused = False            # headers decoded for HPACK's sake only
 
 
 _EOF = object()
@@ -182,21 +255,56 @@ _EOF = object()
 class _Connection(asyncio.Protocol):
     def __init__(self, server: "H2GrpcServer") -> None:
         self.server = server
+        limits = self.limits = server.limits
         self.buf = bytearray()
         self.preface = False
-        self.decoder = Decoder()
+        self.settled = False            # the peer's first SETTINGS arrived
+        self.decoder = Decoder(max_header_list_size=limits.max_header_list_size)
         # header block bytes -> (the HPACK table's state it was decoded in, its _Head)
         self.heads: dict[bytes, tuple[Any, int, int, _Head]] = {}
         self.streams: dict[int, _Stream] = {}
-        self.peer_frame = 16384
+        self.last_sid = 0               # the newest stream the peer opened (GOAWAY's last id)
+        self.goaway_sid: int | None = None  # after our GOAWAY: streams past it are refused
+        self.peer_frame = DEFAULT_FRAME
         self.peer_window = 65535        # initial window of new streams, from peer SETTINGS
         self.send_window = 65535        # connection-level
-        self.received = 0               # connection-level bytes not yet given back
+        self.recv_window = limits.connection_window     # what the peer may still send
+        self.credit = 0                 # connection-level bytes not yet given back
+        self.held = 0                   # bytes of all streams no handler has taken yet
+        # Given back while we hold less than this: one whole message must fit.
+        self.hold_cap = max(limits.connection_window, server.max_receive + 5)
+        self.stream_refill = min(WINDOW_REFILL, limits.stream_window // 2)
+        self.conn_refill = min(WINDOW_REFILL, limits.connection_window // 2)
         self.blocked: dict[int, _Stream] = {}
+        self.pending_total = 0          # response bytes held behind the peer's flow control
         self.continuing: _Stream | None = None
         self.transport: asyncio.Transport | None = None
         self.out: list[bytes] = []
         self.flush_scheduled = False
+        self.dead = False
+        self.write_paused = False
+        # flood accounting, reset each second by the timer
+        self.control = 0
+        self.resets = 0
+        self.paused_control = 0
+        # pings (grpc core's policing) and keep-alive
+        self.replies = 0                # responses sent: a ping after data is no strike
+        self.ping_replies = -1
+        self.last_ping = float("-inf")
+        self.ping_strikes = 0
+        self.reads = 0                  # data_received calls, for the keep-alive check
+        self.keepalive_reads = -1
+        self.keepalive_at = 0.0
+        self.keepalive_sent: float | None = None
+        self.pings_without_data = 0
+        self.pings_replies = -1
+        # timers: one call_later per connection, re-armed each tick
+        self.timer: asyncio.TimerHandle | None = None
+        self.born = 0.0
+        self.idle_sid = -1
+        self.idle_since = 0.0
+        self.second = 0.0
+        self.closing_at: float | None = None
 
     # -- output: coalesced into one write per loop iteration -----------------------------
     def _emit(self, data: bytes) -> None:
@@ -211,119 +319,373 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"".join(self.out))
         self.out.clear()
 
+    # write back-pressure: a peer that does not read is not read either
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.paused_control = 0
+        if self.transport is not None and not self.transport.is_closing() and not self.dead:
+            self.transport.resume_reading()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport      # type: ignore[assignment]
-        self.server.connections.add(self)
-        settings = struct.pack(">HL", 4, OUR_WINDOW) + struct.pack(">HL", 3, MAX_STREAMS_PER_CONNECTION)
+        server, limits = self.server, self.limits
+        if len(server.connections) >= limits.max_connections:
+            self.dead = True
+            transport.abort()           # type: ignore[attr-defined]
+            return
+        server.connections.add(self)
+        transport.set_write_buffer_limits(high=limits.max_pending_reply_bytes)  # type: ignore[attr-defined]
+        settings = struct.pack(">HLHLHLHL", S_INITIAL_WINDOW_SIZE, limits.stream_window,
+                               S_MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams,
+                               S_MAX_HEADER_LIST_SIZE, limits.max_header_list_size,
+                               S_MAX_FRAME_SIZE, limits.max_frame_size)
         self._emit(_frame(SETTINGS, 0, 0, settings)
-                   + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", OUR_WINDOW - 65535)))
+                   + _window_update(0, limits.connection_window - 65535))
+        loop = asyncio.get_running_loop()
+        self.born = self.idle_since = self.second = self.keepalive_at = loop.time()
+        self.timer = loop.call_later(self._tick_interval(), self._tick)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Everything the connection holds goes now: handlers cancelled, buffers dropped."""
+        self.dead = True
         self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         for st in list(self.streams.values()):
-            if st.task is not None:
-                st.task.cancel()
+            self._drop(st)
+        if self.continuing is not None:
+            self._drop(self.continuing)
         self.streams.clear()
+        self.blocked.clear()
+        self.continuing = None
+        self.heads.clear()
+        self.out.clear()
+        self.buf = bytearray()
+        self.pending_total = self.held = 0
+        self.transport = None
 
-    def _error(self, code: int = 1) -> None:
-        self._emit(_frame(GOAWAY, 0, 0, struct.pack(">LL", 0, code)))
+    def _drop(self, st: _Stream) -> None:
+        if st.task is not None and not st.task.done():
+            st.task.cancel()
+        if st.writable is not None and not st.writable.done():
+            st.writable.cancel()
+        st.writable = None
+        self.pending_total -= len(st.pending)
+        st.pending = bytearray()
+        st.buf = bytearray()
+        st.messages.clear()
+        st.block = bytearray()
+
+    def _goaway(self, code: int, debug: bytes = b"") -> None:
+        self._emit(_frame(GOAWAY, 0, 0, struct.pack(">LL", self.last_sid, code) + debug))
+
+    def _error(self, code: int = PROTOCOL_ERROR, debug: str = "") -> None:
+        """A connection error: GOAWAY(code), then close (abort if the peer does not read)."""
+        if self.dead:
+            return
+        self.dead = True
+        if code != NO_ERROR:
+            log.debug("HTTP/2 connection error %#x: %s", code, debug)
+        self._goaway(code, debug.encode()[:256])
         self._flush()
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is not None:
+            transport.close()
+            asyncio.get_running_loop().call_later(2.0, transport.abort)
+
+    # -- timers: one per connection ------------------------------------------------------
+    def _tick_interval(self) -> float:
+        """A quarter of the shortest deadline, within [50 ms, 1 s]."""
+        limits = self.limits
+        shortest = min(x for x in (limits.handshake_timeout, limits.max_connection_idle,
+                                   limits.keepalive_time, limits.keepalive_timeout,
+                                   limits.max_connection_age or 60.0,
+                                   limits.max_connection_age_grace or 60.0, 60.0) if x > 0)
+        return min(1.0, max(0.05, shortest / 4))
+
+    def _tick(self) -> None:
+        self.timer = None
+        if self.dead or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        limits = self.limits
+        if now - self.second >= 1.0:            # flood counters are per second
+            self.second, self.control, self.resets = now, 0, 0
+        if not self.settled:
+            if now - self.born > limits.handshake_timeout:
+                return self._error(PROTOCOL_ERROR, "handshake timeout")
+        # idle: no stream open and none opened since the last tick
+        if self.streams or self.last_sid != self.idle_sid:
+            self.idle_sid, self.idle_since = self.last_sid, now
+        elif now - self.idle_since > limits.max_connection_idle:
+            return self._error(NO_ERROR, "max_idle")
+        # age: GOAWAY, then close after the grace
+        age = limits.max_connection_age
+        if age is not None and self.goaway_sid is None and now - self.born > age:
+            self.goaway_sid = self.last_sid
+            self._goaway(NO_ERROR, b"max_age")
+            self.closing_at = now + (limits.max_connection_age_grace or 0.0)
+        if self.closing_at is not None and (now >= self.closing_at or not self.streams):
+            return self._error(NO_ERROR, "max_age")
+        # keep-alive: a ping after keepalive_time without anything read; no ACK in time: close
+        if self.keepalive_sent is not None:
+            if now - self.keepalive_sent > limits.keepalive_timeout:
+                return self._error(NO_ERROR, "keepalive timeout")
+        elif self.reads != self.keepalive_reads:
+            self.keepalive_reads, self.keepalive_at = self.reads, now
+        elif now - self.keepalive_at > limits.keepalive_time and \
+                (self.streams or limits.keepalive_permit_without_calls):
+            if self.replies != self.pings_replies:
+                self.pings_replies, self.pings_without_data = self.replies, 0
+            if not limits.max_pings_without_data or \
+                    self.pings_without_data < limits.max_pings_without_data:
+                self.pings_without_data += 1
+                self.keepalive_sent = now
+                self._emit(_frame(PING, 0, 0, KEEPALIVE_PING))
+        self.timer = loop.call_later(self._tick_interval(), self._tick)
 
     # -- input -----------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.dead:
+            return
+        self.reads += 1
         buf = self.buf
         buf += data
         if not self.preface:
             if len(buf) < 24:
+                if PREFACE[:len(buf)] != bytes(buf):
+                    return self._error(PROTOCOL_ERROR, "not an HTTP/2 preface")
                 return
             if bytes(buf[:24]) != PREFACE:
-                return self._error()
+                return self._error(PROTOCOL_ERROR, "not an HTTP/2 preface")
             del buf[:24]
             self.preface = True
         pos, n = 0, len(buf)
-        while n - pos >= 9:
-            length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
-            if length > MAX_FRAME:      # never buffer more than one frame we allowed
-                del buf[:pos]
-                return self._error(6)   # FRAME_SIZE_ERROR
-            if n - pos < 9 + length:
-                break
-            ftype, flags = buf[pos + 3], buf[pos + 4]
-            sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
-            payload = bytes(buf[pos + 9:pos + 9 + length])
-            pos += 9 + length
-            try:
+        max_frame = self.limits.max_frame_size
+        try:
+            while n - pos >= 9 and not self.dead:
+                length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+                if length > max_frame:      # never buffer more than one frame we allowed
+                    raise ConnectionError_(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                if n - pos < 9 + length:
+                    break
+                ftype, flags = buf[pos + 3], buf[pos + 4]
+                sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+                payload = bytes(buf[pos + 9:pos + 9 + length])
+                pos += 9 + length
+                if not self.settled and ftype != SETTINGS:
+                    raise ConnectionError_(PROTOCOL_ERROR, "the first frame must be SETTINGS")
                 self._frame_received(ftype, flags, sid, payload)
-            except Exception:  # noqa: BLE001 - a protocol error closes this connection only
-                log.exception("HTTP/2 protocol error")
-                del buf[:pos]
-                return self._error()
+        except ConnectionError_ as err:
+            self.buf = bytearray()
+            return self._error(err.code, str(err))
+        except (OversizedHeaderListError,) as err:
+            self.buf = bytearray()
+            return self._error(ENHANCE_YOUR_CALM, f"header list too large: {err}")
+        except HPACKError as err:
+            self.buf = bytearray()
+            return self._error(COMPRESSION_ERROR, f"HPACK: {err}")
+        except Exception:  # noqa: BLE001 - a protocol error closes this connection only
+            log.exception("HTTP/2 protocol error")
+            self.buf = bytearray()
+            return self._error(PROTOCOL_ERROR, "protocol error")
         del buf[:pos]
+
+    def _count_control(self) -> None:
+        """A control frame: past ``max_control_frames`` a second, or many while the peer
+        does not read what we answer, ENHANCE_YOUR_CALM (nginx's and h2o's flood checks)."""
+        self.control += 1
+        if self.write_paused:
+            self.paused_control += 1
+            if self.paused_control > 1024:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "control frames from a peer that does not read")
+        if self.control > self.limits.max_control_frames:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "flood of control frames")
 
     def _frame_received(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if self.continuing is not None and ftype != CONTINUATION:
-            raise ValueError("expected CONTINUATION")
+            raise ConnectionError_(PROTOCOL_ERROR, "expected CONTINUATION")
         if ftype == DATA:
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
             self._data(flags, sid, payload)
         elif ftype == HEADERS:
-            if flags & PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            st = self.streams.get(sid)
-            if st is None:                  # request headers
-                if len(self.streams) >= MAX_STREAMS_PER_CONNECTION:
-                    self.decoder.decode(payload)    # keeps HPACK state in step
-                    self._emit(_frame(RST_STREAM, 0, sid, struct.pack(">L", 7)))
-                    return
-                st = self.streams[sid] = _Stream(sid, self.peer_window)
-            st.block += payload
-            if flags & END_STREAM:
-                st.ended = True
-            if flags & END_HEADERS:
-                self._headers_done(st)
-            else:
-                self.continuing = st
+            self._headers(flags, sid, payload)
         elif ftype == CONTINUATION:
             st = self.continuing
             if st is None or st.sid != sid:
-                raise ValueError("unexpected CONTINUATION")
+                raise ConnectionError_(PROTOCOL_ERROR, "unexpected CONTINUATION")
             st.block += payload
+            if len(st.block) > self.limits.max_header_list_size:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "header block larger than "
+                                       "SETTINGS_MAX_HEADER_LIST_SIZE")
             if flags & END_HEADERS:
                 self.continuing = None
                 self._headers_done(st)
         elif ftype == SETTINGS:
-            if not flags & ACK:
-                for i in range(0, len(payload) - 5, 6):
-                    key, value = struct.unpack(">HL", payload[i:i + 6])
-                    if key == 4:
-                        delta = value - self.peer_window
-                        self.peer_window = value
-                        for st in self.streams.values():
-                            st.window += delta
-                    elif key == 5:
-                        self.peer_frame = value
-                self._emit(_frame(SETTINGS, ACK, 0))
-                self._unblock()
+            self._settings(flags, sid, payload)
         elif ftype == WINDOW_UPDATE:
-            inc = struct.unpack(">L", payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self.send_window += inc
-            elif sid in self.streams:
-                self.streams[sid].window += inc
-            self._unblock()
+            self._window_update(sid, payload)
         elif ftype == PING:
-            if not flags & ACK:
-                self._emit(_frame(PING, ACK, 0, payload))
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "PING of other than 8 bytes")
+            if flags & ACK:
+                if payload == KEEPALIVE_PING:
+                    self.keepalive_sent = None
+                return
+            self._count_control()
+            self._police_ping()
+            self._emit(_frame(PING, ACK, 0, payload))
         elif ftype == RST_STREAM:
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if len(payload) != 4:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "RST_STREAM of other than 4 bytes")
+            if sid > self.last_sid:
+                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+            self._count_control()
+            self.resets += 1
+            if self.resets > self.limits.max_resets_per_second:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "rapid reset")
             st = self.streams.pop(sid, None)
-            self.blocked.pop(sid, None)
-            if st is not None and st.task is not None:
-                st.task.cancel()
+            if st is not None:
+                self._forget(st)
+        elif ftype == PRIORITY:
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if len(payload) != 5:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
+            self._count_control()
         elif ftype == GOAWAY:
-            pass                        # the client finishes its streams and closes
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
+            self._count_control()   # the client finishes its streams and closes
+        elif ftype == PUSH:
+            raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        else:
+            self._count_control()   # unknown frame types are ignored (RFC 9113 §4.1)
+
+    def _police_ping(self) -> None:
+        """grpc core's ping policing: pings closer together than the allowed interval while
+        we sent no data are strikes; past ``max_ping_strikes``, GOAWAY "too_many_pings"."""
+        limits = self.limits
+        now = asyncio.get_running_loop().time()
+        if self.replies != self.ping_replies:       # we sent data since: a clean slate
+            self.ping_replies = self.replies
+            self.ping_strikes = 0
+            self.last_ping = float("-inf")
+        interval = limits.min_recv_ping_interval_without_data \
+            if self.streams or limits.keepalive_permit_without_calls else 7200.0
+        if now - self.last_ping < interval:
+            self.ping_strikes += 1
+            if self.ping_strikes > limits.max_ping_strikes:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "too_many_pings")
+        self.last_ping = now
+
+    def _settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+        if self.settled:
+            self._count_control()
+        self.settled = True
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HL", payload, i)
+            if key == S_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE too large")
+                delta = value - self.peer_window
+                self.peer_window = value
+                for st in self.streams.values():
+                    st.window += delta
+                    if st.window > MAX_WINDOW:
+                        raise ConnectionError_(FLOW_CONTROL_ERROR, "a stream window past 2^31-1")
+            elif key == S_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value <= (1 << 24) - 1:
+                    raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
+                self.peer_frame = value
+            elif key == S_ENABLE_PUSH and value > 1:
+                raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH not 0 or 1")
+        self._emit(_frame(SETTINGS, ACK, 0))
+        self._unblock()
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of other than 4 bytes")
+        inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if sid == 0:
+            if inc == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += inc
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
+            if self.blocked:
+                self._unblock()
+            return
+        if sid > self.last_sid:
+            raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+        st = self.streams.get(sid)
+        if st is None:
+            return                      # a stream closed meanwhile
+        if inc == 0:
+            return self._reset(st, PROTOCOL_ERROR)
+        st.window += inc
+        if st.window > MAX_WINDOW:
+            return self._reset(st, FLOW_CONTROL_ERROR)
+        if st.pending:
+            self._drain(st)
+
+    def _headers(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0 or not sid & 1:
+            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0 or an even stream")
+        if flags & PADDED:
+            if not payload or payload[0] >= len(payload):
+                raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+            payload = payload[1:len(payload) - payload[0]]
+        if flags & PRIORITY_FLAG:
+            if len(payload) < 5:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+            payload = payload[5:]
+        limits = self.limits
+        if len(payload) > limits.max_header_list_size:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block larger than "
+                                   "SETTINGS_MAX_HEADER_LIST_SIZE")
+        st = self.streams.get(sid)
+        if st is not None:              # trailers of a request
+            if st.ended or not flags & END_STREAM:
+                raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on a stream whose headers came")
+        elif sid <= self.last_sid:
+            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on a closed stream or a stream id "
+                                   "below one already used")
+        else:
+            self.last_sid = sid
+            st = _Stream(sid, self.peer_window, limits.stream_window)
+            if len(self.streams) >= limits.max_concurrent_streams or \
+                    (self.goaway_sid is not None and sid > self.goaway_sid):
+                st.refused = True       # decoded for HPACK's sake, then REFUSED_STREAM
+            else:
+                self.streams[sid] = st
+        st.block += payload
+        if flags & END_STREAM:
+            st.ended = True
+        if flags & END_HEADERS:
+            self._headers_done(st)
+        else:
+            self.continuing = st
 
     def _head(self, block: bytes) -> _Head:
         """The decoded header block. A client repeats the same block for every call of a
@@ -351,6 +713,9 @@ class _Connection(asyncio.Protocol):
     def _headers_done(self, st: _Stream) -> None:
         head = self._head(bytes(st.block))
         st.block = bytearray()
+        if st.refused:
+            self._emit(_frame(RST_STREAM, 0, st.sid, struct.pack(">L", REFUSED_STREAM)))
+            return
         if st.head.headers:             # trailers of a request: ignored
             if st.ended:
                 self._ended(st)
@@ -363,24 +728,72 @@ class _Connection(asyncio.Protocol):
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         size = len(payload)
-        if flags & PADDED:
-            payload = payload[1:len(payload) - payload[0]]
+        self.recv_window -= size
+        if self.recv_window < 0:
+            raise ConnectionError_(FLOW_CONTROL_ERROR, "DATA past the connection window")
+        self.credit += size
         st = self.streams.get(sid)
-        updates = []
-        self.received += size
-        if self.received >= WINDOW_REFILL:
-            updates.append(_frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", self.received)))
-            self.received = 0
-        if st is not None:
-            if size and not flags & END_STREAM:
-                updates.append(_frame(WINDOW_UPDATE, 0, sid, struct.pack(">L", size)))
+        if st is None:
+            if sid > self.last_sid:
+                raise ConnectionError_(PROTOCOL_ERROR, "DATA on an idle stream")
+            # a stream we closed: its bytes are dropped, the connection's window given back
+            if not size:
+                self._count_control()
+            self._give_back(None)
+            return
+        if st.ended:
+            self._give_back(None)
+            return self._reset(st, STREAM_CLOSED)
+        st.recv_window -= size
+        if st.recv_window < 0:
+            self._give_back(None)
+            return self._reset(st, FLOW_CONTROL_ERROR)
+        if flags & PADDED:
+            if not size or payload[0] >= size:
+                raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+            payload = payload[1:size - payload[0]]
+        elif not size and not flags & END_STREAM:
+            self._count_control()
+        kept = len(payload)
+        st.credit += size
+        st.held += kept
+        self.held += kept
+        if kept:
             st.buf += payload
             self._messages(st)
-            if flags & END_STREAM:
-                st.ended = True
-                self._ended(st)
+        if flags & END_STREAM:
+            st.ended = True
+            self._ended(st)
+        if st.trailers is None or st.sid in self.streams:
+            self._give_back(st)
+        else:
+            self._give_back(None)
+
+    def _give_back(self, st: _Stream | None) -> None:
+        """WINDOW_UPDATEs for what the handlers took: a stream's window while no whole message
+        of it waits for its handler (so one message may arrive whatever its size), the
+        connection's while the connection holds less than one message and its window."""
+        updates = b""
+        if st is not None and st.credit >= self.stream_refill and not st.waiting \
+                and not st.ended and st.sid in self.streams:
+            updates = _window_update(st.sid, st.credit)
+            st.recv_window += st.credit
+            st.credit = 0
+        if self.credit >= self.conn_refill and self.held <= self.hold_cap:
+            updates += _window_update(0, self.credit)
+            self.recv_window += self.credit
+            self.credit = 0
         if updates:
-            self._emit(b"".join(updates))
+            self._emit(updates)
+
+    def _taken(self, st: _Stream, n: int) -> None:
+        """A handler took a message of ``n`` bytes on the wire: its windows can open."""
+        n = min(n, st.held)             # nothing, once the stream is forgotten
+        st.held -= n
+        st.waiting -= 1
+        self.held -= n
+        if not self.dead:
+            self._give_back(st)
 
     def _messages(self, st: _Stream) -> None:
         buf = st.buf
@@ -390,19 +803,24 @@ class _Connection(asyncio.Protocol):
             if length > limit:
                 self._reply_error(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"Received message larger than max ({length} vs. {limit})")
-                buf.clear()
                 return
             if len(buf) < 5 + length:
                 return
             compressed = buf[0]
-            message = bytes(buf[5:5 + length])
-            del buf[:5 + length]
+            if len(buf) == 5 + length:
+                message = bytes(memoryview(buf)[5:]) if length else b""
+                st.buf = buf = bytearray()
+            else:
+                with memoryview(buf) as view:
+                    message = bytes(view[5:5 + length])
+                del buf[:5 + length]
             if compressed:
-                if st.encoding != "gzip":
+                if st.encoding not in ENCODINGS:
                     self._reply_error(st, grpc.StatusCode.UNIMPLEMENTED,
                                       f"message compression '{st.encoding}' is not supported")
                     return
-                message = gzip.decompress(message)
+                message = _Compressed(message)
+            st.waiting += 1
             if st.queue is not None:
                 st.queue.put_nowait(message)
             else:
@@ -414,12 +832,32 @@ class _Connection(asyncio.Protocol):
         elif st.task is None and st.trailers is None and st.handler is not None:
             st.task = asyncio.get_running_loop().create_task(self._unary(st))
 
+    def _reset(self, st: _Stream, code: int) -> None:
+        """A stream error: RST_STREAM(code); the stream and its handler are dropped."""
+        self._emit(_frame(RST_STREAM, 0, st.sid, struct.pack(">L", code)))
+        self.streams.pop(st.sid, None)
+        self._forget(st)
+
+    def _forget(self, st: _Stream) -> None:
+        """The stream is gone (reset by either side): its handler and bytes too."""
+        self.blocked.pop(st.sid, None)
+        self.held -= st.held
+        st.held = 0
+        st.trailers = b""
+        self._drop(st)
+        self._give_back(None)
+
     # -- calls -----------------------------------------------------------------------------
     def _start(self, st: _Stream) -> None:
         service, _, method = st.head.path.lstrip("/").partition("/")
         handler = self.server.services.get(service, {}).get(method)
         if handler is None:
             return self._reply_error(st, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        admit = self.server.admit
+        if admit is not None:
+            refused = admit(service, method, st.head.headers)
+            if refused is not None:     # before any of the body: the client is told to stop
+                return self._reply_error(st, *refused)
         if self.server.active >= self.server.max_concurrent_rpcs:
             return self._reply_error(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      "Concurrent RPC limit exceeded!")
@@ -431,6 +869,16 @@ class _Connection(asyncio.Protocol):
             st.messages.clear()
             st.task = asyncio.get_running_loop().create_task(self._streaming(st, handler))
 
+    async def _message(self, st: _Stream, message: bytes) -> bytes:
+        """A message the handler takes: its windows given back, inflated if compressed."""
+        self._taken(st, len(message) + 5)
+        if type(message) is _Compressed:
+            limit = self.server.max_receive
+            if len(message) > INFLATE_ON_LOOP:
+                return await asyncio.to_thread(_inflate, message, limit)
+            return _inflate(message, limit)
+        return message
+
     async def _unary(self, st: _Stream) -> None:
         handler = st.handler
         if len(st.messages) != 1:
@@ -438,7 +886,7 @@ class _Connection(asyncio.Protocol):
                                      f"expected one request message, got {len(st.messages)}")
         self.server.active += 1
         try:
-            message = st.messages.pop()
+            message = await self._message(st, st.messages.pop())
             request = handler.request_deserializer(message) if handler.request_deserializer \
                 else message
             call = handler.unary_unary(request, _Context(st.head.metadata()))
@@ -462,43 +910,61 @@ class _Connection(asyncio.Protocol):
     async def _streaming(self, st: _Stream, handler: Any) -> None:
         queue = st.queue
         assert queue is not None
+        failed: list[_Abort] = []
 
         async def requests() -> AsyncIterator[Any]:
             while (item := await queue.get()) is not _EOF:
+                try:
+                    item = await self._message(st, item)
+                except _Abort as abort:     # ends the call with this status, not the handler's
+                    failed.append(abort)
+                    raise
                 yield handler.request_deserializer(item) if handler.request_deserializer \
                     else item
 
         self.server.active += 1
         started = False
-        responses = handler.stream_stream(requests(), _Context(st.head.metadata()))
+        responses = None
         try:
+            responses = handler.stream_stream(requests(), _Context(st.head.metadata()))
             async for response in responses:
+                if failed:
+                    break
                 raw = handler.response_serializer(response)
                 if not started:
                     self._emit(_frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS))
                     started = True
                 self._send(st, b"\x00" + struct.pack(">L", len(raw)) + raw, None)
-                if len(st.pending) > STREAM_PENDING_BYTES:
+                if len(st.pending) > STREAM_PENDING_BYTES or \
+                        (st.pending and self.pending_total > self.limits.max_pending_bytes):
                     # A client that reads slower than the model answers holds the model back
                     # (through the handler's bounded queue), not this server's memory.
                     st.writable = asyncio.get_running_loop().create_future()
                     await st.writable
+            if failed:
+                raise failed[0]
             self._finish(st, TRAILERS_OK, started)
         except _Abort as abort:
             self._finish(st, self._status_block(abort.code, abort.details), started)
         except asyncio.CancelledError:
             pass
         except Exception as err:  # noqa: BLE001
-            log.exception("gRPC %s failed", st.method)
-            self._finish(st, self._status_block(grpc.StatusCode.UNKNOWN,
-                                                f"Unexpected {type(err)}: {err}"), started)
+            if failed:
+                self._finish(st, self._status_block(failed[0].code, failed[0].details), started)
+            else:
+                log.exception("gRPC %s failed", st.method)
+                self._finish(st, self._status_block(grpc.StatusCode.UNKNOWN,
+                                                    f"Unexpected {type(err)}: {err}"), started)
         finally:
             self.server.active -= 1
             # Cancelled while waiting on flow control, the handler sits at a yield: closing
             # it now (not when collected) ends its requests' work.
             close = getattr(responses, "aclose", None)
             if close is not None:
-                await close()
+                try:
+                    await close()
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - it is over anyway
+                    pass
 
     # -- responses -------------------------------------------------------------------------
     @staticmethod
@@ -513,6 +979,7 @@ class _Connection(asyncio.Protocol):
         if st.trailers is not None:
             return
         st.trailers = b""
+        self.replies += 1
         self._emit(_frame(HEADERS, END_HEADERS | END_STREAM, st.sid,
                           RESPONSE_HEADERS + self._status_block(code, details)))
         self._close(st)
@@ -521,6 +988,7 @@ class _Connection(asyncio.Protocol):
         """A unary call's response message and OK trailers: in one piece (headers, DATA,
         trailers) when the windows allow, as nearly every call's do."""
         n = len(raw) + 5
+        self.replies += 1
         if n <= self.send_window and n <= st.window and n <= self.peer_frame and not st.pending:
             self.send_window -= n
             st.window -= n
@@ -534,17 +1002,24 @@ class _Connection(asyncio.Protocol):
             st.trailers = b""
             self._close(st)
             return
+        if self.pending_total and self.pending_total + n > self.limits.max_pending_bytes:
+            # The client does not let earlier responses flow: this one is not held too.
+            return self._reply_error(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     "the client's flow-control windows hold back "
+                                     f"{self.pending_total} bytes of responses already")
         self._send(st, b"\x00" + struct.pack(">L", len(raw)) + raw, TRAILERS_OK)
 
     def _send(self, st: _Stream, body: bytes, trailers: bytes | None) -> None:
         if trailers is not None:
             self._emit(_frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS))
         st.pending += body
+        self.pending_total += len(body)
         if trailers is not None:
             st.trailers = trailers
         self._drain(st)
 
     def _finish(self, st: _Stream, trailers: bytes, started: bool) -> None:
+        self.replies += 1
         if not started:
             self._emit(_frame(HEADERS, END_HEADERS | END_STREAM, st.sid,
                               RESPONSE_HEADERS + trailers))
@@ -555,16 +1030,25 @@ class _Connection(asyncio.Protocol):
 
     def _drain(self, st: _Stream) -> None:
         """Send what the windows allow; the rest waits for WINDOW_UPDATE."""
+        if self.dead or st.sid not in self.streams:
+            return
         pending = st.pending
+        sent = 0
         while pending:
             room = min(self.send_window, st.window, self.peer_frame, len(pending))
             if room <= 0:
-                self.blocked[st.sid] = st
-                return
+                break
             self._emit(_frame(DATA, 0, st.sid, bytes(pending[:room])))
             del pending[:room]
             self.send_window -= room
             st.window -= room
+            sent += room
+        if sent:
+            self.pending_total -= sent
+            self.replies += 1
+        if pending:
+            self.blocked[st.sid] = st
+            return
         self.blocked.pop(st.sid, None)
         if st.writable is not None:
             if not st.writable.done():
@@ -581,9 +1065,13 @@ class _Connection(asyncio.Protocol):
 
     def _close(self, st: _Stream) -> None:
         if not st.ended:                # the client is still sending: tell it to stop
-            self._emit(_frame(RST_STREAM, 0, st.sid, struct.pack(">L", 0)))
-        self.streams.pop(st.sid, None)
-        self.blocked.pop(st.sid, None)
+            self._emit(_frame(RST_STREAM, 0, st.sid, struct.pack(">L", NO_ERROR)))
+        if self.streams.pop(st.sid, None) is not None:
+            self.blocked.pop(st.sid, None)
+            if st.held:                 # bytes no handler will take: the window opens again
+                self.held -= st.held
+                st.held = 0
+                self._give_back(None)
 
 
 class H2GrpcServer:
@@ -609,7 +1097,8 @@ class H2GrpcServer:
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
-            conn._emit(_frame(GOAWAY, 0, 0, struct.pack(">LL", 0x7FFFFFFF, 0)))
+            conn.goaway_sid = conn.last_sid
+            conn._goaway(NO_ERROR)
         deadline = asyncio.get_running_loop().time() + (grace or 0)
         while self.active and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)

@@ -37,7 +37,12 @@ class HTTP2Limits:
     # has read our answers; past it, GOAWAY ENHANCE_YOUR_CALM (h2o, nginx's "flood" checks).
     max_control_frames: int = 10_000
     max_resets_per_second: int = 1_000      # rapid reset (CVE-2023-44487)
-    max_connections: int = 4096
+    max_connections: int = 4096            # per listener; beyond, accepted then closed at once
+    # Write buffer past which the peer is not read until it reads (back-pressure).
+    max_pending_reply_bytes: int = 1 << 20
+    # Response bytes one connection holds behind the peer's flow control; past it a unary
+    # response is RESOURCE_EXHAUSTED and a stream's handler waits.
+    max_pending_bytes: int = 32 * 1024 * 1024
     handshake_timeout: float = 10.0         # seconds for the preface and first SETTINGS
     max_connection_idle: float = 120.0      # seconds without a stream; tritonserver: 120 s
     keepalive_time: float = 7200.0          # --grpc-keepalive-time (ms there)
