@@ -236,7 +236,8 @@ def legit_http_infer(server: ServerProcess, timeout: float = LEGIT_DEADLINE_S) -
         x = np.ones((2, 16), np.float32)
         inp = httpclient.InferInput("INPUT0", [2, 16], "FP32")
         inp.set_data_from_numpy(x)
-        result = client.infer("linear", [inp], headers=server.headers)
+        # a copy: tritonclient.http adds its Inference-Header-Content-Length to the dict
+        result = client.infer("linear", [inp], headers=dict(server.headers))
         np.testing.assert_allclose(result.as_numpy("OUTPUT0"), x @ W, rtol=1e-5)
     finally:
         client.close()
