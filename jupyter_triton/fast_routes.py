@@ -20,19 +20,15 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from tornado import httputil
-
 from .frontends import auth
 from .frontends.auth import AccessPolicy
 from .frontends.dataplane import Reply, Route
 from .frontends.http import SETTINGS_KEY
 from .frontends.shared_port import ClaimedMessage, SharedPort
-from .jupyter_auth import CACHE_KEY, jupyter_token_verifier, observe_duration, stock_token_auth
+from .jupyter_auth import (CACHE_KEY, jupyter_token_verifier, observe_duration, probe,
+                           stock_token_auth)
 
 log = logging.getLogger(__name__)
-_quiet = logging.getLogger(__name__ + ".probe")
-_quiet.addHandler(logging.NullHandler())
-_quiet.propagate = False
 
 CLAIMED_METHODS = frozenset({"GET", "HEAD", "POST"})
 _NOT_FIXED = frozenset({"date", "content-type", "content-length"})
@@ -55,32 +51,6 @@ class JupyterPort(SharedPort):
     @body_timeout.setter
     def body_timeout(self, value: float) -> None:
         pass                    # it is the state's
-
-
-class _Detached:
-    """The connection of a request that never came: Jupyter's handler code is asked what it
-    would say (default headers, the Host check) without a client."""
-    context = None
-
-    def set_close_callback(self, callback) -> None:
-        pass
-
-
-_PROBES: dict[type, type] = {}
-
-
-def probe(web_app, handler_class: type, host: str):
-    """A handler of ``handler_class`` for a GET with this Host and nothing else: its
-    ``_headers`` are the defaults every reply starts with; ``check_host()`` is Jupyter's.
-    One probe class per handler class: Jupyter's handlers keep per-class records (our
-    default-header layouts), and the Host is the client's choice."""
-    cls = _PROBES.get(handler_class)
-    if cls is None:
-        cls = _PROBES[handler_class] = type("Probe", (handler_class,),
-                                            {"log": property(lambda self: _quiet)})
-    request = httputil.HTTPServerRequest(method="GET", uri="/", connection=_Detached(),
-                                         headers=httputil.HTTPHeaders({"Host": host}))
-    return cls(web_app, request)
 
 
 def start(extension, serverapp, handler_class: type,

@@ -7,18 +7,34 @@ read from here; neither reaches into the other.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+import inspect
+import logging
+import time
 
 from jupyter_server.auth import IdentityProvider
 from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from jupyter_server.prometheus import log_functions as jupyter_prometheus
+from tornado import httputil, web
 
-from .frontends.auth import GROUPS
+from .frontends.auth import (GROUPS, HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG,
+                             MODEL_REPOSITORY, SHARED_MEMORY, STATISTICS, TRACE)
+
+log = logging.getLogger(__name__)
+_quiet = logging.getLogger(__name__ + ".probe")
+_quiet.addHandler(logging.NullHandler())
+_quiet.propagate = False
 
 AUTH_RESOURCE = "jupyter_triton"
 ACCESS_KEY = "jupyter_triton_access"        # settings key of our own credentials' policy
 CACHE_KEY = "jupyter_triton_auth_cache"     # settings key of what auth finds constant
 READ, WRITE, EXECUTE = "read", "write", "execute"
+# The authorizer action that reaches each API group where a credential is judged for all of
+# its calls at once (gRPC, the data port): loading a model runs code ("execute").
+ACTION_OF_GROUP = {HEALTH: READ, METADATA: READ, MODEL_CONFIG: READ, STATISTICS: READ,
+                   INFERENCE: WRITE, SHARED_MEMORY: WRITE, TRACE: WRITE, LOGGING: WRITE,
+                   MODEL_REPOSITORY: EXECUTE}
 
 
 def new_cache() -> dict:
@@ -65,3 +81,108 @@ def observe_duration(settings: dict, method: str | None, handler: str, status: i
         entry = children[key] = (metric, metric.labels(method=method, handler=handler,
                                                        status_code=status))
     entry[1].observe(seconds)
+
+
+class _Detached:
+    """The connection of a request that never came: Jupyter's handler code is asked what it
+    would say (default headers, the Host check, who a credential is) without a client."""
+    context = None
+
+    def set_close_callback(self, callback) -> None:
+        pass
+
+
+_PROBES: dict[type, type] = {}
+
+
+def probe(web_app: web.Application, handler_class: type, host: str,
+          headers: dict[str, str] | None = None) -> web.RequestHandler:
+    """A handler of ``handler_class`` for a GET with this Host (and ``headers``) and nothing
+    else: its ``_headers`` are the defaults every reply starts with; ``check_host()`` is
+    Jupyter's; the identity provider can be asked who sent it. One probe class per handler
+    class: Jupyter's handlers keep per-class records, and the Host is the client's choice."""
+    cls = _PROBES.get(handler_class)
+    if cls is None:
+        cls = _PROBES[handler_class] = type("Probe", (handler_class,),
+                                            {"log": property(lambda self: _quiet)})
+    request = httputil.HTTPServerRequest(
+        method="GET", uri="/", connection=_Detached(),
+        headers=httputil.HTTPHeaders({**(headers or {}), "Host": host}))
+    return cls(web_app, request)
+
+
+class JupyterIdentity:
+    """Jupyter's identity provider and authorizer, asked about a credential that came in a
+    header where Jupyter has no handler of its own (gRPC metadata, the data port): through a
+    handler of ``handler_class`` for a request that carries ``Authorization: token
+    <credential>`` alone, with the identity provider's public ``get_user(handler)`` and the
+    authorizer's ``is_authorized(handler, user, action, resource)``, as Jupyter's own prepare()
+    asks them. So whatever the server is configured with decides (JupyterHub's identity
+    provider: a hub API token with access to this server).
+
+    ``known`` says what is known now, without asking (the stock token check, then verdicts
+    younger than ``ttl`` seconds); ``ask`` asks, once at a time per credential, and at most
+    ``max_asking`` credentials at once (past it: unknown, refused). Verdicts are kept for
+    ``ttl`` seconds (JupyterHub's HubAuth keeps its own for 300 s), ``limit`` of them."""
+
+    def __init__(self, web_app: web.Application, handler_class: type,
+                 identity_provider: IdentityProvider, authorizer: Authorizer, *,
+                 ttl: float = 60.0, limit: int = 1024, max_asking: int = 64) -> None:
+        self.web_app, self.handler_class = web_app, handler_class
+        self.identity_provider, self.authorizer = identity_provider, authorizer
+        self.ttl, self.limit, self.max_asking = ttl, limit, max_asking
+        self.stock = jupyter_token_verifier(identity_provider, authorizer)
+        self._verdicts: dict[str, tuple[float, frozenset[str] | None]] = {}
+        self._asking: dict[str, asyncio.Future] = {}
+
+    def _verdict(self, credential: str) -> tuple[bool, frozenset[str] | None]:
+        hit = self._verdicts.get(credential)
+        if hit is None:
+            return False, None
+        if hit[0] < time.monotonic():
+            del self._verdicts[credential]
+            return False, None
+        return True, hit[1]
+
+    def known(self, credential: str) -> frozenset[str] | None:
+        """The groups ``credential`` reaches, as far as is known without asking (None)."""
+        groups = self.stock(credential)
+        return groups if groups is not None else self._verdict(credential)[1]
+
+    async def ask(self, credential: str) -> frozenset[str] | None:
+        """The groups ``credential`` reaches (None: not a credential of this server)."""
+        groups = self.stock(credential)
+        if groups is not None:
+            return groups
+        found, groups = self._verdict(credential)
+        if found:
+            return groups
+        future = self._asking.get(credential)
+        if future is None:
+            if len(self._asking) >= self.max_asking:
+                return None
+            future = self._asking[credential] = asyncio.ensure_future(self._ask(credential))
+            future.add_done_callback(lambda _: self._asking.pop(credential, None))
+        return await asyncio.shield(future)
+
+    async def _ask(self, credential: str) -> frozenset[str] | None:
+        handler = probe(self.web_app, self.handler_class, "127.0.0.1",
+                        {"Authorization": f"token {credential}"})
+        groups: frozenset[str] | None = None
+        try:
+            user = self.identity_provider.get_user(handler)
+            if inspect.isawaitable(user):
+                user = await user
+            if user is not None:
+                groups = frozenset(group for group, action in ACTION_OF_GROUP.items()
+                                   if self.authorizer.is_authorized(handler, user, action,
+                                                                    AUTH_RESOURCE))
+        except web.HTTPError:           # the identity provider's own refusal
+            groups = None
+        except Exception:               # noqa: BLE001 - an identity provider that failed: refused
+            log.warning("Jupyter's identity provider could not judge a credential", exc_info=True)
+            return None                 # not remembered: the next call asks again
+        if len(self._verdicts) >= self.limit:
+            self._verdicts.clear()
+        self._verdicts[credential] = (time.monotonic() + self.ttl, groups)
+        return groups

@@ -8,7 +8,9 @@ its code). Two credentials of our own are accepted besides Jupyter's, checked fi
 inference keys (``INFERENCE_SCOPE`` of ``frontends.auth``: never load/unload, never shared
 memory registration) and the
 per-server token that kernels inherit (every v2 route, never the rest of Jupyter). The gRPC
-port takes exactly the same credentials (``grpc_access``).
+port and the HTTP data port take the same credentials in a header, and Jupyter's are asked of
+its identity provider and authorizer there too (``server_access``). Every listener shares the
+server's one admission (``frontends.admission``): one bytes-in-flight budget.
 """
 from __future__ import annotations
 
@@ -24,8 +26,7 @@ import time
 from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
-from jupyter_server.auth import IdentityProvider, User
-from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
+from jupyter_server.auth import User
 from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import AuthenticatedHandler, JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
@@ -39,9 +40,10 @@ from traitlets import Bool, Float, Int, List, TraitError, Unicode, default, vali
 from .engine import CONTROL_MODES, Engine, EngineOptions
 from .frontends import auth
 from .jupyter_auth import (ACCESS_KEY, AUTH_RESOURCE, CACHE_KEY, EXECUTE, READ, WRITE,
-                           jupyter_token_verifier, new_cache, observe_duration, stock_token_auth)
+                           JupyterIdentity, new_cache, observe_duration, stock_token_auth)
 from .frontends.auth import (GROUPS, HEALTH, INFERENCE, INFERENCE_SCOPE, METADATA, MODEL_CONFIG,
                              MODEL_REPOSITORY, STATISTICS, AccessPolicy)
+from .frontends.admission import Admission
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 
 ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
@@ -404,9 +406,10 @@ class JupyterTriton(ExtensionApp):
     grpc_server_key = Unicode("", help="PEM private key of the gRPC port").tag(config=True)
     grpc_root_cert = Unicode("", help="PEM CA that client certificates chain to (mutual TLS)").tag(config=True)
     http_data_port = Int(-1, help="also serve the v2 routes on this port with the fast HTTP front, for "
-                                  "high-rate clients (-1: off, 0: any free port); it takes inference keys "
-                                  "and the server token only (not the Jupyter token: no Jupyter in that "
-                                  "path)").tag(config=True)
+                                  "high-rate clients (-1: off, 0: any free port); it takes the gRPC port's "
+                                  "credentials in the Authorization header: inference keys, the server "
+                                  "token, and what Jupyter's identity provider accepts there (the Jupyter "
+                                  "token, a JupyterHub API token), never cookies").tag(config=True)
     http_data_address = Unicode("127.0.0.1", help="address the HTTP data port binds").tag(config=True)
     strict_readiness = Bool(True, help="as tritonserver's --strict-readiness: v2/health/ready is false while a "
                                        "model asked to load has no ready version").tag(config=True)
@@ -474,11 +477,17 @@ class JupyterTriton(ExtensionApp):
             histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config),
             response_cache_size=self.response_cache_size))
         self.server_token = secrets.token_urlsafe(32)
+        # The server's one admission: the tornado routes, the fast lane, the data port and
+        # gRPC share its bytes-in-flight budget; its credentials are set at start, once
+        # Jupyter's identity provider and authorizer can be asked (server_access).
+        self.admission = Admission(self.own_credentials(), max_input_size=self.http_max_input_size,
+                                   max_inflight_bytes=self.max_inflight_bytes)
         self.settings[SETTINGS_KEY] = FrontendState(
             engine=self.engine, max_input_size=self.http_max_input_size,
             inference_keys=frozenset(self.inference_keys), server_token=self.server_token,
             allow_anonymous_inference=self.allow_anonymous_inference,
-            max_inflight_bytes=self.max_inflight_bytes, body_timeout=self.body_timeout)
+            max_inflight_bytes=self.max_inflight_bytes, body_timeout=self.body_timeout,
+            admission=self.admission)
         self.settings[ACCESS_KEY] = self.own_credentials()
         self.settings[CACHE_KEY] = new_cache()
 
@@ -488,11 +497,6 @@ class JupyterTriton(ExtensionApp):
         tokens = {key: INFERENCE_SCOPE for key in self.inference_keys if key}
         tokens[self.server_token] = GROUPS
         return AccessPolicy(tokens=tokens)
-
-    def data_port_access(self) -> AccessPolicy:
-        """The HTTP data port's policy: our own credentials, nothing of Jupyter's."""
-        return AccessPolicy(tokens=self.own_credentials().tokens,
-                            anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
     def grpc_connection_options(self) -> tuple:
         """The gRPC port's HTTP2Limits and GrpcTLS (None: plaintext) from the grpc_* traits;
@@ -511,18 +515,16 @@ class JupyterTriton(ExtensionApp):
                              "tritonserver's --grpc-* flag of that name)") from None
         return limits, tls
 
-    def grpc_access(self, identity_provider: IdentityProvider, authorizer: Authorizer) -> AccessPolicy:
-        """The gRPC port's policy: exactly the HTTP routes' credentials and scopes. The
-        Jupyter server's token reaches every API, as over HTTP with Jupyter's default
-        authorizer; a custom authorizer cannot be asked without an HTTP handler, so with one
-        the Jupyter token is not taken here (inference keys and the server token are)."""
-        if type(authorizer) is not AllowAllAuthorizer:
-            self.log.warning("jupyter_triton: the gRPC port does not take the Jupyter token: "
-                             "ServerApp.authorizer_class %s is custom, and gRPC has no handler to "
-                             "ask it about; use an inference key or the server token",
-                             type(authorizer).__name__)
-        return AccessPolicy(tokens=self.own_credentials().tokens,
-                            verify=jupyter_token_verifier(identity_provider, authorizer),
+    def server_access(self, serverapp) -> AccessPolicy:
+        """The credentials every listener without a Jupyter handler of its own takes (the gRPC
+        and data ports): ours (``own_credentials``), and Jupyter's, asked of its identity
+        provider and authorizer (``jupyter_auth.JupyterIdentity``: the Jupyter token, a
+        JupyterHub API token, whatever the server is configured to accept in a header), with
+        the scopes the authorizer grants; anonymous inference where allowed."""
+        identity = JupyterIdentity(serverapp.web_app, TritonJupyterHandler,
+                                   serverapp.identity_provider, serverapp.authorizer)
+        return AccessPolicy(tokens=self.own_credentials().tokens, verify=identity.known,
+                            resolve=identity.ask,
                             anonymous=INFERENCE_SCOPE if self.allow_anonymous_inference else frozenset())
 
     def initialize_handlers(self) -> None:
@@ -534,6 +536,7 @@ class JupyterTriton(ExtensionApp):
         if self.gil_switch_interval is not None:
             sys.setswitchinterval(self.gil_switch_interval)
         await self.engine.start()
+        self.admission.access = self.server_access(serverapp)
         # Jupyter added our routes to its web app by now (after initialize_handlers).
         if not remember_routes(serverapp.web_app, getattr(self, "_route_classes", set())):
             self.log.debug("jupyter_triton: route table left as tornado walks it")
@@ -560,15 +563,12 @@ class JupyterTriton(ExtensionApp):
             limits, tls = self.grpc_connection_options()
             self._grpc, self.bound_grpc_port = await start_grpc_server(
                 self.engine, self.grpc_address, self.grpc_port,
-                access=self.grpc_access(serverapp.identity_provider, serverapp.authorizer),
-                limits=limits, ssl=tls)
+                access=self.admission.access, admission=self.admission, limits=limits, ssl=tls)
         self._data_front = None
         if self.http_data_port >= 0:
             from .frontends.dataplane import DataPlane
             from .frontends.fasthttp import HTTPFront
-            plane = DataPlane(self.engine, access=self.data_port_access(),
-                              max_input_size=self.http_max_input_size,
-                              max_inflight_bytes=self.max_inflight_bytes, strict_content_type=True)
+            plane = DataPlane(self.engine, admission=self.admission, strict_content_type=True)
             self._data_front = HTTPFront(plane, access_log=False, body_timeout=self.body_timeout)
             self.bound_http_data_port = await self._data_front.listen(self.http_data_address,
                                                                       self.http_data_port)

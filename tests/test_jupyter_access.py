@@ -4,6 +4,7 @@ their own authorizer action ("execute"); a header-token API call is as checked a
 checks it, without a login cookie minted for a client that never sends it back."""
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import logging
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from jupyter_server.auth import IdentityProvider, User
 from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from tornado.httpclient import HTTPClientError
 from tritonclient.utils import InferenceServerException
@@ -47,11 +49,26 @@ def authorizer(request) -> type[Authorizer]:
 
 
 @pytest.fixture
-def jp_server_config(jp_server_config, authorizer):
+def identity_provider(request) -> type[IdentityProvider] | None:
+    """The server's identity provider class (None: Jupyter's) where a test parametrizes it."""
+    return getattr(request, "param", None)
+
+
+@pytest.fixture
+def triton_options(request) -> dict:
+    """JupyterTriton traits a test parametrizes, on top of this module's."""
+    return getattr(request, "param", {})
+
+
+@pytest.fixture
+def jp_server_config(jp_server_config, authorizer, identity_provider, triton_options):
     RecordingAuthorizer.denied, RecordingAuthorizer.asked = set(), []
-    return {**jp_server_config,
-            "ServerApp": {**jp_server_config["ServerApp"], "authorizer_class": authorizer},
-            "JupyterTriton": {**jp_server_config["JupyterTriton"], "grpc_port": 0, "http_data_port": 0}}
+    server = {**jp_server_config["ServerApp"], "authorizer_class": authorizer}
+    if identity_provider is not None:
+        server["identity_provider_class"] = identity_provider
+    return {**jp_server_config, "ServerApp": server,
+            "JupyterTriton": {**jp_server_config["JupyterTriton"], "grpc_port": 0, "http_data_port": 0,
+                              **triton_options}}
 
 
 def client(port: int, base: str) -> httpclient.InferenceServerClient:
@@ -221,9 +238,11 @@ async def test_the_grpc_port_takes_exactly_the_http_credentials(jp_triton, autho
     np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
     assert outcome["stats, key"][0] == "ok"
     assert outcome["load, key"][0] == denied
-    # Jupyter's token is what it is over HTTP with the default authorizer; a custom one
-    # cannot be asked over gRPC, so there the Jupyter token is not taken at all
-    assert outcome["load, jupyter token"][0] == ("ok" if authorizer is AllowAllAuthorizer else unauthenticated)
+    # Jupyter's token is what Jupyter's identity provider and authorizer say it is, as over
+    # HTTP: a custom authorizer is asked (through a handler of the routes' class)
+    assert outcome["load, jupyter token"][0] == "ok"
+    if authorizer is RecordingAuthorizer:
+        assert ("execute", "jupyter_triton") in RecordingAuthorizer.asked
     assert outcome["unload, server token"][0] == "ok"
     assert outcome["ready, server token"] == ("ok", False)
 
@@ -252,7 +271,7 @@ async def test_the_access_log_and_request_metric_of_the_data_path(jp_triton, jp_
     assert duration_count() == before + 2           # Jupyter's request metric counts both
 
 
-async def test_the_data_port_takes_inference_keys_and_the_server_token_only(jp_triton):
+async def test_the_data_port_takes_header_credentials_only(jp_triton):
     (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
     assert ext.http_data_address == "127.0.0.1"
 
@@ -269,6 +288,8 @@ async def test_the_data_port_takes_inference_keys_and_the_server_token_only(jp_t
         try:
             attempt("infer, nothing", lambda: c.infer("linear", one_row()))
             attempt("infer, jupyter token", lambda: c.infer("linear", one_row(), headers=dict(AUTH)))
+            attempt("infer, wrong", lambda: c.infer("linear", one_row(), headers=bearer("nope")))
+            attempt("infer, cookie", lambda: c.infer("linear", one_row(), headers={"Cookie": "a=b"}))
             attempt("infer, key", lambda: c.infer("linear", one_row(), headers=bearer(INFER_KEY)).as_numpy("OUTPUT0"))
             attempt("stats, key", lambda: c.get_inference_statistics("linear", headers=bearer(INFER_KEY)))
             attempt("load, key", lambda: c.load_model("linear", headers=bearer(INFER_KEY)))
@@ -278,10 +299,164 @@ async def test_the_data_port_takes_inference_keys_and_the_server_token_only(jp_t
         return outcome
 
     outcome = await in_thread(story)
-    assert outcome["infer, nothing"][0] == "401" and outcome["infer, jupyter token"][0] == "401"
+    assert outcome["infer, nothing"][0] == "401" and outcome["infer, jupyter token"][0] == "ok"
+    assert outcome["infer, wrong"][0] == "401" and outcome["infer, cookie"][0] == "401"
     status, out = outcome["infer, key"]
     assert status == "ok"
     np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
     assert outcome["stats, key"][0] == "ok"
     assert outcome["load, key"][0] == "403" and "model-repository" in outcome["load, key"][1]
     assert outcome["load, server token"][0] == "ok"
+
+
+
+HUB_TOKENS = {"hub-token-alice": "alice", "hub-token-bob": "bob"}
+
+
+class HubLikeIdentityProvider(IdentityProvider):
+    """What a JupyterHub deployment configures (jupyterhub.singleuser's identity provider):
+    the user is found from a hub API token in the Authorization header by an awaitable
+    get_user that asks the hub (here: a table); each question is recorded."""
+    asked: list[str] = []
+
+    async def get_user(self, handler):
+        scheme, _, token = handler.request.headers.get("Authorization", "").partition(" ")
+        await asyncio.sleep(0)               # the hub's API is asked over the network
+        HubLikeIdentityProvider.asked.append(token)
+        name = HUB_TOKENS.get(token) if scheme.lower() == "token" else None
+        return User(username=name) if name else None
+
+    def is_token_authenticated(self, handler) -> bool:
+        # A header token is no browser's: no XSRF check (as jupyterhub's HubAuth says)
+        return handler.request.headers.get("Authorization", "").lower().startswith("token ")
+
+
+class HubLikeAuthorizer(Authorizer):
+    """Scopes per user, as a hub's scopes map onto Jupyter's actions: bob may only read."""
+
+    def is_authorized(self, handler, user, action, resource) -> bool:
+        return user.username == "alice" or action == "read"
+
+
+@pytest.mark.parametrize("authorizer", [HubLikeAuthorizer], indirect=True)
+@pytest.mark.parametrize("identity_provider", [HubLikeIdentityProvider], indirect=True)
+async def test_a_hub_token_reaches_every_port_with_the_hubs_scopes(jp_triton, jp_fetch):
+    """A JupyterHub API token is what a hub user sends: Jupyter's identity provider judges it
+    on the Jupyter routes and, asked through the same public API, on the gRPC and data ports,
+    with the scopes Jupyter's authorizer grants; a verdict is remembered, not asked per call."""
+    (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
+    HubLikeIdentityProvider.asked = []
+    alice = {"authorization": "token hub-token-alice"}
+    bob = {"authorization": "token hub-token-bob"}
+
+    def story():
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{ext.bound_grpc_port}")
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{ext.bound_http_data_port}", network_timeout=60)
+        row = [grpcclient.InferInput("INPUT0", [1, 16], "FP32")]
+        row[0].set_data_from_numpy(np.ones((1, 16), np.float32))
+        outcome = {}
+
+        def attempt(label, fn):
+            try:
+                outcome[label] = ("ok", fn())
+            except InferenceServerException as err:
+                outcome[label] = (err.status(), err.message())
+        try:
+            for i in range(3):
+                attempt(f"grpc infer, alice {i}",
+                        lambda: g.infer("linear", row, headers=dict(alice)).as_numpy("OUTPUT0"))
+                attempt(f"data infer, alice {i}",
+                        lambda: c.infer("linear", one_row(), headers=dict(alice)).as_numpy("OUTPUT0"))
+            attempt("grpc infer, bob", lambda: g.infer("linear", row, headers=dict(bob)))
+            attempt("grpc metadata, bob", lambda: g.get_model_metadata("linear", headers=dict(bob)))
+            attempt("data infer, bob", lambda: c.infer("linear", one_row(), headers=dict(bob)))
+            attempt("grpc infer, no hub token",
+                    lambda: g.infer("linear", row, headers={"authorization": "token x"}))
+            attempt("data infer, no hub token",
+                    lambda: c.infer("linear", one_row(), headers={"authorization": "token x"}))
+        finally:
+            g.close()
+            c.close()
+        return outcome
+
+    outcome = await in_thread(story)
+    for i in range(3):
+        for port in ("grpc", "data"):
+            status, out = outcome[f"{port} infer, alice {i}"]
+            assert status == "ok", out
+            np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
+    assert outcome["grpc infer, bob"][0] == str(grpc.StatusCode.PERMISSION_DENIED)
+    assert outcome["grpc metadata, bob"][0] == "ok"
+    assert outcome["data infer, bob"][0] == "403"
+    assert outcome["grpc infer, no hub token"][0] == str(grpc.StatusCode.UNAUTHENTICATED)
+    assert outcome["data infer, no hub token"][0] == "401"
+    # each credential asked once, whatever the port and however many calls
+    assert sorted(HubLikeIdentityProvider.asked) == ["hub-token-alice", "hub-token-bob", "x"]
+    # the Jupyter routes ask Jupyter's identity provider themselves: the same answers
+    ok = await jp_fetch("v2/models/linear/infer", method="POST", body=ROW,
+                        headers={"Authorization": alice["authorization"]})
+    assert ok.code == 200
+    with pytest.raises(HTTPClientError) as err:
+        await jp_fetch("v2/models/linear/infer", method="POST", body=ROW,
+                       headers={"Authorization": bob["authorization"]})
+    assert err.value.code == 403
+
+
+PAD = 20_000        # bytes of a request parameter that makes a request this large
+
+
+@pytest.mark.parametrize("triton_options", [{"max_inflight_bytes": 60_000}], indirect=True)
+async def test_every_port_shares_one_bytes_in_flight_budget(jp_triton, jp_http_port, jp_base_url):
+    """A body arriving on Jupyter's port holds the server's one budget: the data port and
+    gRPC refuse what would pass it, and serve again once it is released."""
+    (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
+    budget = ext.admission.budget
+    assert budget.limit == 60_000
+    head = (f"POST {jp_base_url}v2/models/linear/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: token {TOKEN}\r\nContent-Length: 50000\r\n\r\n{{").encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
+    writer.write(head)                       # the rest of the body never comes
+    for _ in range(200):
+        if budget.held >= 50_000:
+            break
+        await asyncio.sleep(0.02)
+    assert budget.held >= 50_000
+    padded = {"pad": "x" * PAD}
+
+    def story():
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{ext.bound_grpc_port}")
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{ext.bound_http_data_port}", network_timeout=60)
+        key = {"authorization": f"Bearer {INFER_KEY}"}
+        row = [grpcclient.InferInput("INPUT0", [1, 16], "FP32")]
+        row[0].set_data_from_numpy(np.ones((1, 16), np.float32))
+        outcome = {}
+
+        def attempt(label, fn):
+            try:
+                outcome[label] = ("ok", fn())
+            except InferenceServerException as err:
+                outcome[label] = (err.status(), err.message())
+        try:
+            attempt("grpc", lambda: g.infer("linear", row, headers=dict(key), parameters=padded))
+            attempt("data", lambda: c.infer("linear", one_row(), headers=dict(key), parameters=padded))
+        finally:
+            g.close()
+            c.close()
+        return outcome
+
+    outcome = await in_thread(story)
+    assert outcome["grpc"][0] == str(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert outcome["data"][0] == "503" and "in flight" in outcome["data"][1]
+    writer.close()
+    for _ in range(200):
+        if budget.held == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert budget.held == 0
+    c = await in_thread(httpclient.InferenceServerClient, f"127.0.0.1:{ext.bound_http_data_port}")
+    try:
+        out = await in_thread(lambda: c.infer("linear", one_row(), headers={
+            "authorization": f"Bearer {INFER_KEY}"}, parameters=padded).as_numpy("OUTPUT0"))
+    finally:
+        await in_thread(c.close)
+    np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)

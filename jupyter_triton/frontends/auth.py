@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Awaitable, Callable, Iterable, Mapping
 
 from ..protocol.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
@@ -69,11 +69,14 @@ class AccessPolicy:
     """``tokens``: credential -> groups it reaches. ``anonymous``: groups reachable with no
     credential at all. ``restrictions``: Triton's header rules, checked on top. ``verify``:
     an extra credential check (e.g. the Jupyter server's own token) returning its groups or
-    None."""
+    None, from what is known now. ``resolve``: where ``verify`` does not know a credential,
+    ask its issuer (Jupyter's identity provider and authorizer, e.g. for a JupyterHub token);
+    what it answers, ``verify`` knows from then on (for as long as the issuer's answer holds)."""
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
     anonymous: frozenset[str] = frozenset()
     restrictions: list[Restriction] = field(default_factory=list)
     verify: Callable[[str], frozenset[str] | None] | None = None
+    resolve: Callable[[str], Awaitable[frozenset[str] | None]] | None = None
 
     @classmethod
     def open(cls, restrictions: Iterable[Restriction] = ()) -> "AccessPolicy":
@@ -88,10 +91,7 @@ class AccessPolicy:
 
     def check(self, group: str, headers: Mapping[str, str]) -> None:
         """Raise Unauthenticated / PermissionDenied unless ``headers`` may reach ``group``."""
-        for r in self.restrictions:
-            if group in r.groups and not hmac.compare_digest(
-                    _get(headers, r.key).encode(), r.value.encode()):
-                raise PermissionDenied(f"This API is restricted, expecting header '{r.key}'")
+        self.check_restrictions(group, headers)
         if group in self.anonymous:
             return
         credential = bearer(headers)
@@ -103,3 +103,27 @@ class AccessPolicy:
             raise Unauthenticated("the credential presented is not valid for this server")
         if group not in groups:
             raise PermissionDenied(f"this credential does not reach the '{group}' API")
+
+    def check_restrictions(self, group: str, headers: Mapping[str, str]) -> None:
+        """Triton's header rules alone (PermissionDenied)."""
+        for r in self.restrictions:
+            if group in r.groups and not hmac.compare_digest(
+                    _get(headers, r.key).encode(), r.value.encode()):
+                raise PermissionDenied(f"This API is restricted, expecting header '{r.key}'")
+
+    def unresolved(self, group: str, headers: Mapping[str, str]) -> str | None:
+        """The credential of ``headers`` that ``check`` would refuse for not knowing it yet,
+        and that ``resolve`` may know (None otherwise)."""
+        if self.resolve is None or group in self.anonymous:
+            return None
+        credential = bearer(headers)
+        if not credential or self.groups_of(credential) is not None:
+            return None
+        return credential
+
+    async def authenticate(self, group: str, headers: Mapping[str, str]) -> None:
+        """``check``, with a credential not known yet asked of ``resolve`` first."""
+        credential = self.unresolved(group, headers)
+        if credential:
+            await self.resolve(credential)
+        self.check(group, headers)

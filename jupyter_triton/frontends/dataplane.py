@@ -42,8 +42,9 @@ from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_
                        generate_request, generate_response, is_empty_final)
 from ..engine.trace import trace_context
 from . import observability
+from .admission import Admission, BodyBudget, BodyTicket  # noqa: F401 - BodyBudget: the skins' name
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
-                   SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, PermissionDenied)
+                   SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 
 log = logging.getLogger(__name__)
 
@@ -114,57 +115,35 @@ class Route:
     streams_body: bool = False   # the body is received under the infer route's own cap
 
 
-class BodyBudget:
-    """Bytes of request bodies being received or decoded, server-wide, under one cap: a burst
-    of large uploads is refused with 503 rather than held in memory all at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, nbytes: int) -> "BodyTicket":
-        ticket = BodyTicket(self)
-        ticket.grow(nbytes)
-        return ticket
-
-
-class BodyTicket:
-    def __init__(self, budget: BodyBudget) -> None:
-        self.budget = budget
-        self.held = 0
-
-    def grow(self, nbytes: int) -> None:
-        b = self.budget
-        # A body alone larger than the whole budget is still let through when nothing else
-        # is in flight: a limit set below --http-max-input-size means "one at a time".
-        if nbytes and b.held + nbytes > b.limit and b.held > self.held:
-            raise Unavailable(
-                f"the server is receiving {b.held} bytes of request bodies, and {nbytes} more "
-                f"would pass its limit of {b.limit} bytes in flight; retry later")
-        b.held += nbytes
-        self.held += nbytes
-
-    def release(self) -> None:
-        self.budget.held -= self.held
-        self.held = 0
-
-
 class DataPlane:
-    """The engine behind every HTTP skin, with the server's admission rules."""
+    """The engine behind every HTTP skin, under the server's ``admission`` (one is made from
+    the other arguments when none is given: a server of this one listener). ``access``: this
+    listener's credential policy where it is not the admission's (None: the admission's)."""
 
     def __init__(self, engine: Engine, *, access: AccessPolicy | None = None,
                  max_input_size: int = 64 * 1024 * 1024, max_inflight_bytes: int | None = None,
                  allowed_hosts: frozenset[str] | None = None,
-                 strict_content_type: bool = False) -> None:
+                 strict_content_type: bool = False, admission: Admission | None = None) -> None:
         self.engine = engine
-        self.access = access if access is not None else AccessPolicy.open()
-        self.max_input_size = max_input_size
-        self.budget = BodyBudget(max_inflight_bytes if max_inflight_bytes is not None
-                                 else 4 * max_input_size)
-        # None: any Host. Otherwise the exact "host:port" values accepted (DNS rebinding).
-        self.allowed_hosts = allowed_hosts
+        if admission is None:
+            admission = Admission(access, max_input_size=max_input_size,
+                                  max_inflight_bytes=max_inflight_bytes, allowed_hosts=allowed_hosts)
+            access = None
+        self.admission = admission
+        self.access = access if access is not None else admission.access
+        self.max_input_size = admission.max_input_size
+        self.budget = admission.budget
         self.strict_content_type = strict_content_type
         self._codec_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def allowed_hosts(self) -> frozenset[str] | None:
+        """The Host values accepted (the admission's: every listener of the server's)."""
+        return self.admission.allowed_hosts
+
+    @allowed_hosts.setter
+    def allowed_hosts(self, hosts: frozenset[str] | None) -> None:
+        self.admission.allowed_hosts = hosts
 
     # -- routing ---------------------------------------------------------------------------
     def match(self, path: str) -> tuple[Route, dict[str, str]]:
@@ -192,23 +171,35 @@ class DataPlane:
     def admit(self, route: Route, method: str, headers: Mapping[str, str],
               content_length: int | None, body_limit: int | None = None) -> "BodyTicket":
         """Everything that can be refused before a body byte is read; returns the ticket
-        under which the body is received (release it when done)."""
-        if self.allowed_hosts is not None and \
-                (headers.get("host") or "").lower() not in self.allowed_hosts:
-            raise PermissionDenied(
-                f"Host '{headers.get('host') or ''}' is not this server's address")
+        under which the body is received (release it when done).
+
+        A credential that only its issuer can judge (a JupyterHub token, first seen) is asked
+        of it from here on, while the body arrives under the cap and the budget; ``handle``
+        waits for the answer before anything else (``ticket.pending``)."""
+        admission = self.admission
+        admission.check_host(headers)
         if self.strict_content_type and method == "POST":
             ctype = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
             if ctype and ctype not in (JSON, OCTET):
                 raise UnsupportedMediaType(
                     f"Content-Type '{ctype}' is not accepted: send {JSON} or {OCTET}")
-        self.access.check(route.api_group, headers)
+        access = self.access
+        credential = access.unresolved(route.api_group, headers) if access.resolve else None
+        if credential:
+            access.check_restrictions(route.api_group, headers)
+        else:
+            access.check(route.api_group, headers)
         cap = self.max_input_size if body_limit is None else body_limit
         if content_length is not None and content_length > cap:
             raise InvalidArgument(
                 f"request body of {content_length} bytes exceeds the maximum input size of "
                 f"{cap} bytes (--http-max-input-size)")
-        return self.budget.take(content_length or 0)
+        ticket = admission.take(content_length or 0)
+        if credential:
+            ticket.pending = asyncio.ensure_future(access.authenticate(route.api_group, headers))
+            # A request refused or gone before it was served never reads the answer.
+            ticket.pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return ticket
 
     def receive(self, ticket: "BodyTicket", received: int, chunk: int) -> None:
         """Account ``chunk`` more bytes of a body (``received`` so far, before it) whose
@@ -227,6 +218,8 @@ class DataPlane:
             if call.ticket is None:
                 size = _body_size(call.body)
                 call.ticket = self.admit(route, call.method, call.headers, size)
+            if call.ticket.pending is not None:
+                await call.ticket.pending
             op = route.methods.get(call.method) or (
                 route.methods.get("GET") if call.method == "HEAD" else None)
             if op is None:

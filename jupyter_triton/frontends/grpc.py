@@ -27,12 +27,13 @@ from tritonclient.grpc import service_pb2_grpc
 
 from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
-from ..protocol.errors import InvalidArgument, TritonError, Unavailable, Unsupported
+from ..protocol.errors import InvalidArgument, TritonError, Unsupported
 from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
 from ..engine.trace import trace_context
 from . import grpc_health, observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
+from .admission import Admission, BodyBudget, ResourceExhausted
 from .dataplane import decoupled_unsupported
 from .grpc_h2 import H2GrpcServer, serve_h2
 from .grpc_options import GrpcTLS, aio_options
@@ -53,29 +54,6 @@ DEFAULT_MAX_CONCURRENT_RPCS = 1024
 # decoded requests keep views of their bytes while they queue for a batch.
 DEFAULT_INFLIGHT_MESSAGES = 4
 SERVICE_NAME = "inference.GRPCInferenceService"
-
-
-class ResourceExhausted(Unavailable):
-    """A bound of this server is reached; the client may retry later."""
-    grpc_code = "RESOURCE_EXHAUSTED"
-
-
-class _ByteBudget:
-    """Request bytes of the inference RPCs in flight (all on one event loop: no lock)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, n: int) -> None:
-        if self.used and self.used + n > self.limit:
-            raise ResourceExhausted(
-                f"the server holds {self.used} bytes of requests in flight; {n} more would pass "
-                f"its limit of {self.limit} bytes; retry later")
-        self.used += n
-
-    def give(self, n: int) -> None:
-        self.used -= n
 
 
 class _StreamFailure:
@@ -113,7 +91,7 @@ def _rpc(group: str) -> Callable[[Callable], Callable]:
         async def wrapper(self: "GRPCInferenceService", request: Any,
                           context: grpc.aio.ServicerContext):
             try:
-                self.authorize(group, context)
+                await self.authenticate(group, context)
                 return await method(self, request, context)
             except TritonError as err:
                 await context.abort(grpc.StatusCode[err.grpc_code], str(err))
@@ -138,21 +116,45 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, engine: Engine, max_elements: int | None = None,
                  access: AccessPolicy | None = None,
-                 max_inflight_bytes: int = DEFAULT_INFLIGHT_MESSAGES * DEFAULT_MAX_INPUT_SIZE
-                 ) -> None:
+                 max_inflight_bytes: int = DEFAULT_INFLIGHT_MESSAGES * DEFAULT_MAX_INPUT_SIZE,
+                 admission: Admission | None = None) -> None:
+        """``access`` None: open. ``admission``: the server's, whose bytes-in-flight budget
+        the inference RPCs share with its other listeners (else one of their own)."""
         self.engine = engine
         self.access = access
-        self.inflight = _ByteBudget(max_inflight_bytes)
+        self.inflight = admission.budget if admission is not None else BodyBudget(max_inflight_bytes)
         self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
 
-    def authorize(self, group: str, context: grpc.aio.ServicerContext) -> None:
-        """Raise Unauthenticated / PermissionDenied unless the caller may reach ``group``."""
-        access = self.access
+    def _open(self, group: str) -> bool:
         # An open group with no header rule needs no look at the metadata (the infer path
         # of an open server pays one set lookup).
-        if access is None or (group in access.anonymous and not access.restrictions):
+        access = self.access
+        return access is None or (group in access.anonymous and not access.restrictions)
+
+    def authorize(self, group: str, context: grpc.aio.ServicerContext) -> None:
+        """Raise Unauthenticated / PermissionDenied unless the caller may reach ``group``,
+        with what is known now (``authenticate`` also asks a credential's issuer)."""
+        if not self._open(group):
+            self.access.check(group, _headers(context))
+
+    async def authenticate(self, group: str, context: grpc.aio.ServicerContext) -> None:
+        """``authorize``, where a credential not known yet (a JupyterHub token first seen)
+        is asked of Jupyter's identity provider first."""
+        if not self._open(group):
+            await self.access.authenticate(group, _headers(context))
+
+    def admit_headers(self, group: str, headers: dict[str, str]) -> None:
+        """What can be refused when a call's HEADERS arrive: everything ``authorize`` refuses,
+        except a credential that only its issuer can judge (``authenticate`` asks it before
+        the call is served)."""
+        if self._open(group):
             return
-        access.check(group, _headers(context))
+        access = self.access
+        if access.unresolved(group, headers):
+            access.check_restrictions(group, headers)
+        else:
+            access.check(group, headers)
+
 
     # -- health and metadata ----------------------------------------------------------
     @_rpc(HEALTH)
@@ -284,7 +286,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         Triton's ``triton_grpc_error: true`` metadata, the first error ends the stream with
         its gRPC status instead of travelling on it."""
         try:
-            self.authorize(INFERENCE, context)
+            await self.authenticate(INFERENCE, context)
         except TritonError as err:
             await context.abort(grpc.StatusCode[err.grpc_code], str(err))
         grpc_error = dict(context.invocation_metadata() or ()).get(
@@ -455,7 +457,8 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
                             access: AccessPolicy | None = None,
                             max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
                             max_inflight_bytes: int | None = None, transport: str = "h2",
-                            limits: HTTP2Limits | None = None, ssl: GrpcTLS | None = None
+                            limits: HTTP2Limits | None = None, ssl: GrpcTLS | None = None,
+                            admission: Admission | None = None
                             ) -> tuple[H2GrpcServer | grpc.aio.Server, int]:
     """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
 
@@ -464,7 +467,8 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     else 64 MiB. ``access`` is checked on every RPC against its Triton API group, from the
     ``authorization`` (and restricted-API header) metadata; None serves everyone. Beyond
     ``max_concurrent_rpcs`` RPCs at once, or ``max_inflight_bytes`` of inference requests
-    (default: 4x the receive limit), an RPC fails at once with RESOURCE_EXHAUSTED.
+    (default: 4x the receive limit; with ``admission``, the server's one budget, shared with
+    its other listeners), an RPC fails at once with RESOURCE_EXHAUSTED.
     ``transport``: "h2" (ours, a third of grpc.aio's CPU per RPC) or "aio" (grpc.aio).
     ``limits``: the connections' HTTP/2 limits and keep-alive (tritonserver's gRPC flags);
     ``ssl``: serve TLS (``--grpc-use-ssl``). Beside Triton's service, the port serves
@@ -474,7 +478,7 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
         raise ValueError(f"gRPC transport must be 'h2' or 'aio', got {transport!r}")
     limit = max_receive_message_size or engine.options.max_input_size or DEFAULT_MAX_INPUT_SIZE
     service = GRPCInferenceService(
-        engine, access=access,
+        engine, access=access, admission=admission,
         max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)
     limits = limits or HTTP2Limits()
     services = {SERVICE_NAME: method_handlers(service),

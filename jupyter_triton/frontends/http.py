@@ -23,6 +23,7 @@ from tornado.iostream import StreamClosedError
 
 from ..engine import Engine
 from ..protocol.errors import TritonError
+from .admission import Admission
 from .auth import AccessPolicy
 from .dataplane import (ADMIN, INFER, BodyTicket, Call, DataPlane, Reply, RequestTimeout, Route,
                         error_reply)
@@ -37,7 +38,8 @@ __all__ = ["ADMIN", "INFER", "SETTINGS_KEY", "FrontendState", "ROUTES", "route_t
 @dataclass
 class FrontendState:
     """What handlers find in ``settings[SETTINGS_KEY]``; ``plane`` is built from it on first
-    use (set every field before the server takes requests)."""
+    use (set every field before the server takes requests). With ``admission`` (the server's,
+    shared with its other listeners), the size, bytes-in-flight and Host fields are its own."""
     engine: Engine
     max_input_size: int = 64 * 1024 * 1024
     inference_keys: frozenset[str] = field(default_factory=frozenset)
@@ -48,9 +50,14 @@ class FrontendState:
     body_timeout: float | None = 60.0       # seconds a streamed infer body may take
     allowed_hosts: frozenset[str] | None = None
     strict_content_type: bool = False
+    admission: Admission | None = None
 
     @cached_property
     def plane(self) -> DataPlane:
+        if self.admission is not None:
+            return DataPlane(self.engine, admission=self.admission,
+                             access=self.access if self.access is not None else AccessPolicy.open(),
+                             strict_content_type=self.strict_content_type)
         return DataPlane(self.engine, access=self.access, max_input_size=self.max_input_size,
                          max_inflight_bytes=self.max_inflight_bytes,
                          allowed_hosts=self.allowed_hosts,
