@@ -1,0 +1,381 @@
+"""Issue 17, HTTP/1: what a hostile HTTP/1 client gets from every port that speaks it: the
+standalone server's fast front, the Jupyter server's own port (the fast routes claim a request
+that carries an inference key; what they do not claim is tornado's), and the extension's data
+port. Servers run in subprocesses (``hostile``), with short deadlines and a small connection
+cap. Each attack runs twice while a legitimate tritonclient calls the server, and asserts: the
+hostile connection was refused (a Triton error reply, then a close) or closed, the server is
+alive and answers within 2 s during and after, its RSS grew less than 100 MiB, and the repeat
+added (next to) nothing.
+
+On the Jupyter port a head past one of our limits is not ours to refuse: it goes to tornado,
+whose limits answer it (a close, or its 4xx); there only "refused or closed" is asserted."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import select
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import pytest
+
+from conftest import INFER_KEY
+from hostile import (LEGIT_DEADLINE_S, MAX_GROWTH_MIB, ServerProcess, free_port, legit_http_infer,
+                     legit_infer, probing, start_jupyter, start_standalone)
+
+MAX_INPUT = 4 * 1024 * 1024
+LIMITS = {"header_timeout": 1.0, "idle_timeout": 1.0, "max_connections": 48,
+          "send_timeout": 3.0}
+REPEAT_GROWTH_MIB = 24.0        # what a second run of an attack may add (allocator noise)
+
+
+@dataclass
+class Target:
+    """One HTTP/1 port: ``fast`` when our front answers every request on it (standalone,
+    data port); the Jupyter port hands what it does not claim to tornado."""
+    name: str
+    server: ServerProcess       # http_port: this target's port; headers: a legitimate client's
+    fast: bool
+    key: bytes                  # the credential line a hostile request carries (claimed)
+
+    @property
+    def port(self) -> int:
+        return self.server.http_port
+
+    def head(self, method: str, path: str, *lines: bytes, version: bytes = b" HTTP/1.1") -> bytes:
+        return b"".join([method.encode(), b" ", path.encode(), version, b"\r\nHost: 127.0.0.1\r\n",
+                         self.key, *lines])
+
+
+@pytest.fixture(scope="module")
+def standalone_server() -> Iterator[ServerProcess]:
+    server = start_standalone(http1_limits=LIMITS,
+                              extra_args=("--http-max-input-size", str(MAX_INPUT)))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def jupyter_server() -> Iterator[tuple[ServerProcess, int]]:
+    data_port = free_port()
+    server = start_jupyter(http1_limits=LIMITS, extra_args=(
+        f"--JupyterTriton.http_data_port={data_port}",
+        f"--JupyterTriton.http_max_input_size={MAX_INPUT}"))
+    yield server, data_port
+    server.close()
+
+
+KEY = f"Authorization: Bearer {INFER_KEY}\r\n".encode()
+
+
+@pytest.fixture(params=["standalone", "jupyter", "data_port"])
+def target(request) -> Target:
+    if request.param == "standalone":
+        return Target("standalone", request.getfixturevalue("standalone_server"), True, b"")
+    server, data_port = request.getfixturevalue("jupyter_server")
+    if request.param == "jupyter":
+        return Target("jupyter", server, False, KEY)
+    return Target("data_port", dataclasses.replace(server, http_port=data_port), True, KEY)
+
+
+# -- a raw client ------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    status: int | None          # of the first reply, if one came
+    body: bytes
+    closed: bool                # the server closed (or reset) the connection
+    sent: int                   # bytes sent before the reply or the close
+    seconds: float              # from the first byte sent to the reply or the close
+
+    def error(self) -> str:
+        try:
+            return json.loads(self.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            return ""
+
+
+def attack(port: int, pieces: Iterable[bytes], *, pace: float = 0.0, timeout: float = 10.0,
+           rcvbuf: int | None = None, linger: float = 1.5) -> Outcome:
+    """Send ``pieces`` (``pace`` seconds apart) until the server answers or closes, then read
+    what comes until it closes (at most ``linger`` s more; ``timeout`` in all). With ``rcvbuf``
+    nothing is read: a peer that never reads its replies."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    pieces = iter(pieces)
+    received, closed, sent = bytearray(), False, 0
+    started = time.monotonic()
+    deadline = started + timeout
+    answered: float | None = None
+    pending = memoryview(b"")
+    next_at: float | None = started          # None: nothing more to send
+    try:
+        while not closed and (now := time.monotonic()) < deadline:
+            if answered is None and not pending and next_at is not None and now >= next_at:
+                piece = next(pieces, None)
+                next_at = None if piece is None else now + pace
+                pending = memoryview(piece or b"")
+            sending = answered is None and bool(pending)
+            wake = deadline if sending or next_at is None or answered is not None else next_at
+            readable, writable, _ = select.select(
+                [sock] if rcvbuf is None or answered is not None else [],
+                [sock] if sending else [], [sock], max(0.0, min(wake - now, 0.5)))
+            if readable:
+                try:
+                    chunk = sock.recv(1 << 20)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    closed = True
+                    break
+                received += chunk
+                if answered is None and b"\r\n\r\n" in received:
+                    answered = time.monotonic()
+                    deadline = min(deadline, answered + linger)
+            if writable and pending:
+                try:
+                    n = sock.send(pending[:1 << 20])
+                except BlockingIOError:
+                    n = 0
+                except OSError:             # reset or broken pipe: the server closed
+                    closed = True
+                    break
+                sent += n
+                pending = pending[n:]
+    finally:
+        sock.close()
+    status, body = None, b""
+    if received.startswith(b"HTTP/1."):
+        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+    return Outcome(status, body, closed, sent, (answered or time.monotonic()) - started)
+
+
+def assert_refused(t: Target, got: Outcome, status: int, phrase: str = "") -> None:
+    """Fast fronts: a Triton error reply with ``status``, then a close. The Jupyter port: a
+    4xx (its own or tornado's) or a close."""
+    if t.fast:
+        assert got.status == status, f"{t.name}: expected {status}, got {got}"
+        assert phrase in got.error(), got.error()
+        assert got.closed, f"{t.name}: the connection stayed open after {got.status}"
+    else:
+        assert got.closed or (got.status is not None and 400 <= got.status < 500), got
+        assert got.status is None or 400 <= got.status < 500, got
+
+
+def run_twice(t: Target, hostile: Callable[[], Outcome], check: Callable[[Outcome], None],
+              *, http_probe: bool = True) -> None:
+    """The attack twice under a legitimate client's eye; RSS and liveness after each."""
+    server = t.server
+    before = server.rss()
+    growth = []
+    for _ in range(2):
+        with probing(server, http=http_probe):
+            check(hostile())
+        assert server.alive(), server.log_tail()
+        assert legit_http_infer(server) < LEGIT_DEADLINE_S
+        assert legit_infer(server) < LEGIT_DEADLINE_S
+        growth.append(settled_growth(server, before))
+    assert growth[0] < MAX_GROWTH_MIB, f"{t.name}: RSS grew {growth[0]:.0f} MiB"
+    assert growth[1] - growth[0] < REPEAT_GROWTH_MIB, \
+        f"{t.name}: the repeat added {growth[1] - growth[0]:.0f} MiB"
+
+
+def settled_growth(server: ServerProcess, before: float, settle_s: float = 2.0) -> float:
+    deadline = time.monotonic() + settle_s
+    while True:
+        growth = server.rss() - before
+        if growth < MAX_GROWTH_MIB or time.monotonic() > deadline:
+            return growth
+        time.sleep(0.2)
+
+
+# -- heads ----------------------------------------------------------------------------------
+def test_a_1_mib_header_line_is_refused(target):
+    t = target
+    request = t.head("GET", "/v2/health/live", b"X-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+    run_twice(t, lambda: attack(t.port, [request]),
+              lambda got: assert_refused(t, got, 431, "header"))
+
+
+def test_an_endless_header_line_is_refused_early(target):
+    t = target
+
+    def endless() -> Iterator[bytes]:
+        yield t.head("GET", "/v2/health/live", b"X-Endless: ")
+        for _ in range(1024):                       # 64 MiB at most
+            yield b"a" * 65536
+
+    def check(got: Outcome) -> None:
+        assert_refused(t, got, 431, "header")
+        # What the kernel buffers on both sides is in ``sent`` too: a few MiB.
+        assert got.sent < 16 << 20, f"{got.sent >> 20} MiB sent before the refusal"
+
+    run_twice(t, lambda: attack(t.port, endless()), check)
+
+
+def test_many_copies_of_one_header_are_refused_quickly(target):
+    t = target
+    request = t.head("GET", "/v2/health/live", b"X-A: b\r\n" * 400_000, b"\r\n")    # 3.2 MB
+
+    def check(got: Outcome) -> None:
+        assert_refused(t, got, 431, "header lines")
+        assert got.seconds < 1.5, f"answered after {got.seconds:.1f} s"
+
+    run_twice(t, lambda: attack(t.port, [request]), check)
+
+
+def test_too_many_headers_are_refused(target):
+    if not target.fast:
+        pytest.skip("a head the fast routes do not take is tornado's, which has no count limit")
+    t = target
+    lines = b"".join(b"X-H%d: v\r\n" % i for i in range(200))
+    run_twice(t, lambda: attack(t.port, [t.head("GET", "/v2/health/live", lines, b"\r\n")]),
+              lambda got: assert_refused(t, got, 431, "more than 128 header lines"))
+
+
+def test_a_long_url_is_refused(target):
+    t = target
+    request = t.head("GET", "/v2/models/" + "a" * 32 * 1024, b"\r\n")
+    run_twice(t, lambda: attack(t.port, [request]),
+              lambda got: assert_refused(t, got, 414, "request line"))
+
+
+def test_http_0_9_is_refused(target):
+    t = target
+    request = b"GET /v2/health/live\r\n" + t.key + b"\r\n"
+
+    def check(got: Outcome) -> None:
+        assert got.status != 200, got
+        assert got.closed, got
+        if t.fast:
+            assert got.status == 400 and "HTTP/0.9" in got.error(), got
+
+    run_twice(t, lambda: attack(t.port, [request]), check)
+
+
+def test_a_slow_head_is_closed_by_the_header_deadline(target):
+    t = target
+
+    def slowloris() -> Iterator[bytes]:
+        yield t.head("GET", "/v2/health/live")
+        for _ in range(40):                         # 8 s at most
+            yield b"X-Slow: 1\r\n"
+
+    def check(got: Outcome) -> None:
+        assert got.closed, got
+        assert got.seconds < LIMITS["header_timeout"] + 1.5, f"closed after {got.seconds:.1f} s"
+        assert got.status == 408 and "head" in got.error(), got
+
+    run_twice(t, lambda: attack(t.port, slowloris(), pace=0.2), check)
+
+
+def test_idle_connections_are_closed(target):
+    """A kept-alive connection after its reply, and one that never sent a byte: both closed
+    after the idle (header) deadline."""
+    t = target
+    deadline = LIMITS["idle_timeout"] + 1.5
+
+    def idle() -> tuple[Outcome, float | None]:
+        silent = socket.create_connection(("127.0.0.1", t.port))
+        try:
+            silent.settimeout(deadline)
+            started = time.monotonic()
+            got = attack(t.port, [t.head("GET", "/v2/health/live", b"\r\n")], timeout=deadline,
+                         linger=deadline)
+            try:
+                silent_closed = silent.recv(100) == b""
+            except ConnectionResetError:
+                silent_closed = True
+            except socket.timeout:
+                silent_closed = False
+            return got, time.monotonic() - started if silent_closed else None
+        finally:
+            silent.close()
+
+    def check(outcome: tuple[Outcome, float | None]) -> None:
+        got, silent_after = outcome
+        assert got.status == 200 and got.closed, got
+        assert silent_after is not None and silent_after < deadline, silent_after
+
+    run_twice(t, idle, check)
+
+
+# -- bodies -----------------------------------------------------------------------------------
+def test_an_endless_chunked_body_is_refused_at_the_cap(target):
+    if not target.fast:
+        pytest.skip("a chunked body is never claimed by the fast routes: tornado's")
+    t = target
+
+    def chunked() -> Iterator[bytes]:
+        yield t.head("POST", "/v2/models/linear/infer", b"Content-Type: application/json\r\n",
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        piece = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+        for _ in range(512):                        # 512 MiB at most
+            yield piece
+
+    def check(got: Outcome) -> None:
+        assert_refused(t, got, 400, "maximum input size")
+        assert got.sent < MAX_INPUT + (16 << 20), f"{got.sent >> 20} MiB sent before the refusal"
+
+    run_twice(t, lambda: attack(t.port, chunked(), timeout=20.0), check)
+
+
+@pytest.mark.parametrize("framing", [
+    b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+    b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+], ids=["cl-te", "te-cl", "duplicate-cl"])
+def test_ambiguous_body_framing_is_refused(target, framing):
+    t = target
+    smuggled = t.head("GET", "/v2/health/live", b"\r\n")
+    request = t.head("POST", "/v2/models/linear/infer", framing) + smuggled
+    run_twice(t, lambda: attack(t.port, [request]),
+              lambda got: assert_refused(t, got, 400, "malformed HTTP request"))
+
+
+# -- replies nobody reads, connections --------------------------------------------------------
+def test_pipelined_requests_whose_replies_are_never_read(target):
+    """A client that pipelines requests for large replies (statistics: 40 bytes in, 1.7 kB
+    out) and never reads: the server stops reading it (its replies pile up nowhere), then
+    drops it once nothing moves for ``send_timeout``."""
+    t = target
+    one = t.head("GET", "/v2/models/stats", b"\r\n")
+    batch = one * (65536 // len(one))
+
+    def flood() -> Outcome:
+        return attack(t.port, iter(lambda: batch, None), timeout=2.5, rcvbuf=4096)
+
+    def check(got: Outcome) -> None:
+        # Never read: the client saw nothing; the server read what the buffers hold, no more.
+        assert got.sent < 48 << 20, f"the server read {got.sent >> 20} MiB of requests"
+
+    run_twice(t, flood, check)
+
+
+def test_connections_past_the_cap_are_refused(target):
+    t = target
+    cap = LIMITS["max_connections"]
+
+    def flood() -> Outcome:
+        held = []
+        try:
+            for _ in range(cap + 8):
+                held.append(socket.create_connection(("127.0.0.1", t.port), timeout=5))
+            time.sleep(0.3)
+            # The first connections are held; the last ones (past the cap) are turned away.
+            return attack(t.port, [t.head("GET", "/v2/health/live", b"\r\n")])
+        finally:
+            for s in held:
+                s.close()
+
+    def check(got: Outcome) -> None:
+        assert got.status == 503 and "connections" in got.error(), got
+        assert got.closed, got
+
+    # During the flood HTTP is full by design: the legitimate client calls gRPC meanwhile.
+    run_twice(t, flood, check, http_probe=False)
