@@ -69,6 +69,16 @@ for _cls, _var in ((_limits.HTTP2Limits, "JT_TEST_H2_LIMITS"), (getattr(_limits,
 """
 
 
+def hostile_repository(root: Path) -> Path:
+    """``conftest.build_repository`` plus ``identity_big``: INT32 [batch, n] -> the same, for
+    responses as large as a test wants."""
+    from onnx import TensorProto
+    from onnx_models import identity
+    build_repository(root)
+    identity(TensorProto.INT32, root / "identity_big" / "1" / "model.onnx", dims="n")
+    return root
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -354,18 +364,25 @@ class H2:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:      # a peer that never reads: keep its kernel buffer small
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.timeout = timeout          # of sends; reads set their own
         self.sock.settimeout(timeout)
         self.sock.connect(("127.0.0.1", port))
         self.encoder, self.decoder = Encoder(), Decoder()
         self.buf = b""
         self.frames: list[Frame] = []
         self.closed = False
+        # flow control as the server grants it (send_data honours it)
+        self.server_settings: dict[int, int] = {}
+        self.conn_window = 65535
+        self.stream_windows: dict[int, int] = {}
         if handshake:
             self.send(PREFACE + frame(SETTINGS, 0, 0, local_settings))
 
     def send(self, data: bytes) -> bool:
-        """Send; False once the server has closed or reset the connection."""
+        """Send; False once the server has closed or reset the connection (or stopped
+        reading it for the send timeout)."""
         try:
+            self.sock.settimeout(self.timeout)
             self.sock.sendall(data)
             return True
         except (BrokenPipeError, ConnectionResetError, socket.timeout, OSError):
@@ -378,6 +395,11 @@ class H2:
                    (":authority", authority), ("content-type", "application/grpc"),
                    ("te", "trailers"), *extra]
         return self.encoder.encode(headers)
+
+    def headers(self, sid: int, method: str, *, end: bool = False,
+                extra: list[tuple[str, str]] = ()) -> bool:
+        return self.send(frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), sid,
+                               self.request_block(method, extra=extra)))
 
     def request(self, sid: int, method: str, body: bytes | None = b"", *, end: bool = True,
                 extra: list[tuple[str, str]] = ()) -> bool:
@@ -405,10 +427,71 @@ class H2:
             if len(self.buf) < 9 + n:
                 break
             b = self.buf
-            self.frames.append(Frame(b[3], b[4], int.from_bytes(b[5:9], "big") & 0x7FFFFFFF,
-                                     b[9:9 + n]))
+            f = Frame(b[3], b[4], int.from_bytes(b[5:9], "big") & 0x7FFFFFFF, b[9:9 + n])
+            self.frames.append(f)
             self.buf = b[9 + n:]
+            if f.type == SETTINGS and not f.flags & ACK:
+                for i in range(0, len(f.payload) - 5, 6):
+                    key, value = struct.unpack(">HL", f.payload[i:i + 6])
+                    if key == 4:
+                        delta = value - self.server_settings.get(4, 65535)
+                        for sid in self.stream_windows:
+                            self.stream_windows[sid] += delta
+                    self.server_settings[key] = value
+            elif f.type == WINDOW_UPDATE and len(f.payload) == 4:
+                inc = struct.unpack(">L", f.payload)[0] & 0x7FFFFFFF
+                if f.sid == 0:
+                    self.conn_window += inc
+                else:
+                    self.stream_windows[f.sid] = self._window(f.sid) + inc
         return True
+
+    def _window(self, sid: int) -> int:
+        return self.stream_windows.get(sid, self.server_settings.get(4, 65535))
+
+    def send_data(self, sid: int, data: bytes, *, end: bool = False, deadline: float | None = None,
+                  stall: float = 1.0) -> int:
+        """DATA frames within the windows the server grants; waits for WINDOW_UPDATEs up to
+        ``stall`` seconds at a time (and until ``deadline``, a time.monotonic()). Returns the
+        bytes sent: fewer than ``len(data)`` when the server stopped granting."""
+        sent, view = 0, memoryview(data)
+        frame_max = self.server_settings.get(5, 16384)
+        while sent < len(data) or (end and not sent and not data):
+            room = min(self.conn_window, self._window(sid), frame_max, len(data) - sent)
+            if room <= 0 and data:
+                waited = time.monotonic() + stall
+                while room <= 0 and not self.closed and time.monotonic() < waited and \
+                        (deadline is None or time.monotonic() < deadline):
+                    self._recv(0.05)
+                    room = min(self.conn_window, self._window(sid), frame_max, len(data) - sent)
+                if room <= 0:
+                    return sent
+            if deadline is not None and time.monotonic() > deadline:
+                return sent
+            last = sent + room >= len(data)
+            if not self.send(frame(DATA, END_STREAM if end and last else 0, sid,
+                                   bytes(view[sent:sent + room]))):
+                return sent
+            self.conn_window -= room
+            self.stream_windows[sid] = self._window(sid) - room
+            sent += room
+            if not data:
+                break
+            if self.conn_window < 65536:        # pick up WINDOW_UPDATEs as they come
+                self._recv(0.0)
+        return sent
+
+    def statuses(self) -> dict[int, str]:
+        """Stream id -> grpc-status of every response that ended (trailers or trailers-only)."""
+        from hpack import Decoder
+        decoder = Decoder()
+        out = {}
+        for f in self.frames:
+            if f.type == HEADERS:
+                headers = dict(decoder.decode(f.payload))
+                if f.flags & END_STREAM:
+                    out[f.sid] = headers.get("grpc-status", "?")
+        return out
 
     def read_for(self, seconds: float) -> list[Frame]:
         """Read whatever arrives for ``seconds`` (or until closed); all frames so far."""
@@ -453,10 +536,16 @@ class H2:
         self.close()
 
 
-def assert_refused(conn: H2, codes: tuple[int, ...], timeout: float = 5.0) -> Frame | None:
+def assert_refused(conn: H2, codes: tuple[int, ...], timeout: float = 5.0,
+                   reset_ok: bool = False) -> Frame | None:
     """The server ended ``conn``: a GOAWAY with one of ``codes`` (then, usually, a close), or
-    a plain close when ``codes`` is empty. Returns the GOAWAY."""
+    a plain close when ``codes`` is empty. ``reset_ok``: a peer that never read may find the
+    connection reset before it reads the GOAWAY; then being closed is enough. Returns the
+    GOAWAY."""
     got = conn.goaway(timeout)
+    if got is None and reset_ok:
+        assert conn.read_until_closed(timeout), "connection neither GOAWAY'd nor closed"
+        return None
     if codes:
         assert got is not None, f"no GOAWAY (closed={conn.closed}); frames: " \
             f"{[(f.type, f.flags, f.sid) for f in conn.frames[-10:]]}"

@@ -35,7 +35,7 @@ from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REP
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 from .admission import Admission, BodyBudget, ResourceExhausted
 from .dataplane import decoupled_unsupported
-from .grpc_h2 import H2GrpcServer, serve_h2
+from .grpc_h2 import Admit, H2GrpcServer, serve_h2
 from .grpc_options import GrpcTLS, aio_options
 from .limits import HTTP2Limits
 
@@ -100,6 +100,7 @@ def _rpc(group: str) -> Callable[[Callable], Callable]:
             except Exception as err:  # noqa: BLE001 - rendered without a traceback
                 log.exception("gRPC %s failed", method.__name__)
                 await context.abort(grpc.StatusCode.INTERNAL, _internal_message(err))
+        wrapper.api_group = group           # what admission asks on the call's HEADERS
         return wrapper
     return decorate
 
@@ -154,7 +155,6 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             access.check_restrictions(group, headers)
         else:
             access.check(group, headers)
-
 
     # -- health and metadata ----------------------------------------------------------
     @_rpc(HEALTH)
@@ -452,6 +452,29 @@ def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHa
     return handlers
 
 
+def api_groups(service: GRPCInferenceService) -> dict[str, str]:
+    """Every RPC of Triton's service -> the Triton API group it belongs to."""
+    return {method.name: getattr(getattr(service, method.name), "api_group", INFERENCE)
+            for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+
+
+def admit_on_headers(service: GRPCInferenceService, groups: dict[str, dict[str, str]]) -> Admit:
+    """The h2 front's ``admit``: the service's access asked on a call's HEADERS, before its
+    body is read, for the API group of its method (``groups``: service -> method -> group).
+    The handlers ask again (grpc.aio has no such hook); an open group costs a set lookup."""
+    def admit(name: str, method: str, headers: list) -> tuple[grpc.StatusCode, str] | None:
+        group = groups.get(name, {}).get(method)
+        if group is None or service._open(group):
+            return None
+        try:
+            service.admit_headers(group, {key: value for key, value in headers
+                                          if isinstance(value, str) and not key.endswith("-bin")})
+        except TritonError as err:
+            return grpc.StatusCode[err.grpc_code], str(err)
+        return None
+    return admit
+
+
 async def start_grpc_server(engine: Engine, host: str, port: int,
                             max_receive_message_size: int | None = None, *,
                             access: AccessPolicy | None = None,
@@ -487,8 +510,11 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if transport == "h2":
         try:
+            groups = {SERVICE_NAME: api_groups(service),
+                      grpc_health.SERVICE_NAME: dict.fromkeys(services[grpc_health.SERVICE_NAME], HEALTH)}
+            admit = admit_on_headers(service, groups) if access is not None else None
             return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
-                                  limits=limits, ssl=ssl.ssl_context() if ssl else None)
+                                  limits=limits, admit=admit, ssl=ssl.ssl_context() if ssl else None)
         except OSError as err:
             raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
     server = grpc.aio.server(options=[

@@ -823,6 +823,10 @@ class _Connection(asyncio.Protocol):
             st.waiting += 1
             if st.queue is not None:
                 st.queue.put_nowait(message)
+            elif st.messages and st.handler is not None:     # a unary call's second message
+                self._reply_error(st, grpc.StatusCode.INTERNAL,
+                                  "expected one request message, got more")
+                return
             else:
                 st.messages.append(message)
 

@@ -28,7 +28,9 @@ class HTTP1Limits:
 @dataclass(frozen=True)
 class HTTP2Limits:
     """What one HTTP/2 (gRPC) connection may send; advertised in SETTINGS where HTTP/2 can."""
-    max_concurrent_streams: int = 1024      # SETTINGS_MAX_CONCURRENT_STREAMS; REFUSED_STREAM
+    # SETTINGS_MAX_CONCURRENT_STREAMS, past it REFUSED_STREAM (nginx: 128): well under the
+    # server's RPC cap (1,024), so one connection cannot take every RPC slot.
+    max_concurrent_streams: int = 128
     max_header_list_size: int = 16 * 1024   # SETTINGS_MAX_HEADER_LIST_SIZE (grpc core: 16 KiB)
     max_frame_size: int = 16 * 1024         # SETTINGS_MAX_FRAME_SIZE we accept
     stream_window: int = 4 * 1024 * 1024    # receive window of one stream, given back as read

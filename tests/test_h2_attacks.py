@@ -1,0 +1,371 @@
+"""Issue 17's HTTP/2 attacks, each against the standalone server's gRPC port and the Jupyter
+server's extension gRPC port (both real servers in subprocesses, see tests/hostile.py).
+
+Each attack asserts what the issue asks: the server is alive, a legitimate tritonclient call
+is answered within 2 s during and after the attack, the server's RSS grows less than 100 MiB
+(and a repeat adds nothing), and the hostile connection was refused or closed (GOAWAY with
+the RFC 9113 code, RST_STREAM, or a close). The hostile client sends no credential unless the
+attack needs to get past admission (then it is an authenticated client turned hostile).
+"""
+from __future__ import annotations
+
+import functools
+import struct
+import time
+import zlib
+
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from hostile import (ACK, CONTINUATION, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
+                     FLOW_CONTROL_ERROR, GOAWAY, H2, HEADERS, NO_ERROR, PING, PREFACE,
+                     PROTOCOL_ERROR, REFUSED_STREAM, RST_STREAM, SETTINGS, STREAM_CLOSED,
+                     COMPRESSION_ERROR, WINDOW_UPDATE, ServerProcess, assert_refused,
+                     assert_survived, frame, grpc_message, hostile_repository, probing,
+                     settings, start_jupyter, start_standalone)
+
+# Short deadlines so that the idle and handshake cases take seconds, not minutes.
+LIMITS = {"max_connection_idle": 1.5, "handshake_timeout": 2.0}
+ATTACK_S = 2.5                      # the longest any one attack runs
+MAX_RECEIVE = 64 * 1024 * 1024      # both servers' default receive limit
+
+
+@pytest.fixture(scope="module", params=["standalone", "jupyter"])
+def server(request, tmp_path_factory):
+    repo = hostile_repository(tmp_path_factory.mktemp(request.param) / "models")
+    start = start_standalone if request.param == "standalone" else start_jupyter
+    srv = start(repo, h2_limits=LIMITS)
+    yield srv
+    srv.close()
+
+
+def creds(server: ServerProcess) -> list[tuple[str, str]]:
+    return list(server.headers.items())
+
+
+def attack_twice(server: ServerProcess, attack) -> list[float]:
+    """Run ``attack`` while a legitimate client calls, twice: each time the server survives
+    with RSS growth under 100 MiB, and the repeat adds nothing (under 20 MiB more)."""
+    before = server.rss()
+    growths = []
+    for _ in range(2):
+        with probing(server):
+            attack()
+        growths.append(assert_survived(server, before))
+    assert growths[1] < max(growths[0], 0) + 20, f"the repeat grew RSS again: {growths}"
+    return growths
+
+
+def attack_once(server: ServerProcess, attack) -> None:
+    before = server.rss()
+    with probing(server):
+        attack()
+    assert_survived(server, before)
+
+
+# -- slots and memory -----------------------------------------------------------------------
+def test_bad_binary_metadata_leaks_no_slot(server):
+    """1,100 ModelStreamInfer calls with ``x-bin: a`` (not base64): each is answered with an
+    error status and frees its slot (before: each leaked one, and after 1,024 every gRPC call
+    of the server was RESOURCE_EXHAUSTED for good)."""
+    answered: dict[int, str] = {}
+
+    def attack():
+        with H2(server.grpc_port) as c:
+            sid = 1
+            for _ in range(22):
+                batch = []
+                for _ in range(50):
+                    batch.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, c.request_block(
+                        "ModelStreamInfer", extra=[("x-bin", "a")])))
+                    sid += 2
+                c.send(b"".join(batch))
+                last = sid - 2
+                if c.read_until(lambda f: f.type == HEADERS and f.sid == last
+                                and f.flags & END_STREAM, 2.0) is None:
+                    break
+            answered.update(c.statuses())
+
+    attack_once(server, attack)
+    assert len(answered) == 1100, f"only {len(answered)} of 1,100 calls answered"
+    # INVALID_ARGUMENT on the open standalone port; UNAUTHENTICATED (on HEADERS) on Jupyter's
+    assert set(answered.values()) <= {"3", "16"}, set(answered.values())
+
+
+@functools.lru_cache(maxsize=None)
+def bomb(encoding: str) -> bytes:
+    """~1 MiB that inflates to 1 GiB of zeros (gzip, or zlib as gRPC's "deflate")."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31 if encoding == "gzip" else 15)
+    zeros = bytes(1 << 24)
+    return b"".join([packer.compress(zeros) for _ in range(64)] + [packer.flush()])
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_compression_bomb_is_refused_within_the_receive_limit(server, encoding):
+    """Three 1 MiB messages that inflate to 1 GiB each: RESOURCE_EXHAUSTED, having inflated at
+    most the receive limit (before: +2 GiB each for gzip, deflate unsupported)."""
+    body = bomb(encoding)
+    statuses: dict[int, str] = {}
+
+    def attack():
+        with H2(server.grpc_port) as c:
+            for sid in (1, 3, 5):
+                c.headers(sid, "ModelInfer", extra=[("grpc-encoding", encoding), *creds(server)])
+                c.send_data(sid, grpc_message(body, compressed=True), end=True,
+                            deadline=time.monotonic() + ATTACK_S)
+            c.read_until(lambda f: len(c.statuses()) >= 3, 10.0)
+            statuses.update(c.statuses())
+
+    attack_twice(server, attack)
+    assert statuses == {1: "8", 3: "8", 5: "8"}, statuses     # RESOURCE_EXHAUSTED
+
+
+def test_data_on_a_stream_that_never_ends_is_bounded(server):
+    """A unary call whose one message never completes (it declares the receive limit) and a
+    second that sends message after message: the first is held only up to its message and
+    the windows, the second is refused at its second message (before: every byte sent was
+    taken, +525 MiB for 512 MiB)."""
+    sent: list[int] = []
+
+    def attack():
+        with H2(server.grpc_port) as c:
+            deadline = time.monotonic() + ATTACK_S
+            c.headers(1, "ModelInfer")
+            prefix = b"\x00" + struct.pack(">L", MAX_RECEIVE - 5)
+            total = c.send_data(1, prefix + bytes(MAX_RECEIVE + (8 << 20)), deadline=deadline,
+                                stall=0.5)
+            c.headers(3, "ModelInfer")
+            total += c.send_data(3, grpc_message(bytes(1 << 14)) * 512, deadline=deadline,
+                                 stall=0.5)
+            sent.append(total)
+            refused = c.read_until(lambda f: f.sid in (1, 3) and
+                                   (f.type == RST_STREAM or f.flags & END_STREAM), 2.0)
+            assert refused is not None and refused.sid in (1, 3), "neither stream was refused"
+
+    attack_twice(server, attack)
+    # one message, the stream's and the connection's windows: never 512 MiB
+    assert max(sent) < MAX_RECEIVE + (24 << 20), sent
+
+
+def test_streams_at_window_zero_hold_bounded_responses_released_on_close(server):
+    """64 calls of 1 MiB responses from a client whose windows stay 0: the responses held
+    for it are bounded (past 32 MiB the calls are RESOURCE_EXHAUSTED), and all is released
+    when it goes (before: +347 MiB, 263 MiB held
+    after the close)."""
+    request = pb.ModelInferRequest(
+        model_name="identity_big",
+        inputs=[pb.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="INT32",
+                                                      shape=[1, 1 << 18])],
+        raw_input_contents=[bytes(1 << 20)]).SerializeToString()
+    message = grpc_message(request)
+    before = server.rss()
+    with probing(server):
+        c = H2(server.grpc_port, local_settings=settings(initial_window_size=0))
+        deadline = time.monotonic() + 3 * ATTACK_S
+        for k in range(64):
+            sid = 2 * k + 1
+            c.headers(sid, "ModelInfer", extra=creds(server))
+            if c.send_data(sid, message, end=True, deadline=deadline) < len(message):
+                break
+        c.read_until(lambda f: len(c.statuses()) >= 40, 5.0)
+        time.sleep(0.5)
+        held = server.rss() - before
+        statuses = c.statuses()
+        c.close()
+    assert held < 100, f"RSS grew {held:.0f} MiB with the client's windows at 0"
+    # past the bound, calls are refused rather than held
+    assert "8" in statuses.values(), statuses
+    assert_survived(server, before, max_growth=50, settle_s=5.0)
+
+
+# -- floods from a peer that does not read ----------------------------------------------------
+def _flood(server: ServerProcess, unit: bytes) -> H2:
+    c = H2(server.grpc_port, rcvbuf=4096, timeout=0.3)
+    deadline = time.monotonic() + ATTACK_S
+    burst = unit * 1000
+    while time.monotonic() < deadline and c.send(burst):
+        pass
+    return c
+
+
+@pytest.mark.parametrize("kind", ["PING", "SETTINGS"])
+def test_control_frame_flood_from_a_peer_that_never_reads(server, kind):
+    """PINGs or SETTINGS as fast as a socket takes them, never reading the ACKs: GOAWAY
+    ENHANCE_YOUR_CALM (pings: grpc core's "too_many_pings") and a close (before: +200-300
+    MiB of queued ACKs in 20 s, no refusal)."""
+    unit = frame(PING, 0, 0, b"12345678") if kind == "PING" else frame(SETTINGS, 0, 0)
+
+    def attack():
+        with _flood(server, unit) as c:
+            assert_refused(c, (ENHANCE_YOUR_CALM,), timeout=5.0, reset_ok=True)
+
+    attack_twice(server, attack)
+
+
+def test_rapid_reset(server):
+    """10,000 HEADERS + RST_STREAM pairs (CVE-2023-44487): GOAWAY ENHANCE_YOUR_CALM."""
+    def attack():
+        with H2(server.grpc_port, timeout=1.0) as c:
+            sid, deadline = 1, time.monotonic() + ATTACK_S
+            for _ in range(20):
+                burst = []
+                for _ in range(500):
+                    burst.append(frame(HEADERS, END_HEADERS, sid, c.request_block(
+                        "ModelInfer", extra=creds(server))))
+                    burst.append(frame(RST_STREAM, 0, sid, struct.pack(">L", 8)))
+                    sid += 2
+                if not c.send(b"".join(burst)) or time.monotonic() > deadline:
+                    break
+            assert_refused(c, (ENHANCE_YOUR_CALM,), reset_ok=True)
+
+    attack_twice(server, attack)
+
+
+def test_endless_continuation(server):
+    """HEADERS then CONTINUATION frames that never end the block: GOAWAY after the advertised
+    SETTINGS_MAX_HEADER_LIST_SIZE, not 64 MiB later."""
+    sent: list[int] = []
+
+    def attack():
+        with H2(server.grpc_port) as c:
+            c.send(frame(HEADERS, 0, 1, c.request_block("ModelInfer")))
+            total, deadline = 0, time.monotonic() + ATTACK_S
+            chunk = frame(CONTINUATION, 0, 1, b"\x40\x01a\x01a" * 3276) * 8
+            while time.monotonic() < deadline and total < (64 << 20) and not c.closed:
+                if not c.send(chunk):
+                    break
+                total += len(chunk)
+                c.read_for(0.005)
+                if any(f.type == GOAWAY for f in c.frames):
+                    break
+            sent.append(total)
+            assert_refused(c, (ENHANCE_YOUR_CALM,), reset_ok=True)
+
+    attack_once(server, attack)
+    assert sent[0] < 4 << 20, f"{sent[0]} bytes of one header block taken"
+
+
+def test_hpack_bomb(server):
+    """A 4 KB header in the HPACK table referenced 200 times (800 KB decoded from a 200-byte
+    block): GOAWAY, the header list limit."""
+    def attack():
+        with H2(server.grpc_port) as c:
+            c.request(1, "ServerLive", extra=[("x-bomb", "a" * 4000)])
+            c.read_until(lambda f: f.sid == 1 and f.flags & END_STREAM, 2.0)
+            # the references come first: the block's own literals would evict the entry
+            c.send(frame(HEADERS, END_HEADERS | END_STREAM, 3,
+                         b"\xbe" * 200 + c.request_block("ServerLive")))
+            assert_refused(c, (ENHANCE_YOUR_CALM, COMPRESSION_ERROR))
+
+    attack_once(server, attack)
+
+
+def test_more_streams_than_advertised(server):
+    """Streams past SETTINGS_MAX_CONCURRENT_STREAMS get REFUSED_STREAM, and one connection
+    cannot take the server's every RPC slot (the legitimate client still gets through)."""
+    refused: list[int] = []
+
+    def attack():
+        with H2(server.grpc_port) as c:
+            c.read_until(lambda f: f.type == SETTINGS, 2.0)
+            advertised = c.server_settings.get(3, 1 << 31)
+            assert advertised <= 1024
+            out = [frame(HEADERS, END_HEADERS, 2 * k + 1, c.request_block(
+                "ModelStreamInfer", extra=creds(server))) for k in range(advertised + 32)]
+            c.send(b"".join(out))
+            c.read_for(1.5)
+            refused.append(sum(1 for f in c.frames if f.type == RST_STREAM
+                               and f.error_code == REFUSED_STREAM))
+
+    attack_once(server, attack)
+    assert refused[0] >= 32, refused
+
+
+# -- RFC 9113 connection errors ---------------------------------------------------------------
+def _open(c: H2, server: ServerProcess, sid: int = 1) -> None:
+    """A ModelStreamInfer stream left open (credentials: it must get past admission)."""
+    c.headers(sid, "ModelStreamInfer", extra=creds(server))
+    c.read_for(0.2)
+
+
+STREAM_ID_CASES = {
+    "HEADERS on stream 0": lambda c, s: c.request(0, "ServerLive"),
+    "HEADERS on an even stream": lambda c, s: c.request(2, "ServerLive"),
+    "HEADERS on a reused stream": lambda c, s: (
+        c.request(1, "ServerLive"), c.read_until(lambda f: f.sid == 1 and f.flags & END_STREAM, 2.0),
+        c.request(1, "ServerLive")),
+    "stream ids going backwards": lambda c, s: (c.request(5, "ServerLive"), c.request(3, "ServerLive")),
+    "DATA on an idle stream": lambda c, s: c.send(frame(0, END_STREAM, 7, grpc_message(b""))),
+    "PING of 7 bytes": lambda c, s: c.send(frame(PING, 0, 0, b"1234567")),
+    "SETTINGS of bad length": lambda c, s: c.send(frame(SETTINGS, 0, 0, b"\x00\x04\x00\x00")),
+    "SETTINGS ACK with payload": lambda c, s: c.send(frame(SETTINGS, ACK, 0, settings(enable_push=0))),
+    "window size past 2^31-1": lambda c, s: c.send(frame(SETTINGS, 0, 0, struct.pack(">HL", 4, 1 << 31))),
+    "max frame size too small": lambda c, s: c.send(frame(SETTINGS, 0, 0, settings(max_frame_size=100))),
+    "connection WINDOW_UPDATE of 0": lambda c, s: c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 0))),
+    "connection window past 2^31-1": lambda c, s: c.send(
+        frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 0x7FFFFFFF))),
+    "CONTINUATION interleaved": lambda c, s: c.send(
+        frame(HEADERS, 0, 1, c.request_block("ServerLive")) + frame(PING, 0, 0, b"12345678")),
+}
+EXPECTED = {
+    "HEADERS on a reused stream": (PROTOCOL_ERROR, STREAM_CLOSED),
+    "PING of 7 bytes": (6,), "SETTINGS of bad length": (6,), "SETTINGS ACK with payload": (6,),
+    "window size past 2^31-1": (FLOW_CONTROL_ERROR,),
+    "connection window past 2^31-1": (FLOW_CONTROL_ERROR,),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAM_ID_CASES))
+def test_connection_errors_get_goaway(server, case):
+    """RFC 9113's connection errors (§5.1.1 stream ids, §6 frame rules, §6.9 windows): GOAWAY
+    with the code the RFC names and the last stream processed, then a close (before: most were
+    served or ignored)."""
+    def attack():
+        with H2(server.grpc_port) as c:
+            STREAM_ID_CASES[case](c, server)
+            got = assert_refused(c, EXPECTED.get(case, (PROTOCOL_ERROR,)))
+            assert got.last_stream <= 5
+            assert c.read_until_closed(3.0), "the connection stayed open after GOAWAY"
+
+    attack_once(server, attack)
+
+
+@pytest.mark.parametrize("increment, code", [(0, PROTOCOL_ERROR), (0x7FFFFFFF, FLOW_CONTROL_ERROR)])
+def test_stream_window_update_errors_reset_the_stream(server, increment, code):
+    """WINDOW_UPDATE of 0, or past 2^31-1, on an open stream: RST_STREAM with the RFC's code;
+    the connection goes on."""
+    def attack():
+        with H2(server.grpc_port) as c:
+            _open(c, server)
+            c.send(frame(WINDOW_UPDATE, 0, 1, struct.pack(">L", increment)))
+            rst = c.read_until(lambda f: f.type == RST_STREAM and f.sid == 1, 3.0)
+            assert rst is not None and rst.error_code == code, rst
+            c.request(3, "ServerLive", extra=creds(server))
+            assert c.read_until(lambda f: f.sid == 3 and f.flags & END_STREAM, 3.0) is not None
+
+    attack_once(server, attack)
+
+
+# -- deadlines --------------------------------------------------------------------------------
+def test_idle_connection_is_closed(server):
+    """A connection with no stream for max_connection_idle (1.5 s here; tritonserver: 120 s)
+    gets GOAWAY(NO_ERROR) and is closed (before: never, watched for 400 s)."""
+    def attack():
+        with H2(server.grpc_port) as c:
+            c.request(1, "ServerLive", extra=creds(server))
+            started = time.monotonic()
+            assert_refused(c, (NO_ERROR,), timeout=6.0)
+            assert c.read_until_closed(3.0)
+            assert 1.0 < time.monotonic() - started < 6.0
+
+    attack_once(server, attack)
+
+
+def test_silent_connection_is_closed(server):
+    """A connection that never completes the handshake is closed after handshake_timeout."""
+    def attack():
+        with H2(server.grpc_port, handshake=False) as c:
+            c.send(PREFACE[:10])
+            assert c.read_until_closed(6.0), "a silent connection was kept"
+
+    attack_once(server, attack)
