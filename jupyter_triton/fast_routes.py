@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import tornado
+
 from .frontends import auth
 from .frontends.auth import AccessPolicy
 from .frontends.dataplane import Reply, Route
@@ -66,8 +68,15 @@ def start(extension, serverapp, handler_class: type,
         extension.log.info("jupyter_triton: CORS is configured; every v2 request goes "
                            "through Jupyter's handlers")
         return None
+    # What every reply of the route class starts with: tornado's Server header, then
+    # Jupyter's defaults, recorded by the class's set_default_headers (serverext).
+    defaults = settings[CACHE_KEY]["defaults"].get(type(sample))
+    if not defaults:
+        extension.log.info("jupyter_triton: the v2 routes' default headers are not Jupyter's "
+                           "settings alone; every v2 request goes through Jupyter's handlers")
+        return None
     fixed = b"".join(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
-                     for name, value in sample._headers.get_all()
+                     for name, value in (("Server", f"TornadoServer/{tornado.version}"), *defaults)
                      if name.lower() not in _NOT_FIXED)
     identity = serverapp.identity_provider
     # Jupyter's token only where Jupyter's own prepare() would check it as the verifier does.

@@ -111,6 +111,31 @@ def probe(web_app: web.Application, handler_class: type, host: str,
     return cls(web_app, request)
 
 
+def default_headers(web_app: web.Application, handler_class: type,
+                    base: type) -> tuple[tuple[str, str], ...] | None:
+    """The headers Jupyter's ``set_default_headers`` gives every reply of ``handler_class``
+    (X-Content-Type-Options, the configured ``headers``, Content-Security-Policy), as it sets
+    them, where they depend on settings alone: no class between ``handler_class`` and
+    ``base`` (whose own ``set_default_headers`` is not asked) redefines them. Recorded by
+    running Jupyter's own method on a handler of a subclass whose ``set_header`` records."""
+    for cls in handler_class.__mro__:
+        if cls is base:
+            break
+        if {"set_default_headers", "content_security_policy", "set_header"} & set(vars(cls)):
+            return None
+    else:
+        return None
+    pairs: list[tuple[str, str]] = []
+    recorder = type("Recorder", (handler_class,), {
+        "clear": lambda self: None,             # not tornado's: only the defaults are asked
+        "set_header": lambda self, name, value: pairs.append((name, str(value))),
+        "log": property(lambda self: _quiet)})
+    request = httputil.HTTPServerRequest(method="GET", uri="/", connection=_Detached(),
+                                         headers=httputil.HTTPHeaders({"Host": "localhost"}))
+    super(base, recorder(web_app, request)).set_default_headers()
+    return tuple(pairs)
+
+
 class JupyterIdentity:
     """Jupyter's identity provider and authorizer, asked about a credential that came in a
     header where Jupyter has no handler of its own (gRPC metadata, the data port): through a

@@ -22,13 +22,12 @@ import os
 import secrets
 import stat
 import sys
-import time
 from pathlib import Path
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.auth import User
 from jupyter_server.base.call_context import CallContext
-from jupyter_server.base.handlers import AuthenticatedHandler, JupyterHandler
+from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.log import log_request as jupyter_log_request
 from jupyter_server.prometheus import log_functions as jupyter_prometheus
@@ -40,7 +39,8 @@ from traitlets import Bool, Float, Int, List, TraitError, Unicode, default, vali
 from .engine import CONTROL_MODES, Engine, EngineOptions
 from .frontends import auth
 from .jupyter_auth import (ACCESS_KEY, AUTH_RESOURCE, CACHE_KEY, EXECUTE, READ, WRITE,
-                           JupyterIdentity, new_cache, observe_duration, stock_token_auth)
+                           JupyterIdentity, default_headers, new_cache, observe_duration,
+                           stock_token_auth)
 from .frontends.auth import (GROUPS, HEALTH, INFERENCE, INFERENCE_SCOPE, METADATA, MODEL_CONFIG,
                              MODEL_REPOSITORY, STATISTICS, AccessPolicy)
 from .frontends.admission import Admission
@@ -101,43 +101,6 @@ def _shows_debug(logger: logging.Logger) -> bool:
             return True
         current = current.parent if current.propagate else None
     return False
-
-
-_date: list = [-1, ""]      # [second, its HTTP date]: tornado's Date header has 1 s resolution
-# What tornado's RequestHandler.clear() sets; its fast copy below is used only where the
-# stock clear() was seen to set exactly these (another tornado falls back to its own).
-_CLEARED = frozenset({"_headers", "_write_buffer", "_status_code", "_reason"})
-
-
-def _http_date() -> str:
-    now = int(time.time())
-    if _date[0] != now:
-        _date[:] = [now, httputil.format_timestamp(now)]
-    return _date[1]
-
-
-def _copy_headers(layout: dict[str, list[str]], date: str) -> httputil.HTTPHeaders:
-    headers = httputil.HTTPHeaders.__new__(httputil.HTTPHeaders)
-    as_list = {name: values[:] for name, values in layout.items()}
-    as_list["Date"] = [date]
-    headers._as_list, headers._combined_cache = as_list, {}
-    return headers
-
-
-def _default_layout(handler: web.RequestHandler, added: set[str]) -> dict[str, list[str]] | None:
-    """The headers the stock ``clear()`` just gave ``handler``, if they are the same for every
-    request of its class (Jupyter's defaults come from settings only) and can be copied."""
-    cls = type(handler)
-    headers = handler._headers
-    if (added != _CLEARED or cls.set_default_headers is not JupyterHandler.set_default_headers
-            or cls.content_security_policy is not AuthenticatedHandler.content_security_policy
-            or type(headers) is not httputil.HTTPHeaders
-            or set(vars(headers)) != {"_as_list", "_combined_cache"} or "Date" not in headers
-            or handler._status_code != 200 or handler._write_buffer):
-        return None
-    layout = {name: list(values) for name, values in headers._as_list.items()}
-    copy = _copy_headers(layout, headers["Date"])
-    return layout if list(copy.get_all()) == list(headers.get_all()) else None
 
 
 class _RememberedRoutes(routing.ReversibleRouter):
@@ -217,24 +180,28 @@ class TritonJupyterHandler(JupyterHandler):
     def authorizer(self):
         return self._key_authorizer or super().authorizer
 
-    def clear(self) -> None:
-        # tornado's clear() (in every request's __init__) builds the default headers anew:
-        # Server, Content-Type, Date, then Jupyter's set_default_headers (X-Content-Type-
-        # Options, settings' headers, Content-Security-Policy), each name and value checked
-        # and normalised. They depend on settings alone, so the first request of a class
-        # records them and later ones copy that record, with the current Date.
-        layouts = self.settings[CACHE_KEY]["defaults"] if CACHE_KEY in self.settings else None
-        layout = layouts.get(type(self)) if layouts is not None else None
-        if layout:
-            self._headers = _copy_headers(layout, _http_date())
-            self._write_buffer = []
-            self._status_code = 200
-            self._reason = "OK"
+    def set_default_headers(self) -> None:
+        # Jupyter's default headers (X-Content-Type-Options, the configured headers, the
+        # Content-Security-Policy built from settings) are the same for every request of a
+        # route class: found once per class (jupyter_auth.default_headers, Jupyter's own
+        # method asked), then set on each reply as Jupyter sets them.
+        cache = self.settings.get(CACHE_KEY)
+        if cache is None:
+            super().set_default_headers()
             return
-        before = set(vars(self))
-        super().clear()
-        if layouts is not None and layout is None:
-            layouts[type(self)] = _default_layout(self, set(vars(self)) - before) or False
+        defaults = cache["defaults"]
+        pairs = defaults.get(type(self))
+        if pairs is None:
+            pairs = defaults[type(self)] = default_headers(self.application, type(self),
+                                                           TritonJupyterHandler) or False
+        if pairs is False:
+            super().set_default_headers()
+            return
+        for name, value in pairs:
+            try:
+                self.set_header(name, value)
+            except Exception as err:        # tornado refuses some (as Jupyter logs them)
+                self.log.exception("Could not set default headers: %s", err)
 
     def check_host(self) -> bool:
         # Allowing a given Host header is constant (settings are fixed at start), except for

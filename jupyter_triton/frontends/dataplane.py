@@ -33,8 +33,7 @@ from ..config import config_to_json
 from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
 from ..model_logs import model_logs
-from ..protocol.errors import (Internal, InvalidArgument, NotFound, TritonError, Unavailable,
-                               Unsupported)
+from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
 from . import openai
@@ -42,7 +41,7 @@ from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_
                        generate_request, generate_response, is_empty_final)
 from ..engine.trace import trace_context
 from . import observability
-from .admission import Admission, BodyBudget, BodyTicket  # noqa: F401 - BodyBudget: the skins' name
+from .admission import Admission, BodyTicket
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 
