@@ -106,7 +106,7 @@ def login(server: Server) -> None:
     server.xsrf = cookies["_xsrf"].value
 
 
-def head(method: str, server: Server, path: str, host: str | None = "", body: bytes | None = None,
+def message(method: str, server: Server, path: str, host: str | None = "", body: bytes | None = None,
          **headers: str) -> bytes:
     lines = [f"{method} {BASE}{path} HTTP/1.1"]
     if host is not None:
@@ -119,11 +119,11 @@ def head(method: str, server: Server, path: str, host: str | None = "", body: by
 
 
 def get(server: Server, path: str, **headers: str) -> bytes:
-    return head("GET", server, path, **headers)
+    return message("GET", server, path, **headers)
 
 
 def post(server: Server, path: str, body: bytes = ROW, **headers: str) -> bytes:
-    return head("POST", server, path, body=body, **headers)
+    return message("POST", server, path, body=body, **headers)
 
 
 def exchange_raw(server: Server, data: bytes) -> bytes:
@@ -200,7 +200,7 @@ def corpus(s: Server) -> list[tuple[str, bytes, int]]:
     for kind, creds in credentials(s).items():
         for method, path in ROUTES:
             body = (b"{}" if "repository" in path else ROW) if method in ("POST", "PUT") else None
-            items.append((f"{kind}: {method} {path}", head(method, s, path, body=body, **creds), 1))
+            items.append((f"{kind}: {method} {path}", message(method, s, path, body=body, **creds), 1))
     for kind, creds in (("?token=", {}), ("?token= and key", key)):
         items.append((f"{kind} GET", get(s, f"v2/models/linear?token={TOKEN}", **creds), 1))
         items.append((f"{kind} POST infer", post(s, f"v2/models/linear/infer?token={TOKEN}", **creds), 1))
