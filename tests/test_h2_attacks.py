@@ -369,3 +369,65 @@ def test_silent_connection_is_closed(server):
             assert c.read_until_closed(6.0), "a silent connection was kept"
 
     attack_once(server, attack)
+
+
+@pytest.mark.parametrize("algorithm", ["deflate", "gzip"])
+def test_tritonclient_compressed_requests(server, algorithm):
+    """What NVIDIA's simple_grpc_infer_client.py -C deflate / -C gzip sends is served."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from conftest import W
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        x = np.arange(32, dtype=np.float32).reshape(2, 16)
+        inp = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
+        inp.set_data_from_numpy(x)
+        result = client.infer("linear", [inp], headers=server.headers, client_timeout=10,
+                              compression_algorithm=algorithm)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), x @ W, rtol=1e-5)
+    finally:
+        client.close()
+
+
+def test_keepalive_age_and_connection_cap():
+    """tritonserver's --grpc-keepalive-time/-timeout and --grpc-max-connection-age/-grace,
+    and the bound on connections, on a server of their own (short values): a peer that does
+    not answer the keep-alive PING is closed; an old connection gets GOAWAY(NO_ERROR) and is
+    closed once its grace is over; connections past max_connections are closed at once."""
+    srv = start_standalone(h2_limits={"keepalive_time": 0.5, "keepalive_timeout": 0.5,
+                                      "max_connection_age": 1.5, "max_connection_age_grace": 1.0,
+                                      "max_connections": 6})
+    try:
+        before = srv.rss()
+        # keep-alive: an open stream, and no PING ACK ever
+        with H2(srv.grpc_port) as c:
+            c.headers(1, "ModelStreamInfer")
+            ping = c.read_until(lambda f: f.type == PING and not f.flags & ACK, 4.0)
+            assert ping is not None, "no keep-alive PING"
+            assert c.read_until_closed(4.0), "not closed without a PING ACK"
+        # age: GOAWAY(NO_ERROR) after 1.5 s (answering pings), closed within the grace
+        with H2(srv.grpc_port) as c:
+            c.headers(1, "ModelStreamInfer")
+            started, goaway = time.monotonic(), None
+            while goaway is None and time.monotonic() - started < 5.0:
+                c.read_for(0.1)
+                for f in c.frames:
+                    if f.type == PING and not f.flags & ACK:
+                        c.send(frame(PING, ACK, 0, f.payload))
+                c.frames = [f for f in c.frames if f.type != PING]
+                goaway = next((f for f in c.frames if f.type == GOAWAY), None)
+            assert goaway is not None and goaway.error_code == NO_ERROR
+            assert 1.0 < time.monotonic() - started < 4.0
+            assert c.read_until_closed(4.0)
+        # the connection cap: 6 held open, the next closed at once
+        held = [H2(srv.grpc_port) for _ in range(6)]
+        try:
+            with H2(srv.grpc_port) as extra:
+                assert extra.read_until_closed(2.0), "a connection past max_connections was kept"
+        finally:
+            for c in held:
+                c.close()
+        time.sleep(0.3)
+        assert_survived(srv, before)
+    finally:
+        srv.close()

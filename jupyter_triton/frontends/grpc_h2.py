@@ -283,6 +283,7 @@ class _Connection(asyncio.Protocol):
         self.flush_scheduled = False
         self.dead = False
         self.write_paused = False
+        self.paused_at = 0.0
         # flood accounting, reset each second by the timer
         self.control = 0
         self.resets = 0
@@ -322,6 +323,7 @@ class _Connection(asyncio.Protocol):
     # write back-pressure: a peer that does not read is not read either
     def pause_writing(self) -> None:
         self.write_paused = True
+        self.paused_at = asyncio.get_running_loop().time()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
 
@@ -418,6 +420,11 @@ class _Connection(asyncio.Protocol):
         limits = self.limits
         if now - self.second >= 1.0:            # flood counters are per second
             self.second, self.control, self.resets = now, 0, 0
+        if self.write_paused and now - self.paused_at > limits.keepalive_timeout:
+            # a peer that has read nothing of ours for that long is as good as gone
+            self.dead = True
+            self.transport.abort()
+            return
         if not self.settled:
             if now - self.born > limits.handshake_timeout:
                 return self._error(PROTOCOL_ERROR, "handshake timeout")
@@ -873,15 +880,12 @@ class _Connection(asyncio.Protocol):
             st.messages.clear()
             st.task = asyncio.get_running_loop().create_task(self._streaming(st, handler))
 
-    async def _message(self, st: _Stream, message: bytes) -> bytes:
-        """A message the handler takes: its windows given back, inflated if compressed."""
-        self._taken(st, len(message) + 5)
-        if type(message) is _Compressed:
-            limit = self.server.max_receive
-            if len(message) > INFLATE_ON_LOOP:
-                return await asyncio.to_thread(_inflate, message, limit)
-            return _inflate(message, limit)
-        return message
+    async def _inflated(self, message: bytes) -> bytes:
+        """A compressed message, inflated within the receive limit (off the loop if large)."""
+        limit = self.server.max_receive
+        if len(message) > INFLATE_ON_LOOP:
+            return await asyncio.to_thread(_inflate, message, limit)
+        return _inflate(message, limit)
 
     async def _unary(self, st: _Stream) -> None:
         handler = st.handler
@@ -890,7 +894,10 @@ class _Connection(asyncio.Protocol):
                                      f"expected one request message, got {len(st.messages)}")
         self.server.active += 1
         try:
-            message = await self._message(st, st.messages.pop())
+            message = st.messages.pop()
+            self._taken(st, len(message) + 5)
+            if type(message) is _Compressed:
+                message = await self._inflated(message)
             request = handler.request_deserializer(message) if handler.request_deserializer \
                 else message
             call = handler.unary_unary(request, _Context(st.head.metadata()))
@@ -918,11 +925,13 @@ class _Connection(asyncio.Protocol):
 
         async def requests() -> AsyncIterator[Any]:
             while (item := await queue.get()) is not _EOF:
-                try:
-                    item = await self._message(st, item)
-                except _Abort as abort:     # ends the call with this status, not the handler's
-                    failed.append(abort)
-                    raise
+                self._taken(st, len(item) + 5)
+                if type(item) is _Compressed:
+                    try:
+                        item = await self._inflated(item)
+                    except _Abort as abort:     # ends the call with this status
+                        failed.append(abort)
+                        raise
                 yield handler.request_deserializer(item) if handler.request_deserializer \
                     else item
 
