@@ -166,7 +166,7 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
         from .frontends.grpc import start_grpc_server
         result._grpc, result.grpc_port = await start_grpc_server(
             engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access,
-            limits=grpc_limits, ssl=grpc_ssl)
+            limits=grpc_limits, ssl=grpc_ssl, admission=plane.admission)
     log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s)", options.model_repository,
              result.http_port, http_front, result.grpc_port, result.metrics_port)
     return result

@@ -506,7 +506,7 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     limits = limits or HTTP2Limits()
     services = {SERVICE_NAME: method_handlers(service),
                 grpc_health.SERVICE_NAME: grpc_health.method_handlers(
-                    grpc_health.HealthService(engine, service.authorize))}
+                    grpc_health.HealthService(engine, service.authenticate))}
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if transport == "h2":
         try:

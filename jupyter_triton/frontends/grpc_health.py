@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2 as hpb
@@ -36,12 +36,13 @@ NOT_SERVING = hpb.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = hpb.HealthCheckResponse.SERVICE_UNKNOWN
 
 # (Triton API group, the call's context) -> None, or raises a TritonError
-Authorize = Callable[[str, Any], None]
+Authorize = Callable[[str, Any], Awaitable[None]]
 
 
 class HealthService:
     """``grpc.health.v1.Health`` over the engine; ``authorize`` is the gRPC port's access
-    check (GRPCInferenceService.authorize), asked before anything is answered."""
+    check (GRPCInferenceService.authenticate: a credential first seen is asked of its issuer),
+    awaited before anything is answered."""
 
     def __init__(self, engine: Engine, authorize: Authorize | None = None,
                  watch_interval: float = WATCH_INTERVAL_S) -> None:
@@ -74,7 +75,7 @@ class HealthService:
         if self.authorize is None:
             return
         try:
-            self.authorize(HEALTH, context)
+            await self.authorize(HEALTH, context)
         except TritonError as err:
             await context.abort(grpc.StatusCode[err.grpc_code], str(err))
 
