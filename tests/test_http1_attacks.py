@@ -326,6 +326,45 @@ def test_an_endless_chunked_body_is_refused_at_the_cap(target):
     run_twice(t, lambda: attack(t.port, chunked(), timeout=20.0), check)
 
 
+def test_an_endless_trailer_line_is_refused_early(target):
+    if not target.fast:
+        pytest.skip("a chunked body is never claimed by the fast routes: tornado's")
+    t = target
+
+    def endless() -> Iterator[bytes]:
+        yield t.head("POST", "/v2/models/linear/infer", b"Content-Type: application/json\r\n",
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ")
+        for _ in range(1024):                       # 64 MiB at most
+            yield b"a" * 65536
+
+    def check(got: Outcome) -> None:
+        assert_refused(t, got, 431, "trailer")
+        assert got.sent < 16 << 20, f"{got.sent >> 20} MiB sent before the refusal"
+
+    run_twice(t, lambda: attack(t.port, endless()), check)
+
+
+def test_chunked_bodies_past_the_cap_leave_nothing_held(target):
+    """Each refused body's bytes leave the server's bytes-in-flight budget (4 x the cap):
+    five refusals later a legitimate request is still admitted."""
+    if not target.fast:
+        pytest.skip("a chunked body is never claimed by the fast routes: tornado's")
+    t = target
+    body = b" " * (MAX_INPUT + (1 << 20))
+    request = t.head("POST", "/v2/models/linear/infer", b"Content-Type: application/json\r\n",
+                     b"Transfer-Encoding: chunked\r\n\r\n",
+                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+
+    def five() -> list[Outcome]:
+        return [attack(t.port, [request]) for _ in range(5)]
+
+    def check(got: list[Outcome]) -> None:
+        for one in got:
+            assert_refused(t, one, 400, "maximum input size")
+
+    run_twice(t, five, check)
+
+
 @pytest.mark.parametrize("framing", [
     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",

@@ -88,8 +88,8 @@ class _Message:
         self.ticket = None
         self.refused: Reply | None = None
         self.keep_alive = True
-        self.head = 0           # bytes of the header lines parsed; -1 once the head is whole
-        self.count = 0          # header lines parsed
+        self.head = 0           # bytes of the header lines counted; -1 once the head is whole
+        self.count = 0          # header lines counted (of guarded reads)
         self.repeated: dict[str, list[str]] | None = None   # values of repeated header names
 
 
@@ -140,6 +140,10 @@ class _Connection(asyncio.Protocol):
         self.max_line = limits.max_header_line
         self.max_head = limits.max_header_bytes
         self.max_headers = limits.max_headers
+        # A read no longer than this, that starts no request, holds no header line, head or
+        # URL past its limit: only the header count is asked of it (once, per head).
+        self.small = min(self.max_url, self.max_line, self.max_head)
+        self.guarded = True         # this read's header lines are checked one by one
         self.loop = asyncio.get_running_loop()
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -157,6 +161,8 @@ class _Connection(asyncio.Protocol):
         self.peer = ""
         self.writable: asyncio.Future | None = None   # set while the transport's buffer is full
         self.head_bytes = 0                       # bytes of a head that spans reads
+        self.body_seen = 0                        # body bytes of a message that spans reads
+        self.framing = 0                          # bytes since, in reads with no body bytes
         self.stall: asyncio.TimerHandle | None = None  # watching a peer that does not read
         self.unsent = 0
 
@@ -205,6 +211,7 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return              # lingering after a refusal: drained, never parsed
         before = self.message
+        self.guarded = before is not None or len(data) > self.small
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as err:
@@ -220,22 +227,33 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as err:
             self._fail(InvalidArgument(f"malformed HTTP request: {err}"))
             return
-        m = self.message
-        if m is not None and m.head >= 0:
-            self._head_unfinished(m, m is before, len(data))
+        if self.message is not None:
+            self._unfinished(self.message, before, len(data))
 
-    def _head_unfinished(self, m: _Message, continued: bool, received: int) -> None:
-        """A request head still incomplete after a read (not the fast path: a whole head
-        usually comes in one). The parser holds its unfinished line where no callback sees
-        it, so its bytes are counted here: those of every read that continued the head, a
-        lower bound that misses at most the read the head began in."""
-        if not continued:
-            self.head_bytes = 0
-            self._arm(self.front.header_timeout, self._head_late)
-            return
-        self.head_bytes += received
-        if self.head_bytes > self.max_url + self.max_head:     # (on_url bounds the URL)
-            self._fail(HeaderTooLarge(f"the request's header lines exceed {self.max_head} bytes"))
+    def _unfinished(self, m: _Message, before: _Message | None, received: int) -> None:
+        """A request still incomplete after a read (not the fast path: a whole request
+        usually comes in one). The parser holds an unfinished header line where no callback
+        sees it, so its bytes are counted here: those of every read that continued a head (a
+        lower bound that misses at most the read the head began in), and those of a chunked
+        body's reads that brought no body bytes (chunk framing, trailer lines)."""
+        continued = m is before
+        if m.head >= 0:
+            if not continued:
+                self.head_bytes = 0
+                self._arm(self.front.header_timeout, self._head_late)
+                return
+            self.head_bytes += received
+            if self.head_bytes > self.max_url + self.max_head:     # (on_url bounds the URL)
+                self._fail(HeaderTooLarge(
+                    f"the request's header lines exceed {self.max_head} bytes"))
+        elif m.length is None:
+            if continued and m.size == self.body_seen:
+                self.framing += received
+                if self.framing > self.max_head:
+                    self._fail(HeaderTooLarge(
+                        f"the request's trailer lines exceed {self.max_head} bytes"))
+            else:
+                self.body_seen, self.framing = m.size, 0
 
     def pause_writing(self) -> None:
         # A peer that does not read what it is sent is not read either (its pipelined
@@ -306,11 +324,8 @@ class _Connection(asyncio.Protocol):
         m = self.message
         if m is None:
             return
-        line = len(name) + len(value)
-        m.head += line + 4
-        m.count += 1
-        if line > self.max_line or m.head > self.max_head or m.count > self.max_headers:
-            raise _Refused(self._too_large(m, line))
+        if self.guarded:
+            self._count(m, len(name) + len(value))
         key = name.decode("latin-1").lower()
         headers = m.headers
         text = value.decode("latin-1")
@@ -328,26 +343,30 @@ class _Connection(asyncio.Protocol):
         else:
             headers[key] = text
 
-    def _too_large(self, m: _Message, line: int) -> TritonError:
+    def _count(self, m: _Message, line: int) -> None:
+        """One header line of a guarded read (a large one, or one that continues a request:
+        trailer lines too) against the limits."""
+        m.count += 1
+        if m.head >= 0:
+            m.head += line + 4
         if line > self.max_line:
-            return HeaderTooLarge(f"a header line exceeds {self.max_line} bytes")
+            raise _Refused(HeaderTooLarge(f"a header line exceeds {self.max_line} bytes"))
         if m.count > self.max_headers:
-            return HeaderTooLarge(f"the request has more than {self.max_headers} header lines")
-        return HeaderTooLarge(f"the request's header lines exceed {self.max_head} bytes")
+            raise _Refused(self._too_many())
+        if m.head > self.max_head:
+            raise _Refused(HeaderTooLarge(
+                f"the request's header lines exceed {self.max_head} bytes"))
+
+    def _too_many(self) -> HeaderTooLarge:
+        return HeaderTooLarge(f"the request has more than {self.max_headers} header lines")
 
     def on_headers_complete(self) -> None:
         m = self.message
-        if m is not None:
-            self._whole_head(m)
-            self._take(m)
-
-    def _whole_head(self, m: _Message) -> None:
-        """The head is complete: its repeated headers joined, its method, keep-alive and
-        version read (raises _Refused for a version other than HTTP/1.0 and 1.1)."""
+        if m is None:
+            return
         m.head = -1
-        if m.repeated is not None:
-            for key, values in m.repeated.items():
-                m.headers[key] = ",".join(values)
+        if m.repeated is not None or len(m.headers) > self.max_headers:
+            self._count_and_join(m)
         m.method = self.parser.get_method().decode("latin-1")
         m.keep_alive = keep = self.parser.should_keep_alive()
         # llhttp also takes 0.9 request lines (no version), and 2.0. A request that keeps its
@@ -356,6 +375,16 @@ class _Connection(asyncio.Protocol):
                 self.parser.get_http_version() not in ("1.1", "1.0"):
             raise _Refused(InvalidArgument(
                 f"HTTP/{self.parser.get_http_version()} is not served: send HTTP/1.1"))
+        self._take(m)
+
+    def _count_and_join(self, m: _Message) -> None:
+        """The header count of a whole head (its repeats included), then each repeated
+        header's values joined as one."""
+        repeated = m.repeated or {}
+        if len(m.headers) + sum(len(v) - 1 for v in repeated.values()) > self.max_headers:
+            raise _Refused(self._too_many())
+        for key, values in repeated.items():
+            m.headers[key] = ",".join(values)
 
     def _take(self, m: _Message) -> None:
         """Route and admit a whole head; what is refused is answered (and, with a body that

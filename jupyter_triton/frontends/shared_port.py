@@ -190,6 +190,7 @@ class _ClaimingConnection(_Connection):
                 self.head_timed = False
                 head = bytes(raw[:end + 4])
                 self.body_left = 0
+                self.guarded = len(head) > self.small
                 try:
                     self.parser.feed_data(head)
                 except Exception:       # malformed, an upgrade, a refusal: tornado's to say
@@ -209,12 +210,9 @@ class _ClaimingConnection(_Connection):
                 self.body_left = None
             super().data_received(chunk)
 
-    def on_headers_complete(self) -> None:
-        m = self.message
-        if m is None:
-            return
-        # Past a limit, or not HTTP/1.x: raises, and _feed hands the request to tornado.
-        self._whole_head(m)
+    def _take(self, m: _Message) -> None:
+        # A whole head, within the limits, HTTP/1.x (a head that is not raised in the parser's
+        # callbacks, and _feed hands it to tornado): claimed, or tornado's from here on.
         url = m.url
         route = None
         if (url.startswith(self.front.prefix_bytes) and b"?" not in url and b"#" not in url
@@ -224,7 +222,7 @@ class _ClaimingConnection(_Connection):
             self.message = None
             self._unclaim()
             return
-        self._take(m)
+        super()._take(m)
         length = m.length
         self.body_left = length if length else None
 
