@@ -8,7 +8,8 @@ alive and answers within 2 s during and after, its RSS grew less than 100 MiB, a
 added (next to) nothing.
 
 On the Jupyter port a head past one of our limits is not ours to refuse: it goes to tornado,
-whose limits answer it (a close, or its 4xx); there only "refused or closed" is asserted."""
+whose limits answer it (a close, or its 4xx), as does every chunked body (never claimed);
+there only "refused or closed" is asserted."""
 from __future__ import annotations
 
 import dataclasses
@@ -308,8 +309,6 @@ def test_idle_connections_are_closed(target):
 
 # -- bodies -----------------------------------------------------------------------------------
 def test_an_endless_chunked_body_is_refused_at_the_cap(target):
-    if not target.fast:
-        pytest.skip("a chunked body is never claimed by the fast routes: tornado's")
     t = target
 
     def chunked() -> Iterator[bytes]:
@@ -327,8 +326,6 @@ def test_an_endless_chunked_body_is_refused_at_the_cap(target):
 
 
 def test_an_endless_trailer_line_is_refused_early(target):
-    if not target.fast:
-        pytest.skip("a chunked body is never claimed by the fast routes: tornado's")
     t = target
 
     def endless() -> Iterator[bytes]:
@@ -347,8 +344,6 @@ def test_an_endless_trailer_line_is_refused_early(target):
 def test_chunked_bodies_past_the_cap_leave_nothing_held(target):
     """Each refused body's bytes leave the server's bytes-in-flight budget (4 x the cap):
     five refusals later a legitimate request is still admitted."""
-    if not target.fast:
-        pytest.skip("a chunked body is never claimed by the fast routes: tornado's")
     t = target
     body = b" " * (MAX_INPUT + (1 << 20))
     request = t.head("POST", "/v2/models/linear/infer", b"Content-Type: application/json\r\n",
