@@ -13,14 +13,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class HTTP1Limits:
-    """What one HTTP/1.1 connection may send before it is refused or closed."""
+    """What one HTTP/1.1 connection may send before it is refused or closed (read by
+    ``fasthttp`` and ``shared_port``; tornado's own limits hold for what it serves). Sizes are
+    counted as the bytes arrive, before the parser has a whole head; each refusal is a Triton
+    error reply with the status named here, then a close."""
     max_request_line: int = 16 * 1024       # 414 past it (nginx: large_client_header_buffers)
-    max_header_line: int = 16 * 1024        # 431
+    max_header_line: int = 16 * 1024        # 431: one header (or trailer) line
     max_header_bytes: int = 64 * 1024       # 431: all header lines of one request
     max_headers: int = 128                  # 431: header lines of one request
-    header_timeout: float = 60.0            # seconds for a whole request head (slowloris)
+    header_timeout: float = 60.0            # 408: seconds for a whole request head (slowloris)
     idle_timeout: float = 300.0             # seconds a kept-alive connection may sit idle
-    max_connections: int = 4096             # per listener; beyond, accepted then closed
+    max_connections: int = 4096             # per listener; beyond, a 503 and a close
     max_pending_reply_bytes: int = 1 << 20  # write buffer past which the peer is not read
     send_timeout: float = 60.0              # seconds unread replies may make no progress
 
