@@ -211,8 +211,8 @@ class _ClaimingConnection(_Connection):
             super().data_received(chunk)
 
     def _take(self, m: _Message) -> None:
-        # A whole head, within the limits, HTTP/1.x (a head that is not raised in the parser's
-        # callbacks, and _feed hands it to tornado): claimed, or tornado's from here on.
+        # A whole head within the limits, in HTTP/1.x (any other raised in the parser's
+        # callbacks, and _feed handed it to tornado): claimed, or tornado's from here on.
         url = m.url
         route = None
         if (url.startswith(self.front.prefix_bytes) and b"?" not in url and b"#" not in url
