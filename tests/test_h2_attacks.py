@@ -53,6 +53,7 @@ def attack_twice(server: ServerProcess, attack) -> list[float]:
             attack()
         growths.append(assert_survived(server, before))
     assert growths[1] < max(growths[0], 0) + 20, f"the repeat grew RSS again: {growths}"
+    print(f"[{server.name}] RSS growth {growths[0]:.0f} MiB, after a repeat {growths[1]:.0f} MiB")
     return growths
 
 
@@ -60,7 +61,8 @@ def attack_once(server: ServerProcess, attack) -> None:
     before = server.rss()
     with probing(server):
         attack()
-    assert_survived(server, before)
+    growth = assert_survived(server, before)
+    print(f"[{server.name}] RSS growth {growth:.0f} MiB")
 
 
 # -- slots and memory -----------------------------------------------------------------------
@@ -144,6 +146,7 @@ def test_data_on_a_stream_that_never_ends_is_bounded(server):
 
     attack_twice(server, attack)
     # one message, the stream's and the connection's windows: never 512 MiB
+    print(f"[{server.name}] bytes taken {max(sent) >> 20} MiB")
     assert max(sent) < MAX_RECEIVE + (24 << 20), sent
 
 
@@ -172,10 +175,12 @@ def test_streams_at_window_zero_hold_bounded_responses_released_on_close(server)
         held = server.rss() - before
         statuses = c.statuses()
         c.close()
+    print(f"[{server.name}] RSS growth {held:.0f} MiB with the connection open")
     assert held < 100, f"RSS grew {held:.0f} MiB with the client's windows at 0"
     # past the bound, calls are refused rather than held
     assert "8" in statuses.values(), statuses
-    assert_survived(server, before, max_growth=50, settle_s=5.0)
+    after = assert_survived(server, before, max_growth=50, settle_s=5.0)
+    print(f"[{server.name}] RSS growth {after:.0f} MiB after the close")
 
 
 # -- floods from a peer that does not read ----------------------------------------------------

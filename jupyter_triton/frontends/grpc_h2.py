@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import ctypes
 import logging
 import struct
 import zlib
@@ -73,6 +74,9 @@ MAX_WINDOW = (1 << 31) - 1
 STREAM_PENDING_BYTES = 1 << 20
 # A compressed message larger than this is inflated on a worker thread, not on the loop.
 INFLATE_ON_LOOP = 64 * 1024
+INFLATE_STEP = 1 << 20              # output inflated at a time
+# A connection that held this many bytes when it went: the heap is trimmed after it.
+TRIM_AFTER = 8 << 20
 # Distinct request header blocks remembered per connection, and the largest remembered
 # (a repeated block is all table references: tens of bytes), see _Connection._head.
 HEAD_CACHE = 32
@@ -84,7 +88,7 @@ _NOT_METADATA = frozenset(("te", "content-type", "grpc-timeout", "grpc-encoding"
 ENCODINGS = ("gzip", "deflate")
 
 
-class ConnectionError_(Exception):
+class H2ConnectionError(Exception):
     """An RFC 9113 connection error: GOAWAY with ``code``, then close."""
 
     def __init__(self, code: int, reason: str) -> None:
@@ -151,20 +155,46 @@ class _Compressed(bytes):
     __slots__ = ()
 
 
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim): after a connection
+    or a message that held many megabytes, so that what an attacker made us allocate does
+    not stay resident in the allocator's arenas."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+try:
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):     # not glibc
+    _malloc_trim = None
+
+
 def _inflate(data: bytes, limit: int) -> bytes:
-    """gzip or zlib ("deflate" in gRPC) ``data``, never more than ``limit`` bytes of output."""
+    """gzip or zlib ("deflate" in gRPC) ``data``, never more than ``limit`` bytes of output,
+    inflated a step at a time so that a bomb is refused having held at most ``limit``."""
     inflater = zlib.decompressobj(47)           # 32 + 15: a gzip or a zlib header
+    parts: list[bytes] = []
+    size = 0
     try:
-        out = inflater.decompress(data, limit + 1)
+        while True:
+            part = inflater.decompress(data, INFLATE_STEP)
+            data = inflater.unconsumed_tail
+            size += len(part)
+            if size > limit:
+                parts.clear()
+                del part
+                _trim_heap()
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"Received message larger than max (more than {limit} bytes once "
+                             f"decompressed vs. {limit})")
+            parts.append(part)
+            if inflater.eof or (not part and not data):
+                break
     except zlib.error as err:
         raise _Abort(grpc.StatusCode.INTERNAL, f"Failed to decompress the message: {err}") from None
-    if len(out) > limit:
-        raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                     f"Received message larger than max (more than {limit} bytes once "
-                     f"decompressed vs. {limit})")
     if not inflater.eof:
         raise _Abort(grpc.StatusCode.INTERNAL, "Failed to decompress the message: truncated")
-    return out
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class _Context:
@@ -359,6 +389,7 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        held = self.held + self.pending_total
         for st in list(self.streams.values()):
             self._drop(st)
         if self.continuing is not None:
@@ -371,6 +402,8 @@ class _Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.pending_total = self.held = 0
         self.transport = None
+        if held >= TRIM_AFTER:
+            asyncio.get_running_loop().run_in_executor(None, _trim_heap)
 
     def _drop(self, st: _Stream) -> None:
         if st.task is not None and not st.task.done():
@@ -480,7 +513,7 @@ class _Connection(asyncio.Protocol):
             while n - pos >= 9 and not self.dead:
                 length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
                 if length > max_frame:      # never buffer more than one frame we allowed
-                    raise ConnectionError_(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                    raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 if n - pos < 9 + length:
                     break
                 ftype, flags = buf[pos + 3], buf[pos + 4]
@@ -488,9 +521,9 @@ class _Connection(asyncio.Protocol):
                 payload = bytes(buf[pos + 9:pos + 9 + length])
                 pos += 9 + length
                 if not self.settled and ftype != SETTINGS:
-                    raise ConnectionError_(PROTOCOL_ERROR, "the first frame must be SETTINGS")
+                    raise H2ConnectionError(PROTOCOL_ERROR, "the first frame must be SETTINGS")
                 self._frame_received(ftype, flags, sid, payload)
-        except ConnectionError_ as err:
+        except H2ConnectionError as err:
             self.buf = bytearray()
             return self._error(err.code, str(err))
         except (OversizedHeaderListError,) as err:
@@ -512,26 +545,26 @@ class _Connection(asyncio.Protocol):
         if self.write_paused:
             self.paused_control += 1
             if self.paused_control > 1024:
-                raise ConnectionError_(ENHANCE_YOUR_CALM, "control frames from a peer that does not read")
+                raise H2ConnectionError(ENHANCE_YOUR_CALM, "control frames from a peer that does not read")
         if self.control > self.limits.max_control_frames:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, "flood of control frames")
+            raise H2ConnectionError(ENHANCE_YOUR_CALM, "flood of control frames")
 
     def _frame_received(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if self.continuing is not None and ftype != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "expected CONTINUATION")
+            raise H2ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION")
         if ftype == DATA:
             if sid == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+                raise H2ConnectionError(PROTOCOL_ERROR, "DATA on stream 0")
             self._data(flags, sid, payload)
         elif ftype == HEADERS:
             self._headers(flags, sid, payload)
         elif ftype == CONTINUATION:
             st = self.continuing
             if st is None or st.sid != sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "unexpected CONTINUATION")
+                raise H2ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
             st.block += payload
             if len(st.block) > self.limits.max_header_list_size:
-                raise ConnectionError_(ENHANCE_YOUR_CALM, "header block larger than "
+                raise H2ConnectionError(ENHANCE_YOUR_CALM, "header block larger than "
                                        "SETTINGS_MAX_HEADER_LIST_SIZE")
             if flags & END_HEADERS:
                 self.continuing = None
@@ -542,9 +575,9 @@ class _Connection(asyncio.Protocol):
             self._window_update(sid, payload)
         elif ftype == PING:
             if sid != 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
+                raise H2ConnectionError(PROTOCOL_ERROR, "PING on a stream")
             if len(payload) != 8:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "PING of other than 8 bytes")
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "PING of other than 8 bytes")
             if flags & ACK:
                 if payload == KEEPALIVE_PING:
                     self.keepalive_sent = None
@@ -554,30 +587,30 @@ class _Connection(asyncio.Protocol):
             self._emit(_frame(PING, ACK, 0, payload))
         elif ftype == RST_STREAM:
             if sid == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+                raise H2ConnectionError(PROTOCOL_ERROR, "RST_STREAM on stream 0")
             if len(payload) != 4:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "RST_STREAM of other than 4 bytes")
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "RST_STREAM of other than 4 bytes")
             if sid > self.last_sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+                raise H2ConnectionError(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             self._count_control()
             self.resets += 1
             if self.resets > self.limits.max_resets_per_second:
-                raise ConnectionError_(ENHANCE_YOUR_CALM, "rapid reset")
+                raise H2ConnectionError(ENHANCE_YOUR_CALM, "rapid reset")
             st = self.streams.pop(sid, None)
             if st is not None:
                 self._forget(st)
         elif ftype == PRIORITY:
             if sid == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
+                raise H2ConnectionError(PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
             self._count_control()
         elif ftype == GOAWAY:
             if sid != 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
+                raise H2ConnectionError(PROTOCOL_ERROR, "GOAWAY on a stream")
             self._count_control()   # the client finishes its streams and closes
         elif ftype == PUSH:
-            raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+            raise H2ConnectionError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         else:
             self._count_control()   # unknown frame types are ignored (RFC 9113 §4.1)
 
@@ -595,18 +628,18 @@ class _Connection(asyncio.Protocol):
         if now - self.last_ping < interval:
             self.ping_strikes += 1
             if self.ping_strikes > limits.max_ping_strikes:
-                raise ConnectionError_(ENHANCE_YOUR_CALM, "too_many_pings")
+                raise H2ConnectionError(ENHANCE_YOUR_CALM, "too_many_pings")
         self.last_ping = now
 
     def _settings(self, flags: int, sid: int, payload: bytes) -> None:
         if sid != 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+            raise H2ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
             if payload:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             return
         if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+            raise H2ConnectionError(FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
         if self.settled:
             self._count_control()
         self.settled = True
@@ -614,37 +647,37 @@ class _Connection(asyncio.Protocol):
             key, value = struct.unpack_from(">HL", payload, i)
             if key == S_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE too large")
+                    raise H2ConnectionError(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE too large")
                 delta = value - self.peer_window
                 self.peer_window = value
                 for st in self.streams.values():
                     st.window += delta
                     if st.window > MAX_WINDOW:
-                        raise ConnectionError_(FLOW_CONTROL_ERROR, "a stream window past 2^31-1")
+                        raise H2ConnectionError(FLOW_CONTROL_ERROR, "a stream window past 2^31-1")
             elif key == S_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= (1 << 24) - 1:
-                    raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
+                    raise H2ConnectionError(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
                 self.peer_frame = value
             elif key == S_ENABLE_PUSH and value > 1:
-                raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH not 0 or 1")
+                raise H2ConnectionError(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH not 0 or 1")
         self._emit(_frame(SETTINGS, ACK, 0))
         self._unblock()
 
     def _window_update(self, sid: int, payload: bytes) -> None:
         if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of other than 4 bytes")
+            raise H2ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE of other than 4 bytes")
         inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
         if sid == 0:
             if inc == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+                raise H2ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
             self.send_window += inc
             if self.send_window > MAX_WINDOW:
-                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
+                raise H2ConnectionError(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
             if self.blocked:
                 self._unblock()
             return
         if sid > self.last_sid:
-            raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+            raise H2ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
         st = self.streams.get(sid)
         if st is None:
             return                      # a stream closed meanwhile
@@ -658,25 +691,25 @@ class _Connection(asyncio.Protocol):
 
     def _headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0 or not sid & 1:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0 or an even stream")
+            raise H2ConnectionError(PROTOCOL_ERROR, "HEADERS on stream 0 or an even stream")
         if flags & PADDED:
             if not payload or payload[0] >= len(payload):
-                raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+                raise H2ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
             payload = payload[1:len(payload) - payload[0]]
         if flags & PRIORITY_FLAG:
             if len(payload) < 5:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+                raise H2ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
             payload = payload[5:]
         limits = self.limits
         if len(payload) > limits.max_header_list_size:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block larger than "
+            raise H2ConnectionError(ENHANCE_YOUR_CALM, "header block larger than "
                                    "SETTINGS_MAX_HEADER_LIST_SIZE")
         st = self.streams.get(sid)
         if st is not None:              # trailers of a request
             if st.ended or not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on a stream whose headers came")
+                raise H2ConnectionError(PROTOCOL_ERROR, "HEADERS on a stream whose headers came")
         elif sid <= self.last_sid:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on a closed stream or a stream id "
+            raise H2ConnectionError(PROTOCOL_ERROR, "HEADERS on a closed stream or a stream id "
                                    "below one already used")
         else:
             self.last_sid = sid
@@ -737,12 +770,12 @@ class _Connection(asyncio.Protocol):
         size = len(payload)
         self.recv_window -= size
         if self.recv_window < 0:
-            raise ConnectionError_(FLOW_CONTROL_ERROR, "DATA past the connection window")
+            raise H2ConnectionError(FLOW_CONTROL_ERROR, "DATA past the connection window")
         self.credit += size
         st = self.streams.get(sid)
         if st is None:
             if sid > self.last_sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "DATA on an idle stream")
+                raise H2ConnectionError(PROTOCOL_ERROR, "DATA on an idle stream")
             # a stream we closed: its bytes are dropped, the connection's window given back
             if not size:
                 self._count_control()
@@ -757,7 +790,7 @@ class _Connection(asyncio.Protocol):
             return self._reset(st, FLOW_CONTROL_ERROR)
         if flags & PADDED:
             if not size or payload[0] >= size:
-                raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+                raise H2ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
             payload = payload[1:size - payload[0]]
         elif not size and not flags & END_STREAM:
             self._count_control()
@@ -771,10 +804,7 @@ class _Connection(asyncio.Protocol):
         if flags & END_STREAM:
             st.ended = True
             self._ended(st)
-        if st.trailers is None or st.sid in self.streams:
-            self._give_back(st)
-        else:
-            self._give_back(None)
+        self._give_back(st)
 
     def _give_back(self, st: _Stream | None) -> None:
         """WINDOW_UPDATEs for what the handlers took: a stream's window while no whole message
