@@ -104,8 +104,9 @@ def bomb(encoding: str) -> bytes:
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 def test_compression_bomb_is_refused_within_the_receive_limit(server, encoding):
-    """Three 1 MiB messages that inflate to 1 GiB each: RESOURCE_EXHAUSTED, having inflated at
-    most the receive limit (before: +2 GiB each for gzip, deflate unsupported)."""
+    """Three 1 MiB messages that inflate to 1 GiB each, as unary calls and on a stream that
+    never ends: RESOURCE_EXHAUSTED, having inflated at most the receive limit (before: +2 GiB
+    each for gzip, +3 GiB held by the stream; deflate unsupported)."""
     body = bomb(encoding)
     statuses: dict[int, str] = {}
 
@@ -115,11 +116,15 @@ def test_compression_bomb_is_refused_within_the_receive_limit(server, encoding):
                 c.headers(sid, "ModelInfer", extra=[("grpc-encoding", encoding), *creds(server)])
                 c.send_data(sid, grpc_message(body, compressed=True), end=True,
                             deadline=time.monotonic() + ATTACK_S)
-            c.read_until(lambda f: len(c.statuses()) >= 3, 10.0)
+            # and three on a ModelStreamInfer stream that never ends
+            c.headers(7, "ModelStreamInfer", extra=[("grpc-encoding", encoding), *creds(server)])
+            c.send_data(7, grpc_message(body, compressed=True) * 3,
+                        deadline=time.monotonic() + ATTACK_S)
+            c.read_until(lambda f: len(c.statuses()) >= 4, 10.0)
             statuses.update(c.statuses())
 
     attack_twice(server, attack)
-    assert statuses == {1: "8", 3: "8", 5: "8"}, statuses     # RESOURCE_EXHAUSTED
+    assert statuses == {1: "8", 3: "8", 5: "8", 7: "8"}, statuses     # RESOURCE_EXHAUSTED
 
 
 def test_data_on_a_stream_that_never_ends_is_bounded(server):
@@ -390,6 +395,13 @@ def test_tritonclient_compressed_requests(server, algorithm):
         result = client.infer("linear", [inp], headers=server.headers, client_timeout=10,
                               compression_algorithm=algorithm)
         np.testing.assert_allclose(result.as_numpy("OUTPUT0"), x @ W, rtol=1e-5)
+        # 4 MiB that compress to far less: inflated off the event loop, in steps
+        big = (np.arange(1 << 20, dtype=np.int32) % 1000).reshape(1, -1)
+        inp = grpcclient.InferInput("INPUT0", list(big.shape), "INT32")
+        inp.set_data_from_numpy(big)
+        result = client.infer("identity_big", [inp], headers=server.headers, client_timeout=20,
+                              compression_algorithm=algorithm)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), big)
     finally:
         client.close()
 
