@@ -448,3 +448,20 @@ def test_keepalive_age_and_connection_cap():
         assert_survived(srv, before)
     finally:
         srv.close()
+
+
+def test_credentials_are_checked_on_headers(server):
+    """On the Jupyter port a call without credentials is refused on its HEADERS, before any
+    of its body is taken: a trailers-only UNAUTHENTICATED and RST_STREAM, so the client stops
+    sending (before: the whole message was read, then refused)."""
+    if not server.headers:
+        pytest.skip("the standalone port is open, as tritonserver's is by default")
+    with H2(server.grpc_port) as c:
+        c.headers(1, "ModelInfer")                  # no body sent yet
+        rst = c.read_until(lambda f: f.type == RST_STREAM and f.sid == 1, 3.0)
+        assert rst is not None and rst.error_code in (NO_ERROR, 8), rst
+        assert c.statuses() == {1: "16"}
+        # an authenticated call on the same connection is served
+        c.request(3, "ServerLive", extra=creds(server))
+        assert c.read_until(lambda f: f.sid == 3 and f.flags & END_STREAM, 3.0) is not None
+        assert c.statuses()[3] == "0"
