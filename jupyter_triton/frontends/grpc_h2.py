@@ -471,7 +471,8 @@ class _Connection(asyncio.Protocol):
         if age is not None and self.goaway_sid is None and now - self.born > age:
             self.goaway_sid = self.last_sid
             self._goaway(NO_ERROR, b"max_age")
-            self.closing_at = now + (limits.max_connection_age_grace or 0.0)
+            grace = limits.max_connection_age_grace     # None: as grpc core, until streams end
+            self.closing_at = now + grace if grace is not None else float("inf")
         if self.closing_at is not None and (now >= self.closing_at or not self.streams):
             return self._error(NO_ERROR, "max_age")
         # keep-alive: a ping after keepalive_time without anything read; no ACK in time: close
