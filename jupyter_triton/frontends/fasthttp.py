@@ -324,8 +324,8 @@ class _Connection(asyncio.Protocol):
         m = self.message
         if m is None:
             return
-        if self.guarded:
-            self._count(m, len(name) + len(value))
+        if self.guarded and self._count(m, len(name) + len(value)):
+            return              # a trailer line: counted, not kept (the head was admitted)
         key = name.decode("latin-1").lower()
         headers = m.headers
         text = value.decode("latin-1")
@@ -343,11 +343,12 @@ class _Connection(asyncio.Protocol):
         else:
             headers[key] = text
 
-    def _count(self, m: _Message, line: int) -> None:
-        """One header line of a guarded read (a large one, or one that continues a request:
-        trailer lines too) against the limits."""
+    def _count(self, m: _Message, line: int) -> bool:
+        """One header line of a guarded read (a large one, one that continues a request, any
+        after a body's head) against the limits; True for a trailer line."""
         m.count += 1
-        if m.head >= 0:
+        trailer = m.head < 0
+        if not trailer:
             m.head += line + 4
         if line > self.max_line:
             raise _Refused(HeaderTooLarge(f"a header line exceeds {self.max_line} bytes"))
@@ -356,6 +357,7 @@ class _Connection(asyncio.Protocol):
         if m.head > self.max_head:
             raise _Refused(HeaderTooLarge(
                 f"the request's header lines exceed {self.max_head} bytes"))
+        return trailer
 
     def _too_many(self) -> HeaderTooLarge:
         return HeaderTooLarge(f"the request has more than {self.max_headers} header lines")
@@ -402,6 +404,7 @@ class _Connection(asyncio.Protocol):
         self._disarm()
         if "content-length" in m.headers or "transfer-encoding" in m.headers:
             self._arm(self.front.body_timeout, self._body_late)
+            self.guarded = True             # trailer lines, if any, are counted and dropped
         try:
             length = m.headers.get("content-length")
             m.length = int(length) if length is not None else None
