@@ -12,8 +12,10 @@ whose limits answer it (a close, or its 4xx), as does every chunked body (never 
 there only "refused or closed" is asserted."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import re
 import select
 import socket
 import threading
@@ -425,3 +427,78 @@ def test_connections_past_the_cap_are_refused(target):
 
     # During the flood HTTP is full by design: the legitimate client calls gRPC meanwhile.
     run_twice(t, flood, check, http_probe=False)
+
+
+def test_pipelined_requests_waiting_for_answers_are_bounded():
+    """One read holds up to 256 KiB of pipelined requests, all parsed at once: past
+    ``max_pipelined`` of them waiting, the next is refused (503) after the answers to those
+    before it, then the connection closes. (In-process: which read holds what is the kernel's
+    choice on a real socket.)"""
+    from jupyter_triton.frontends.dataplane import Reply
+    from jupyter_triton.frontends.fasthttp import HTTPFront, _Connection
+    from jupyter_triton.frontends.limits import HTTP1Limits
+
+    class Plane:
+        max_input_size = 1 << 20
+
+        def match(self, path):
+            return "route", {}
+
+        def admit(self, route, method, headers, length):
+            return None
+
+        async def handle(self, route, call):
+            return Reply(200, b"{}")
+
+    class Transport:
+        def __init__(self):
+            self.out, self.closed = bytearray(), False
+
+        def get_extra_info(self, name):
+            return ("127.0.0.1", 1)
+
+        def write(self, data):
+            self.out += data
+
+        def writelines(self, parts):
+            self.out += b"".join(parts)
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+        def can_write_eof(self):
+            return True
+
+        def write_eof(self):
+            pass
+
+        def get_write_buffer_size(self):
+            return 0
+
+        def set_write_buffer_limits(self, high=None, low=None):
+            pass
+
+        def pause_reading(self):
+            pass
+
+        def resume_reading(self):
+            pass
+
+    async def pipeline() -> tuple[int, bytes, bool]:
+        conn = _Connection(HTTPFront(Plane(), limits=HTTP1Limits(max_pipelined=100)))
+        transport = Transport()
+        conn.connection_made(transport)
+        conn.data_received(b"GET /v2/health/live HTTP/1.1\r\n\r\n" * 5000)
+        waiting = len(conn.queue)
+        for _ in range(500):
+            await asyncio.sleep(0)
+        return waiting, bytes(transport.out), transport.closed or conn.ended
+
+    waiting, out, closed = asyncio.run(pipeline())
+    assert waiting == 101                       # 100 waiting, then the refusal
+    statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", out)]
+    assert statuses == [200] * 100 + [503], statuses[-3:]
+    assert closed

@@ -52,9 +52,10 @@ class HeaderTooLarge(TritonError):
 
 class _Refused(Exception):
     """Raised from a parser callback: parsing stops, ``error`` is the answer, the connection
-    closes after it (httptools re-raises it as the context of an HttpParserCallbackError)."""
+    closes after it (httptools re-raises it as the context of an HttpParserCallbackError).
+    No error: the refusal is queued already."""
 
-    def __init__(self, error: TritonError) -> None:
+    def __init__(self, error: TritonError | None) -> None:
         super().__init__(str(error))
         self.error = error
 
@@ -140,6 +141,7 @@ class _Connection(asyncio.Protocol):
         self.max_line = limits.max_header_line
         self.max_head = limits.max_header_bytes
         self.max_headers = limits.max_headers
+        self.max_pipelined = limits.max_pipelined
         # A read no longer than this, that starts no request, holds no header line, head or
         # URL past its limit: only the header count is asked of it (once, per head).
         self.small = min(self.max_url, self.max_line, self.max_head)
@@ -217,7 +219,8 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserCallbackError as err:
             refused = err.__context__
             if isinstance(refused, _Refused):
-                self._fail(refused.error)
+                if refused.error is not None:
+                    self._fail(refused.error)
             else:
                 self._fail(InvalidArgument(f"malformed HTTP request: {err}"))
             return
@@ -448,6 +451,14 @@ class _Connection(asyncio.Protocol):
             if self.task is None and not self.queue:
                 self.transport.close()
             return
+        if (self.task is not None or self.writable is not None) and \
+                len(self.queue) >= self.max_pipelined:
+            # Pipelined (the rest of a read is parsed while reading waits): a bounded number.
+            if m.ticket is not None:
+                m.ticket.release()
+            self._fail(Unavailable(
+                f"{self.max_pipelined} pipelined requests already wait for their answers"))
+            raise _Refused(None)            # the rest of the read is not parsed
         self.queue.append(m)
         if not m.keep_alive or (m.refused is not None and m.refused.close):
             self.closing = True

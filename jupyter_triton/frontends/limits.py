@@ -25,6 +25,7 @@ class HTTP1Limits:
     idle_timeout: float = 300.0             # seconds a kept-alive connection may sit idle
     max_connections: int = 4096             # per listener; beyond, a 503 and a close
     max_pending_reply_bytes: int = 1 << 20  # write buffer past which the peer is not read
+    max_pipelined: int = 1024               # 503: requests received and not yet answered
     send_timeout: float = 60.0              # seconds unread replies may make no progress
 
 

@@ -193,8 +193,8 @@ class _ClaimingConnection(_Connection):
                 self.guarded = len(head) > self.small
                 try:
                     self.parser.feed_data(head)
-                except Exception:       # malformed, an upgrade, a refusal: tornado's to say
-                    if self.unclaimed is None:
+                except Exception:       # malformed, an upgrade, a limit: tornado's to say
+                    if self.unclaimed is None and not self.closing:   # (closing: refused here)
                         self._unclaim()
                 if self.unclaimed is not None:
                     return
