@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from email.utils import formatdate
