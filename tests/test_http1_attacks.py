@@ -48,8 +48,9 @@ class Target:
     def port(self) -> int:
         return self.server.http_port
 
-    def head(self, method: str, path: str, *lines: bytes, version: bytes = b" HTTP/1.1") -> bytes:
-        return b"".join([method.encode(), b" ", path.encode(), version, b"\r\nHost: 127.0.0.1\r\n",
+    def head(self, method: str, path: str, *lines: bytes) -> bytes:
+        """A request head's start (then ``lines``): request line, Host, the credential."""
+        return b"".join([method.encode(), b" ", path.encode(), b" HTTP/1.1\r\nHost: 127.0.0.1\r\n",
                          self.key, *lines])
 
 
