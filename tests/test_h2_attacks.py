@@ -14,6 +14,7 @@ import struct
 import time
 import zlib
 
+import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
@@ -35,6 +36,25 @@ def server(request, tmp_path_factory):
     repo = hostile_repository(tmp_path_factory.mktemp(request.param) / "models")
     start = start_standalone if request.param == "standalone" else start_jupyter
     srv = start(repo, h2_limits=LIMITS)
+    yield srv
+    srv.close()
+
+
+# A receive limit of 12 MiB, so that the bytes-in-flight budget (4 x the limit: 48 MiB) fits
+# the RSS assertion (the default budget is 256 MiB; a message held half-received costs up to
+# ~1.6 x its size in RSS: the growing buffer's slack and the heap around it).
+SMALL_RECEIVE = 12 * 1024 * 1024
+
+
+@pytest.fixture(scope="module", params=["standalone", "jupyter"])
+def budget_server(request, tmp_path_factory):
+    repo = hostile_repository(tmp_path_factory.mktemp(f"{request.param}-budget") / "models")
+    if request.param == "standalone":
+        srv = start_standalone(repo, h2_limits=LIMITS,
+                               extra_args=("--http-max-input-size", str(SMALL_RECEIVE)))
+    else:
+        srv = start_jupyter(repo, h2_limits=LIMITS,
+                            extra_args=(f"--JupyterTriton.http_max_input_size={SMALL_RECEIVE}",))
     yield srv
     srv.close()
 
@@ -153,6 +173,67 @@ def test_data_on_a_stream_that_never_ends_is_bounded(server):
     # one message, the stream's and the connection's windows: never 512 MiB
     print(f"[{server.name}] bytes taken {max(sent) >> 20} MiB")
     assert max(sent) < MAX_RECEIVE + (24 << 20), sent
+
+
+def test_unfinished_large_messages_are_bounded_server_wide(budget_server):
+    """24 connections, each a ModelInfer whose length prefix announces 11 MiB (under the
+    12 MiB receive limit), sending as much of it as the server lets them for 3 s and never
+    finishing: the messages larger than a connection's allowance (1 MiB) are charged to the server's one bytes-in-flight budget when their prefix arrives (48 MiB:
+    four of them), the rest are RESOURCE_EXHAUSTED + RST_STREAM before their body is taken
+    (before: every connection was given window for its whole message; with 15 MiB messages
+    and a 16 MiB limit, +360-490 MiB held)."""
+    server = budget_server
+    announced = 11 << 20
+    chunk = bytes(256 << 10)
+    held: list[float] = []
+    refused: list[int] = []
+
+    def attack():
+        before = server.rss()
+        conns = [H2(server.grpc_port) for _ in range(24)]
+        try:
+            for c in conns:
+                c.headers(1, "ModelInfer", extra=creds(server))
+                c.send_data(1, b"\x00" + struct.pack(">L", announced), stall=0.5)
+            sent = dict.fromkeys(range(len(conns)), 0)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and sent:
+                for k in list(sent):
+                    c = conns[k]
+                    room = min(len(chunk), announced - 1 - sent[k])     # never the last byte
+                    n = c.send_data(1, chunk[:room], deadline=deadline, stall=0.05)
+                    sent[k] += n
+                    if sent[k] >= announced - 1 or c.closed or \
+                            (n < room and any(f.type == RST_STREAM and f.sid == 1 for f in c.frames)):
+                        del sent[k]
+            for c in conns:
+                c.read_for(0.05)
+            held.append(server.rss() - before)
+            statuses = [c.statuses().get(1) for c in conns]
+            refused.append(sum(1 for c, s in zip(conns, statuses) if s == "8" and any(
+                f.type == RST_STREAM and f.sid == 1 for f in c.frames)))
+        finally:
+            for c in conns:
+                c.close()
+
+    attack_twice(server, attack)
+    print(f"[{server.name}] RSS growth {max(held):.0f} MiB with the connections open, "
+          f"{refused} of 24 calls refused")
+    assert max(held) < 100, f"RSS grew {max(held):.0f} MiB with the messages unfinished"
+    # four fit in the budget, each time (the first four's charges went back when their
+    # connections closed); every other call was refused, trailers-only and RST_STREAM
+    assert refused == [24 - 4, 24 - 4], refused
+    # and nothing of the budget is left held: a legitimate 11 MiB call is served
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        big = np.arange(11 << 18, dtype=np.int32).reshape(1, -1)
+        inp = grpcclient.InferInput("INPUT0", list(big.shape), "INT32")
+        inp.set_data_from_numpy(big)
+        result = client.infer("identity_big", [inp], headers=server.headers, client_timeout=20)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), big)
+    finally:
+        client.close()
 
 
 def test_streams_at_window_zero_hold_bounded_responses_released_on_close(server):

@@ -10,7 +10,9 @@ one pending accept per registered method and waits on all of them (``asyncio.wai
 call, ~20 futures for this service; that was about a fifth of the event loop's time per RPC
 (measured with perf_analyzer over a trivial engine). ModelInfer and ModelStreamInfer take the
 raw request bytes: their size is charged to the bytes-in-flight budget before anything is
-parsed, and a message that does not parse is INVALID_ARGUMENT rather than grpc's INTERNAL.
+parsed (on our front, a message larger than its connection's allowance was charged already,
+when its length prefix arrived: ``grpc_h2.Charged``), and a message that does not parse is
+INVALID_ARGUMENT rather than grpc's INTERNAL.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REP
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
 from .admission import Admission, BodyBudget, ResourceExhausted
 from .dataplane import decoupled_unsupported
-from .grpc_h2 import Admit, H2GrpcServer, serve_h2
+from .grpc_h2 import Admit, Charged, H2GrpcServer, serve_h2
 from .grpc_options import GrpcTLS, aio_options
 from .limits import HTTP2Limits
 
@@ -202,7 +204,9 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- inference ----------------------------------------------------------------------
     @_rpc(INFERENCE)
     async def ModelInfer(self, raw: bytes, context) -> pb.ModelInferResponse:
-        size = len(raw)
+        # A Charged message (grpc_h2: larger than its connection's allowance) is on the budget
+        # since its prefix arrived, until this call ends: not charged twice.
+        size = 0 if type(raw) is Charged else len(raw)
         self.inflight.take(size)
         try:
             infer_request = decode_grpc_request(_parse_infer_request(raw), **self._decode_kwargs)
@@ -298,26 +302,35 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
         done = object()
 
-        async def answer(raw: bytes) -> None:
-            try:
-                await self._stream_one(raw, results.put, carrier, grpc_error)
-            finally:
-                self.inflight.give(len(raw))
-                slots.release()
+        def answered(size: int, task: asyncio.Task) -> None:
+            # a callback, not a finally: a task cancelled before it ever ran has none
+            tasks.discard(task)
+            self.inflight.give(size)
+            slots.release()
 
         async def read() -> None:
             try:
                 async for raw in request_iterator:
-                    await slots.acquire()
+                    # A Charged message (grpc_h2) comes with its bytes on the budget already:
+                    # this stream gives them back when its answer is done.
+                    charged = type(raw) is Charged
                     try:
-                        self.inflight.take(len(raw))
-                    except ResourceExhausted as err:
-                        slots.release()
-                        await results.put(pb.ModelStreamInferResponse(error_message=str(err)))
-                        continue
-                    task = asyncio.create_task(answer(raw))
+                        await slots.acquire()
+                    except BaseException:
+                        if charged:
+                            self.inflight.give(len(raw))
+                        raise
+                    if not charged:
+                        try:
+                            self.inflight.take(len(raw))
+                        except ResourceExhausted as err:
+                            slots.release()
+                            await results.put(pb.ModelStreamInferResponse(error_message=str(err)))
+                            continue
+                    task = asyncio.create_task(
+                        self._stream_one(raw, results.put, carrier, grpc_error))
                     tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    task.add_done_callback(functools.partial(answered, len(raw)))
                 if tasks:
                     await asyncio.gather(*list(tasks), return_exceptions=True)
             except asyncio.CancelledError:
@@ -491,7 +504,9 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     ``authorization`` (and restricted-API header) metadata; None serves everyone. Beyond
     ``max_concurrent_rpcs`` RPCs at once, or ``max_inflight_bytes`` of inference requests
     (default: 4x the receive limit; with ``admission``, the server's one budget, shared with
-    its other listeners), an RPC fails at once with RESOURCE_EXHAUSTED.
+    its other listeners), an RPC fails at once with RESOURCE_EXHAUSTED; on the h2 transport
+    the same budget is charged with a large message when its length prefix arrives, so a call
+    is refused before its body is taken.
     ``transport``: "h2" (ours, a third of grpc.aio's CPU per RPC) or "aio" (grpc.aio).
     ``limits``: the connections' HTTP/2 limits and keep-alive (tritonserver's gRPC flags);
     ``ssl``: serve TLS (``--grpc-use-ssl``). Beside Triton's service, the port serves
@@ -514,7 +529,8 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
                       grpc_health.SERVICE_NAME: dict.fromkeys(services[grpc_health.SERVICE_NAME], HEALTH)}
             admit = admit_on_headers(service, groups) if access is not None else None
             return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
-                                  limits=limits, admit=admit, ssl=ssl.ssl_context() if ssl else None)
+                                  limits=limits, admit=admit, ssl=ssl.ssl_context() if ssl else None,
+                                  budget=service.inflight)
         except OSError as err:
             raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
     server = grpc.aio.server(options=[

@@ -17,8 +17,15 @@ What a hostile peer meets (issue 17; every limit is a field of ``HTTP2Limits``):
   the last stream processed), then a close;
 - header blocks (CONTINUATION included) are bounded by SETTINGS_MAX_HEADER_LIST_SIZE, frames
   by SETTINGS_MAX_FRAME_SIZE, streams by SETTINGS_MAX_CONCURRENT_STREAMS (REFUSED_STREAM);
-- receive windows are handed back only as the handlers take messages (or while one message
-  is still arriving), so what a peer can make us hold is one message plus the windows;
+- every message is admitted when its 5-byte length prefix arrives, before its body: within
+  its connection's allowance of bytes charged to nothing (``connection_allowance``), or else
+  charged to the server's one bytes-in-flight budget (``frontends.admission``, shared with
+  the HTTP fronts), or refused (RESOURCE_EXHAUSTED, RST_STREAM) with no window extended for
+  it. Stream windows are handed back as handlers take messages (or while an admitted one is
+  still arriving), the connection's as bytes arrive. So what all peers together can make us
+  hold of unfinished or untaken messages is ``max_connections x connection_allowance``
+  (4,096 x 1 MiB by default) plus the budget (4 x the receive limit by default), whatever
+  the sizes they announce;
 - control frames (PING, SETTINGS, RST_STREAM, PRIORITY, empty DATA, unknown) are counted per
   second, and pings policed as grpc core does: past either, GOAWAY ENHANCE_YOUR_CALM;
 - a peer that does not read: past the write buffer's high-water mark we stop reading it, and
@@ -43,6 +50,7 @@ import grpc
 from hpack import Decoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 
+from .admission import INFLIGHT_MESSAGES, BodyBudget, ResourceExhausted
 from .limits import HTTP2Limits
 
 if TYPE_CHECKING:
@@ -151,7 +159,18 @@ class _Abort(Exception):
 
 
 class _Compressed(bytes):
-    """A message as it came (compressed): inflated when its handler takes it."""
+    """A message as it came (compressed): inflated when its handler takes it. Its wire size
+    is charged to the budget until it is inflated."""
+    __slots__ = ()
+
+
+class Charged(bytes):
+    """A message whose size was charged to the server's bytes-in-flight budget when its
+    length prefix arrived (it was larger than its connection's allowance). A unary handler
+    gets it with the charge held until its call ends; a stream handler that takes raw bytes
+    (no ``request_deserializer``) owns the charge once it has the message and gives
+    ``len(message)`` back to the budget when done with it. Either way the handler takes no
+    second charge for it."""
     __slots__ = ()
 
 
@@ -254,7 +273,8 @@ _NO_HEAD = _Head([])
 class _Stream:
     __slots__ = ("sid", "block", "head", "buf", "messages", "queue", "task", "window",
                  "pending", "trailers", "ended", "handler", "method", "encoding", "writable",
-                 "recv_window", "credit", "held", "waiting", "refused")
+                 "recv_window", "credit", "held", "waiting", "refused", "admitted", "paid",
+                 "reserved", "charged")
 
     def __init__(self, sid: int, window: int, recv_window: int) -> None:
         self.sid = sid
@@ -277,6 +297,10 @@ class _Stream:
         self.held = 0                   # received bytes no handler has taken yet
         self.waiting = 0                # whole messages no handler has taken yet
         self.refused = False            # headers decoded for HPACK's sake only
+        self.admitted = 0               # the arriving message's wire size, once admitted
+        self.paid = False               # ... and whether it was charged to the budget
+        self.reserved = 0               # wire bytes of messages within the allowance, untaken
+        self.charged = 0                # bytes of the budget held for messages not handed over
 
 
 _EOF = object()
@@ -301,8 +325,13 @@ class _Connection(asyncio.Protocol):
         self.recv_window = limits.connection_window     # what the peer may still send
         self.credit = 0                 # connection-level bytes not yet given back
         self.held = 0                   # bytes of all streams no handler has taken yet
-        # Given back while we hold less than this: one whole message must fit.
-        self.hold_cap = max(limits.connection_window, server.max_receive + 5)
+        # Wire bytes of admitted messages not charged to the budget (their whole size from
+        # their prefix on) and their cap: past it a message is charged to the budget. Every
+        # byte held is in one or the other (but a prefix's 4), so the connection's window is
+        # handed back as bytes arrive and no mix of partly sent messages can stall it.
+        self.reserved = 0
+        self.reserve_cap = limits.connection_allowance
+        self.budget = server.budget
         self.stream_refill = min(WINDOW_REFILL, limits.stream_window // 2)
         self.conn_refill = min(WINDOW_REFILL, limits.connection_window // 2)
         self.blocked: dict[int, _Stream] = {}
@@ -400,12 +429,13 @@ class _Connection(asyncio.Protocol):
         self.heads.clear()
         self.out.clear()
         self.buf = bytearray()
-        self.pending_total = self.held = 0
+        self.pending_total = self.held = self.reserved = 0
         self.transport = None
         if held >= TRIM_AFTER:
             asyncio.get_running_loop().run_in_executor(None, _trim_heap)
 
     def _drop(self, st: _Stream) -> None:
+        self._release(st)
         if st.task is not None and not st.task.done():
             st.task.cancel()
         if st.writable is not None and not st.writable.done():
@@ -808,24 +838,31 @@ class _Connection(asyncio.Protocol):
         self._give_back(st)
 
     def _give_back(self, st: _Stream | None) -> None:
-        """WINDOW_UPDATEs for what the handlers took: a stream's window while no whole message
-        of it waits for its handler (so one message may arrive whatever its size), the
-        connection's while the connection holds less than one message and its window."""
+        """WINDOW_UPDATEs: a stream's window while no whole message of it waits for its
+        handler (so an admitted message may arrive whatever its size); the connection's as
+        bytes arrive, since every byte held is admitted (reserved or charged, see
+        ``_messages``)."""
         updates = b""
         if st is not None and st.credit >= self.stream_refill and not st.waiting \
                 and not st.ended and st.sid in self.streams:
             updates = _window_update(st.sid, st.credit)
             st.recv_window += st.credit
             st.credit = 0
-        if self.credit >= self.conn_refill and self.held <= self.hold_cap:
+        if self.credit >= self.conn_refill:
             updates += _window_update(0, self.credit)
             self.recv_window += self.credit
             self.credit = 0
         if updates:
             self._emit(updates)
 
-    def _taken(self, st: _Stream, n: int) -> None:
-        """A handler took a message of ``n`` bytes on the wire: its windows can open."""
+    def _taken(self, st: _Stream, message: bytes) -> None:
+        """A handler took ``message``: its windows can open, its reservation ends (a charged
+        message's charge is the caller's to hand over or give back)."""
+        n = len(message) + 5
+        if type(message) is bytes:
+            r = min(n, st.reserved)     # nothing, once the stream is released
+            st.reserved -= r
+            self.reserved -= r
         n = min(n, st.held)             # nothing, once the stream is forgotten
         st.held -= n
         st.waiting -= 1
@@ -833,37 +870,95 @@ class _Connection(asyncio.Protocol):
         if not self.dead:
             self._give_back(st)
 
+    def _paid(self, st: _Stream, n: int) -> None:
+        """``n`` bytes the transport charged for ``st`` go back to the budget (no more than
+        it still holds: a released stream holds none)."""
+        n = min(n, st.charged)
+        st.charged -= n
+        self.budget.give(n)
+
+    def _release(self, st: _Stream) -> None:
+        """The stream is over: its reservations and charges go back, and its messages no
+        handler took are dropped (so none is handed over with a charge given back)."""
+        if st.reserved:
+            self.reserved -= st.reserved
+            st.reserved = 0
+        if st.charged:
+            self.budget.give(st.charged)
+            st.charged = 0
+        st.admitted = 0
+        queue = st.queue
+        if queue is not None:
+            while not queue.empty():
+                queue.get_nowait()
+
+    def _admit(self, st: _Stream, compressed: int, length: int) -> bool:
+        """A message's prefix, past the connection's allowance (or compressed): its size is
+        charged to the budget now, before its body arrives, or the call is refused."""
+        limit = self.server.max_receive
+        if length > limit:
+            self._refuse(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"Received message larger than max ({length} vs. {limit})")
+            return False
+        n = length + 5
+        if not compressed and self.reserved + n <= self.reserve_cap:
+            self.reserved += n
+            st.reserved += n
+            st.paid = False
+        else:
+            if compressed and st.encoding not in ENCODINGS:
+                self._refuse(st, grpc.StatusCode.UNIMPLEMENTED,
+                             f"message compression '{st.encoding}' is not supported")
+                return False
+            try:
+                self.budget.take(length)
+            except ResourceExhausted as err:
+                self._refuse(st, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+                return False
+            st.charged += length
+            st.paid = True
+        st.admitted = n
+        return True
+
+    def _refuse(self, st: _Stream, code: grpc.StatusCode, details: str) -> None:
+        """The transport ends a call: trailers-only (RST_STREAM if the client still sends),
+        its handler cancelled, what it holds released."""
+        self._reply_error(st, code, details)
+        self.streams.pop(st.sid, None)
+        self._forget(st)
+
     def _messages(self, st: _Stream) -> None:
         buf = st.buf
-        limit = self.server.max_receive
         while len(buf) >= 5:
             length = int.from_bytes(buf[1:5], "big")
-            if length > limit:
-                self._reply_error(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"Received message larger than max ({length} vs. {limit})")
-                return
+            if not st.admitted:
+                # Admitted on its prefix: within the connection's allowance (all a small
+                # message costs is these comparisons), else charged to the budget or refused.
+                n = length + 5
+                if self.reserved + n <= self.reserve_cap and not buf[0] and \
+                        length <= self.server.max_receive:
+                    self.reserved += n
+                    st.reserved += n
+                    st.paid = False
+                    st.admitted = n
+                elif not self._admit(st, buf[0], length):
+                    return
             if len(buf) < 5 + length:
                 return
-            compressed = buf[0]
+            st.admitted = 0
+            kind = bytes if not st.paid else _Compressed if buf[0] else Charged
             if len(buf) == 5 + length:
-                message = bytes(memoryview(buf)[5:]) if length else b""
+                message = kind(memoryview(buf)[5:]) if length else kind()
                 st.buf = buf = bytearray()
             else:
                 with memoryview(buf) as view:
-                    message = bytes(view[5:5 + length])
+                    message = kind(view[5:5 + length])
                 del buf[:5 + length]
-            if compressed:
-                if st.encoding not in ENCODINGS:
-                    self._reply_error(st, grpc.StatusCode.UNIMPLEMENTED,
-                                      f"message compression '{st.encoding}' is not supported")
-                    return
-                message = _Compressed(message)
             st.waiting += 1
             if st.queue is not None:
                 st.queue.put_nowait(message)
             elif st.messages and st.handler is not None:     # a unary call's second message
-                self._reply_error(st, grpc.StatusCode.INTERNAL,
-                                  "expected one request message, got more")
+                self._refuse(st, grpc.StatusCode.INTERNAL, "expected one request message, got more")
                 return
             else:
                 st.messages.append(message)
@@ -924,11 +1019,16 @@ class _Connection(asyncio.Protocol):
             return self._reply_error(st, grpc.StatusCode.INTERNAL,
                                      f"expected one request message, got {len(st.messages)}")
         self.server.active += 1
+        paid = 0
         try:
             message = st.messages.pop()
-            self._taken(st, len(message) + 5)
-            if type(message) is _Compressed:
-                message = await self._inflated(message)
+            self._taken(st, message)
+            if type(message) is not bytes:  # charged: until the call ends, or it is inflated
+                paid = len(message)
+                if type(message) is _Compressed:
+                    message = await self._inflated(message)
+                    self._paid(st, paid)
+                    paid = 0
             request = handler.request_deserializer(message) if handler.request_deserializer \
                 else message
             call = handler.unary_unary(request, _Context(st.head.metadata()))
@@ -948,6 +1048,8 @@ class _Connection(asyncio.Protocol):
             self._reply_error(st, grpc.StatusCode.UNKNOWN, f"Unexpected {type(err)}: {err}")
         finally:
             self.server.active -= 1
+            if paid:
+                self._paid(st, paid)
 
     async def _streaming(self, st: _Stream, handler: Any) -> None:
         queue = st.queue
@@ -956,13 +1058,21 @@ class _Connection(asyncio.Protocol):
 
         async def requests() -> AsyncIterator[Any]:
             while (item := await queue.get()) is not _EOF:
-                self._taken(st, len(item) + 5)
+                self._taken(st, item)
                 if type(item) is _Compressed:
+                    wire = len(item)
                     try:
                         item = await self._inflated(item)
                     except _Abort as abort:     # ends the call with this status
                         failed.append(abort)
                         raise
+                    finally:
+                        self._paid(st, wire)
+                elif type(item) is Charged:
+                    if handler.request_deserializer is None:
+                        st.charged -= len(item)     # the handler's from here (see Charged)
+                    else:
+                        self._paid(st, len(item))
                 yield handler.request_deserializer(item) if handler.request_deserializer \
                     else item
 
@@ -1110,6 +1220,7 @@ class _Connection(asyncio.Protocol):
     def _close(self, st: _Stream) -> None:
         if not st.ended:                # the client is still sending: tell it to stop
             self._emit(_frame(RST_STREAM, 0, st.sid, struct.pack(">L", NO_ERROR)))
+        self._release(st)
         if self.streams.pop(st.sid, None) is not None:
             self.blocked.pop(st.sid, None)
             if st.held:                 # bytes no handler will take: the window opens again
@@ -1123,16 +1234,20 @@ class H2GrpcServer:
 
     ``services``: service name -> (method name -> grpc method handler). ``admit(service,
     method, headers)`` is asked when a call's HEADERS are complete, before any of its body is
-    taken: None admits, else the ``(grpc.StatusCode, details)`` the call is refused with."""
+    taken: None admits, else the ``(grpc.StatusCode, details)`` the call is refused with.
+    ``budget``: the server's bytes-in-flight budget (``frontends.admission``), charged with
+    messages larger than a connection's allowance when their prefix arrives (see ``Charged``);
+    None: one of its own, 4 x the receive limit."""
 
     def __init__(self, services: dict[str, dict[str, grpc.RpcMethodHandler]], max_receive: int,
                  max_concurrent_rpcs: int, limits: HTTP2Limits = HTTP2Limits(),
-                 admit: Admit | None = None) -> None:
+                 admit: Admit | None = None, budget: BodyBudget | None = None) -> None:
         self.services = services
         self.max_receive = max_receive
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.limits = limits
         self.admit = admit
+        self.budget = budget if budget is not None else BodyBudget(INFLIGHT_MESSAGES * max_receive)
         self.active = 0
         self.connections: set[_Connection] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -1157,10 +1272,11 @@ class H2GrpcServer:
 async def serve_h2(services: dict[str, dict[str, grpc.RpcMethodHandler]], host: str, port: int,
                    max_receive: int, max_concurrent_rpcs: int, *,
                    limits: HTTP2Limits = HTTP2Limits(), admit: Admit | None = None,
-                   ssl: "SSLContext | None" = None) -> tuple[H2GrpcServer, int]:
+                   ssl: "SSLContext | None" = None, budget: BodyBudget | None = None
+                   ) -> tuple[H2GrpcServer, int]:
     """Serve ``services`` (see H2GrpcServer) on ``host:port`` (0: a free port) on the running
     loop, over TLS when ``ssl`` is given; returns the server and its port."""
-    server = H2GrpcServer(services, max_receive, max_concurrent_rpcs, limits, admit)
+    server = H2GrpcServer(services, max_receive, max_concurrent_rpcs, limits, admit, budget)
     loop = asyncio.get_running_loop()
     server._server = await loop.create_server(lambda: _Connection(server), host, port, ssl=ssl)
     return server, server._server.sockets[0].getsockname()[1]

@@ -39,6 +39,14 @@ class HTTP2Limits:
     max_frame_size: int = 16 * 1024         # SETTINGS_MAX_FRAME_SIZE we accept
     stream_window: int = 4 * 1024 * 1024    # receive window of one stream, given back as read
     connection_window: int = 16 * 1024 * 1024   # receive window of one connection
+    # Wire bytes of messages one connection may hold (arriving, or not yet taken by their
+    # handlers) without charging the server's bytes-in-flight budget; a message past it is
+    # charged to the budget when its length prefix arrives, or refused (RESOURCE_EXHAUSTED).
+    # Every byte a connection holds is one or the other, so this (not the windows, which are
+    # flow control only) bounds memory: all peers together hold at most max_connections x
+    # this (4,096 x 1 MiB = 4 GiB, every connection kept just under it) plus the budget
+    # (before: up to ~80 MiB a connection, the receive limit plus its window).
+    connection_allowance: int = 1024 * 1024
     # Control frames (PING, SETTINGS, RST_STREAM, empty DATA, ...) a peer may send before it
     # has read our answers; past it, GOAWAY ENHANCE_YOUR_CALM (h2o, nginx's "flood" checks).
     max_control_frames: int = 10_000
