@@ -44,16 +44,18 @@ def server(request, tmp_path_factory):
 # the RSS assertion (the default budget is 256 MiB; a message held half-received costs up to
 # ~1.6 x its size in RSS: the growing buffer's slack and the heap around it).
 SMALL_RECEIVE = 12 * 1024 * 1024
+# ... and a message charged to that budget has 2 s to arrive.
+BUDGET_LIMITS = {**LIMITS, "message_timeout": 2.0}
 
 
 @pytest.fixture(scope="module", params=["standalone", "jupyter"])
 def budget_server(request, tmp_path_factory):
     repo = hostile_repository(tmp_path_factory.mktemp(f"{request.param}-budget") / "models")
     if request.param == "standalone":
-        srv = start_standalone(repo, h2_limits=LIMITS,
+        srv = start_standalone(repo, h2_limits=BUDGET_LIMITS,
                                extra_args=("--http-max-input-size", str(SMALL_RECEIVE)))
     else:
-        srv = start_jupyter(repo, h2_limits=LIMITS,
+        srv = start_jupyter(repo, h2_limits=BUDGET_LIMITS,
                             extra_args=(f"--JupyterTriton.http_max_input_size={SMALL_RECEIVE}",))
     yield srv
     srv.close()
@@ -224,16 +226,7 @@ def test_unfinished_large_messages_are_bounded_server_wide(budget_server):
     # connections closed); every other call was refused, trailers-only and RST_STREAM
     assert refused == [24 - 4, 24 - 4], refused
     # and nothing of the budget is left held: a legitimate 11 MiB call is served
-    import tritonclient.grpc as grpcclient
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    try:
-        big = np.arange(11 << 18, dtype=np.int32).reshape(1, -1)
-        inp = grpcclient.InferInput("INPUT0", list(big.shape), "INT32")
-        inp.set_data_from_numpy(big)
-        result = client.infer("identity_big", [inp], headers=server.headers, client_timeout=20)
-        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), big)
-    finally:
-        client.close()
+    assert _infer_big(server, announced)
 
 
 def test_streams_at_window_zero_hold_bounded_responses_released_on_close(server):
@@ -483,6 +476,58 @@ def test_tritonclient_compressed_requests(server, algorithm):
         result = client.infer("identity_big", [inp], headers=server.headers, client_timeout=20,
                               compression_algorithm=algorithm)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), big)
+    finally:
+        client.close()
+
+
+def test_trickled_large_messages_give_their_charge_back(budget_server):
+    """Four ModelInfer calls whose 11 MiB messages take the whole budget (48 MiB) when their
+    prefix arrives, then trickle a byte at a time: past message_timeout (2 s here) each is
+    DEADLINE_EXCEEDED and reset, and the budget is whole again, so a legitimate 11 MiB call
+    is served while the trickling connections are still open (before: the budget was held for
+    as long as the peers kept trickling)."""
+    server = budget_server
+    announced = 11 << 20
+    outcome: dict[str, object] = {}
+
+    def attack():
+        conns = [H2(server.grpc_port) for _ in range(4)]
+        try:
+            for c in conns:
+                c.headers(1, "ModelInfer", extra=creds(server))
+                c.send_data(1, b"\x00" + struct.pack(">L", announced) + bytes(1 << 20), stall=0.5)
+            started = time.monotonic()
+            while time.monotonic() - started < 6.0 and \
+                    not all(1 in c.statuses() for c in conns):
+                for c in conns:
+                    if not c.closed and 1 not in c.statuses():
+                        c.send_data(1, b"\x00", stall=0.05)
+                    c.read_for(0.05)
+            outcome["statuses"] = [c.statuses().get(1) for c in conns]
+            outcome["after_s"] = time.monotonic() - started
+            outcome["reset"] = all(any(f.type == RST_STREAM and f.sid == 1 for f in c.frames)
+                                   for c in conns)
+            outcome["served"] = _infer_big(server, announced)
+        finally:
+            for c in conns:
+                c.close()
+
+    attack_once(server, attack)
+    assert outcome["statuses"] == ["4"] * 4, outcome     # DEADLINE_EXCEEDED, each of them
+    assert outcome["reset"], "a trickling stream was answered but not reset"
+    assert 1.5 < outcome["after_s"] < 5.0, outcome
+    assert outcome["served"], outcome
+
+
+def _infer_big(server: ServerProcess, nbytes: int) -> bool:
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        big = np.arange(nbytes // 4, dtype=np.int32).reshape(1, -1)
+        inp = grpcclient.InferInput("INPUT0", list(big.shape), "INT32")
+        inp.set_data_from_numpy(big)
+        result = client.infer("identity_big", [inp], headers=server.headers, client_timeout=20)
+        return bool(np.array_equal(result.as_numpy("OUTPUT0"), big))
     finally:
         client.close()
 

@@ -274,7 +274,7 @@ class _Stream:
     __slots__ = ("sid", "block", "head", "buf", "messages", "queue", "task", "window",
                  "pending", "trailers", "ended", "handler", "method", "encoding", "writable",
                  "recv_window", "credit", "held", "waiting", "refused", "admitted", "paid",
-                 "reserved", "charged")
+                 "reserved", "charged", "paid_at")
 
     def __init__(self, sid: int, window: int, recv_window: int) -> None:
         self.sid = sid
@@ -301,6 +301,7 @@ class _Stream:
         self.paid = False               # ... and whether it was charged to the budget
         self.reserved = 0               # wire bytes of messages within the allowance, untaken
         self.charged = 0                # bytes of the budget held for messages not handed over
+        self.paid_at = 0.0              # when the arriving charged message was admitted
 
 
 _EOF = object()
@@ -471,7 +472,8 @@ class _Connection(asyncio.Protocol):
         shortest = min(x for x in (limits.handshake_timeout, limits.max_connection_idle,
                                    limits.keepalive_time, limits.keepalive_timeout,
                                    limits.max_connection_age or 60.0,
-                                   limits.max_connection_age_grace or 60.0, 60.0) if x > 0)
+                                   limits.max_connection_age_grace or 60.0,
+                                   limits.message_timeout, 60.0) if x > 0)
         return min(1.0, max(0.05, shortest / 4))
 
     def _tick(self) -> None:
@@ -505,6 +507,12 @@ class _Connection(asyncio.Protocol):
             self.closing_at = now + grace if grace is not None else float("inf")
         if self.closing_at is not None and (now >= self.closing_at or not self.streams):
             return self._error(NO_ERROR, "max_age")
+        # a message charged to the budget that is still arriving after message_timeout
+        late = [st for st in self.streams.values() if st.admitted and st.paid
+                and now - st.paid_at > limits.message_timeout]
+        for st in late:
+            self._refuse(st, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"the request message did not arrive within {limits.message_timeout:g} s")
         # keep-alive: a ping after keepalive_time without anything read; no ACK in time: close
         if self.keepalive_sent is not None:
             if now - self.keepalive_sent > limits.keepalive_timeout:
@@ -917,6 +925,7 @@ class _Connection(asyncio.Protocol):
                 return False
             st.charged += length
             st.paid = True
+            st.paid_at = asyncio.get_running_loop().time()
         st.admitted = n
         return True
 

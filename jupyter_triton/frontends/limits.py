@@ -57,6 +57,10 @@ class HTTP2Limits:
     # Response bytes one connection holds behind the peer's flow control; past it a unary
     # response is RESOURCE_EXHAUSTED and a stream's handler waits.
     max_pending_bytes: int = 32 * 1024 * 1024
+    # Seconds a message charged to the budget may take to arrive, from its length prefix on
+    # (the HTTP fronts' body_timeout): past it DEADLINE_EXCEEDED and its charge goes back, so
+    # a peer trickling bytes cannot hold the budget.
+    message_timeout: float = 60.0
     handshake_timeout: float = 10.0         # seconds for the preface and first SETTINGS
     max_connection_idle: float = 120.0      # seconds without a stream; tritonserver: 120 s
     keepalive_time: float = 7200.0          # --grpc-keepalive-time (ms there)
