@@ -318,12 +318,7 @@ def test_serve_with_every_grpc_flag_serves_mutual_tls_compressed(simple_repo: Pa
 def infer_simple(client: grpcclient.InferenceServerClient, algorithm: str | None,
                  timeout: float = 30) -> None:
     """simple_grpc_infer_client.py's call: INPUT0 = 0..15, INPUT1 = ones; sum and difference."""
-    a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    b = np.ones((1, 16), dtype=np.int32)
-    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"),
-              grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(b)
+    inputs, a, b = _simple_inputs()
     outputs = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT1")]
     result = client.infer("simple", inputs, outputs=outputs, client_timeout=timeout,
                           compression_algorithm=algorithm)

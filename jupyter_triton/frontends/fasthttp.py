@@ -27,7 +27,8 @@ from urllib.parse import unquote
 
 import httptools
 
-from ..protocol.errors import InvalidArgument, TritonError, Unavailable
+from ..protocol.errors import (HeaderTooLarge, InvalidArgument, TritonError, Unavailable,
+                               URITooLong)
 from .dataplane import Call, DataPlane, Reply, RequestTimeout, Route, error_reply
 from .limits import HTTP1Limits
 
@@ -37,16 +38,6 @@ access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _REASONS[499] = b"Client Closed Request"
 _HEADER_LINES: dict[tuple[str, str], bytes] = {}
-
-
-class URITooLong(TritonError):
-    status = 414
-    grpc_code = "INVALID_ARGUMENT"
-
-
-class HeaderTooLarge(TritonError):
-    status = 431
-    grpc_code = "INVALID_ARGUMENT"
 
 
 class _Refused(Exception):

@@ -25,6 +25,16 @@ class InvalidArgument(TritonError):
     grpc_code = "INVALID_ARGUMENT"
 
 
+class URITooLong(TritonError):
+    status = 414
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class HeaderTooLarge(TritonError):
+    status = 431
+    grpc_code = "INVALID_ARGUMENT"
+
+
 class NotFound(TritonError):
     status = 404
     grpc_code = "NOT_FOUND"
