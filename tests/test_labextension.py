@@ -466,9 +466,14 @@ def test_ensemble_steps_percentiles_and_logs_tab_in_a_real_browser(tmp_path):
                                        "return q && q.label.includes('4)'); }", timeout=15_000)
                 seen = page.evaluate(f"({JS_PERCENTILES})('talker')")
                 assert seen["label"] == "request (last minute, 4)", seen
-                for q in ("p50", "p95", "p99"):        # a quick model: within its first bucket
-                    value = float(seen[q].split()[1])
-                    assert seen[q].startswith(q) and seen[q].endswith(" ms") and 0 < value <= 10, seen
+                # Shown as "<q> <value> ms", ordered, and of a quick model's size: not the 10 ms of
+                # its first bucket, which one request delayed by a loaded machine passes (p95 of
+                # four requests is the slowest of them; a CI run saw 26 ms).
+                values = []
+                for q in ("p50", "p95", "p99"):
+                    assert seen[q].startswith(q) and seen[q].endswith(" ms"), seen
+                    values.append(float(seen[q].split()[1]))
+                assert 0 < values[0] <= values[1] <= values[2] < 1000, seen
                 page.screenshot(path=str(shots / "labextension-model-percentiles.png"))
                 view.locator('.jt-tab[data-tab="logs"]').click()
                 view.locator('.jt-logs .jt-log-line').first.wait_for(timeout=15_000)
