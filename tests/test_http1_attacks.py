@@ -207,20 +207,23 @@ def test_a_1_mib_header_line_is_refused(target):
               lambda got: assert_refused(t, got, 431, "header"))
 
 
-def test_an_endless_header_line_is_refused_early(target):
-    t = target
-
+def endless_line_is_refused(t, head: bytes, what: str) -> None:
+    """``head`` then a line that never ends (64 MiB at most): 431 naming ``what``, after a
+    few MiB at most (what the kernel buffers on both sides is in ``sent`` too)."""
     def endless() -> Iterator[bytes]:
-        yield t.head("GET", "/v2/health/live", b"X-Endless: ")
-        for _ in range(1024):                       # 64 MiB at most
+        yield head
+        for _ in range(1024):
             yield b"a" * 65536
 
     def check(got: Outcome) -> None:
-        assert_refused(t, got, 431, "header")
-        # What the kernel buffers on both sides is in ``sent`` too: a few MiB.
+        assert_refused(t, got, 431, what)
         assert got.sent < 16 << 20, f"{got.sent >> 20} MiB sent before the refusal"
 
     run_twice(t, lambda: attack(t.port, endless()), check)
+
+
+def test_an_endless_header_line_is_refused_early(target):
+    endless_line_is_refused(target, target.head("GET", "/v2/health/live", b"X-Endless: "), "header")
 
 
 def test_many_copies_of_one_header_are_refused_quickly(target):
@@ -329,19 +332,9 @@ def test_an_endless_chunked_body_is_refused_at_the_cap(target):
 
 
 def test_an_endless_trailer_line_is_refused_early(target):
-    t = target
-
-    def endless() -> Iterator[bytes]:
-        yield t.head("POST", "/v2/models/linear/infer", b"Content-Type: application/json\r\n",
-                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ")
-        for _ in range(1024):                       # 64 MiB at most
-            yield b"a" * 65536
-
-    def check(got: Outcome) -> None:
-        assert_refused(t, got, 431, "trailer")
-        assert got.sent < 16 << 20, f"{got.sent >> 20} MiB sent before the refusal"
-
-    run_twice(t, lambda: attack(t.port, endless()), check)
+    head = target.head("POST", "/v2/models/linear/infer", b"Content-Type: application/json\r\n",
+                       b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ")
+    endless_line_is_refused(target, head, "trailer")
 
 
 def test_chunked_bodies_past_the_cap_leave_nothing_held(target):

@@ -195,6 +195,16 @@ async def test_a_header_token_call_gets_no_cookie_and_every_check(jp_triton, jp_
     assert err.value.code == 403
 
 
+class Outcomes(dict):
+    """label -> ("ok", what the call returned) or (its status, its message)."""
+
+    def attempt(self, label: str, fn) -> None:
+        try:
+            self[label] = ("ok", fn())
+        except InferenceServerException as err:
+            self[label] = (err.status(), err.message())
+
+
 @pytest.mark.parametrize("authorizer", [AllowAllAuthorizer, RecordingAuthorizer], indirect=True)
 async def test_the_grpc_port_takes_exactly_the_http_credentials(jp_triton, authorizer):
     (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
@@ -207,13 +217,8 @@ async def test_the_grpc_port_takes_exactly_the_http_credentials(jp_triton, autho
         bearer = lambda t: {"authorization": f"Bearer {t}"}      # noqa: E731
         row = [grpcclient.InferInput("INPUT0", [1, 16], "FP32")]
         row[0].set_data_from_numpy(np.ones((1, 16), np.float32))
-        outcome = {}
-
-        def attempt(label, fn):
-            try:
-                outcome[label] = ("ok", fn())
-            except InferenceServerException as err:
-                outcome[label] = (err.status(), err.message())
+        outcome = Outcomes()
+        attempt = outcome.attempt
         try:
             attempt("live, nothing", lambda: g.is_server_live())
             attempt("infer, nothing", lambda: g.infer("linear", row))
@@ -278,13 +283,8 @@ async def test_the_data_port_takes_header_credentials_only(jp_triton):
     def story():
         c = httpclient.InferenceServerClient(f"127.0.0.1:{ext.bound_http_data_port}", network_timeout=60)
         bearer = lambda t: {"Authorization": f"Bearer {t}"}      # noqa: E731
-        outcome = {}
-
-        def attempt(label, fn):
-            try:
-                outcome[label] = ("ok", fn())
-            except InferenceServerException as err:
-                outcome[label] = (err.status(), err.message())
+        outcome = Outcomes()
+        attempt = outcome.attempt
         try:
             attempt("infer, nothing", lambda: c.infer("linear", one_row()))
             attempt("infer, jupyter token", lambda: c.infer("linear", one_row(), headers=dict(AUTH)))
@@ -354,13 +354,8 @@ async def test_a_hub_token_reaches_every_port_with_the_hubs_scopes(jp_triton, jp
         c = httpclient.InferenceServerClient(f"127.0.0.1:{ext.bound_http_data_port}", network_timeout=60)
         row = [grpcclient.InferInput("INPUT0", [1, 16], "FP32")]
         row[0].set_data_from_numpy(np.ones((1, 16), np.float32))
-        outcome = {}
-
-        def attempt(label, fn):
-            try:
-                outcome[label] = ("ok", fn())
-            except InferenceServerException as err:
-                outcome[label] = (err.status(), err.message())
+        outcome = Outcomes()
+        attempt = outcome.attempt
         try:
             for i in range(3):
                 attempt(f"grpc infer, alice {i}",
@@ -429,13 +424,8 @@ async def test_every_port_shares_one_bytes_in_flight_budget(jp_triton, jp_http_p
         key = {"authorization": f"Bearer {INFER_KEY}"}
         row = [grpcclient.InferInput("INPUT0", [1, 16], "FP32")]
         row[0].set_data_from_numpy(np.ones((1, 16), np.float32))
-        outcome = {}
-
-        def attempt(label, fn):
-            try:
-                outcome[label] = ("ok", fn())
-            except InferenceServerException as err:
-                outcome[label] = (err.status(), err.message())
+        outcome = Outcomes()
+        attempt = outcome.attempt
         try:
             attempt("grpc", lambda: g.infer("linear", row, headers=dict(key), parameters=padded))
             attempt("data", lambda: c.infer("linear", one_row(), headers=dict(key), parameters=padded))
