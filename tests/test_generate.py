@@ -79,6 +79,29 @@ def test_generate_maps_fields_to_inputs_and_parameters(server):
                                                    "stream": False}
 
 
+def test_generate_echoes_the_id_and_takes_inputs_from_parameters(server):
+    # Triton's generate extension: "id" comes back on every response; a key of "parameters"
+    # that names a model input is that input, the others stay request parameters
+    response, raw, _ = _post(server.http_port, "/v2/models/echo/generate",
+                             {"id": "req-7", "parameters": {"text_input": "from params",
+                                                            "top_k": 2}})
+    assert response.status == 200, raw
+    body = json.loads(raw)
+    assert body["id"] == "req-7" and body["text_output"] == "FROM PARAMS"
+    assert json.loads(body["parameters_seen"]) == {"top_k": 2}
+    # a field beats a parameter of the same name; no id asked, none answered
+    response, raw, _ = _post(server.http_port, "/v2/models/echo/generate",
+                             {"text_input": "field", "parameters": {"text_input": "param"}})
+    body = json.loads(raw)
+    assert body["text_output"] == "FIELD" and "id" not in body
+    response, raw, _ = _post(server.http_port, "/v2/models/words/generate_stream",
+                             {"id": "s1", "parameters": {"text_input": "a b"}})
+    assert [(e["id"], e["text_output"]) for e in _events(raw)] == [("s1", "a"), ("s1", "b")]
+    response, raw, _ = _post(server.http_port, "/v2/models/echo/generate",
+                             {"id": 5, "text_input": "x"})
+    assert response.status == 400 and "'id' must be a string" in json.loads(raw)["error"]
+
+
 def test_generate_stream_on_a_model_that_is_not_decoupled(server):
     response, raw, _ = _post(server.http_port, "/v2/models/echo/generate_stream",
                              {"text_input": "once"})

@@ -3,10 +3,12 @@ JSON object per response out, mapped to and from the model's tensors by name.
 
 Request: a field named as a model input becomes that input (a string is one BYTES element,
 a number or boolean one element of the input's datatype, an array keeps its nested shape;
-a batching model gets a batch of one in front); ``parameters`` and every other field become
-request parameters (strings, numbers, booleans). Response: ``model_name``, ``model_version``
-and a field per output (one element: the value itself, a BYTES element decoded as UTF-8;
-more: a nested array, without the batch of one the request was given).
+a batching model gets a batch of one in front), and so does a key of ``parameters`` that
+names an input the fields did not give; ``id`` is the request's id; every other field and
+key of ``parameters`` becomes a request parameter (strings, numbers, booleans). Response:
+``id`` (when the request had one), ``model_name``, ``model_version`` and a field per output
+(one element: the value itself, a BYTES element decoded as UTF-8; more: a nested array,
+without the batch of one the request was given).
 
 The HTTP operations over this mapping (``/generate``, ``/generate_stream``) are in
 ``frontends.dataplane``; OpenAI's routes (``frontends.openai``) map onto it too.
@@ -76,26 +78,35 @@ def generate_request(config: mc.ModelConfig, model: str, version: str,
         extra = {}
     if not isinstance(extra, dict):
         raise InvalidArgument("'parameters' must be a JSON object")
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidArgument("'id' must be a string")
     parameters: dict[str, Any] = {}
-    inputs: list[InferTensor] = []
+    given: dict[str, Any] = {}
     for key, value in body.items():
         if key in specs:
-            inputs.append(_input_tensor(value, specs[key], batching))
-        elif key != "parameters":
+            given[key] = value
+        elif key not in ("parameters", "id"):
             parameters[key] = value
-    parameters.update(extra)
+    for key, value in extra.items():
+        # Triton's generate: a parameter that names a model input is that input
+        if key in specs:
+            given.setdefault(key, value)
+        else:
+            parameters[key] = value
+    inputs = [_input_tensor(value, specs[key], batching) for key, value in given.items()]
     for key, value in parameters.items():
         if not isinstance(value, (str, int, float, bool)):
             raise InvalidArgument(
                 f"parameter '{key}' must be a string, a number or a boolean (it is neither a "
                 f"model input of '{model}' nor a valid parameter)")
     missing = [name for name, spec in specs.items()
-               if not spec.optional and name not in body]
+               if not spec.optional and name not in given]
     if missing:
         raise InvalidArgument(
             f"generate request for model '{model}' is missing the field(s) {missing} "
             f"(the model's inputs: {sorted(specs)})")
-    return InferRequest(model_name=model, model_version=version, inputs=inputs,
+    return InferRequest(model_name=model, model_version=version, id=request_id, inputs=inputs,
                         parameters=check_request_parameters(parameters))
 
 
@@ -123,8 +134,9 @@ def _json_value(tensor: InferTensor, batched: bool) -> Any:
 def generate_response(response: InferResponse, batched: bool) -> dict:
     """The generate response JSON object of one InferResponse (``batched``: the request
     was given a batch of one, taken off again here)."""
-    out: dict[str, Any] = {"model_name": response.model_name,
-                           "model_version": str(response.model_version)}
+    out: dict[str, Any] = {"id": response.id} if response.id else {}
+    out["model_name"] = response.model_name
+    out["model_version"] = str(response.model_version)
     for tensor in response.outputs:
         out[tensor.name] = _json_value(tensor, batched)
     return out
