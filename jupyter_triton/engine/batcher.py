@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections import deque
 from itertools import chain
 from typing import Iterator
@@ -43,10 +42,10 @@ from typing import Iterator
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.errors import Internal, InvalidArgument, Unavailable
+from .clock import MONOTONIC, Clock
 from .instances import Deferred, Instance, InstancePool
 from .scheduler import DEFAULT_MAX_QUEUE_SIZE, Pending, Scheduler, default_max_queue_size
 from .statistics import ModelStatistics, mark_failure
-from .timer import Alarm
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,10 @@ class _Level:
 
 
 class DynamicBatcher(Scheduler):
-    def __init__(self, config: mc.ModelConfig, pool: InstancePool, stats: ModelStatistics) -> None:
+    def __init__(self, config: mc.ModelConfig, pool: InstancePool, stats: ModelStatistics,
+                 clock: Clock = MONOTONIC) -> None:
         super().__init__(pool)
+        self._now = clock.now_ns          # a virtual clock in engine/simulation.py
         self.stats = stats
         self.model = config.name
         db = config.dynamic_batching
@@ -100,7 +101,7 @@ class DynamicBatcher(Scheduler):
             for lvl in levels}
         self._where: dict[Pending, _Level] = {}
         self._timed = 0                   # queued requests carrying a timeout still to enforce
-        self._alarm = Alarm(self._pump)      # sub-ms deadlines (asyncio's are ms-late)
+        self._alarm = clock.alarm(self._pump)   # sub-ms deadlines (asyncio's are ms-late)
         self._pumping = False
         self._pump_soon: asyncio.Handle | None = None
         # A batch a free instance's thread holds to start at its deadline (pool.defer), and
@@ -198,7 +199,7 @@ class DynamicBatcher(Scheduler):
         self._pumping = True
         try:
             while self._where:
-                now = time.monotonic_ns()
+                now = self._now()
                 self._expire(now)
                 if not self._where:
                     break
@@ -361,10 +362,6 @@ class DynamicBatcher(Scheduler):
         if not self._timed:
             return None
         return min(p.enqueue_ns + p.timeout_ns for p in self._where if p.timeout_ns)
-
-    def _until_next_timeout(self) -> float | None:
-        deadline = self._next_timeout_ns()
-        return None if deadline is None else max(0.0, (deadline - time.monotonic_ns()) / 1e9)
 
     # -- running batches ---------------------------------------------------------------
 

@@ -1,0 +1,272 @@
+"""The engine's own scheduler on a virtual clock: what a config does under some traffic,
+in seconds of CPU, before it is deployed.
+
+``simulate`` builds the model's real scheduler (``DynamicBatcher`` with a
+``dynamic_batching`` block, ``DirectScheduler`` without) on a ``clock.VirtualLoop`` and
+feeds it requests; only the instances are simulated: one takes a batch of ``rows`` for
+``service(rows, rng)`` virtual ns. Priorities, queue policies (timeouts, DELAY/REJECT,
+queue sizes), preferred sizes, preserve_ordering and several instances behave as they do
+when serving because they are the same code.
+
+Two differences from serving, neither a batching decision: an instance starts a batch at
+its deadline from the loop's alarm, not from a batch handed early to its thread
+(``InstancePool.defer``, a hand-off saving); and what lies outside the scheduler (front
+end, network, decoding) is one fixed ``overhead_ns`` per request, half before the
+scheduler and half after.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..protocol.errors import TritonError
+from .batcher import DynamicBatcher
+from .clock import VirtualClock, VirtualLoop
+from .model import instance_specs
+from .scheduler import DirectScheduler, Pending
+from .statistics import ModelStatistics
+
+__all__ = ["Arrival", "ClosedLoop", "Outcome", "ServiceTime", "SimResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of open-loop traffic, sent at ``t_ns`` whatever the server does."""
+    t_ns: int
+    rows: int = 1
+    priority: int = 0
+    timeout_us: int = 0
+    cls: str = ""
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """``concurrency`` clients sending ``requests`` in all, each its next one when the
+    previous answer came (+ ``think_ns``): what perf_analyzer does."""
+    concurrency: int
+    requests: int
+    rows: int = 1
+    think_ns: int = 0
+    priority: int = 0
+    timeout_us: int = 0
+    cls: str = ""
+
+
+ServiceTime = Callable[[int, random.Random], int]
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it: sent at ``arrival_ns``, answered at ``end_ns``;
+    its batch started at ``start_ns`` with ``batch_rows`` rows."""
+    cls: str
+    arrival_ns: int
+    start_ns: int | None
+    end_ns: int | None
+    batch_rows: int
+    status: str          # "ok" | "rejected" (refused on arrival) | "timeout" (dropped from the queue)
+
+
+@dataclass
+class SimResult:
+    requests: list[Outcome]
+    batches: list[tuple[int, int, int]]     # (start_ns, rows, instance index)
+    duration_ns: int
+
+
+class _SimPool:
+    """The scheduler's side of ``instances.InstancePool``, with virtual instances."""
+
+    decoupled = False
+    rate_limiter = None
+
+    def __init__(self, count: int, loop: VirtualLoop, service: ServiceTime, rng: random.Random) -> None:
+        self.instances = list(range(count))
+        self._loop = loop
+        self._service = service
+        self._rng = rng
+        self._idle: asyncio.Queue[int] = asyncio.Queue()
+        for i in self.instances:
+            self._idle.put_nowait(i)
+        self.on_release: Callable[[], object] | None = None
+        self.batches: list[tuple[int, int, int]] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.instances)
+
+    def idle_count(self) -> int:
+        return self._idle.qsize()
+
+    def try_acquire(self) -> int | None:
+        try:
+            return self._idle.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    async def acquire(self) -> int:
+        return await self._idle.get()
+
+    def release(self, instance: int) -> None:
+        self._idle.put_nowait(instance)
+        if self.on_release is not None:
+            self.on_release()
+
+    def can_defer(self, instance: int | None) -> bool:
+        return False
+
+    def launch(self, instance: int, batch: list[Pending]) -> asyncio.Future:
+        loop = self._loop
+        done = loop.create_future()
+        live = [p for p in batch if not p.future.done()]      # cancelled while queued
+        if not live:
+            self.release(instance)
+            done.set_result(None)
+            return done
+        now = loop.now
+        rows = sum(p.batch_size for p in live)
+        for p in live:
+            p.started = True
+            p.start_ns = now
+            p.request.start_ns = now            # the Outcome (a stand-in keeps the same one)
+            p.request.batch_rows = rows
+        self.batches.append((now, rows, instance))
+        took = max(0, int(self._service(rows, self._rng)))
+        loop.call_at((now + took) / 1e9, self._ran, instance, live, done)
+        return done
+
+    async def execute(self, instance: int, batch: list[Pending]) -> None:
+        await self.launch(instance, batch)
+
+    def _ran(self, instance: int, live: list[Pending], done: asyncio.Future) -> None:
+        for p in live:
+            if not p.future.done():
+                p.future.set_result(None)
+        done.set_result(None)
+        self.release(instance)
+
+
+@dataclass
+class _Client:
+    """The request stream of one ``ClosedLoop`` (its ``left`` to send) or of the arrivals."""
+    spec: ClosedLoop | None
+    left: int
+    arrivals: deque = field(default_factory=deque)
+
+
+class _Simulation:
+    def __init__(self, config: mc.ModelConfig, service: ServiceTime,
+                 traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int) -> None:
+        self.loop = VirtualLoop()
+        self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
+        self.config = config
+        self.half_in = overhead_ns // 2
+        self.half_out = overhead_ns - self.half_in
+        self.outcomes: list[Outcome] = []
+        self.end_ns = 0
+        self.open = 0
+        arrivals = sorted((a for a in traffic if isinstance(a, Arrival)), key=lambda a: a.t_ns)
+        self.open_loop = _Client(None, len(arrivals), deque(arrivals))
+        self.closed = [_Client(c, c.requests) for c in traffic if isinstance(c, ClosedLoop)]
+        self.open = len(arrivals) + sum(c.left for c in self.closed)
+        for c in traffic:
+            if not isinstance(c, (Arrival, ClosedLoop)):
+                raise TypeError(f"traffic must be Arrival or ClosedLoop, not {type(c).__name__}")
+            if isinstance(c, ClosedLoop) and c.requests and c.concurrency < 1:
+                raise ValueError(f"ClosedLoop concurrency must be 1 or more, got {c.concurrency}")
+        self.finished: asyncio.Future | None = None
+
+    def run(self) -> SimResult:
+        if not self.open:
+            return SimResult([], [], 0)
+        errors: list[dict] = []
+        self.loop.set_exception_handler(lambda _, context: errors.append(context))
+        outer = asyncio.events._get_running_loop()     # a notebook's loop may be running
+        asyncio.events._set_running_loop(None)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            asyncio.events._set_running_loop(outer)
+            self.loop.close()
+        if errors:
+            context = errors[0]
+            raise RuntimeError(f"simulation failed: {context.get('message')}") from context.get("exception")
+        return SimResult(self.outcomes, self.pool.batches, self.end_ns)
+
+    async def _main(self) -> None:
+        clock = VirtualClock(self.loop)
+        if self.config.HasField("dynamic_batching"):
+            self.scheduler = DynamicBatcher(self.config, self.pool, ModelStatistics(self.config.name, "1"),
+                                            clock=clock)
+        else:
+            self.scheduler = DirectScheduler(self.pool, self.config)
+        self.finished = self.loop.create_future()
+        if self.open_loop.arrivals:
+            self._next_arrival()
+        for client in self.closed:
+            for _ in range(min(client.spec.concurrency, client.left)):
+                self._send_at(client, self.half_in)
+        await self.finished
+        await self.scheduler.close()
+
+    def _next_arrival(self) -> None:
+        a = self.open_loop.arrivals[0]
+        self.loop.call_at((a.t_ns + self.half_in) / 1e9, self._arrive, self.open_loop, a.t_ns)
+
+    def _send_at(self, client: _Client, at_ns: int) -> None:
+        client.left -= 1
+        self.loop.call_at(at_ns / 1e9, self._arrive, client, at_ns - self.half_in)
+
+    def _arrive(self, client: _Client, sent_ns: int) -> None:
+        if client.spec is None:
+            spec = client.arrivals.popleft()
+            if client.arrivals:
+                self._next_arrival()
+        else:
+            spec = client.spec
+        outcome = Outcome(spec.cls, sent_ns, None, None, 0, "ok")
+        self.outcomes.append(outcome)
+        future = self.loop.create_future()
+        # The Outcome stands in for the request: only the pool reads it (start, batch rows).
+        pending = Pending(outcome, {}, spec.rows, future, priority=spec.priority,  # type: ignore[arg-type]
+                          timeout_ns=spec.timeout_us * 1000, enqueue_ns=self.loop.now)
+        submit = self.scheduler.submit(pending)
+        try:
+            submit.send(None)
+        except StopIteration:
+            pass
+        except TritonError:
+            outcome.status = "rejected"
+            self._answered(client, outcome)
+            return
+        else:
+            submit.close()
+            raise RuntimeError("a scheduler's submit waited: the simulation cannot drive it")
+        future.add_done_callback(lambda f: self._done(client, outcome, f))
+
+    def _done(self, client: _Client, outcome: Outcome, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            outcome.status = "timeout" if outcome.start_ns is None else "error"
+        self._answered(client, outcome)
+
+    def _answered(self, client: _Client, outcome: Outcome) -> None:
+        outcome.end_ns = end = self.loop.now + self.half_out
+        self.end_ns = max(self.end_ns, end)
+        self.open -= 1
+        if client.spec is not None and client.left > 0:
+            self._send_at(client, end + client.spec.think_ns + self.half_in)
+        if not self.open:
+            self.finished.set_result(None)
+
+
+def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
+             seed: int = 0, overhead_ns: int = 0) -> SimResult:
+    """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
+    if overhead_ns < 0:
+        raise ValueError(f"overhead_ns must be 0 or more, got {overhead_ns}")
+    return _Simulation(config, service, traffic, seed, overhead_ns).run()
