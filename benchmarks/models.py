@@ -8,7 +8,9 @@ queue, batching, worker hand-off, encode) is what gets measured.
 * ``matmul_onnx``: the ONNX model (a MatMul node), onnxruntime backend;
 * ``matmul_python``: Triton's python backend, a ``model.py`` that concatenates the batch's
   rows, multiplies once and splits the result back (what PyTriton's ``@batch`` does);
-* the peer (``pytriton_peer.py``) serves the same function as a PyTriton ``@batch`` model.
+* ``matmul_python_0..3``: four copies of it, served together by one server;
+* the peers: NVIDIA's tritonserver 2.51 serves the same repository (``tritonserver_peer.py``),
+  PyTriton (``pytriton_peer.py``) the same function as a ``@batch`` model.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ MAX_BATCH_SIZE = 64
 QUEUE_DELAY_US = 500
 ONNX_MODEL = "matmul_onnx"
 PYTHON_MODEL = "matmul_python"
+# The many-models row: four copies of the python model in one server (the seeds' recommender
+# serving four models on one instance), each with its own worker / stub.
+MANY_MODELS = tuple(f"matmul_python_{i}" for i in range(4))
 DESCRIPTION = (f"y = x·W, W {FEATURES}x{FEATURES} fp32, one [1,{FEATURES}] row per request, "
                f"max_batch_size {MAX_BATCH_SIZE}, dynamic_batching max_queue_delay_microseconds "
                f"{QUEUE_DELAY_US}, one CPU instance")

@@ -44,8 +44,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import (DESCRIPTION, FEATURES, ONNX_MODEL, PYTHON_MODEL, QUEUE_DELAY_US,  # noqa: E402
-                    build_repository, onnx_bytes)
+from models import (DESCRIPTION, FEATURES, MANY_MODELS, MAX_BATCH_SIZE, ONNX_MODEL,  # noqa: E402
+                    PYTHON_MODEL, QUEUE_DELAY_US, build_repository, onnx_bytes)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -140,6 +140,11 @@ class Target:
     def models(self) -> list[str]:
         raise NotImplementedError
 
+    def owns(self, row: "Row") -> bool:
+        """A server of several models runs the row that drives them all at once (MANY)."""
+        served = self.models()
+        return row.target == self.name and (row.model in served if len(served) == 1 else row.model == MANY)
+
     def start(self, timeout: float = 180.0) -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
         self.starts += 1
@@ -217,15 +222,17 @@ class Ours(Target):
     name = "ours"
     label = "ours, standalone (jupyter-triton serve)"
 
-    def __init__(self, workdir: Path, repository: Path, model: str) -> None:
+    def __init__(self, workdir: Path, repository: Path, model: str,
+                 served: tuple[str, ...] = ()) -> None:
         super().__init__(workdir)
         self.repository = repository
         self.model = model
+        self.served = served or (model,)
         self.label = f"{self.label}, {MODEL_LABEL[model]}"
-        self.log_name = f"ours-{model}"
+        self.log_name = f"ours-{model}".replace(" ", "-")
 
     def models(self) -> list[str]:
-        return [self.model]
+        return list(self.served)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         exe = Path(sys.executable).with_name("jupyter-triton")
@@ -309,6 +316,72 @@ class PyTriton(Target):
                 "--grpc-port", str(self.grpc_port), "--workspace", str(workspace)], dict(os.environ)
 
 
+class Tritonserver(Target):
+    """NVIDIA's tritonserver 2.51 (the binary nvidia-pytriton ships) on the same repository as
+    ours: its C++ HTTP/gRPC front, dynamic batcher and python backend stub running the same
+    model.py. Started as tests/tritonserver_peer.py starts it for the parity tests."""
+
+    name = "tritonserver"
+    label = "tritonserver 2.51, python backend"
+
+    def __init__(self, workdir: Path, repository: Path, served: tuple[str, ...], python: Path,
+                 dist: tuple[Path, str, str], name: str = "") -> None:
+        self.name = name or self.name
+        super().__init__(workdir)
+        self.repository = repository
+        self.served = served
+        self.python = python
+        self.dist, self.version, self.libdir = dist
+        self.log_name = f"{self.name}-{'-'.join(served) if len(served) == 1 else 'many'}"
+
+    def models(self) -> list[str]:
+        return list(self.served)
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        # The stub is shipped per Python version and must sit next to libtriton_python.so.
+        python_dir = self.workdir / "tritonserver-backends" / "python"
+        if not python_dir.exists():
+            python_dir.mkdir(parents=True)
+            for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+                shutil.copy(self.dist / "backends" / "python" / name, python_dir / name)
+            shutil.copy(self.dist / "python_backend_stubs" / self.version / "triton_python_backend_stub",
+                        python_dir / "triton_python_backend_stub")
+        env = dict(os.environ)
+        libs = self.dist.parent.parent / "nvidia_pytriton.libs"
+        env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(libs), self.libdir, env.get("LD_LIBRARY_PATH")) if p)
+        # The stub's interpreter finds its site-packages (numpy<2) from the first python3 on PATH.
+        env["PATH"] = f"{self.python.parent}:{env.get('PATH', '')}"
+        # Its own shared-memory prefix: other tritonservers on this machine (parity tests) keep theirs.
+        prefix = f"jtbench{os.getpid()}_{self.starts}_"
+        return [str(self.dist / "bin" / "tritonserver"), f"--model-repository={self.repository}",
+                f"--backend-directory={python_dir.parent}", f"--cache-directory={self.dist / 'caches'}",
+                f"--http-address={HOST}", f"--http-port={self.http_port}",
+                f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
+                "--allow-metrics=false", "--model-control-mode=explicit", "--exit-timeout-secs=5",
+                f"--backend-config=python,shm-region-prefix-name={prefix}",
+                *[f"--load-model={m}" for m in self.served]], env
+
+
+def tritonserver_dist(python: Path) -> tuple[tuple[Path, str, str] | None, str]:
+    """((tritonserver's directory in the wheel, the venv's Python version, its LIBDIR), "") or
+    (None, why it cannot run here)."""
+    probe = [str(python), "-c", "import sys, sysconfig, pytriton; print(f'{sys.version_info[0]}."
+             "{sys.version_info[1]}'); print(sysconfig.get_config_var('LIBDIR') or ''); print(pytriton.__file__)"]
+    try:
+        out = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{python} does not run: {e}"
+    if out.returncode != 0:
+        return None, f"`import pytriton` fails in {python}"
+    version, libdir, module = out.stdout.split("\n")[:3]
+    dist = Path(module).parent / "tritonserver"
+    if not (dist / "bin" / "tritonserver").exists():
+        return None, f"{dist} has no bin/tritonserver"
+    if not (dist / "python_backend_stubs" / version / "triton_python_backend_stub").exists():
+        return None, f"nvidia-pytriton ships no python backend stub for Python {version}"
+    return (dist, version, libdir), ""
+
+
 def ensure_pytriton(venv: Path, workdir: Path) -> tuple[Path | None, str]:
     """PyTriton's interpreter, installing ``nvidia-pytriton`` into ``venv`` when missing.
     Returns (python, version) or (None, the reason it is not there)."""
@@ -376,32 +449,72 @@ PASS_RE = re.compile(r"Pass \[\d+\] throughput: ([0-9.]+) infer/sec")
 WINDOWS = 3
 
 
-def perf_analyzer(pa: str, target: Target, model: str, protocol: str, concurrency: int, shm: bool,
-                  interval_ms: int, report: Path, warmup: bool = False) -> ClientView:
+def perf_analyzer_command(pa: str, target: Target, model: str, protocol: str, concurrency: int,
+                          shm: bool, interval_ms: int, report: Path, warmup: bool = False,
+                          tensor: str = "binary", batch: int = 1) -> list[str]:
     port = target.http_port if protocol == "http" else target.grpc_port
-    cmd = [pa, "-v", "-m", model, "-u", f"{HOST}:{port}", "-i", protocol, "-b", "1",
+    cmd = [pa, "-v", "-m", model, "-u", f"{HOST}:{port}", "-i", protocol, "-b", str(batch),
            "--concurrency-range", str(concurrency), "--stability-percentage", "10000",
            "--max-trials", str(WINDOWS), "-f", str(report)]
     # A warm-up is a few requests counted, not timed: first-call work in the server
     # (allocations, a worker's first batch) stays out of the first row.
     cmd += (["--measurement-mode", "count_windows", "--measurement-request-count", "30"] if warmup
             else ["--measurement-interval", str(interval_ms)])
+    if tensor == "json":    # what curl, requests and most notebooks send: tensors as JSON lists
+        cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     for key, value in target.headers.items():
         cmd += ["-H", f"{key}: {value}"]
     if shm:
         cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(4 * FEATURES * 64)]
     report.unlink(missing_ok=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=60 + WINDOWS * interval_ms / 1000 * 3)
-    if proc.returncode != 0 or not report.exists():
-        out = (proc.stdout + proc.stderr).strip().splitlines()
-        raise RuntimeError(f"perf_analyzer exited with {proc.returncode}: " + " / ".join(out[-4:]))
+    return cmd
+
+
+def perf_analyzer_result(returncode: int, stdout: str, stderr: str, report: Path) -> ClientView:
+    if returncode != 0 or not report.exists():
+        out = (stdout + stderr).strip().splitlines()
+        raise RuntimeError(f"perf_analyzer exited with {returncode}: " + " / ".join(out[-4:]))
     with report.open() as f:
         row = next(csv.DictReader(f))
-    passes = [float(v) for v in PASS_RE.findall(proc.stdout)][-WINDOWS:]
+    passes = [float(v) for v in PASS_RE.findall(stdout)][-WINDOWS:]
     spread = (max(passes) - min(passes)) / statistics.fmean(passes) if passes else float("nan")
     return ClientView(throughput=float(row["Inferences/Second"]), p50_us=float(row["p50 latency"]),
                       p99_us=float(row["p99 latency"]), window_spread=spread)
+
+
+def pa_timeout(interval_ms: int) -> float:
+    return 60 + WINDOWS * interval_ms / 1000 * 3
+
+
+def perf_analyzer(pa: str, target: Target, model: str, protocol: str, concurrency: int, shm: bool,
+                  interval_ms: int, report: Path, warmup: bool = False, tensor: str = "binary",
+                  batch: int = 1) -> ClientView:
+    cmd = perf_analyzer_command(pa, target, model, protocol, concurrency, shm, interval_ms, report,
+                                warmup, tensor, batch)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=pa_timeout(interval_ms))
+    return perf_analyzer_result(proc.returncode, proc.stdout, proc.stderr, report)
+
+
+def perf_analyzers_at_once(pa: str, target: Target, models: list[str], protocol: str, concurrency: int,
+                           interval_ms: int) -> dict[str, ClientView]:
+    """One perf_analyzer per model, all started together: the models are loaded at the same time."""
+    procs = {}
+    try:
+        for model in models:
+            report = target.workdir / f"pa-{model}.csv"
+            cmd = perf_analyzer_command(pa, target, model, protocol, concurrency, False, interval_ms, report)
+            procs[model] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                            report)
+        views = {}
+        for model, (proc, report) in procs.items():
+            out, err = proc.communicate(timeout=pa_timeout(interval_ms))
+            views[model] = perf_analyzer_result(proc.returncode, out, err, report)
+        return views
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 # -- rows --------------------------------------------------------------------------------------
@@ -419,6 +532,7 @@ class Measurement:
     mean_batch: float = 0.0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     peak_rss_mib: float = 0.0
+    p99_us_per_model: dict[str, float] = field(default_factory=dict)   # the many-models row
     error: str = ""
 
 
@@ -428,59 +542,103 @@ SUMMARY_KEYS = ("throughput", "p50_us", "p99_us", "cpu_us_per_inference", "queue
 
 @dataclass
 class Row:
-    target: str          # ours | jupyter | pytriton
-    model: str           # the served model's name
+    target: str          # ours | jupyter | jupyter-tornado | tritonserver | pytriton
+    model: str           # the served model's name, or MANY (four models driven at once)
     protocol: str        # http | grpc
-    concurrency: int
+    concurrency: int     # per model
     shm: bool = False
+    tensor: str = "binary"   # binary | json: how perf_analyzer sends and asks for the tensors
+    batch: int = 1           # rows per request ([batch, 256])
     rounds: list[Measurement] = field(default_factory=list)
     median: dict[str, float] = field(default_factory=dict)
     skipped: str = ""
 
     @property
     def key(self) -> str:
-        return f"{self.target}/{self.model}/{self.protocol}{'+shm' if self.shm else ''}/c={self.concurrency}"
+        return (f"{self.target}/{self.model}/{self.protocol}{'+shm' if self.shm else ''}"
+                f"{'+json' if self.tensor == 'json' else ''}{f'[{self.batch},{FEATURES}]' if self.batch > 1 else ''}"
+                f"/c={self.concurrency}")
+
+    @property
+    def variant(self) -> tuple:
+        """What must match between ours and a peer for a ratio."""
+        return (self.model if self.model != PYTRITON_MODEL else PYTHON_MODEL, self.protocol,
+                self.concurrency, self.tensor, self.batch)
 
 
-MODEL_LABEL = {ONNX_MODEL: "ONNX", PYTHON_MODEL: "python model.py", PYTRITON_MODEL: "@batch python"}
+MANY = "4 models"
+MODEL_LABEL = {ONNX_MODEL: "ONNX", PYTHON_MODEL: "python model.py", PYTRITON_MODEL: "@batch python",
+               MANY: "4 x python model.py"}
 
 
-def plan(targets: list[str], protocols: list[str], concurrency: list[int]) -> list[Row]:
+def plan(targets: list[str], protocols: list[str], concurrency: list[int], skip: list[str]) -> list[Row]:
     rows = []
     for c in concurrency:
         for p in protocols:
             if "ours" in targets:
                 rows += [Row("ours", ONNX_MODEL, p, c), Row("ours", PYTHON_MODEL, p, c),
                          Row("ours", ONNX_MODEL, p, c, shm=True)]
+            if "tritonserver" in targets:
+                rows.append(Row("tritonserver", PYTHON_MODEL, p, c))
             for name in ("jupyter", "jupyter-tornado"):
                 if name in targets and p == "http":
                     rows.append(Row(name, ONNX_MODEL, p, c))
             if "pytriton" in targets:
                 rows.append(Row("pytriton", PYTRITON_MODEL, p, c))
+        # JSON tensors over HTTP, the python model, ours and the peer on the same model.py.
+        if "json" not in skip and "http" in protocols:
+            for name in ("ours", "tritonserver"):
+                if name in targets:
+                    rows += [Row(name, PYTHON_MODEL, "http", c, tensor="json", batch=b) for b in (1, MAX_BATCH_SIZE)]
+    if "many" not in skip:
+        for name in ("ours", "tritonserver"):
+            if name in targets:
+                rows.append(Row(name, MANY, "http", MANY_CONCURRENCY))
     return rows
+
+
+MANY_CONCURRENCY = 8
 
 
 def measure(pa: str, target: Target, row: Row, rnd: int, interval_ms: int) -> Measurement:
     m = Measurement(round=rnd)
     pid = target.proc.pid
-    before = target.stats(row.model)
+    models = list(MANY_MODELS) if row.model == MANY else [row.model]
+    before = {model: target.stats(model) for model in models}
     cpu0 = tree_cpu_seconds(pid)
-    client = perf_analyzer(pa, target, row.model, row.protocol, row.concurrency, row.shm,
-                           interval_ms, target.workdir / "pa.csv")
+    if row.model == MANY:
+        views = perf_analyzers_at_once(pa, target, models, row.protocol, row.concurrency, interval_ms)
+        client = ClientView(throughput=sum(v.throughput for v in views.values()),
+                            p50_us=statistics.median(v.p50_us for v in views.values()),
+                            p99_us=max(v.p99_us for v in views.values()),
+                            window_spread=max(v.window_spread for v in views.values()))
+        m.p99_us_per_model = {model: v.p99_us for model, v in views.items()}
+    else:
+        client = perf_analyzer(pa, target, row.model, row.protocol, row.concurrency, row.shm,
+                               interval_ms, target.workdir / "pa.csv", tensor=row.tensor, batch=row.batch)
     cpu1 = tree_cpu_seconds(pid)
-    after = target.stats(row.model)
+    after = {model: target.stats(model) for model in models}
     m.peak_rss_mib = tree_peak_rss_mib(pid)
     m.throughput, m.p50_us, m.p99_us, m.window_spread = (client.throughput, client.p50_us,
                                                          client.p99_us, client.window_spread)
-    m.inferences = after["inference_count"] - before["inference_count"]
-    executions = after["execution_count"] - before["execution_count"]
+
+    def delta(get) -> int:
+        return sum(get(after[model]) - get(before[model]) for model in models)
+
+    m.inferences = delta(lambda s: s["inference_count"])
+    executions = delta(lambda s: s["execution_count"])
     m.cpu_us_per_inference = (cpu1 - cpu0) * 1e6 / max(1, m.inferences)
-    q = {k: after["inference_stats"]["queue"][k] - before["inference_stats"]["queue"][k] for k in ("count", "ns")}
-    m.queue_us = q["ns"] / max(1, q["count"]) / 1e3
+    # Queue time is counted per request (a [64,256] request is one queue entry of 64 inferences).
+    q_ns = delta(lambda s: s["inference_stats"]["queue"]["ns"])
+    q_count = delta(lambda s: s["inference_stats"]["queue"]["count"])
+    m.queue_us = q_ns / max(1, q_count) / 1e3
     m.mean_batch = m.inferences / max(1, executions)
-    old = {b["batch_size"]: b["compute_infer"]["count"] for b in before.get("batch_stats", [])}
-    sizes = {int(b["batch_size"]): b["compute_infer"]["count"] - old.get(b["batch_size"], 0)
-             for b in after.get("batch_stats", [])}
+    sizes: dict[int, int] = {}
+    for model in models:
+        old = {b["batch_size"]: b["compute_infer"]["count"] for b in before[model].get("batch_stats", [])}
+        for b in after[model].get("batch_stats", []):
+            n = b["compute_infer"]["count"] - old.get(b["batch_size"], 0)
+            sizes[int(b["batch_size"])] = sizes.get(int(b["batch_size"]), 0) + n
     m.batch_sizes = {k: v for k, v in sorted(sizes.items()) if v}
     return m
 
@@ -547,11 +705,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=int, help="perf_analyzer window (default 3000; --quick 1000)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
-    parser.add_argument("--targets", nargs="+", choices=("ours", "jupyter", "jupyter-tornado", "pytriton"),
-                        default=["ours", "pytriton", "jupyter", "jupyter-tornado"])
+    parser.add_argument("--targets", nargs="+",
+                        choices=("ours", "tritonserver", "pytriton", "jupyter", "jupyter-tornado"),
+                        default=["ours", "tritonserver", "pytriton", "jupyter", "jupyter-tornado"])
+    parser.add_argument("--skip", nargs="+", choices=("json", "many"), default=[],
+                        help="leave out the JSON-tensor rows or the many-models row")
     parser.add_argument("--pytriton-venv", type=Path,
-                        default=Path(os.environ.get("PYTRITON_VENV", DEFAULT_PYTRITON_VENV)),
-                        help="PyTriton's own venv, created when missing (env PYTRITON_VENV)")
+                        default=Path(os.environ.get("PYTRITON_VENV") or os.environ.get("JUPYTER_TRITON_PYTRITON_VENV")
+                                     or DEFAULT_PYTRITON_VENV),
+                        help="PyTriton's own venv (also tritonserver's), created when missing (env PYTRITON_VENV)")
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: results/quick.tmp)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -569,45 +731,67 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(pa)
     log(f"perf_analyzer: {pa} ({info['perf_analyzer']}); {rounds} round(s), {WINDOWS} x "
         f"{interval_ms} ms windows per row")
-    rows = plan(args.targets, args.protocols, args.concurrency)
+    rows = plan(args.targets, args.protocols, args.concurrency, args.skip)
     with tempfile.TemporaryDirectory(prefix="jt-bench-") as tmp:
         workdir = Path(tmp)
         repositories = {m: workdir / f"repository-{m}" for m in (ONNX_MODEL, PYTHON_MODEL)}
         for model, repository in repositories.items():
             build_repository(repository, (model,))
+        many_repository = workdir / "repository-many"
+        build_repository(many_repository, MANY_MODELS)
         onnx = onnx_bytes()
+
+        def skip(target: str, why: str) -> None:
+            log(why)
+            notes.append(why)
+            for row in rows:
+                if row.target == target:
+                    row.skipped = why
+
+        peer_python: Path | None = None
+        if {"pytriton", "tritonserver"} & set(args.targets):
+            peer_python, detail = ensure_pytriton(args.pytriton_venv, workdir)
+            if peer_python is None:
+                for name in ("pytriton", "tritonserver"):
+                    skip(name, f"{name} peer skipped: {detail}")
+            else:
+                info["pytriton"] = detail
+        dist = None
+        if "tritonserver" in args.targets and peer_python is not None:
+            dist, why = tritonserver_dist(peer_python)
+            if dist is None:
+                skip("tritonserver", f"tritonserver peer skipped: {why}")
+        # Each round: every server in turn, ours and the peer on the same model.py side by side.
         targets: list[Target] = []
         for name in args.targets:
             if name == "ours":
                 targets += [Ours(workdir, repositories[m], m) for m in (ONNX_MODEL, PYTHON_MODEL)]
+            elif name == "tritonserver" and dist is not None:
+                targets.append(Tritonserver(workdir, repositories[PYTHON_MODEL], (PYTHON_MODEL,),
+                                            peer_python, dist))
             elif name == "jupyter":
                 targets.append(Jupyter(workdir, repositories[ONNX_MODEL]))
             elif name == "jupyter-tornado":
                 targets.append(JupyterTornado(workdir, repositories[ONNX_MODEL]))
-            else:
-                python, detail = ensure_pytriton(args.pytriton_venv, workdir)
-                if python is None:
-                    note = f"PyTriton peer skipped: {detail}"
-                    log(note)
-                    notes.append(note)
-                    for row in rows:
-                        if row.target == "pytriton":
-                            row.skipped = note
-                    continue
-                info["pytriton"] = detail
-                targets.append(PyTriton(workdir, python))
+            elif name == "pytriton" and peer_python is not None:
+                targets.append(PyTriton(workdir, peer_python))
+        if "many" not in args.skip:
+            if "ours" in args.targets:
+                targets.append(Ours(workdir, many_repository, MANY, served=MANY_MODELS))
+            if "tritonserver" in args.targets and dist is not None:
+                targets.append(Tritonserver(workdir, many_repository, MANY_MODELS, peer_python, dist))
         for rnd in range(1, rounds + 1):
             for target in targets:
-                mine = [r for r in rows if r.target == target.name and r.model in target.models()
-                        and not r.skipped]
+                mine = [r for r in rows if target.owns(r) and not r.skipped]
                 if not mine:
                     continue
                 log(f"round {rnd}: starting {target.label}")
                 try:
                     target.start()
                     extensions = target.extensions()
-                    perf_analyzer(pa, target, mine[0].model, "http", 1, False, interval_ms,
-                                  workdir / "warmup.csv", warmup=True)
+                    for model in target.models():
+                        perf_analyzer(pa, target, model, "http", 1, False, interval_ms,
+                                      workdir / "warmup.csv", warmup=True)
                     for row in mine:
                         if row.shm and "system_shared_memory" not in extensions:
                             row.skipped = (f"{target.label} does not advertise the system_shared_memory "
@@ -619,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
                             m = Measurement(round=rnd, error=str(e)[:500])
                             log(f"  {row.key}: FAILED: {m.error}")
                         else:
-                            log(f"  {row.key:32s} {m.throughput:7.0f} infer/s  p50 {m.p50_us / 1e3:6.2f} ms  "
+                            log(f"  {row.key:40s} {m.throughput:7.0f} infer/s  p50 {m.p50_us / 1e3:6.2f} ms  "
                                 f"p99 {m.p99_us / 1e3:6.2f} ms  CPU {m.cpu_us_per_inference:6.0f} us/inf  "
                                 f"queue {m.queue_us:5.0f} us  batch {m.mean_batch:4.1f}  "
                                 f"RSS {m.peak_rss_mib:5.0f} MiB")
@@ -642,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     info["loadavg_at_end"] = os.getloadavg()
     elapsed = time.monotonic() - started
     ratios = peer_ratios(rows)
-    aims = check_aims(rows, ratios)
+    triton_ratios = tritonserver_ratios(rows)
+    aims = check_aims(rows, ratios, triton_ratios)
     payload = {
         "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT))
                              else sys.executable, *sys.argv] if argv is None else argv),
@@ -650,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "rounds": rounds, "interval_ms": interval_ms, "windows": WINDOWS,
         "model": DESCRIPTION, "machine": info, "elapsed_s": round(elapsed, 1),
         "rows": [asdict(r) | {"key": r.key} for r in rows],
-        "ratios_vs_pytriton": ratios, "aims": aims, "notes": notes,
+        "ratios_vs_tritonserver": triton_ratios, "ratios_vs_pytriton": ratios, "aims": aims, "notes": notes,
         "onnx_alone_us": {b: round(t * 1e6, 1) for b, t in raw.items()},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -667,73 +852,123 @@ def main(argv: list[str] | None = None) -> int:
 
 def _row(rows: list[Row], target: str, model: str, protocol: str, c: int, shm: bool = False) -> Row | None:
     for r in rows:
-        if (r.target, r.model, r.protocol, r.concurrency, r.shm) == (target, model, protocol, c, shm) and r.median:
+        if (r.target, r.model, r.protocol, r.concurrency, r.shm) == (target, model, protocol, c, shm) \
+                and r.median and _plain(r):
             return r
     return None
+
+
+def _plain(r: Row) -> bool:
+    """A row of the original grid: one model, binary tensors, one row per request."""
+    return r.model != MANY and r.tensor == "binary" and r.batch == 1
 
 
 def _ours_variants(rows: list[Row]) -> list[tuple[str, str, str, bool]]:
     seen = []
     for r in rows:
         v = (r.target, r.model, r.protocol, r.shm)
-        if r.target != "pytriton" and r.median and v not in seen:
+        if r.target not in PEERS and r.median and _plain(r) and v not in seen:
             seen.append(v)
     return seen
+
+
+PEERS = ("pytriton", "tritonserver")
 
 
 def variant_label(target: str, model: str, protocol: str, shm: bool) -> str:
     where = {"jupyter": "Jupyter routes", "jupyter-tornado": "Jupyter routes via tornado"}.get(
         target, "standalone")
-    return f"ours {where}, {MODEL_LABEL[model]}, {protocol.upper() if protocol == 'http' else 'gRPC'}" + \
-        (" + system shm" if shm else "")
+    return f"ours {where}, {MODEL_LABEL[model]}, {protocol_label(protocol)}" + (" + system shm" if shm else "")
+
+
+def protocol_label(protocol: str, tensor: str = "binary", batch: int = 1) -> str:
+    return (("HTTP" if protocol == "http" else "gRPC") + (" JSON" if tensor == "json" else "")
+            + (f" [{batch},{FEATURES}]" if batch > 1 else ""))
+
+
+def _compare(ours: Row, peer: Row, c: int | None = None) -> dict[str, float]:
+    at = f" c={ours.concurrency if c is None else c}"
+    a, b = ours.median, peer.median
+    return {f"throughput{at}": a["throughput"] / b["throughput"], f"p50{at}": a["p50_us"] / b["p50_us"],
+            f"p99{at}": a["p99_us"] / b["p99_us"],
+            f"cpu/inf{at}": a["cpu_us_per_inference"] / max(1e-9, b["cpu_us_per_inference"])}
 
 
 def peer_ratios(rows: list[Row]) -> dict[str, dict[str, float]]:
     """ours / PyTriton on the same protocol and concurrency: throughput (higher is better),
     p50 and CPU per inference (lower is better)."""
     out: dict[str, dict[str, float]] = {}
-    levels = sorted({r.concurrency for r in rows})
+    levels = sorted({r.concurrency for r in rows if _plain(r)})
     for target, model, protocol, shm in _ours_variants(rows):
         ratios: dict[str, float] = {}
         for c in levels:
             ours, peer = _row(rows, target, model, protocol, c, shm), _row(rows, "pytriton", PYTRITON_MODEL, protocol, c)
             if ours and peer:
-                ratios[f"throughput c={c}"] = ours.median["throughput"] / peer.median["throughput"]
-                ratios[f"p50 c={c}"] = ours.median["p50_us"] / peer.median["p50_us"]
-                ratios[f"cpu/inf c={c}"] = ours.median["cpu_us_per_inference"] / max(1e-9, peer.median["cpu_us_per_inference"])
+                ratios.update({k: v for k, v in _compare(ours, peer).items() if not k.startswith("p99")})
         if ratios:
             out[variant_label(target, model, protocol, shm)] = ratios
     return out
 
 
-def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]]) -> list[dict]:
-    """Issue 8's "done when", where this run has the rows to tell."""
+def tritonserver_ratios(rows: list[Row]) -> dict[str, dict[str, float]]:
+    """ours / tritonserver serving the same model.py, row by row: same protocol, tensor format,
+    request shape and concurrency (the many-models row: aggregate throughput, worst model's p99)."""
+    out: dict[str, dict[str, float]] = {}
+    for ours in rows:
+        if ours.target != "ours" or not ours.median:
+            continue
+        peer = next((r for r in rows if r.target == "tritonserver" and r.median and r.variant == ours.variant), None)
+        if peer is None:
+            continue
+        name = f"{MODEL_LABEL[ours.model]}, {protocol_label(ours.protocol, ours.tensor, ours.batch)}"
+        if ours.model == MANY:
+            name += f", c={ours.concurrency} each"
+        out.setdefault(name, {}).update(_compare(ours, peer))
+    return out
+
+
+def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]],
+               triton: dict[str, dict[str, float]]) -> list[dict]:
+    """Issue 18's "done when" (against tritonserver) and issue 8's (against PyTriton), where this
+    run has the rows to tell. A missed aim is reported, it does not fail the run."""
     aims = []
 
-    def aim(what: str, value: float | None, ok: bool | None) -> None:
+    def aim(issue: int, what: str, value: float | None, ok: bool | None) -> None:
         if value is not None:
-            aims.append({"aim": what, "value": round(value, 2), "met": bool(ok)})
+            aims.append({"issue": issue, "aim": what, "value": round(value, 2), "met": bool(ok)})
 
     for protocol in ("http", "grpc"):
-        name = "HTTP" if protocol == "http" else "gRPC"
+        name = protocol_label(protocol)
+        t = triton.get(f"{MODEL_LABEL[PYTHON_MODEL]}, {name}", {})
+        v = t.get("throughput c=32")
+        aim(18, f"python model.py, {name}: throughput c=32 ours/tritonserver >= 1.25", v, v is not None and v >= 1.25)
+        v = t.get("throughput c=1")
+        aim(18, f"python model.py, {name}: throughput c=1 ours/tritonserver >= 1.1", v, v is not None and v >= 1.1)
+        v = t.get("cpu/inf c=32")
+        aim(18, f"python model.py, {name}: CPU per inference c=32 ours/tritonserver <= 1", v, v is not None and v <= 1)
+        for model in (PYTHON_MODEL, ONNX_MODEL):
+            v = ratios.get(variant_label("ours", model, protocol, False), {}).get("throughput c=32")
+            aim(18, f"{MODEL_LABEL[model]}, {name}: throughput c=32 ours/PyTriton >= 3", v, v is not None and v >= 3)
+    for r in rows:
+        if r.target not in PEERS and r.concurrency == 1 and r.median and not r.shm and _plain(r):
+            q = r.median["queue_us"]
+            aim(18, f"queue time at c=1 within 100 us of {QUEUE_DELAY_US} us: {r.key}", q,
+                abs(q - QUEUE_DELAY_US) <= 100)
+    for protocol in ("http", "grpc"):
+        name = protocol_label(protocol)
         onnx = ratios.get(variant_label("ours", ONNX_MODEL, protocol, False), {})
         python = ratios.get(variant_label("ours", PYTHON_MODEL, protocol, False), {})
         v = onnx.get("throughput c=1")
-        aim(f"ONNX, {name}: throughput c=1 ours/PyTriton >= 5", v, v is not None and v >= 5)
+        aim(8, f"ONNX, {name}: throughput c=1 ours/PyTriton >= 5", v, v is not None and v >= 5)
         v = onnx.get("throughput c=32")
-        aim(f"ONNX, {name}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
+        aim(8, f"ONNX, {name}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
         v = python.get("throughput c=32")
-        aim(f"python model.py, {name}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
+        aim(8, f"python model.py, {name}: throughput c=32 ours/PyTriton >= 2", v, v is not None and v >= 2)
         for label, r in (("ONNX", onnx), ("python model.py", python)):
             v = r.get("cpu/inf c=32")
-            aim(f"{label}, {name}: CPU per inference c=32 ours/PyTriton <= 0.5", v, v is not None and v <= 0.5)
+            aim(8, f"{label}, {name}: CPU per inference c=32 ours/PyTriton <= 0.5", v, v is not None and v <= 0.5)
     v = ratios.get(variant_label("jupyter", ONNX_MODEL, "http", False), {}).get("throughput c=32")
-    aim("Jupyter routes: throughput c=32 ours/PyTriton >= 1", v, v is not None and v >= 1)
-    for r in rows:
-        if r.target != "pytriton" and r.concurrency == 1 and r.median and not r.shm:
-            q = r.median["queue_us"]
-            aim(f"queue time at c=1 within 100 us of {QUEUE_DELAY_US} us: {r.key}", q,
-                abs(q - QUEUE_DELAY_US) <= 100)
+    aim(8, "Jupyter routes: throughput c=32 ours/PyTriton >= 1", v, v is not None and v >= 1)
     return aims
 
 
@@ -742,7 +977,7 @@ def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]]) -> list[dic
 def markdown(p: dict, rows: list[Row]) -> str:
     m = p["machine"]
     lines = [
-        "# jupyter_triton vs PyTriton: the model users run",
+        "# jupyter_triton vs tritonserver 2.51 and PyTriton: the model users run",
         "",
         *(["**Quick smoke run (`--quick`): one round, short windows: not figures to quote.**", ""]
           if p["quick"] else []),
@@ -754,7 +989,11 @@ def markdown(p: dict, rows: list[Row]) -> str:
         f"Client: {m['perf_analyzer']} on the same machine, one [1,256] row per request, "
         f"{p['windows']} windows of {p['interval_ms']} ms per row, {p['rounds']} alternating round(s) "
         f"(every server in turn, then again); figures are medians over rounds.",
-        f"Model: {p['model']}. Peer: PyTriton {m.get('pytriton', '(not run)')}.",
+        f"Model: {p['model']}. Peers: NVIDIA's tritonserver 2.51 with its python backend running the "
+        f"same model.py, and PyTriton {m.get('pytriton', '(not run)')} (tritonserver + a @batch function). "
+        f"JSON rows: tensors sent and returned as JSON lists. The many-models row: {len(MANY_MODELS)} copies "
+        f"of the python model in one server, one perf_analyzer per model at c={MANY_CONCURRENCY}, all at "
+        "once (infer/s: their sum; p50: the median model's; p99: the worst model's).",
         "",
         "| server | model | protocol | c | infer/s | p50 ms | p99 ms | server CPU us/inf | "
         "queue us/inf | mean batch | peak RSS MiB |",
@@ -762,16 +1001,18 @@ def markdown(p: dict, rows: list[Row]) -> str:
     ]
     flagged = False
     labels = {"ours": "ours standalone", "jupyter": "ours, Jupyter server (token)",
-              "jupyter-tornado": "ours, Jupyter server (token), fast_routes off", "pytriton": "PyTriton"}
-    order = {"pytriton": 0, "ours": 1, "jupyter": 2, "jupyter-tornado": 3}
-    for r in sorted(rows, key=lambda r: (r.concurrency, r.protocol != "http", order[r.target], r.model, r.shm)):
+              "jupyter-tornado": "ours, Jupyter server (token), fast_routes off", "pytriton": "PyTriton",
+              "tritonserver": "tritonserver 2.51"}
+    order = {"tritonserver": 0, "pytriton": 1, "ours": 2, "jupyter": 3, "jupyter-tornado": 4}
+    for r in sorted(rows, key=lambda r: (r.model == MANY, r.tensor, r.batch, r.concurrency, r.protocol != "http",
+                                         r.model != PYTHON_MODEL, r.shm, order[r.target])):
         if not r.median:
             continue
         s = r.median
         mark = ""
         if s["window_spread"] > 0.3 or s.get("round_spread", 0) > 0.3:
             mark, flagged = "*", True
-        proto = ("HTTP" if r.protocol == "http" else "gRPC") + (" + shm" if r.shm else "")
+        proto = protocol_label(r.protocol, r.tensor, r.batch) + (" + shm" if r.shm else "")
         lines.append(
             f"| {labels[r.target]} | {MODEL_LABEL[r.model]} | {proto} | {r.concurrency} | "
             f"{s['throughput']:.0f}{mark} | {s['p50_us'] / 1e3:.2f} | {s['p99_us'] / 1e3:.2f} | "
@@ -779,9 +1020,24 @@ def markdown(p: dict, rows: list[Row]) -> str:
             f"{s['peak_rss_mib']:.0f} |")
     if flagged:
         lines += ["", "\\* perf_analyzer's windows or the rounds differ by more than 30 % (a busy machine)."]
+    for r in rows:
+        if r.model == MANY and r.median:
+            per_model = [x.p99_us_per_model for x in r.rounds if x.p99_us_per_model]
+            if per_model:
+                lines += ["", f"{labels[r.target]}, {MODEL_LABEL[MANY]}: p99 ms per model (median over rounds): "
+                          + ", ".join(f"{model} {statistics.median(d[model] for d in per_model if model in d) / 1e3:.2f}"
+                                      for model in MANY_MODELS)]
     failed = [f"- {r.key}, round {x.round}: {x.error}" for r in rows for x in r.rounds if x.error]
     if failed:
         lines += ["", "Failed measurements:", *failed]
+    triton = p["ratios_vs_tritonserver"]
+    if triton:
+        cols = list(dict.fromkeys(k for v in triton.values() for k in v))
+        lines += ["", "Ours / tritonserver 2.51, the same model.py, protocol, tensors and concurrency "
+                  "(throughput: higher is better; p50, p99 and CPU per inference: lower is better):", "",
+                  "| model, protocol | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        for name, v in triton.items():
+            lines.append(f"| {name} | " + " | ".join(f"{v[c]:.2f}" if c in v else "" for c in cols) + " |")
     ratios = p["ratios_vs_pytriton"]
     if ratios:
         cols = list(dict.fromkeys(k for v in ratios.values() for k in v))
@@ -790,9 +1046,11 @@ def markdown(p: dict, rows: list[Row]) -> str:
                   "| ours | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
         for name, v in ratios.items():
             lines.append(f"| {name} | " + " | ".join(f"{v[c]:.2f}" if c in v else "" for c in cols) + " |")
-    if p["aims"]:
-        lines += ["", "Issue 8's aims:", "", "| aim | value | |", "|---|---:|---|"]
-        lines += [f"| {a['aim']} | {a['value']:g} | {'met' if a['met'] else 'NOT met'} |" for a in p["aims"]]
+    for issue in (18, 8):
+        mine = [a for a in p["aims"] if a["issue"] == issue]
+        if mine:
+            lines += ["", f"Issue {issue}'s aims:", "", "| aim | value | |", "|---|---:|---|"]
+            lines += [f"| {a['aim']} | {a['value']:g} | {'PASS' if a['met'] else 'MISS'} |" for a in mine]
     alone = p["onnx_alone_us"]
     lines += ["", "The ONNX model alone (onnxruntime in the harness, best of many calls), at the batch "
               "sizes the servers formed: "

@@ -54,7 +54,11 @@ class Engine(ModelLifecycle):
         return True
 
     def server_metadata(self) -> dict:
-        return {"name": "jupyter_triton", "version": __version__, "extensions": list(EXTENSIONS)}
+        """Triton answers its --id here, "triton" unless set, and NVIDIA's example clients
+        and tools check that name: a drop-in answers the same; the version is ours."""
+        # server_id: tritonserver's --id (cli.ServeOptions until EngineOptions has the field)
+        return {"name": getattr(self.options, "server_id", "triton"), "version": __version__,
+                "extensions": list(EXTENSIONS) + ["sequence"]}
 
     # ---- data path ---------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:

@@ -6,6 +6,7 @@ The validation rules and messages are the HTTP codec's.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,23 @@ _PLAIN: dict[str, tuple[int, np.dtype]] = {
     if d.size is not None and name not in ("BF16", "BOOL")}
 
 
+_VERSION = re.compile(r"\s*[+-]?\d+")
+
+
+def check_model_version(version: str) -> None:
+    """A request's version string as Triton's front reads it before any model is looked up
+    (an integer, 0 or more), refused in its words."""
+    match = _VERSION.match(version)
+    if match is None or match.end() != len(version):
+        # std::stol's exception text is the "details" Triton quotes
+        raise InvalidArgument(
+            f"failed to get model version from specified version string '{version}' "
+            "(details: stol), version should be an integral value > 0")
+    if int(version) < 0:
+        raise InvalidArgument(f"invalid model version specified '{version}' , version should "
+                              "be an integral value > 0")
+
+
 def decode_grpc_request(req: service_pb2.ModelInferRequest,
                         max_elements: int = DEFAULT_MAX_ELEMENTS) -> InferRequest:
     """Decode a gRPC ModelInferRequest; raises InvalidArgument/Unsupported on client errors.
@@ -145,17 +163,14 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
     model = req.model_name
     parameters = check_request_parameters(
         _params(req.parameters)) if req.parameters else {}
+    if req.model_version:
+        check_model_version(req.model_version)
     raw = req.raw_input_contents
     req_inputs = req.inputs
     tparams_of = [_params(inp.parameters)
                   if inp.parameters else {} for inp in req_inputs]
     # an input in a shared memory region has no entry in raw_input_contents
     in_body = [i for i, tparams in enumerate(tparams_of) if "shared_memory_region" not in tparams]
-    if len(raw) and len(raw) != len(in_body):
-        raise InvalidArgument(
-            f"expected {len(in_body)} inputs but got {len(raw)} inputs in "
-            f"'raw_input_contents' for model '{model}'")
-    raw_index = {i: k for k, i in enumerate(in_body)}
 
     specs = []
     names: set[str] = set()
@@ -173,6 +188,13 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
                 f"contents field must not be specified when using raw_input_contents for "
                 f"'{name}' for model '{model}'")
         specs.append((inp, name, dt, shape, tparams_of[i], i))
+    # after the per-input checks, as Triton's front: an input sent in both 'contents' and
+    # 'raw_input_contents' is named by that error, not by the count below
+    if len(raw) and len(raw) != len(in_body):
+        raise InvalidArgument(
+            f"expected {len(in_body)} inputs but got {len(raw)} inputs in "
+            f"'raw_input_contents' for model '{model}'")
+    raw_index = {i: k for k, i in enumerate(in_body)}
 
     inputs = []
     for inp, name, dt, shape, tparams, i in specs:
