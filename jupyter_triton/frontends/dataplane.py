@@ -36,7 +36,7 @@ from ..model_logs import model_logs
 from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
-from . import openai
+from . import openai, openai_embeddings
 from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_events,
                        generate_request, generate_response, is_empty_final)
 from ..engine.trace import trace_context
@@ -528,6 +528,15 @@ async def openai_chat_completions(plane: DataPlane, call: Call) -> Reply:
     return await _openai(plane, call, chat=True)
 
 
+async def openai_embeddings_route(plane: DataPlane, call: Call) -> Reply:
+    """OpenAI's embeddings over a text-in, vector-out model (frontends/openai_embeddings.py)."""
+    try:
+        job = openai_embeddings.prepare(plane.engine, await plane.json_body(call))
+        return json_reply(await openai_embeddings.embed(plane.engine, job))
+    except TritonError as err:
+        return json_reply(openai.error_body(err), err.status)
+
+
 async def _openai(plane: DataPlane, call: Call, chat: bool) -> Reply:
     """OpenAI's completions over the engine (frontends/openai.py maps both ways); its
     errors in OpenAI's shape."""
@@ -637,6 +646,8 @@ ROUTES: list[Route] = [
           streams_body=True),
     Route(r"v1/chat/completions", "OpenAIChatCompletions", INFERENCE,
           {"POST": openai_chat_completions}, streams_body=True),
+    Route(r"v1/embeddings", "OpenAIEmbeddings", INFERENCE, {"POST": openai_embeddings_route},
+          streams_body=True),
     Route(r"v2/trace/setting", "TraceSetting", TRACE, {"GET": trace_setting, "POST": trace_setting},
           ADMIN),
     Route(rf"v2/models/{_MODEL}/trace/setting", "ModelTraceSetting", TRACE,

@@ -48,7 +48,7 @@ def _shape_of(value: Any, name: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _input_tensor(value: Any, spec: mc.ModelInput, batching: bool) -> InferTensor:
+def input_tensor(value: Any, spec: mc.ModelInput, batching: bool) -> InferTensor:
     name = spec.name
     datatype = config_to_triton(mc.DataType.Name(spec.data_type))
     if isinstance(value, dict) or value is None:
@@ -94,7 +94,7 @@ def generate_request(config: mc.ModelConfig, model: str, version: str,
             given.setdefault(key, value)
         else:
             parameters[key] = value
-    inputs = [_input_tensor(value, specs[key], batching) for key, value in given.items()]
+    inputs = [input_tensor(value, specs[key], batching) for key, value in given.items()]
     for key, value in parameters.items():
         if not isinstance(value, (str, int, float, bool)):
             raise InvalidArgument(

@@ -1,6 +1,7 @@
 """OpenAI-compatible routes (``v1/models``, ``v1/completions``, ``v1/chat/completions``)
 over the models whose signature follows the generate extension's text convention: a BYTES
-input ``text_input`` and a BYTES output ``text_output``.
+input ``text_input`` and a BYTES output ``text_output``. (``v1/embeddings`` is in
+``frontends.openai_embeddings``; ``v1/models`` lists the models of both.)
 
 A completion is one generate request (``frontends.generate``'s mapping): the prompt is
 ``text_input``; ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (and the other
@@ -8,6 +9,14 @@ scalar sampling fields) travel as request parameters, for the model to read. ``s
 applied here too: the text ends before the first stop sequence, and the model's request is
 cancelled there. ``stream: true`` needs a decoupled model (each of its responses is one
 chunk); without it, a decoupled model's responses are joined into one text.
+
+``usage`` counts tokens as the streaming convention has them: each response of a decoupled
+model is one token; a model that answers once has as many as its text has
+whitespace-separated words, and so has the prompt (the server has no tokenizer of its own).
+``finish_reason`` is ``stop`` (the model ended, or a stop sequence), or ``length`` when the
+answer reached ``max_tokens`` (or ``max_completion_tokens``): a decoupled model's stream is
+cut, and its request cancelled, there. ``stream_options: {"include_usage": true}`` adds
+OpenAI's last chunk with ``usage`` and no choices.
 
 Chat messages become one prompt through a Jinja template (sandboxed): the model's own, from
 its config parameter ``chat_template``, or ``DEFAULT_CHAT_TEMPLATE``, which writes one
@@ -33,6 +42,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..engine import Engine
 from ..protocol.errors import InvalidArgument, NotFound, TritonError
 from ..protocol.types import InferRequest, InferResponse
+from . import openai_embeddings
 from .generate import close_stream, error_message, generate_request
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
@@ -62,17 +72,23 @@ def error_body(err: BaseException) -> dict:
 
 
 def model_list(engine: Engine) -> dict:
-    """``GET v1/models``: every ready model that follows the text convention."""
+    """``GET v1/models``: every ready model that follows the text convention or has an
+    embedding signature."""
     names = {version.name for version in engine.models()
-             if version.ready and follows_text_convention(version.config)}
+             if version.ready and _served(version.config)}
     return {"object": "list", "data": [_model_card(name) for name in sorted(names)]}
+
+
+def _served(config: mc.ModelConfig) -> bool:
+    return follows_text_convention(config) or openai_embeddings.signature(config) is not None
 
 
 def model_card(engine: Engine, name: str) -> dict:
     config = engine.model_config(name, "")
-    if not follows_text_convention(config):
-        raise NotFound(f"model '{name}' does not follow the text convention "
-                       f"(a BYTES input '{TEXT_INPUT}' and a BYTES output '{TEXT_OUTPUT}')")
+    if not _served(config):
+        raise NotFound(f"model '{name}' neither follows the text convention (a BYTES input "
+                       f"'{TEXT_INPUT}' and a BYTES output '{TEXT_OUTPUT}') nor is an "
+                       f"embedding model")
     return _model_card(name)
 
 
@@ -145,6 +161,19 @@ class Completion:
     stops: list[str] = field(default_factory=list)
     id: str = ""
     created: int = 0
+    decoupled: bool = False
+    max_tokens: int | None = None
+    prompt_tokens: int = 0
+    include_usage: bool = False
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def finish(self, stopped: bool, tokens: int) -> str:
+        if not stopped and self.max_tokens is not None and tokens >= self.max_tokens:
+            return "length"
+        return "stop"
 
 
 def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
@@ -176,6 +205,12 @@ def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise InvalidArgument("'prompt' must be a string (or an array of one string)")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or
+                                not isinstance(options.get("include_usage", False), bool)):
+        raise InvalidArgument("'stream_options' must be an object with a boolean 'include_usage'")
+    if options and not stream:
+        raise InvalidArgument("'stream_options' is only allowed with 'stream': true")
     stops = _stops(body.get("stop"))
     parameters: dict[str, Any] = {}
     for key in _PARAMETERS:
@@ -184,12 +219,17 @@ def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
             if not isinstance(value, (int, float, bool)):
                 raise InvalidArgument(f"'{key}' must be a number")
             parameters[key] = value
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidArgument("'max_tokens' must be a positive integer")
     if stops:   # request parameters are scalars: one stop as itself, several as JSON text
         parameters["stop"] = stops[0] if len(stops) == 1 else json.dumps(stops)
     request = generate_request(config, model, "", {TEXT_INPUT: prompt, "parameters": parameters})
     prefix = "chatcmpl-" if chat else "cmpl-"
     return Completion(chat, model, request, config.max_batch_size > 0, stream, stops,
-                      prefix + secrets.token_hex(12), int(time.time()))
+                      prefix + secrets.token_hex(12), int(time.time()),
+                      engine.is_decoupled(model, ""), limit, len(prompt.split()),
+                      bool(options and options.get("include_usage")))
 
 
 def _text(response: InferResponse) -> str:
@@ -236,25 +276,31 @@ def _model_error(response: InferResponse) -> TritonError:
 async def complete(job: Completion, responses: AsyncGenerator[InferResponse, None]) -> dict:
     """A non-streamed completion: every response's text joined (up to a stop sequence)."""
     scan = _StopScan(job.stops)
+    tokens = 0
     try:
         async for response in responses:
             if response.error is not None:
                 raise _model_error(response)
-            scan.feed(_text(response))
-            if scan.stopped:
+            piece = _text(response)
+            tokens += 1 if piece else 0
+            scan.feed(piece)
+            if scan.stopped or (job.max_tokens is not None and tokens >= job.max_tokens):
                 break
     finally:
         await close_stream(responses)
     text = scan.text[:scan.sent] if scan.stopped else scan.text
+    if not job.decoupled:
+        tokens = len(text.split())
+    finish = job.finish(scan.stopped, tokens)
     if job.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": "stop"}
+                  "logprobs": None, "finish_reason": finish}
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "text_completion"
     return {"id": job.id, "object": kind, "created": job.created, "model": job.model,
-            "choices": [choice]}
+            "choices": [choice], "usage": job.usage(tokens)}
 
 
 def _event(obj: Any) -> bytes:
@@ -277,12 +323,19 @@ def _chunk(job: Completion, text: str | None, finish: str | None, role: bool = F
                    "choices": [choice]})
 
 
+def _usage_chunk(job: Completion, tokens: int) -> bytes:
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+    return _event({"id": job.id, "object": kind, "created": job.created, "model": job.model,
+                   "choices": [], "usage": job.usage(tokens)})
+
+
 async def events(job: Completion, first: InferResponse | None,
                  responses: AsyncGenerator[InferResponse, None]) -> AsyncIterator[bytes]:
     """A streamed completion: one chunk per response (a chat's first names the role), a
     last chunk with ``finish_reason``, then ``data: [DONE]``. Leaving early (the client went
     away, a stop sequence) cancels the model's request."""
     scan = _StopScan(job.stops)
+    tokens = 0
     try:
         if job.chat:
             yield _chunk(job, "", None, role=True)
@@ -291,10 +344,13 @@ async def events(job: Completion, first: InferResponse | None,
             if response.error is not None:
                 yield _event(error_body(_model_error(response)))
                 return
-            piece = scan.feed(_text(response))
+            text = _text(response)
+            tokens += 1 if text else 0
+            piece = scan.feed(text)
             if piece:
                 yield _chunk(job, piece, None)
-            if scan.stopped or response.final:
+            if scan.stopped or response.final or \
+                    (job.max_tokens is not None and tokens >= job.max_tokens):
                 break
             try:
                 response = await responses.__anext__()
@@ -307,7 +363,9 @@ async def events(job: Completion, first: InferResponse | None,
             piece = scan.rest()
             if piece:
                 yield _chunk(job, piece, None)
-        yield _chunk(job, None if job.chat else "", "stop")
+        yield _chunk(job, None if job.chat else "", job.finish(scan.stopped, tokens))
+        if job.include_usage:
+            yield _usage_chunk(job, tokens)
         yield b"data: [DONE]\n\n"
     finally:
         await close_stream(responses)
