@@ -8,18 +8,27 @@ import ipaddress
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 
 from .engine import CONTROL_MODES, EngineOptions
 from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
 from .frontends.grpc_options import KEEPALIVE_FLAGS, GrpcTLS, http2_limits
 from .frontends.limits import HTTP2Limits
 from .protocol.errors import InvalidArgument, TritonError
+from .triton_flags import add_ignored, log_ignored
 
 # An instance thread whose runtime has released the GIL waits up to the switch interval
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
 # wait is most of the latency (benchmarks/README.md has the figures).
 SWITCH_INTERVAL_S = 0.0005
 _DEFAULTS = EngineOptions(model_repository=".")     # the engine's defaults are the flags' defaults
+
+
+@dataclass
+class ServeOptions(EngineOptions):
+    """The engine's options and tritonserver's settings that EngineOptions has no field for
+    yet: ``server_id`` (--id), the name server metadata answers."""
+    server_id: str = "triton"
 
 
 def _non_negative(kind: type):
@@ -38,6 +47,21 @@ def _bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def _rate_limit_resource(text: str) -> str:
+    """tritonserver's <name>:<count>[:<device>]."""
+    parts = text.split(":")
+    try:
+        ok = len(parts) in (2, 3) and parts[0] != "" and int(parts[1]) >= 0 and \
+            (len(parts) == 2 or int(parts[2]) >= 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"expected <resource_name>:<count>[:<device>] with a count and a device of 0 or "
+            f"more, got '{text}'")
+    return text
 
 
 def _restriction(text: str) -> Restriction:
@@ -138,6 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-restricted-protocol", action="append", default=[], type=_restriction,
                        metavar="<api>[,<api>...]:<key>=<value>", help=restricted + " (gRPC metadata)")
     _grpc_connection_flags(serve)
+    serve.add_argument("--id", default="triton", metavar="<string>",
+                       help="the server's name in server metadata (as tritonserver: 'triton')")
+    serve.add_argument("--rate-limit", choices=("off", "execution_count"),
+                       default=_DEFAULTS.rate_limit,
+                       help="execution_count: instances run as the rate_limiter of their "
+                            "instance_group and the resources allow (as tritonserver)")
+    serve.add_argument("--rate-limit-resource", action="append", default=[],
+                       type=_rate_limit_resource, metavar="<resource_name>:<count>[:<device>]",
+                       help="how many of a resource the server has (repeat per resource)")
+    serve.add_argument("--response-cache-byte-size", type=_non_negative(int), default=None,
+                       metavar="<integer>", help=argparse.SUPPRESS)  # = --cache-config local,size=
+    serve.add_argument("--model-residency-bytes", type=_non_negative(int),
+                       default=_DEFAULTS.model_residency_bytes, metavar="<bytes>",
+                       help="memory budget of loaded models: a request loads a model of the "
+                            "repository, the least recently used idle ones are evicted (0: none)")
+    serve.add_argument("--max-loaded-models", type=_non_negative(int),
+                       default=_DEFAULTS.max_loaded_models, metavar="<n>",
+                       help="at most this many models loaded at once, as above (0: no bound)")
+    add_ignored(serve)
     export = sub.add_parser(
         "export", help="copy a repository into the form NVIDIA Triton and KServe serve as is")
     export.add_argument("--model-repository", required=True)
@@ -211,11 +254,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def options_from(args: argparse.Namespace) -> EngineOptions:
+def options_from(args: argparse.Namespace) -> ServeOptions:
     if len(args.model_repository) > 1:
         raise SystemExit("jupyter-triton serves one --model-repository")
     metrics = dict(item.split("=", 1) for item in args.metrics_config if "=" in item)
-    return EngineOptions(
+    cache_config = list(args.cache_config)
+    if args.response_cache_byte_size is not None:       # tritonserver's deprecated spelling
+        cache_config.append(f"local,size={args.response_cache_byte_size}")
+    return ServeOptions(
         model_repository=args.model_repository[0], model_control_mode=args.model_control_mode,
         load_models=args.load_model, repository_poll_secs=args.repository_poll_secs,
         summary_latencies=_bool(metrics.get("summary_latencies", "false")),
@@ -225,7 +271,10 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         strict_readiness=args.strict_readiness, exit_timeout_secs=args.exit_timeout_secs,
         unload_timeout_secs=args.unload_timeout_secs, max_output_size=args.max_output_size,
         keep_versions=args.keep_versions, trace_config=_trace_config(args),
-        response_cache_size=_cache_size(args.cache_config))
+        response_cache_size=_cache_size(cache_config),
+        model_residency_bytes=args.model_residency_bytes,
+        max_loaded_models=args.max_loaded_models, rate_limit=args.rate_limit,
+        rate_limit_resources=list(args.rate_limit_resource), server_id=args.id)
 
 
 def _cache_size(values: list[str]) -> int:
@@ -258,6 +307,7 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.metrics_address not in (None, args.http_address):
         logging.warning("--metrics-address is served on --http-address here")
     warn_open_repository(args)
+    log_ignored(args)
     grpc_limits, grpc_ssl = grpc_connection_options(args)
     server = await start_standalone(
         options_from(args), host=args.http_address, http_port=args.http_port,
