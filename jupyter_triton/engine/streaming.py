@@ -10,7 +10,8 @@ side is read by ``ModelVersion.infer_stream`` until the final response.
 A sender that outruns its reader is held back: past ``max_buffered`` responses not yet read,
 ``send`` blocks its (model) thread until the reader catches up, so a fast model and a slow
 client cannot grow the server's memory without end. ``send`` from the event loop's own thread
-never blocks (it would wait for itself); there the bound is only counted.
+never blocks (it would wait for itself); there the bound is only counted, and a sender on
+the loop (an ensemble's steps) awaits ``room()`` instead.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class ResponseStream:
         # the loop's side
         self._items: deque[InferResponse] = deque()
         self._waiter: asyncio.Future | None = None
+        self._room_waiter: asyncio.Future | None = None    # room()'s, on the loop
         self.failed = False             # the final response was an error
 
     # -- the model's side (ResponseSender) ------------------------------------------------
@@ -163,6 +165,30 @@ class ResponseStream:
                 self._room.wait(left)
             return True
 
+    def _wake_room(self) -> None:
+        waiter = self._room_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def room(self) -> None:
+        """Wait, on the loop, while ``max_buffered`` responses are unread; past
+        ``SEND_WAIT_SECONDS`` the request fails (Unavailable), as a blocked ``send`` does."""
+        deadline = self._loop.time() + SEND_WAIT_SECONDS
+        while self._unread >= self.max_buffered and not (self._cancelled or self._ended):
+            left = deadline - self._loop.time()
+            if left <= 0:
+                raise Unavailable(
+                    f"model '{self._request.model_name}': the client did not read the stream's "
+                    f"responses for {SEND_WAIT_SECONDS:g} s ({self.max_buffered} buffered); "
+                    f"the request is ended")
+            self._room_waiter = self._loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._room_waiter), left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._room_waiter = None
+
     def _error_response(self, error: TritonError | None) -> InferResponse:
         request = self._request
         response = InferResponse(request.model_name, self._version, request.id)
@@ -189,6 +215,7 @@ class ResponseStream:
         with self._room:
             self._unread -= 1
             self._room.notify_all()
+        self._wake_room()
         if response.final and response.error is not None:
             self.failed = True
         return response
@@ -198,6 +225,7 @@ class ResponseStream:
         self._cancelled = True
         with self._room:
             self._room.notify_all()
+        self._wake_room()
 
     def close(self, error: TritonError) -> bool:
         """End the stream with ``error`` unless its final response was already sent (execute
@@ -209,6 +237,8 @@ class ResponseStream:
             self._closed = self._ended = True
         with self._room:
             self._room.notify_all()
+        if _on_loop_thread(self._loop):
+            self._wake_room()
         response = self._error_response(error)
         response.final = True
         try:
