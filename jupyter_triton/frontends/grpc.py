@@ -30,7 +30,8 @@ from tritonclient.grpc import service_pb2_grpc
 from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unsupported
-from ..protocol.grpc_codec import decode_grpc_request, encode_grpc_response, parameter_value
+from ..protocol.grpc_codec import (check_model_version, decode_grpc_request, encode_grpc_response,
+                                   parameter_value)
 from ..engine.trace import trace_context
 from . import grpc_health, observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
@@ -180,12 +181,14 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc(METADATA)
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context
                             ) -> pb.ModelMetadataResponse:
+        check_model_version(request.version)
         meta = dict(self.engine.model_metadata(request.name, request.version))
         meta["versions"] = [str(v) for v in meta.get("versions", [])]
         return json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     @_rpc(MODEL_CONFIG)
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        check_model_version(request.version)
         config = self.engine.model_config(request.name, request.version)
         response = pb.ModelConfigResponse()
         if config.DESCRIPTOR is response.config.DESCRIPTOR:
@@ -197,6 +200,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc(STATISTICS)
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context
                               ) -> pb.ModelStatisticsResponse:
+        check_model_version(request.version)
         stats = self.engine.statistics(request.name, request.version)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(),
                                      ignore_unknown_fields=True)

@@ -142,7 +142,9 @@ _VERSION = re.compile(r"\s*[+-]?\d+")
 
 def check_model_version(version: str) -> None:
     """A request's version string as Triton's front reads it before any model is looked up
-    (an integer, 0 or more), refused in its words."""
+    (an integer, 0 or more; "" is the newest ready one), refused in its words."""
+    if not version:
+        return
     match = _VERSION.match(version)
     if match is None or match.end() != len(version):
         # std::stol's exception text is the "details" Triton quotes
