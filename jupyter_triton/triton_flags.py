@@ -59,6 +59,15 @@ IGNORED: dict[str, tuple[str, str]] = {
     "--strict-model-config": ("<boolean>", "configs are still auto-completed"),
 }
 
+# Values that ask for what this engine does anyway: given so, the flag is simply applied
+# (`--strict-model-config=false` is in most Triton manifests).
+AS_HERE: dict[str, bool] = {
+    "--strict-model-config": False, "--allow-cpu-metrics": True, "--model-namespacing": False,
+    "--reuse-http-port": False, "--reuse-grpc-port": False, "--allow-sagemaker": False,
+    "--allow-vertex-ai": False, "--enable-peer-access": False,
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
 # --backend-config=<backend>,<setting>=<value> (or <setting>=<value> for every backend)
 BACKEND_SETTINGS: dict[tuple[str, str], str] = {
     ("python", "shm-default-byte-size"): "a python worker's shared memory is sized per batch",
@@ -88,8 +97,12 @@ def log_ignored(args: argparse.Namespace) -> list[str]:
     """One line for each ignored flag that was given (and each --backend-config); returns them."""
     lines = []
     for flag, (_metavar, why) in IGNORED.items():
-        if getattr(args, flag[2:].replace("-", "_")) is not None:
-            lines.append(f"{flag} is accepted and ignored: {why}")
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given is None:
+            continue
+        if flag in AS_HERE and given[-1].lower() in (_TRUE if AS_HERE[flag] else _FALSE):
+            continue
+        lines.append(f"{flag} is accepted and ignored: {why}")
     for item in args.backend_config:
         backend, _, setting = item.partition(",") if "," in item.split("=", 1)[0] else ("", "", item)
         name = setting.split("=", 1)[0]

@@ -10,7 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from jupyter_triton.cli import build_parser, options_from
-from jupyter_triton.triton_flags import IGNORED, log_ignored
+from jupyter_triton.triton_flags import AS_HERE, IGNORED, log_ignored
 from test_cli_options import serve, stop
 
 pytestmark = pytest.mark.timeout(120)
@@ -164,8 +164,15 @@ def test_a_whole_tritonserver_command_line_serves(tmp_path: Path):
     assert options.server_id == "x" and options.response_cache_size == 1048576
     lines = log_ignored(args)
     named = [line.split(" ", 1)[0] for line in lines]
-    assert sorted(named) == sorted(set(IGNORED) | {
+    # every boolean above is "false": those that ask for what happens here anyway are applied
+    quiet = {flag for flag, same in AS_HERE.items() if same is False}
+    assert quiet and quiet < set(IGNORED)
+    assert sorted(named) == sorted(set(IGNORED) - quiet | {
         "--backend-config=python,shm-default-byte-size=1048576"}), lines
+    loud = parse(tmp_path, "--strict-model-config=true", "--model-namespacing", "1",
+                 "--allow-cpu-metrics=true", "--allow-cpu-metrics=false")
+    assert sorted(line.split(" ", 1)[0] for line in log_ignored(loud)) == [
+        "--allow-cpu-metrics", "--model-namespacing", "--strict-model-config"]
 
 
 def test_refusals_name_the_flag(tmp_path: Path, capsys):
