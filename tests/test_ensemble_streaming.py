@@ -249,3 +249,18 @@ def test_a_step_may_not_mix_responses_of_different_decoupled_steps():
         { model_name: "plain" input_map { key: "A" value: "s" } output_map { key: "Y" value: "OUT" } }''')
     with pytest.raises(InvalidArgument, match="read the same responses"):
         plan(siblings, _lookup)
+
+
+def test_the_notebooks_ensemble_of_a_streaming_step_is_decoupled(server):
+    from jupyter_triton.kernel.ensemble import ensemble_config, parse_steps
+    triton = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+
+    def config_of(model: str, version: str = "") -> dict:
+        return triton.get_model_config(model, version, as_json=True)["config"]
+
+    steps = parse_steps("pre: text_input=text_input -> text_output=upper\n"
+                        "words: text_input=upper -> text_output=word\n"
+                        "post: text_input=word -> text_output=text_output")
+    assert ensemble_config("e", steps, config_of).model_transaction_policy.decoupled
+    assert not ensemble_config("e", steps[:1], config_of).model_transaction_policy.decoupled
+    triton.close()

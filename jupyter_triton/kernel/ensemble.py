@@ -5,7 +5,8 @@ The ensemble's inputs are the tensors no step produces, its outputs those no ste
 their datatypes and shapes come from the composing models' configs as the server reports
 them (the kernel side asks over the protocol, like any client). The result is the
 ``config.pbtxt`` a Triton user would write by hand (``platform: "ensemble"``,
-``ensemble_scheduling``), so the same repository loads in NVIDIA Triton.
+``ensemble_scheduling``), so the same repository loads in NVIDIA Triton. An ensemble with a
+decoupled (streaming) step is decoupled itself.
 
 ``parse_steps`` reads the ``%%ensemble`` cell syntax, one step a line::
 
@@ -162,6 +163,10 @@ def ensemble_config(name: str, steps: Sequence[StepSpec],
     for model, inputs, outputs, version in checked:
         config.ensemble_scheduling.step.add(model_name=model, model_version=version,
                                             input_map=inputs, output_map=outputs)
+    if any(c.model_transaction_policy.decoupled for c in by_step.values()):
+        # a streaming step makes the ensemble stream (Triton sets this at load; said here so
+        # the config the notebook shows is the one the server runs)
+        config.model_transaction_policy.decoupled = True
     return config
 
 
