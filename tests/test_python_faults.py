@@ -110,9 +110,9 @@ def wait_until(predicate, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def children_running(pid: int, needle: str = "spawn_main") -> list[int]:
-    """Live child processes of ``pid`` whose command line contains ``needle``."""
-    found = []
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, command line with NULs between arguments)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -123,9 +123,18 @@ def children_running(pid: int, needle: str = "spawn_main") -> list[int]:
                 cmdline = f.read().decode(errors="replace")
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z" and needle in cmdline:
-            found.append(int(entry))
+        found[int(entry)] = (int(fields[1]), fields[0], cmdline)
     return found
+
+
+def children_running(pid: int) -> list[int]:
+    """Live python backend workers of server ``pid``: forked by its template process (a child
+    of the server running boot.py), or started by the server itself (a packed environment's)."""
+    procs = _processes()
+    templates = {p for p, (ppid, _, cmd) in procs.items() if ppid == pid and "boot.py\0template\0" in cmd}
+    return [p for p, (ppid, state, cmd) in procs.items()
+            if state != "Z" and "boot.py\0" in cmd
+            and (ppid in templates or (ppid == pid and "boot.py\0worker\0" in cmd))]
 
 
 def segments_of(pid: int) -> set[str]:

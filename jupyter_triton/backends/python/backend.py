@@ -69,6 +69,13 @@ Beyond request/response, as Triton's python backend has them:
 - Model logs: ``pb_utils.Logger`` lines and a worker's stdout/stderr, per model version in
   ``jupyter_triton.model_logs`` (and in the server's own output, as before).
 
+Worker processes are forked from a template process that has imported numpy and the
+worker's modules (``launch``, ``worker_main``): a worker starts in tens of milliseconds, not
+the ~0.4 s of a fresh interpreter, and is still a process of its own. A model may run its
+workers in its own packed environment instead (``envs``)::
+
+    parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }
+
 Tensors of a batch travel through the worker's two shared-memory regions; those of decoupled
 responses and BLS calls leave at any time, so past 1 MiB they travel in a region the server
 lends for that one message (small ones ride inside it). A model that does none of this pays
@@ -104,6 +111,7 @@ from ...protocol.types import InferRequest, InferTensor, RequestedOutput
 from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, ResponseSender, Tensors
 from . import triton_python_backend_utils as pb_utils
 from .stub import ModelStub, OrphanCloser, RequestData, bls_response, bls_spec, ResponseError, StubError, module_name, run_auto_complete_config
+from .envs import EXECUTION_ENV_PATH, packed_env
 from .shm import SharedMemoryFull
 from .worker import WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker, describe_exit
 
@@ -386,6 +394,10 @@ class PythonBackend(Backend):
         self.initialize_timeout_s = timeout_parameter(config, INITIALIZE_TIMEOUT)
         self.finalize_timeout_s = timeout_parameter(config, FINALIZE_TIMEOUT)
         self.blas_threads = blas_threads_parameter(config)
+        self.env = packed_env(config, files.model_dir)
+        if self.env is not None and self.mode == "thread":
+            raise InvalidArgument(f"model '{config.name}': parameter {EXECUTION_ENV_PATH} needs "
+                                  f"{EXECUTION_MODE} \"process\" (a thread runs in the server's python)")
         self._all_outputs = [o.name for o in config.output]
         # implicit state: the sequence batcher takes the state outputs from the responses
         self._all_outputs += [s.output_name for s in config.sequence_batching.state
@@ -441,7 +453,8 @@ class PythonBackend(Backend):
                 completed = run_auto_complete_config(str(model_py), module, triton_config_json(config))
             else:
                 completed = auto_complete_in_worker(str(model_py), module, triton_config_json(config),
-                                                    timeout_parameter(config, INITIALIZE_TIMEOUT))
+                                                    timeout_parameter(config, INITIALIZE_TIMEOUT),
+                                                    packed_env(config, files.model_dir))
         except StubError as err:
             log.error("model '%s': auto_complete_config failed:\n%s", files.model_name, err.traceback)
             raise InvalidArgument(
@@ -486,7 +499,7 @@ class PythonBackend(Backend):
         except WorkerDied as err:
             worker.close()
             raise Internal(f"python worker for {self._who} died ({describe_exit(err.exitcode)}) "
-                           f"during initialize{_script_hint()}") from None
+                           "during initialize") from None
         except WorkerTimeout as err:
             worker.close(0)
             raise DeadlineExceeded(
@@ -591,7 +604,7 @@ class PythonBackend(Backend):
     def _spawn(self) -> WorkerProcess:
         return WorkerProcess(str(self.model_py), self.triton_args(), self.instance.name,
                              decoupled=self.decoupled, side=self._side_message,
-                             blas_threads=self.blas_threads).start()
+                             blas_threads=self.blas_threads, env=self.env).start()
 
     def _side_message(self, worker: WorkerProcess, msg: tuple) -> None:
         """A worker's message that is not an answer: BLS calls, custom metrics. Never blocks:
@@ -822,13 +835,3 @@ class PythonBackend(Backend):
 
 
 __all__ = ["PythonBackend", "execution_mode", "triton_config_json"]
-
-
-def _script_hint() -> str:
-    """Workers are spawned, and spawning re-runs a script's top level: the usual cause when
-    a server started from a plain script loses its workers at start."""
-    main = sys.modules.get("__main__")
-    if getattr(main, "__file__", None) and getattr(main, "__spec__", None) is None:
-        return ("; if the server was started from a script, put that code under "
-                "`if __name__ == \"__main__\":` (Python-code models run in spawned worker processes)")
-    return ""

@@ -30,6 +30,18 @@ def user_chose() -> bool:
     return any(os.environ.get(key, "").strip() for key in ENV_KEYS)
 
 
+def env_threads() -> int:
+    """The thread count the environment asks for, in the order OpenBLAS reads it; 0: none."""
+    for key in ENV_KEYS:
+        try:
+            count = int(os.environ.get(key, "").strip())
+        except ValueError:
+            continue
+        if count > 0:
+            return count
+    return 0
+
+
 def _loaded_libraries() -> list[str]:
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:

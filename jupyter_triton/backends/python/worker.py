@@ -1,79 +1,44 @@
-"""A model instance's worker process, both ends of it.
+"""A model instance's worker process, the server's end of it (the worker's end is
+``worker_main``, what they say to each other is ``messages``, how the process starts is
+``launch``).
 
-``worker_main`` runs in the child (spawned, never forked: the server is threaded) and
-serves one ``ModelStub``. ``WorkerProcess`` is the server's handle: tensors travel through
-two shared-memory regions (inputs, outputs) that live as long as the worker and grow when a
-batch does not fit; a small header travels through a socket. One batch costs one write and
-one read on each side, and nothing polls: the server blocks in ``poll`` on the socket and the
-process sentinel together, so a worker that dies (segfault, ``os._exit``, the OOM killer) is
-noticed at once, and a worker past its deadline is killed.
+``WorkerProcess`` is the server's handle: tensors travel through two shared-memory regions
+(inputs, outputs) that live as long as the worker and grow when a batch does not fit; a
+small header travels through a socket. One batch costs one write and one read on each side,
+and nothing polls: the server blocks in ``poll`` on the socket and the process's pidfd
+together, so a worker that dies (segfault, ``os._exit``, the OOM killer) is noticed at once,
+and a worker past its deadline is killed.
 
-A worker dies with its server: it asks the kernel for SIGKILL when its parent goes
-(``PR_SET_PDEATHSIG`` on Linux, armed from a spawner thread that lives as long as the server,
-because the kernel ties that signal to the thread that started the child), and it leaves its
-loop when the socket reports end-of-file.
-
-Wire format: a 4-byte little-endian length, then a pickle of a tuple of plain values (no
-classes: they cost several times more to pickle). A tensor is (name, dtype, shape, offset,
-nbytes) in a region.
-    server -> worker  ("x", in_region, out_region, [meta])   one batch; meta is a list of tensors,
-                      or (tensors, id, correlation id, parameters, output names, flags)
-                      ("o", region | None)   the bigger output region asked for (None: no room)
-                      ("r",)   release every mapped region     ("f",)   finalize and leave
-                      ("xd", in_region, [meta], [key])   a decoupled model's batch
-                      ("cr", id, cancelled)   ("br", id, ...)   answers to the worker's questions
-    worker -> server  ("ready", pid)  ("error", StubError tuple)  ("res", [tensors | (code, msg)])
-                      ("grow", nbytes)  ("r",)  ("done",)  ("xdone",)   a decoupled execute returned
-                      ("d", key, {name: array} | None, (code, msg) | None, final)   one response
-                      ("cq", id, key)   is request ``key`` cancelled?   ("b", id, ...) a BLS call
-                      ("m", ...)   a custom-metric operation
-
-Either side may send at any time. The worker's socket is read by whichever of its threads
-waits (``_Demux``). On the server, the thread that runs a batch reads until the batch is done
-and hands side messages on (the non-decoupled path: no thread hand-off per batch); a decoupled
-model's worker has a reader thread of its own, because its responses come after execute has
-returned. Decoupled responses and BLS calls carry small tensors inside the message and large
-ones (``SHM_MESSAGE_BYTES``) in a region lent for that message: ("a", id, nbytes) -> ("ar", id,
-name) when the worker sends, ("af", name) once the worker has read what the server sent. The
-server creates and unlinks every region, so a worker that dies leaks nothing.
+On the server, the thread that runs a batch reads until the batch is done and hands side
+messages on (the non-decoupled path: no thread hand-off per batch); a decoupled model's
+worker has a reader thread of its own, because its responses come after execute has
+returned.
 """
 from __future__ import annotations
 
 import atexit
-import collections
-import concurrent.futures
 import itertools
-import ctypes
 import json
 import logging
-import multiprocessing
 import os
-import pickle
 import queue
 import re
 import select
 import signal
 import socket
-import struct
-import sys
 import threading
 import time
 import weakref
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from ...model_logs import LOGS
+from . import launch
+from .envs import PackedEnv
+from .messages import LOGGER_MARK, READ_CHUNK, SHM_MESSAGE_BYTES, SIDE, Channel, payload_bytes
 from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
-from . import triton_python_backend_utils as pb_utils
-from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
-                   run_auto_complete_config)
+from .stub import RequestData, ResponseError, StubError
 
 log = logging.getLogger(__name__)
-
-_CONTEXT = multiprocessing.get_context("spawn")
-_LEN = struct.Struct("<I")
-_READ_CHUNK = 1 << 16
-PR_SET_PDEATHSIG = 1
 
 
 class WorkerDied(Exception):
@@ -104,508 +69,15 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-# ----------------------------------------------------------------------------- the wire
-
-class Channel:
-    """Length-prefixed pickles over one socket, with raw ``os.read``/``os.write`` (no
-    ``multiprocessing.Connection`` layers, no selector built per wait)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._buf = bytearray()
-
-    def send(self, msg: Any) -> None:
-        data = pickle.dumps(msg, protocol=5)
-        frame = memoryview(_LEN.pack(len(data)) + data)
-        while frame:
-            frame = frame[os.write(self.fd, frame):]
-
-    def take(self) -> Any:
-        """The next whole message already read, or ``None``."""
-        buf = self._buf
-        if len(buf) < 4:
-            return None
-        end = 4 + _LEN.unpack_from(buf)[0]
-        if len(buf) < end:
-            return None
-        msg = pickle.loads(bytes(buf[4:end]))
-        del buf[:end]
-        return msg
-
-    def fill(self) -> bool:
-        """One read; False at end-of-file."""
-        need = 4 + _LEN.unpack_from(self._buf)[0] - len(self._buf) if len(self._buf) >= 4 else 0
-        chunk = os.read(self.fd, max(_READ_CHUNK, need))
-        if not chunk:
-            return False
-        self._buf += chunk
-        return True
-
-    def recv(self) -> Any:
-        """Blocking; ``EOFError`` when the other end is gone."""
-        while True:
-            msg = self.take()
-            if msg is not None:
-                return msg
-            if not self.fill():
-                raise EOFError
-
-
-# ----------------------------------------------------------------------------- child side
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:   # the server went before the signal was armed
-        os._exit(0)
-
-
-def worker_main(conn: Connection, job: str, model_py: str, payload: Any,
-                log_pipes: tuple[Connection, Connection] | None = None, blas_threads: int = 0,
-                parent_pid: int = 0) -> None:
-    """Entry point of the child. ``job`` is "serve" (payload: Triton's args) or
-    "auto_complete" (payload: (module name, config JSON)). ``log_pipes``: where fds 1 and 2
-    go (the server reads them: the model's prints become its log lines). ``blas_threads``:
-    threads for BLAS (numpy's OpenBLAS, MKL) before the model is imported; 0 leaves them."""
-    if log_pipes is not None:
-        for fd, pipe in zip((1, 2), log_pipes):
-            os.dup2(pipe.fileno(), fd)
-            pipe.close()
-        if hasattr(sys.stdout, "reconfigure"):
-            sys.stdout.reconfigure(line_buffering=True)   # a pipe is block-buffered otherwise
-    if parent_pid:
-        _die_with_parent(parent_pid)
-    if blas_threads:
-        from . import blas
-        blas.set_threads(blas_threads)
-    # Ctrl-C in the server's terminal reaches the whole process group; the server decides.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s [python backend worker %(process)d] %(levelname)s %(message)s")
-    chan = Channel(conn.fileno())
-    if job == "auto_complete":
-        try:
-            chan.send(("ok", run_auto_complete_config(model_py, *payload)))
-        except StubError as err:
-            chan.send(("error", err.to_tuple()))
-        return
-    demux = _Demux(chan)
-    host = _WorkerHost(demux, _is_decoupled(payload))
-    pb_utils._default_bls_host = host   # one model per worker: every thread of it calls here
-    host.server_reading = True          # the server waits for "ready": it answers calls
-    try:
-        stub = ModelStub(model_py, payload)
-    except StubError as err:
-        demux.send(("error", err.to_tuple()))
-        return
-    host.server_reading = host.decoupled
-    demux.send(("ready", os.getpid()))
-    regions: dict[str, ShmRegion] = {}
-    try:
-        _serve(demux, host, stub, regions, _output_names(payload))
-    finally:
-        for region in regions.values():
-            region.close()
-        conn.close()
-
-
-def _is_decoupled(args: dict[str, str]) -> bool:
-    try:
-        return bool(json.loads(args["model_config"]).get("model_transaction_policy", {}).get("decoupled"))
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return False
-
-
-def _output_names(args: dict[str, str]) -> list[str]:
-    try:
-        return [o["name"] for o in json.loads(args["model_config"]).get("output", [])]
-    except (KeyError, TypeError, ValueError):
-        return []
-
-
-def _region(regions: dict[str, ShmRegion], name: str) -> ShmRegion:
-    region = regions.get(name)
-    if region is None:
-        region = regions[name] = ShmRegion.attach(name)
-    return region
-
-
-class _Demux:
-    """The worker's end of the socket, shared by the main loop (batches) and the model's own
-    threads (decoupled responses, cancellation queries, BLS calls): whoever waits reads, one
-    at a time, and hands what it reads to its waiter. The main loop reads while idle, so a
-    batch costs no thread hand-off."""
-
-    def __init__(self, chan: Channel) -> None:
-        self.chan = chan
-        self._cond = threading.Condition()
-        self._reading = False
-        self._eof = False
-        self._commands: collections.deque = collections.deque()
-        self._replies: dict[Any, Any] = {}
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self.abandoned: set[int] = set()
-        self._waiters = 0
-        self.closer = OrphanCloser(self._abandon)
-
-    def _abandon(self, call_id: int) -> None:
-        self.abandon(call_id)
-        self.send(("bx", call_id))
-
-    def send(self, msg: Any) -> None:
-        with self._send_lock:
-            self.chan.send(msg)
-
-    def new_id(self) -> int:
-        return next(self._ids)
-
-    def abandon(self, call_id: int) -> None:
-        """A BLS stream the model stopped reading: drop what came and what comes."""
-        with self._cond:
-            self.abandoned.add(call_id)
-            for key in [k for k in self._replies if type(k) is tuple and k[0] == call_id]:
-                msg = self._replies.pop(key)
-                self._free(msg)
-                if msg[4]:
-                    self.abandoned.discard(call_id)
-
-    def _free(self, msg: Any) -> None:
-        """A dropped BLS answer whose tensors came in a lent region: give the region back."""
-        if type(msg[2]) is tuple:
-            self.send(("af", msg[2][1]))
-
-    def _wait(self, ready: Callable[[], Any]) -> None:
-        cond = self._cond
-        with cond:
-            while not ready():
-                if self._eof:
-                    raise EOFError
-                if self._reading:
-                    self._waiters += 1
-                    try:
-                        cond.wait()
-                    finally:
-                        self._waiters -= 1
-                    continue
-                self._reading = True
-                cond.release()
-                try:
-                    msg = self.chan.recv()
-                except (EOFError, OSError):
-                    msg = None
-                finally:
-                    cond.acquire()
-                    self._reading = False
-                if msg is None:
-                    self._eof = True
-                elif msg[0] in _REPLIES:
-                    key = "o" if msg[0] == "o" else msg[1]
-                    if type(key) is tuple and key[0] in self.abandoned:
-                        self._free(msg)
-                        if msg[4]:   # a BLS stream nobody reads any more: drop it to its end
-                            self.abandoned.discard(key[0])
-                    else:
-                        self._replies[key] = msg
-                else:
-                    self._commands.append(msg)
-                if self._waiters or self._eof:   # the main loop alone (a plain model): no one to wake
-                    cond.notify_all()
-
-    def command(self) -> Any:
-        """The next batch / release / finalize message; ``EOFError`` when the server is gone."""
-        commands = self._commands
-        if not commands:
-            self._wait(commands.__len__)
-        return commands.popleft()
-
-    def reply(self, key: Any) -> Any:
-        replies = self._replies
-        self._wait(lambda: key in replies)
-        return replies.pop(key)
-
-    def call(self, kind: str, *args: Any) -> Any:
-        """Ask the server and wait for its answer (``(kind, id, answer...)``)."""
-        call_id = next(self._ids)
-        self.send((kind, call_id, *args))
-        return self.reply(call_id)
-
-
-# Server -> worker messages that answer a waiter rather than start work.
-_REPLIES = frozenset({"o", "cr", "br", "mr", "ar"})
-
-#: tensors of one message past this size travel in a shared-memory region, not the socket
-SHM_MESSAGE_BYTES = 1 << 20
-
-
-def _payload_bytes(tensors: dict) -> int:
-    return sum(a.nbytes if a.dtype.kind != "O" else 64 * a.size for a in tensors.values())
-
-
-class _WorkerHost:
-    """A decoupled model's responses and questions, over the worker's socket. Response
-    tensors travel inside the message: they leave at any time, where the output region is
-    a batch's."""
-
-    def __init__(self, demux: _Demux, decoupled: bool = False) -> None:
-        self.demux = demux
-        self.decoupled = decoupled
-        #: whether the server reads this socket now: always for a decoupled model (a reader
-        #: thread), else only while initialize or a batch runs (the waiting thread reads)
-        self.server_reading = decoupled
-        self._orphans = OrphanCloser(lambda key: demux.send(("d", key, None, None, True)))
-
-    def _answerable(self, what: str) -> None:
-        if not self.server_reading:
-            raise pb_utils.TritonModelException(
-                f"{what} from a thread of the model between batches gets no answer: the server "
-                "reads a model's messages while its initialize or execute runs, or always for a "
-                "model with model_transaction_policy { decoupled: true }")
-
-    def respond(self, key: Any, response: Any, final: bool) -> None:
-        if response is None:
-            self.demux.send(("d", key, None, None, final))
-            return
-        data = ModelStub.response_data(response)
-        if isinstance(data, ResponseError):
-            self.demux.send(("d", key, None, (data.code, data.message), final))
-        else:
-            self.demux.send(("d", key, self.pack(data), None, final))
-
-    def pack(self, tensors: dict) -> Any:
-        """Large tensors into a region the server lends (it reads and frees it)."""
-        if not tensors or _payload_bytes(tensors) < SHM_MESSAGE_BYTES:
-            return tensors
-        staged, end = stage(tensors)
-        name = self.demux.call("a", end)[2]
-        if name is None:              # no room in /dev/shm: the socket carries them
-            return tensors
-        region = ShmRegion.attach(name)
-        try:
-            refs = region.write(staged)
-        finally:
-            region.close()
-        return ("shm", name, refs)
-
-    def unpack(self, packed: Any) -> dict | None:
-        if type(packed) is not tuple:
-            return packed
-        _, name, refs = packed
-        region = ShmRegion.attach(name)
-        try:
-            return region.read(refs)
-        finally:
-            region.close()
-            self.demux.send(("af", name))
-
-    def cancelled(self, key: Any) -> bool:
-        return bool(self.demux.call("cq", key)[2])
-
-    def orphaned(self, key: Any) -> None:
-        self._orphans.put(key)
-
-    def flush(self) -> None:
-        pass
-
-    def metric_call(self, op: str, args: tuple, what: str) -> Any:
-        self._answerable(what)
-        _, _, ok, result = self.demux.call("m", op, args)
-        if not ok:
-            raise pb_utils.TritonModelException(f"{what}: {result}")
-        return result
-
-    def metric_send(self, op: str, args: tuple) -> None:
-        self.demux.send(("m", 0, op, args))   # id 0: no answer wanted
-
-    def model_log(self, level: str, message: str) -> None:
-        # Through stderr, which the server reads at once (the socket is read only while a
-        # batch runs, for a model that is not decoupled): one line, one write.
-        line = f"{_LOGGER_MARK}{level}\t{json.dumps(message)}\n".encode("utf-8", "replace")
-        while line:
-            line = line[os.write(2, line):]
-
-    def bls_exec(self, request: Any, decoupled: bool) -> Any:
-        self._answerable("A BLS request")
-        spec = list(bls_spec(request))
-        spec[2] = self.pack(spec[2])
-        call_id = self.demux.new_id()
-        self.demux.send(("b", call_id, decoupled, tuple(spec)))
-        if decoupled:
-            return _BlsStream(self, call_id)
-        msg = self.demux.reply((call_id, 0))
-        return bls_response(self.unpack(msg[2]), msg[3])
-
-
-class _BlsStream:
-    """``exec(decoupled=True)`` in a worker: the responses as the server relays them."""
-
-    def __init__(self, host: "_WorkerHost", call_id: int) -> None:
-        self._host = host
-        self._demux = host.demux
-        self._id = call_id
-        self._seq = 0
-        self._done = False
-
-    def __iter__(self) -> "_BlsStream":
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        try:
-            msg = self._demux.reply((self._id, self._seq))
-        except EOFError:
-            self._done = True
-            raise StopIteration from None
-        self._seq += 1
-        self._done = bool(msg[4])
-        return bls_response(self._host.unpack(msg[2]), msg[3])
-
-    def __del__(self) -> None:
-        # Dropped before its end: cancel the called request and forget its responses, from
-        # the closer's thread (a finalizer may run inside a send that holds the lock).
-        if not self._done:
-            self._done = True
-            self._demux.closer.put(self._id)
-
-
-def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[str, ShmRegion],
-           all_outputs: list[str]) -> None:
-    while True:
-        try:
-            msg = demux.command()
-        except EOFError:   # the server went away: nothing left to serve
-            return
-        kind = msg[0]
-        if kind == "f":
-            try:
-                stub.finalize()
-                demux.send(("done",))
-            except StubError as err:
-                demux.send(("error", err.to_tuple()))
-            return
-        if kind == "r":
-            for region in regions.values():
-                region.close()
-            regions.clear()
-            demux.send(("r",))
-            continue
-        if kind == "xd":
-            _, in_name, metas, keys = msg
-            requests = _requests(regions, in_name, "", metas, all_outputs)
-            try:
-                stub.execute_decoupled(requests, keys, host)
-                demux.send(("xdone",))
-            except StubError as err:
-                demux.send(("error", err.to_tuple()))
-            continue
-        _, in_name, out_name, metas = msg
-        requests = _requests(regions, in_name, out_name, metas, all_outputs)
-        host.server_reading = True
-        try:
-            results = stub.execute(requests)
-        except StubError as err:
-            demux.send(("error", err.to_tuple()))
-            continue
-        finally:
-            host.server_reading = False
-        _send_results(demux, regions, out_name, results)
-
-
-def _requests(regions: dict[str, ShmRegion], in_name: str, out_name: str, metas: list,
-              all_outputs: list[str]) -> list[RequestData]:
-    if in_name not in regions or (out_name and out_name not in regions):
-        for stale in [n for n in regions if n != in_name and n != out_name]:
-            regions.pop(stale).close()
-    in_region = _region(regions, in_name) if in_name else None
-    groups = [meta if type(meta) is list else meta[0] for meta in metas]
-    inputs = in_region.read_many(groups) if in_region is not None else [{} for _ in groups]
-    requests = []
-    for meta, tensors in zip(metas, inputs):
-        if type(meta) is list:   # a plain request: every output, no id, no parameters
-            requests.append(RequestData(tensors, "", 0, "{}", list(all_outputs), 0))
-            continue
-        _, rid, cid, params, names, flags = meta
-        requests.append(RequestData(tensors, rid, cid, params,
-                                    list(all_outputs) if names is None else names, flags))
-    return requests
-
-
-def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
-                  results: list[dict | ResponseError]) -> None:
-    layouts: list[Any] = []
-    end = 0
-    for result in results:
-        if isinstance(result, ResponseError):
-            layouts.append((result.code, result.message))
-            continue
-        try:
-            staged, end = stage(result, end)
-        except Exception as err:   # e.g. an output whose dtype Triton has no name for
-            layouts.append((1, f"cannot return outputs: {type(err).__name__}: {err}"))
-            continue
-        layouts.append(staged)
-    out_region = _region(regions, out_name)
-    if end > out_region.size:
-        # Let go of the small region first: its pages count against /dev/shm until unmapped.
-        regions.pop(out_name).close()
-        chan.send(("grow", end))
-        msg = chan.reply("o")
-        if msg[1] is None:    # no room: the server fails this batch
-            return
-        out_region = _region(regions, msg[1])
-    reply = [out_region.write(item) if type(item) is list else item for item in layouts]
-    chan.send(("res", reply))
-
-
-# ---------------------------------------------------------------------------- server side
-
-# Worker -> server messages that are not answers to the server's own request: metrics,
-# BLS calls (the reader, or the thread that waits for a batch, hands them on).
-_SIDE = frozenset({"b", "bx", "m", "a", "af"})
 _ALIVE = object()
 _DIED = ("died",)
-
-class _Spawner:
-    """Starts every worker from one daemon thread: PR_SET_PDEATHSIG fires when the thread
-    that forked the child ends, and a pool or instance thread may end long before the server."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="triton-python-spawner", daemon=True)
-                self._thread.start()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, future))
-        return future.result()
-
-    def _loop(self) -> None:
-        while True:
-            fn, future = self._jobs.get()
-            try:
-                future.set_result(fn())
-            except BaseException as err:
-                future.set_exception(err)
-
-
-_SPAWNER = _Spawner()
 
 _LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
 
 
 @atexit.register
 def _stop_all() -> None:
-    # Runs before multiprocessing's own exit hook, which would otherwise wait forever on
-    # non-daemon workers still blocked reading their pipe.
+    # Workers are not our children (the template's): end them before the interpreter goes.
     workers = list(_LIVE)
     for worker in workers:
         worker.hang_up()   # every idle worker sees end-of-file and leaves at once
@@ -613,31 +85,25 @@ def _stop_all() -> None:
         worker.close()
 
 
-def _start_process(target: Callable, name: str, args: tuple) -> tuple[Connection, Any]:
-    conn, child = _CONTEXT.Pipe(duplex=True)
-    # Not a daemon: a model may start processes of its own (DataLoader workers...).
-    process = _CONTEXT.Process(target=target, name=name, args=(child, *args, os.getpid()))
-    _SPAWNER.run(process.start)
-    child.close()   # so the socket reports end-of-file when the worker goes
-    return conn, process
-
-
 class WorkerProcess:
     """The server's handle on one worker process and the two regions it reads and writes."""
 
     def __init__(self, model_py: str, args: dict[str, str], label: str, decoupled: bool = False,
-                 side: Callable[["WorkerProcess", Any], None] | None = None, blas_threads: int = 0) -> None:
+                 side: Callable[["WorkerProcess", Any], None] | None = None, blas_threads: int = 0,
+                 env: PackedEnv | None = None) -> None:
         self.model_py = model_py
         self.args = args
         self.label = label
         self.blas_threads = blas_threads
+        #: the model's packed environment (EXECUTION_ENV_PATH), else forked from the template
+        self.env = env
         self.ready = False
         self.decoupled = decoupled
         #: why open decoupled requests are failed when the worker ends: (kind, message),
         #: set by whoever kills it on purpose before the kill
         self.end_reason: tuple[str, str] | None = None
         self._side = side
-        self._conn: Connection | None = None
+        self._sock: socket.socket | None = None
         self._chan: Channel | None = None
         self._poll: Any = None
         self._process: Any = None
@@ -660,21 +126,16 @@ class WorkerProcess:
         return self._process.pid if self._process is not None else None
 
     def start(self) -> "WorkerProcess":
-        """Spawn the process; ``wait_ready`` waits for ``initialize`` to finish."""
+        """Start the process; ``wait_ready`` waits for ``initialize`` to finish."""
         sweep_once()
-        out_r, out_w = _CONTEXT.Pipe(duplex=False)
-        err_r, err_w = _CONTEXT.Pipe(duplex=False)
-        try:
-            self._conn, self._process = _start_process(
-                worker_main, f"triton-python-{self.label}",
-                ("serve", self.model_py, self.args, (out_w, err_w), self.blas_threads))
-        finally:
-            out_w.close()
-            err_w.close()
-        self._logs = threading.Thread(target=_read_output, args=(self, out_r, err_r), daemon=True,
-                                      name=f"triton-python-output-{self.label}")
+        self._sock, out_r, err_r, self._process = launch.start(
+            "serve", self.model_py, self.args, self.blas_threads, self.env)
+        self._logs = threading.Thread(
+            target=_read_output, args=(self.label, self.args.get("model_name", ""),
+                                       self.args.get("model_version", ""), out_r, err_r),
+            daemon=True, name=f"triton-python-output-{self.label}")
         self._logs.start()
-        self._chan = Channel(self._conn.fileno())
+        self._chan = Channel(self._sock.fileno())
         self._poll = select.poll()
         self._poll.register(self._chan.fd, select.POLLIN)
         self._poll.register(self._process.sentinel, select.POLLIN)
@@ -759,7 +220,7 @@ class WorkerProcess:
     def closed(self) -> bool:
         """Closed, or its process has ended."""
         process = self._process
-        return self._closed or process is None or process.exitcode is not None
+        return self._closed or process is None or not process.is_alive()
 
     def open_requests(self) -> int:
         """Decoupled requests whose final response has not been sent yet."""
@@ -785,7 +246,7 @@ class WorkerProcess:
                     elif kind == "cq":
                         sink = sinks.get(msg[2])
                         self._send(("cr", msg[1], True if sink is None else sink.cancelled()))
-                    elif kind in _SIDE:
+                    elif kind in SIDE:
                         self._side_message(msg)
                     else:
                         replies.put(msg)
@@ -865,7 +326,7 @@ class WorkerProcess:
     def pack(self, tensors: dict | None) -> Any:
         """Tensors for a message to the worker: inline when small, else in a region lent to
         it (it says ``("af", name)`` once read; the region goes with the worker otherwise)."""
-        if not tensors or _payload_bytes(tensors) < SHM_MESSAGE_BYTES:
+        if not tensors or payload_bytes(tensors) < SHM_MESSAGE_BYTES:
             return tensors
         staged, end = stage(tensors)
         try:
@@ -912,7 +373,7 @@ class WorkerProcess:
         while True:
             msg = chan.take()
             if msg is not None:
-                if msg[0] in _SIDE:
+                if msg[0] in SIDE:
                     self._side_message(msg)
                     continue
                 return msg
@@ -955,11 +416,8 @@ class WorkerProcess:
     def kill(self) -> None:
         """SIGKILL now; safe from another thread while a batch waits on this worker."""
         process = self._process
-        if process is not None and process.pid is not None and process.exitcode is None:
-            try:
-                os.kill(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if process is not None:
+            process.kill()
 
     def hang_up(self) -> None:
         if self._reader is not None and self._reader.is_alive() and self._chan is not None:
@@ -971,12 +429,12 @@ class WorkerProcess:
             except OSError:
                 pass
             return
-        if self._conn is not None:
+        if self._sock is not None:
             try:
-                self._conn.close()
+                self._sock.close()
             except OSError:
                 pass
-            self._conn = None
+            self._sock = None
 
     def _reap(self) -> int | None:
         if self._process is None:
@@ -1044,23 +502,21 @@ class WorkerProcess:
 
 _WORKER_LOG_LINE = re.compile(r"^\S+ \S+ \[python backend worker \d+\] (INFO|WARNING|ERROR|DEBUG|CRITICAL) ")
 _LOG_LEVEL_NAMES = {"DEBUG": "VERBOSE", "CRITICAL": "ERROR"}
-_LOGGER_MARK = "\x1b[jt-model-log]"
 
 
-def _read_output(worker: WorkerProcess, out_r: Connection, err_r: Connection) -> None:
+def _read_output(label: str, model: str, version: str, out_r: int, err_r: int) -> None:
     """A worker's stdout and stderr, line by line: to the server's own streams as before, and
     into the model's log lines."""
-    model, version = worker.args.get("model_name", ""), worker.args.get("model_version", "")
-    streams = {out_r.fileno(): ("stdout", out_r, bytearray()), err_r.fileno(): ("stderr", err_r, bytearray())}
+    streams = {out_r: ("stdout", bytearray()), err_r: ("stderr", bytearray())}
     poll = select.poll()
     for fd in streams:
         poll.register(fd, select.POLLIN)
     try:
         while streams:
             for fd, _ in poll.poll():
-                source, pipe, pending = streams[fd]
+                source, pending = streams[fd]
                 try:
-                    chunk = os.read(fd, _READ_CHUNK)
+                    chunk = os.read(fd, READ_CHUNK)
                 except OSError:
                     chunk = b""
                 if chunk:
@@ -1069,33 +525,33 @@ def _read_output(worker: WorkerProcess, out_r: Connection, err_r: Connection) ->
                         continue
                     done, _, rest = bytes(pending).rpartition(b"\n")
                     pending[:] = rest
-                    _emit(worker, model, version, source, done.decode("utf-8", "replace") + "\n")
+                    _emit(label, model, version, source, done.decode("utf-8", "replace") + "\n")
                     continue
                 if pending:
-                    _emit(worker, model, version, source, pending.decode("utf-8", "replace") + "\n")
+                    _emit(label, model, version, source, pending.decode("utf-8", "replace") + "\n")
                 poll.unregister(fd)
-                pipe.close()
+                os.close(fd)
                 del streams[fd]
     except Exception:
-        log.exception("python worker %s: reading its output failed", worker.label)
+        log.exception("python worker %s: reading its output failed", label)
 
 
-def _emit(worker: WorkerProcess, model: str, version: str, source: str, text: str) -> None:
+def _emit(label: str, model: str, version: str, source: str, text: str) -> None:
     raw = []
     for line in text.rstrip("\n").split("\n"):   # not splitlines(): it splits at \x1c-\x1e too
-        if source == "stderr" and line.startswith(_LOGGER_MARK):   # a pb_utils.Logger line
-            level, _, message = line[len(_LOGGER_MARK):].partition("\t")
+        if source == "stderr" and line.startswith(LOGGER_MARK):   # a pb_utils.Logger line
+            level, _, message = line[len(LOGGER_MARK):].partition("\t")
             try:
                 message = json.loads(message)
             except ValueError:
                 pass
-            LOGS.record(model, version, level, str(message), "logger", worker.label)
+            LOGS.record(model, version, level, str(message), "logger", label)
             continue
         raw.append(line)
         match = _WORKER_LOG_LINE.match(line) if source == "stderr" else None
         level = (_LOG_LEVEL_NAMES.get(match.group(1), match.group(1)) if match
                  else "INFO" if source == "stdout" else "WARNING")
-        LOGS.record(model, version, level, line, source, worker.label, to_server_log=False)
+        LOGS.record(model, version, level, line, source, label, to_server_log=False)
     if not raw:
         return
     # The server's own fd, as the worker wrote to it before its output was read here: a
@@ -1108,14 +564,20 @@ def _emit(worker: WorkerProcess, model: str, version: str, source: str, text: st
         pass
 
 
-def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeout: float | None = None) -> dict:
+def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeout: float | None = None,
+                            env: PackedEnv | None = None) -> dict:
     """Run ``auto_complete_config`` in a short-lived worker, so model.py's imports and
     side effects stay out of the server process."""
-    conn, process = _start_process(worker_main, "triton-python-autocomplete",
-                                   ("auto_complete", model_py, (module, config_json), None, 0))
-    chan = Channel(conn.fileno())
+    sock, out_r, err_r, process = launch.start("auto_complete", model_py, (module, config_json),
+                                               env=env)
+    output = threading.Thread(target=_read_output, args=("auto_complete", "", "", out_r, err_r),
+                              daemon=True, name="triton-python-output-auto-complete")
+    output.start()
+    chan = Channel(sock.fileno())
     try:
-        if not conn.poll(timeout):
+        ready = select.poll()
+        ready.register(sock.fileno(), select.POLLIN)
+        if not ready.poll(None if timeout is None else int(timeout * 1000) + 1):
             process.kill()
             raise WorkerTimeout("auto_complete_config", timeout or 0)
         try:
@@ -1127,8 +589,9 @@ def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeou
             raise StubError(*msg[1])
         return msg[1]
     finally:
-        conn.close()
+        sock.close()
         process.join(5)
         if process.is_alive():
             process.kill()
             process.join(2)
+        output.join(2)

@@ -1,0 +1,539 @@
+"""The worker process's end of the python backend: ``worker_main`` serves one
+``ModelStub`` over the socket to the server (``messages``), and ``template_main`` is the
+template process that workers are forked from.
+
+One batch costs one read and one write of the socket and nothing polls. The socket is read
+by whichever thread of the worker waits (``_Demux``): the main loop while idle, so a batch
+costs no thread hand-off, or a model's own thread waiting for an answer (a decoupled
+model's cancellation query, a BLS call).
+
+**The template.** Starting a python interpreter and importing numpy and this package costs
+about 0.4 s, more than a small model's ``initialize``. The server starts one template
+process (``template_main``) that has done it, and forks each worker from it: a worker is
+still a process of its own (a crash, a leak, a hang costs its own requests), it only skips
+the imports. The template runs no model code and has no threads of ours, so a fork copies
+nothing a model did. A model with a packed environment (``EXECUTION_ENV_PATH``) runs that
+environment's python instead, started afresh (``boot.py``).
+
+A worker dies with its parent: it asks the kernel for SIGKILL when the parent goes
+(``PR_SET_PDEATHSIG``), and it leaves its loop when the socket reports end-of-file. The
+template dies with the server the same way, so the chain holds.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+from . import triton_python_backend_utils as pb_utils
+from .messages import (LOGGER_MARK, REPLIES, SHM_MESSAGE_BYTES, START, Channel, payload_bytes)
+from .shm import ShmRegion, stage
+from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
+                   run_auto_complete_config)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:   # the server went before the signal was armed
+        os._exit(0)
+
+
+def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
+    """A worker's life, on socket ``fd`` to the server: its first message says the job
+    (``messages.START``): "serve" (payload: Triton's args) or "auto_complete" (payload:
+    (module name, config JSON)), the BLAS threads (0 leaves the library's or the
+    environment's choice), the server's environment and working directory (a worker forked
+    from the template gets those of the server now, not of when the template started).
+    ``out_fd``/``err_fd`` become fds 1 and 2: the server reads them, and a model's prints
+    become its log lines. Dies with ``parent_pid`` (the server, or the template)."""
+    for target, fd_ in ((1, out_fd), (2, err_fd)):
+        os.dup2(fd_, target)
+        os.close(fd_)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)   # a pipe is block-buffered otherwise
+    _die_with_parent(parent_pid)
+    # Ctrl-C in the server's terminal reaches the whole process group; the server decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    chan = Channel(fd)
+    try:
+        kind, job, model_py, payload, blas_threads, environ, cwd = chan.recv()
+    except (EOFError, OSError, ValueError):
+        return
+    assert kind == START, kind
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+    from . import blas
+    threads = blas_threads or blas.env_threads()
+    if threads:   # the libraries loaded already (the template's numpy) read no environment now
+        blas.set_threads(threads)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s [python backend worker %(process)d] %(levelname)s %(message)s")
+    if job == "auto_complete":
+        try:
+            chan.send(("ok", run_auto_complete_config(model_py, *payload)))
+        except StubError as err:
+            chan.send(("error", err.to_tuple()))
+        return
+    demux = _Demux(chan)
+    host = _WorkerHost(demux, _is_decoupled(payload))
+    pb_utils._default_bls_host = host   # one model per worker: every thread of it calls here
+    host.server_reading = True          # the server waits for "ready": it answers calls
+    try:
+        stub = ModelStub(model_py, payload)
+    except StubError as err:
+        demux.send(("error", err.to_tuple()))
+        return
+    host.server_reading = host.decoupled
+    demux.send(("ready", os.getpid()))
+    regions: dict[str, ShmRegion] = {}
+    try:
+        _serve(demux, host, stub, regions, _output_names(payload))
+    finally:
+        for region in regions.values():
+            region.close()
+        os.close(fd)
+
+
+def _is_decoupled(args: dict[str, str]) -> bool:
+    try:
+        return bool(json.loads(args["model_config"]).get("model_transaction_policy", {}).get("decoupled"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def _output_names(args: dict[str, str]) -> list[str]:
+    try:
+        return [o["name"] for o in json.loads(args["model_config"]).get("output", [])]
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def _region(regions: dict[str, ShmRegion], name: str) -> ShmRegion:
+    region = regions.get(name)
+    if region is None:
+        region = regions[name] = ShmRegion.attach(name)
+    return region
+
+
+class _Demux:
+    """The worker's end of the socket, shared by the main loop (batches) and the model's own
+    threads (decoupled responses, cancellation queries, BLS calls): whoever waits reads, one
+    at a time, and hands what it reads to its waiter. The main loop reads while idle, so a
+    batch costs no thread hand-off."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self._cond = threading.Condition()
+        self._reading = False
+        self._eof = False
+        self._commands: collections.deque = collections.deque()
+        self._replies: dict[Any, Any] = {}
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.abandoned: set[int] = set()
+        self._waiters = 0
+        self.closer = OrphanCloser(self._abandon)
+
+    def _abandon(self, call_id: int) -> None:
+        self.abandon(call_id)
+        self.send(("bx", call_id))
+
+    def send(self, msg: Any) -> None:
+        with self._send_lock:
+            self.chan.send(msg)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def abandon(self, call_id: int) -> None:
+        """A BLS stream the model stopped reading: drop what came and what comes."""
+        with self._cond:
+            self.abandoned.add(call_id)
+            for key in [k for k in self._replies if type(k) is tuple and k[0] == call_id]:
+                msg = self._replies.pop(key)
+                self._free(msg)
+                if msg[4]:
+                    self.abandoned.discard(call_id)
+
+    def _free(self, msg: Any) -> None:
+        """A dropped BLS answer whose tensors came in a lent region: give the region back."""
+        if type(msg[2]) is tuple:
+            self.send(("af", msg[2][1]))
+
+    def _wait(self, ready: Callable[[], Any]) -> None:
+        cond = self._cond
+        with cond:
+            while not ready():
+                if self._eof:
+                    raise EOFError
+                if self._reading:
+                    self._waiters += 1
+                    try:
+                        cond.wait()
+                    finally:
+                        self._waiters -= 1
+                    continue
+                self._reading = True
+                cond.release()
+                try:
+                    msg = self.chan.recv()
+                except (EOFError, OSError):
+                    msg = None
+                finally:
+                    cond.acquire()
+                    self._reading = False
+                if msg is None:
+                    self._eof = True
+                elif msg[0] in REPLIES:
+                    key = "o" if msg[0] == "o" else msg[1]
+                    if type(key) is tuple and key[0] in self.abandoned:
+                        self._free(msg)
+                        if msg[4]:   # a BLS stream nobody reads any more: drop it to its end
+                            self.abandoned.discard(key[0])
+                    else:
+                        self._replies[key] = msg
+                else:
+                    self._commands.append(msg)
+                if self._waiters or self._eof:   # the main loop alone (a plain model): no one to wake
+                    cond.notify_all()
+
+    def command(self) -> Any:
+        """The next batch / release / finalize message; ``EOFError`` when the server is gone."""
+        commands = self._commands
+        if not commands:
+            self._wait(commands.__len__)
+        return commands.popleft()
+
+    def reply(self, key: Any) -> Any:
+        replies = self._replies
+        self._wait(lambda: key in replies)
+        return replies.pop(key)
+
+    def call(self, kind: str, *args: Any) -> Any:
+        """Ask the server and wait for its answer (``(kind, id, answer...)``)."""
+        call_id = next(self._ids)
+        self.send((kind, call_id, *args))
+        return self.reply(call_id)
+
+
+# Server -> worker messages that answer a waiter rather than start work.
+
+
+
+
+class _WorkerHost:
+    """A decoupled model's responses and questions, over the worker's socket. Response
+    tensors travel inside the message: they leave at any time, where the output region is
+    a batch's."""
+
+    def __init__(self, demux: _Demux, decoupled: bool = False) -> None:
+        self.demux = demux
+        self.decoupled = decoupled
+        #: whether the server reads this socket now: always for a decoupled model (a reader
+        #: thread), else only while initialize or a batch runs (the waiting thread reads)
+        self.server_reading = decoupled
+        self._orphans = OrphanCloser(lambda key: demux.send(("d", key, None, None, True)))
+
+    def _answerable(self, what: str) -> None:
+        if not self.server_reading:
+            raise pb_utils.TritonModelException(
+                f"{what} from a thread of the model between batches gets no answer: the server "
+                "reads a model's messages while its initialize or execute runs, or always for a "
+                "model with model_transaction_policy { decoupled: true }")
+
+    def respond(self, key: Any, response: Any, final: bool) -> None:
+        if response is None:
+            self.demux.send(("d", key, None, None, final))
+            return
+        data = ModelStub.response_data(response)
+        if isinstance(data, ResponseError):
+            self.demux.send(("d", key, None, (data.code, data.message), final))
+        else:
+            self.demux.send(("d", key, self.pack(data), None, final))
+
+    def pack(self, tensors: dict) -> Any:
+        """Large tensors into a region the server lends (it reads and frees it)."""
+        if not tensors or payload_bytes(tensors) < SHM_MESSAGE_BYTES:
+            return tensors
+        staged, end = stage(tensors)
+        name = self.demux.call("a", end)[2]
+        if name is None:              # no room in /dev/shm: the socket carries them
+            return tensors
+        region = ShmRegion.attach(name)
+        try:
+            refs = region.write(staged)
+        finally:
+            region.close()
+        return ("shm", name, refs)
+
+    def unpack(self, packed: Any) -> dict | None:
+        if type(packed) is not tuple:
+            return packed
+        _, name, refs = packed
+        region = ShmRegion.attach(name)
+        try:
+            return region.read(refs)
+        finally:
+            region.close()
+            self.demux.send(("af", name))
+
+    def cancelled(self, key: Any) -> bool:
+        return bool(self.demux.call("cq", key)[2])
+
+    def orphaned(self, key: Any) -> None:
+        self._orphans.put(key)
+
+    def flush(self) -> None:
+        pass
+
+    def metric_call(self, op: str, args: tuple, what: str) -> Any:
+        self._answerable(what)
+        _, _, ok, result = self.demux.call("m", op, args)
+        if not ok:
+            raise pb_utils.TritonModelException(f"{what}: {result}")
+        return result
+
+    def metric_send(self, op: str, args: tuple) -> None:
+        self.demux.send(("m", 0, op, args))   # id 0: no answer wanted
+
+    def model_log(self, level: str, message: str) -> None:
+        # Through stderr, which the server reads at once (the socket is read only while a
+        # batch runs, for a model that is not decoupled): one line, one write.
+        line = f"{LOGGER_MARK}{level}\t{json.dumps(message)}\n".encode("utf-8", "replace")
+        while line:
+            line = line[os.write(2, line):]
+
+    def bls_exec(self, request: Any, decoupled: bool) -> Any:
+        self._answerable("A BLS request")
+        spec = list(bls_spec(request))
+        spec[2] = self.pack(spec[2])
+        call_id = self.demux.new_id()
+        self.demux.send(("b", call_id, decoupled, tuple(spec)))
+        if decoupled:
+            return _BlsStream(self, call_id)
+        msg = self.demux.reply((call_id, 0))
+        return bls_response(self.unpack(msg[2]), msg[3])
+
+
+class _BlsStream:
+    """``exec(decoupled=True)`` in a worker: the responses as the server relays them."""
+
+    def __init__(self, host: "_WorkerHost", call_id: int) -> None:
+        self._host = host
+        self._demux = host.demux
+        self._id = call_id
+        self._seq = 0
+        self._done = False
+
+    def __iter__(self) -> "_BlsStream":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            msg = self._demux.reply((self._id, self._seq))
+        except EOFError:
+            self._done = True
+            raise StopIteration from None
+        self._seq += 1
+        self._done = bool(msg[4])
+        return bls_response(self._host.unpack(msg[2]), msg[3])
+
+    def __del__(self) -> None:
+        # Dropped before its end: cancel the called request and forget its responses, from
+        # the closer's thread (a finalizer may run inside a send that holds the lock).
+        if not self._done:
+            self._done = True
+            self._demux.closer.put(self._id)
+
+
+def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[str, ShmRegion],
+           all_outputs: list[str]) -> None:
+    while True:
+        try:
+            msg = demux.command()
+        except EOFError:   # the server went away: nothing left to serve
+            return
+        kind = msg[0]
+        if kind == "f":
+            try:
+                stub.finalize()
+                demux.send(("done",))
+            except StubError as err:
+                demux.send(("error", err.to_tuple()))
+            return
+        if kind == "r":
+            for region in regions.values():
+                region.close()
+            regions.clear()
+            demux.send(("r",))
+            continue
+        if kind == "xd":
+            _, in_name, metas, keys = msg
+            requests = _requests(regions, in_name, "", metas, all_outputs)
+            try:
+                stub.execute_decoupled(requests, keys, host)
+                demux.send(("xdone",))
+            except StubError as err:
+                demux.send(("error", err.to_tuple()))
+            continue
+        _, in_name, out_name, metas = msg
+        requests = _requests(regions, in_name, out_name, metas, all_outputs)
+        host.server_reading = True
+        try:
+            results = stub.execute(requests)
+        except StubError as err:
+            demux.send(("error", err.to_tuple()))
+            continue
+        finally:
+            host.server_reading = False
+        _send_results(demux, regions, out_name, results)
+
+
+def _requests(regions: dict[str, ShmRegion], in_name: str, out_name: str, metas: list,
+              all_outputs: list[str]) -> list[RequestData]:
+    if in_name not in regions or (out_name and out_name not in regions):
+        for stale in [n for n in regions if n != in_name and n != out_name]:
+            regions.pop(stale).close()
+    in_region = _region(regions, in_name) if in_name else None
+    groups = [meta if type(meta) is list else meta[0] for meta in metas]
+    inputs = in_region.read_many(groups) if in_region is not None else [{} for _ in groups]
+    requests = []
+    for meta, tensors in zip(metas, inputs):
+        if type(meta) is list:   # a plain request: every output, no id, no parameters
+            requests.append(RequestData(tensors, "", 0, "{}", list(all_outputs), 0))
+            continue
+        _, rid, cid, params, names, flags = meta
+        requests.append(RequestData(tensors, rid, cid, params,
+                                    list(all_outputs) if names is None else names, flags))
+    return requests
+
+
+def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
+                  results: list[dict | ResponseError]) -> None:
+    layouts: list[Any] = []
+    end = 0
+    for result in results:
+        if isinstance(result, ResponseError):
+            layouts.append((result.code, result.message))
+            continue
+        try:
+            staged, end = stage(result, end)
+        except Exception as err:   # e.g. an output whose dtype Triton has no name for
+            layouts.append((1, f"cannot return outputs: {type(err).__name__}: {err}"))
+            continue
+        layouts.append(staged)
+    out_region = _region(regions, out_name)
+    if end > out_region.size:
+        # Let go of the small region first: its pages count against /dev/shm until unmapped.
+        regions.pop(out_name).close()
+        chan.send(("grow", end))
+        msg = chan.reply("o")
+        if msg[1] is None:    # no room: the server fails this batch
+            return
+        out_region = _region(regions, msg[1])
+    reply = [out_region.write(item) if type(item) is list else item for item in layouts]
+    chan.send(("res", reply))
+
+
+# ------------------------------------------------------------------------------ the template
+
+#: template -> server: (kind, pid, exit code); kind b"p": forked ``pid``, b"x": ``pid`` ended
+TEMPLATE_STATUS = struct.Struct("<cii")
+
+
+def template_main(sock_fd: int, parent_pid: int) -> None:
+    """The template process: on each request (a record carrying a worker's socket and its
+    stdout/stderr pipes) fork a worker and say its pid; reap workers and say how they
+    ended. Leaves when the server hangs up."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=sock_fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    me = os.getpid()
+    while True:
+        readable, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in readable:
+            while os.read(wake_r, 512) == 512:
+                pass
+            _reap_all(sock)
+        if sock not in readable:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 16, 3)
+        except OSError:
+            return
+        if not data:   # the server is gone; its workers follow (PR_SET_PDEATHSIG)
+            return
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _forked_worker(sock, (wake_r, wake_w), fds, me)
+        for fd in fds:
+            os.close(fd)
+        sock.send(TEMPLATE_STATUS.pack(b"p", pid, 0))
+
+
+def _reap_all(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock.send(TEMPLATE_STATUS.pack(b"x", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _forked_worker(sock: socket.socket, wake: tuple[int, int], fds: list[int], template_pid: int) -> None:
+    """In the child of a fork: never returns into the template's loop."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        for fd in wake:
+            os.close(fd)
+        worker_main(*fds, template_pid)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
