@@ -107,7 +107,11 @@ def warn_open_repository(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jupyter-triton")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a Triton model repository without Jupyter")
+    serve = sub.add_parser(
+        "serve", help="serve a Triton model repository without Jupyter",
+        epilog="Every other flag of tritonserver 2.51 is accepted as tritonserver spells it "
+               "(GPU memory pools, C++ thread counts, SageMaker/Vertex AI, backend settings, "
+               "...); one that cannot apply here is named in the log with the reason.")
     serve.add_argument("--model-repository", "--model-store", required=True, action="append")
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--http-address", default="0.0.0.0")
