@@ -104,8 +104,8 @@ def log_ignored(args: argparse.Namespace) -> list[str]:
             continue
         lines.append(f"{flag} is accepted and ignored: {why}")
     for item in args.backend_config:
-        backend, _, setting = item.partition(",") if "," in item.split("=", 1)[0] else ("", "", item)
-        name = setting.split("=", 1)[0]
+        head = item.split("=", 1)[0]            # [<backend>,]<setting>
+        backend, _, name = head.rpartition(",")
         why = BACKEND_SETTINGS.get((backend, name)) or \
             f"the {backend or 'global'} backend setting '{name}' has no counterpart here"
         lines.append(f"--backend-config={item} is accepted and ignored: {why}")
