@@ -22,6 +22,7 @@ import pytest
 import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import np_to_triton_dtype
 
 from conftest import W
 from jupyter_triton.engine import EngineOptions
@@ -288,3 +289,162 @@ def test_exported_notebook_callables_load_and_stream_in_nvidia_tritonserver(tmp_
         finally:
             stream.stop_stream()
             stream.close()
+
+
+# ---- torch models: converted to what Triton's pytorch and onnxruntime backends load --------
+
+class _TwoInputs:
+    """A module of two inputs and a dict output (built lazily: torch is imported by the test)."""
+
+    @staticmethod
+    def build():
+        import torch
+
+        class TwoInputs(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.proj = torch.nn.Linear(4, 4)
+
+            def forward(self, a, b):
+                return {"sum": self.proj(a) + b.to(a.dtype), "scaled": a * 2}
+        return TwoInputs()
+
+
+def _torch_repository(root: Path) -> dict[str, dict]:
+    """The README's first example (a module without an example: a callable), a module given an
+    example (torch.export: model.pt2), a TorchScript module and an ONNX model; returns each
+    model's inputs, as numpy dtypes and per-row shapes."""
+    import torch
+    torch.manual_seed(0)
+    repo = Repository(root)
+    models = {
+        "embedder": (torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.ReLU()),
+                     {"max_batch_size": 64}),
+        "two_inputs": (_TwoInputs.build(), {"example": (torch.randn(2, 4), torch.ones(2, 4, dtype=torch.int64))}),
+        "scripted": (torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh())),
+                     {"example": torch.randn(2, 3)}),
+        "linear": (linear(W), {}),
+    }
+    for name, (obj, options) in models.items():
+        art = build_artifact(obj, name, **options)
+        repo.write_upload(name, art.config_json(), {f"file:{k}": v for k, v in art.files.items()})
+    assert (root / "embedder" / "1" / "model.pkl").exists()      # served as a callable here
+    assert (root / "two_inputs" / "1" / "model.pt2").exists()    # torch_export: ours only
+    return {"embedder": {"input": (np.float32, [256])},
+            "two_inputs": {"a": (np.float32, [4]), "b": (np.int64, [4])},
+            "scripted": {"INPUT__0": (np.float32, [3])},
+            "linear": {"INPUT0": (np.float32, [16])}}
+
+
+def _batches(inputs: dict[str, tuple], rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(rows)
+    return {n: (rng.standard_normal([rows, *s]) if np.dtype(d).kind == "f"
+                else rng.integers(-3, 3, [rows, *s])).astype(d) for n, (d, s) in inputs.items()}
+
+
+def _served_answers(root: Path, models: dict[str, dict]) -> dict[tuple[str, int], dict[str, np.ndarray]]:
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="none"),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
+    answers = {}
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        for name, inputs in models.items():
+            outputs = [o["name"] for o in client.get_model_metadata(name)["outputs"]]
+            for rows in (1, 3):
+                tensors = []
+                for tensor, value in _batches(inputs, rows).items():
+                    t = httpclient.InferInput(tensor, list(value.shape), np_to_triton_dtype(value.dtype))
+                    t.set_data_from_numpy(value)
+                    tensors.append(t)
+                result = client.infer(name, tensors)
+                answers[name, rows] = {o: result.as_numpy(o) for o in outputs}
+    finally:
+        server.close()
+    return answers
+
+
+def _run_as_triton_does(model_dir: Path, inputs: dict[str, tuple], rows: int) -> dict[str, np.ndarray]:
+    """What Triton's backend runs: the config's tensor names, TorchScript through torch.jit.load
+    (inputs matched to forward()'s argument names, outputs in config order), ONNX through an
+    onnxruntime session fed and read by name."""
+    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), mc.ModelConfig())
+    version = next(p for p in model_dir.iterdir() if p.is_dir())
+    feed = _batches(inputs, rows)
+    in_names = [i.name for i in config.input]
+    out_names = [o.name for o in config.output]
+    assert sorted(in_names) == sorted(feed) or (not in_names and config.backend == "onnxruntime")
+    if config.platform == "pytorch_libtorch":
+        import torch
+        module = torch.jit.load(str(version / "model.pt"), map_location="cpu")
+        args = [a.name for a in module.forward.schema.arguments][1:]
+        assert args == in_names or all("__" in n for n in in_names), (args, in_names)
+        with torch.no_grad():
+            result = module(*[torch.from_numpy(feed[n]) for n in (args if args == in_names else in_names)])
+        values = result if isinstance(result, (tuple, list)) else [result]
+        return {n: v.numpy() for n, v in zip(out_names, values)}
+    assert config.platform == "onnxruntime_onnx", config.platform
+    import onnxruntime
+    session = onnxruntime.InferenceSession(str(version / "model.onnx"), providers=["CPUExecutionProvider"])
+    if not in_names:          # a config Triton auto-completes from the model, as it does here
+        out_names = [o.name for o in session.get_outputs()]
+    return dict(zip(out_names, session.run(out_names, feed)))
+
+
+@pytest.mark.parametrize("torch_format", ["torchscript", "onnx"])
+def test_torch_models_export_to_what_tritons_backends_load(tmp_path: Path, torch_format: str):
+    source = tmp_path / "models"
+    models = _torch_repository(source)
+    out = tmp_path / "for-triton"
+    if torch_format == "torchscript":       # the command's default
+        done = export("--model-repository", str(source), "--output", str(out))
+        assert done.returncode == 0, done.stderr
+        summary = done.stdout
+    else:
+        from jupyter_triton.repository.export import export_repository
+        summary = export_repository(source, out, torch_format="onnx").summary()
+    assert "torch.export program (model.pt2) converted" in summary
+    assert "torch.nn.Module callable (model.pkl) converted" in summary
+    expected_platform = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx"}[torch_format]
+    for name, platform in [("embedder", expected_platform), ("two_inputs", expected_platform),
+                           ("scripted", "pytorch_libtorch"), ("linear", "")]:
+        config = text_format.Parse((out / name / "config.pbtxt").read_text(), mc.ModelConfig())
+        assert config.platform == platform or (not platform and config.backend == "onnxruntime"), (name, config)
+        assert not list((out / name).rglob("*.pt2")) and not list((out / name).rglob("*.pkl"))
+    # TorchScript and ONNX models are copied as they are
+    assert (out / "scripted/1/model.pt").read_bytes() == (source / "scripted/1/model.pt").read_bytes()
+    assert (out / "linear/1/model.onnx").read_bytes() == (source / "linear/1/model.onnx").read_bytes()
+    # the README's example keeps its batching for Triton's dynamic batcher
+    embedder = text_format.Parse((out / "embedder" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert embedder.max_batch_size == 64 and [i.name for i in embedder.input] == ["input"]
+
+    ours = _served_answers(source, models)
+    for name, inputs in models.items():
+        for rows in (1, 3):
+            theirs = _run_as_triton_does(out / name, inputs, rows)
+            assert sorted(theirs) == sorted(ours[name, rows]), name
+            for tensor, value in ours[name, rows].items():
+                np.testing.assert_allclose(theirs[tensor], value, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name}.{tensor}, {rows} row(s)")
+    # and this server serves the exported copy with the same answers
+    again = _served_answers(out, models)
+    for key, answer in ours.items():
+        for tensor, value in answer.items():
+            np.testing.assert_allclose(again[key][tensor], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_program_its_trace_cannot_follow_is_refused(tmp_path: Path):
+    import torch
+
+    class RowNumbers(torch.nn.Module):      # the row count becomes a constant in a trace
+        def forward(self, x):
+            return x + torch.arange(x.shape[0], dtype=x.dtype).unsqueeze(1)
+    source = tmp_path / "models"
+    art = build_artifact(RowNumbers(), "rows", example=torch.randn(2, 3))
+    assert art.format == "torch_export"
+    Repository(source).write_upload("rows", art.config_json(), {f"file:{k}": v for k, v in art.files.items()})
+    out = tmp_path / "for-triton"
+    done = export("--model-repository", str(source), "--output", str(out))
+    assert done.returncode == 2
+    assert "model 'rows'" in done.stderr and "froze a shape" in done.stderr, done.stderr
+    assert "Triton cannot load model.pt2" in done.stderr
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".for-triton")]

@@ -2,7 +2,12 @@
 Triton (and KServe's Triton runtime) loads as it is: each model's config.pbtxt and the version
 directories its version policy serves, without what only this server keeps (``.history/``,
 upload leftovers, per-version config copies, caches). The source is only read; the
-destination is written to a temporary folder and renamed into place, never over anything."""
+destination is written to a temporary folder and renamed into place, never over anything.
+
+Our own torch forms (a ``torch.export`` program, a pickled ``torch.nn.Module`` callable) are
+written as TorchScript or ONNX, checked against the original first (``torch_convert``): an
+exported program that cannot be converted faithfully stops the export with the reason; a
+module callable that cannot stays a python-backend model, with a note."""
 from __future__ import annotations
 
 import os
@@ -15,6 +20,7 @@ from ..config import CONFIG_FILENAME, config_to_pbtxt
 from ..protocol.errors import InvalidArgument
 from . import Repository
 from .layout import is_hidden
+from .torch_convert import FORMATS, ConversionRefused, Converted, convert, convertible_source
 
 _SKIPPED_FILES = {CONFIG_FILENAME}          # inside version dirs: our per-version copy
 _SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints"}
@@ -46,7 +52,11 @@ class ExportReport:
 
 def export_repository(source: Path, destination: Path, models: list[str] | None = None,
                       all_versions: bool = False, kserve_name: str = "",
-                      storage_uri: str = "") -> ExportReport:
+                      storage_uri: str = "", torch_format: str = "torchscript") -> ExportReport:
+    """``torch_format``: what torch models become, ``torchscript`` (Triton's pytorch backend)
+    or ``onnx`` (its onnxruntime backend)."""
+    if torch_format not in FORMATS:
+        raise InvalidArgument(f"unknown torch export format '{torch_format}': one of {', '.join(FORMATS)}")
     destination = Path(destination)
     # The manifest sits beside the repository: Triton would take a file inside it for a model.
     manifest = destination.parent / f"{destination.name}-kserve.yaml" if kserve_name else None
@@ -60,7 +70,8 @@ def export_repository(source: Path, destination: Path, models: list[str] | None 
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
-        exported = [_export_model(repo, name, staging / name, all_versions) for name in names]
+        exported = [_export_model(repo, name, staging / name, all_versions, torch_format)
+                    for name in names]
         os.rename(staging, destination)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -70,16 +81,24 @@ def export_repository(source: Path, destination: Path, models: list[str] | None 
     return ExportReport(destination, exported, manifest)
 
 
-def _export_model(repo: Repository, name: str, out: Path, all_versions: bool) -> ExportedModel:
+def _export_model(repo: Repository, name: str, out: Path, all_versions: bool,
+                  torch_format: str) -> ExportedModel:
     config = repo.read_config(name)            # validates: Triton's own proto and rules
     versions = repo.versions_on_disk(name) if all_versions else repo.select_versions(name, config)
     model = ExportedModel(name, versions)
     out.mkdir(parents=True)
+    src = repo.model_dir(name)
+    converted = _convert_torch(name, config, {v: src / str(v) for v in versions}, torch_format, model)
+    if converted:
+        config = next(iter(converted.values())).config
     # Written from the parsed proto: what Triton reads is exactly what validated here.
     (out / CONFIG_FILENAME).write_text(config_to_pbtxt(config))
-    src = repo.model_dir(name)
     for v in versions:
         version_dir = src / str(v)
+        if v in converted:
+            (out / str(v)).mkdir()
+            (out / str(v) / converted[v].filename).write_bytes(converted[v].data)
+            continue
 
         def ignore(folder: str, names: list[str], root: Path = version_dir) -> set[str]:
             at_root = Path(folder) == root
@@ -94,6 +113,38 @@ def _export_model(repo: Repository, name: str, out: Path, all_versions: bool) ->
                         if p.is_file() and p.name != CONFIG_FILENAME and not is_hidden(p.name)):
         shutil.copy2(src / extra, out / extra)   # e.g. the labels file a label_filename names
     return model
+
+
+def _convert_torch(name: str, config, version_dirs: dict[int, Path], torch_format: str,
+                   model: ExportedModel) -> dict[int, Converted]:
+    """The versions converted for Triton's torch or onnxruntime backend; {} where none is in
+    one of our torch forms."""
+    kinds = {v: convertible_source(config, d) for v, d in version_dirs.items()}
+    if not any(kinds.values()):
+        return {}
+    converted: dict[int, Converted] = {}
+    try:
+        for v, d in version_dirs.items():
+            if kinds[v] is None:
+                raise ConversionRefused(f"model '{name}': version {v} is not a torch model like "
+                                        f"the other versions exported (one config serves them all)")
+            done = convert(config, d, torch_format)
+            if done is None:                 # a callable that is not a torch module
+                return {}
+            converted[v] = done
+    except ConversionRefused as err:
+        if "pt2" in kinds.values():
+            raise ConversionRefused(f"{err}; Triton cannot load model.pt2 (torch_export is this "
+                                    f"server's platform), so the export stops here") from None
+        model.notes.append(f"not converted ({err}); Triton's python backend needs torch, numpy "
+                           f"and cloudpickle in its Python environment for it")
+        return {}
+    first = next(iter(converted.values())).config
+    if any(c.config != first for c in converted.values()):
+        raise ConversionRefused(f"model '{name}': the exported versions have different tensors "
+                                f"and one config.pbtxt serves them all: export one version")
+    model.notes.extend(sorted({c.note for c in converted.values()}))
+    return converted
 
 
 def kserve_manifest(name: str, storage_uri: str) -> str:
