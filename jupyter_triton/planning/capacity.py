@@ -1,0 +1,538 @@
+"""``jupyter_triton.simulate``: what a batching config does under traffic the user does not
+have yet, answered in seconds by the engine's own dynamic batcher on a virtual clock
+(``engine.simulation``) fed with the model's measured execution times (``service``).
+
+For every ``max_batch_size`` x ``max_queue_delay_us`` x ``instances`` of the grid and every
+load (open-loop Poisson ``qps``, closed-loop ``concurrency``, or named ``traffic``), one
+seeded simulation: a row of p50/p95/p99, throughput and mean batch. The same
+(config, load) always gives the same row, and every answer (``best``, ``instances_for``,
+``bulk_effect``) is computed from such rows, so answers and table agree.
+
+Latency here is what a client sees: queue + execution + the request's ``overhead_ns``
+(front end and client, measured at c=1 by the sweep; see ``service``).
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import html
+import io
+import json
+import statistics as stats_
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..config.formats import config_from_json
+from ..engine import simulation as sim
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable
+from ..kernel.client import TritonHTTP
+from ..kernel.discovery import Connection
+from . import traffic as tr
+from .service import ServiceModel, measure
+
+COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
+           "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts")
+TEMP_SUFFIX = "__sim"
+#: an open-loop load is kept up with when this share of it is served (the rest: queue growth)
+KEPT_UP = 0.95
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load: ``kind`` "qps" (open loop), "concurrency" (closed loop) or "traffic" (named)."""
+    kind: str
+    value: float
+    label: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "qps":
+            return f"{self.value:g} qps"
+        if self.kind == "concurrency":
+            return f"c={int(self.value)}"
+        return self.label
+
+
+@dataclass
+class Answer:
+    """One answer with the row it rests on and why."""
+    config: dict | None
+    row: dict | None
+    why: str
+    rows: list[dict] = field(default_factory=list, repr=False)
+
+    def __repr__(self) -> str:
+        return f"Answer({self.config}): {self.why}"
+
+    def _repr_html_(self) -> str:
+        knobs = html.escape(_knobs(self.config)) if self.config else "none"
+        return f"<p><b>{knobs}</b>: {html.escape(self.why)}</p>"
+
+
+def _knobs(config: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in config.items())
+
+
+def _q(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(result: sim.SimResult) -> dict:
+    """A simulation's figures: client-seen latency percentiles (ms; an Outcome runs from the
+    client's send to its receipt, overhead included), throughput (answers per second over
+    the run), mean batch, refusals, and the same per traffic class."""
+    def figures(outcomes: list[sim.Outcome]) -> dict:
+        ok = sorted((o.end_ns - o.arrival_ns) / 1e6 for o in outcomes if o.status == "ok")
+        span = result.duration_ns / 1e9 or 1e-9
+        return {"throughput": len(ok) / span, "p50_ms": _q(ok, 0.50), "p95_ms": _q(ok, 0.95),
+                "p99_ms": _q(ok, 0.99), "mean_ms": stats_.fmean(ok) if ok else float("nan"),
+                "rejected": sum(o.status == "rejected" for o in outcomes),
+                "timeouts": sum(o.status == "timeout" for o in outcomes), "requests": len(outcomes)}
+    row = figures(result.requests)
+    rows = [b[1] for b in result.batches]
+    row["mean_batch"] = stats_.fmean(rows) if rows else 0.0
+    hist: dict[int, int] = {}
+    for r in rows:
+        hist[r] = hist.get(r, 0) + 1
+    row["batch_histogram"] = dict(sorted(hist.items()))
+    classes = sorted({o.cls for o in result.requests})
+    if classes != [""]:
+        row["classes"] = {c: figures([o for o in result.requests if o.cls == c]) for c in classes}
+    return row
+
+
+class CapacityPlan:
+    """The simulated grid: ``results`` (one dict per config and load), the answers
+    (``best``, ``instances_for``, ``bulk_effect``), a table and plots (``_repr_html_``),
+    ``apply``. ``run`` simulates one more (config, load) on the same service model."""
+
+    def __init__(self, model: str, base_config: dict, service: ServiceModel, loads: list[Load],
+                 grid: list[tuple[int, int, int]], *, extra: Sequence[tr.TrafficClass] = (),
+                 traffic: dict[str, list] | None = None, slo_p99_ms: float | None = None,
+                 requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
+                 bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
+                 connection: Connection | None = None) -> None:
+        self.model = model
+        self.service = service
+        self.loads = loads
+        self.grid = grid
+        self.extra = list(extra)
+        self.traffic = dict(traffic or {})
+        self.slo_p99_ms = slo_p99_ms
+        self.requests = requests
+        self.seed = seed
+        self.overhead_ns = service.overhead_ns if overhead_ns is None else int(overhead_ns)
+        self.bulk = bulk
+        self._base = base_config
+        self._files = files
+        self._connection = connection
+        self._memo: dict[tuple, dict] = {}
+        started = time.perf_counter()
+        self.results = [self.run(mbs, delay, inst, load) for mbs, delay, inst in grid for load in loads]
+        self.seconds = time.perf_counter() - started
+
+    # ---- simulating ----------------------------------------------------------------------
+    def config(self, max_batch_size: int, max_queue_delay_us: int, instances: int,
+               priority_levels: int = 0) -> dict:
+        """The model's config (JSON, as the server returned it) with these knobs."""
+        config = copy.deepcopy(self._base)
+        config["max_batch_size"] = int(max_batch_size)
+        batching = dict(config.get("dynamic_batching") or {})
+        batching["max_queue_delay_microseconds"] = int(max_queue_delay_us)
+        preferred = [int(p) for p in batching.get("preferred_batch_size", []) if int(p) <= max_batch_size]
+        if preferred:
+            batching["preferred_batch_size"] = preferred
+        else:
+            batching.pop("preferred_batch_size", None)
+        if priority_levels > int(batching.get("priority_levels", 0) or 0):
+            batching["priority_levels"] = priority_levels
+            batching["default_priority_level"] = priority_levels   # unnamed requests go last
+        config["dynamic_batching"] = batching
+        groups = config.get("instance_group") or [{}]
+        config["instance_group"] = [{**{k: v for k, v in groups[0].items() if k != "count"},
+                                     "count": int(instances)}]
+        return config
+
+    def _traffic(self, load: Load, extra: Sequence[tr.TrafficClass]) -> list:
+        if load.kind == "traffic":
+            main = list(self.traffic[load.label])
+        elif load.kind == "qps":
+            main = [tr.TrafficClass("", qps=load.value)]
+        else:
+            main = [tr.TrafficClass("", concurrency=int(load.value))]
+        if load.kind == "traffic":
+            span = max((a.t_ns for a in main if isinstance(a, sim.Arrival)), default=0) / 1e9
+            others = [a for i, c in enumerate(extra)
+                      for a in c.traffic(self.seed + 1 + i, self.requests, span or None)]
+            arrivals = sorted((a for a in main + others if isinstance(a, sim.Arrival)),
+                              key=lambda a: a.t_ns)
+            return arrivals + [a for a in main + others if not isinstance(a, sim.Arrival)]
+        return tr.mix(main + list(extra), self.seed, self.requests)
+
+    def run(self, max_batch_size: int, max_queue_delay_us: int, instances: int, load: Load,
+            extra: Sequence[tr.TrafficClass] | None = None) -> dict:
+        """One simulation's row (memoized: the same arguments give the same row)."""
+        extra = self.extra if extra is None else list(extra)
+        key = (max_batch_size, max_queue_delay_us, instances, load, tuple(extra))
+        if key in self._memo:
+            return self._memo[key]
+        traffic = self._traffic(load, extra)
+        levels = max([getattr(a, "priority", 0) for a in traffic] + [0])
+        config = config_from_json(self.config(max_batch_size, max_queue_delay_us, instances, levels),
+                                  self._base.get("name", self.model))
+        result = sim.simulate(config, self.service, traffic, seed=self.seed,
+                              overhead_ns=self.overhead_ns)
+        row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
+               "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
+               **summarize(result)}
+        self._memo[key] = row
+        return row
+
+    # ---- answers -------------------------------------------------------------------------
+    @staticmethod
+    def kept_up(row: dict) -> bool:
+        """No request refused or timed out, and (open loop) the offered rate served."""
+        if row["rejected"] or row["timeouts"]:
+            return False
+        return row["kind"] != "qps" or row["throughput"] >= KEPT_UP * row["offered"]
+
+    def best(self, slo_p99_ms: float | None = None) -> Answer:
+        """The config whose p99 meets the SLO at the highest load of the table (open loop:
+        offered QPS; closed loop: throughput); ties go to fewer instances, then lower p99."""
+        slo = self.slo_p99_ms if slo_p99_ms is None else slo_p99_ms
+        limit = float("inf") if slo is None else float(slo)
+        ok = [r for r in self.results if self.kept_up(r) and r["p99_ms"] <= limit]
+        if not ok:
+            low = min(self.results, key=lambda r: r["p99_ms"])
+            return Answer(None, None, f"no config meets a p99 of {limit:g} ms at any load; the "
+                          f"lowest p99 is {low['p99_ms']:.2f} ms ({_knobs(_config_of(low))}, "
+                          f"{low['load']})")
+
+        def rank(r: dict) -> tuple:
+            load = r["offered"] if r["kind"] == "qps" else r["throughput"]
+            return (load, -r["instances"], -r["p99_ms"])
+        row = max(ok, key=rank)
+        why = (f"meets p99 <= {limit:g} ms up to {row['load']}: p99 {row['p99_ms']:.2f} ms, "
+               f"{row['throughput']:.0f} infer/s, mean batch {row['mean_batch']:.1f}"
+               if slo is not None else
+               f"the most throughput: {row['throughput']:.0f} infer/s at {row['load']}, "
+               f"p99 {row['p99_ms']:.2f} ms")
+        return Answer(_config_of(row), row, why)
+
+    def instances_for(self, qps: float, slo_p99_ms: float | None = None,
+                      config: dict | None = None, max_instances: int = 16) -> Answer:
+        """The fewest instances with which ``config`` (default: the best config's batching)
+        serves ``qps`` open loop within the SLO (and without refusals)."""
+        slo = self.slo_p99_ms if slo_p99_ms is None else slo_p99_ms
+        limit = float("inf") if slo is None else float(slo)
+        if config is None:
+            chosen = self.best(slo).config or _config_of(max(self.results, key=lambda r: r["throughput"]))
+        else:
+            chosen = config
+        mbs, delay = int(chosen["max_batch_size"]), int(chosen["max_queue_delay_us"])
+        tried = []
+        for n in range(1, max_instances + 1):
+            row = self.run(mbs, delay, n, Load("qps", float(qps)))
+            tried.append(row)
+            if self.kept_up(row) and row["p99_ms"] <= limit:
+                return Answer({"max_batch_size": mbs, "max_queue_delay_us": delay, "instances": n},
+                              row, f"{n} instance(s) serve {qps:g} qps with p99 "
+                              f"{row['p99_ms']:.2f} ms" + (f" (SLO {limit:g} ms)" if slo else ""),
+                              tried)
+        last = tried[-1]
+        return Answer(None, last, f"{max_instances} instances do not serve {qps:g} qps within "
+                      f"{limit:g} ms: {last['throughput']:.0f} infer/s, p99 {last['p99_ms']:.2f} ms",
+                      tried)
+
+    def bulk_effect(self, bulk: tr.TrafficClass | None = None, qps: float | None = None,
+                    config: dict | None = None) -> "BulkEffect":
+        """The interactive class's latency alone, with ``bulk`` in the same batch window at
+        the same priority, and with ``bulk`` at a lower priority level."""
+        bulk = bulk or self.bulk
+        if bulk is None:
+            raise InvalidArgument("simulate: bulk_effect needs a bulk TrafficClass")
+        qps = qps or max((l.value for l in self.loads if l.kind == "qps"), default=None)
+        if qps is None:
+            raise InvalidArgument("simulate: bulk_effect needs an interactive qps")
+        chosen = config or self.best().config or _config_of(self.results[0])
+        mbs, delay = int(chosen["max_batch_size"]), int(chosen["max_queue_delay_us"])
+        inst = int(chosen.get("instances", self.results[0]["instances"]))
+        load = Load("qps", float(qps))
+        name = bulk.name or "bulk"
+        same = tr.TrafficClass(name, qps=bulk.qps, concurrency=bulk.concurrency, rows=bulk.rows,
+                               priority=0, timeout_us=bulk.timeout_us, burst=bulk.burst)
+        low = tr.TrafficClass(name, qps=bulk.qps, concurrency=bulk.concurrency, rows=bulk.rows,
+                              priority=2, timeout_us=bulk.timeout_us, burst=bulk.burst)
+        # with priorities the interactive class must name level 1: it is its own class then
+        interactive_first = tr.TrafficClass("interactive", qps=float(qps), priority=1)
+        scenarios = [
+            ("interactive alone", self.run(mbs, delay, inst, load, extra=[]), ""),
+            (f"+ {name}, one batch window, same priority", self.run(mbs, delay, inst, load, extra=[same]), ""),
+            (f"+ {name} at priority 2 (interactive 1)",
+             self._with_priority(mbs, delay, inst, interactive_first, low), "interactive"),
+        ]
+        return BulkEffect(name, {"max_batch_size": mbs, "max_queue_delay_us": delay, "instances": inst},
+                          qps, scenarios)
+
+    def _with_priority(self, mbs: int, delay: int, inst: int, first: tr.TrafficClass,
+                       low: tr.TrafficClass) -> dict:
+        label = f"interactive {first.qps:g} qps at priority 1"
+        if label not in self.traffic:
+            self.traffic[label] = first.traffic(self.seed, self.requests)
+        return self.run(mbs, delay, inst, Load("traffic", 0.0, label), extra=[low])
+
+    # ---- measured beside simulated -----------------------------------------------------
+    def compare(self, measured: Any) -> list[dict]:
+        """For each row ``tune()`` measured (a TuneResult or its ``results``), the same config
+        simulated closed loop at the same concurrency, side by side, with the ratios."""
+        rows = measured.results if hasattr(measured, "results") else measured
+        inst = self.results[0]["instances"] if self.results else 1
+        out = []
+        for m in rows:
+            if m.get("failures") or not m.get("throughput"):
+                continue
+            s = self.run(int(m["max_batch_size"]), int(m["max_queue_delay_us"]), inst,
+                         Load("concurrency", float(m["concurrency"])))
+            row = {"max_batch_size": m["max_batch_size"], "max_queue_delay_us": m["max_queue_delay_us"],
+                   "concurrency": m["concurrency"]}
+            for k in ("throughput", "p50_ms", "p99_ms", "mean_batch"):
+                row[f"measured_{k}"] = float(m[k])
+                row[f"simulated_{k}"] = float(s[k])
+                row[f"error_{k}"] = (s[k] - float(m[k])) / float(m[k]) if float(m[k]) else float("nan")
+            out.append(row)
+        return out
+
+    # ---- showing -------------------------------------------------------------------------
+    def plot_png(self) -> bytes:
+        """Left: p99 (solid) and p50 (dotted) against load, one colour per config. Right: the
+        batch sizes formed at the highest load, one step histogram per config."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(11, 4.2), dpi=100)
+        FigureCanvasAgg(fig)
+        ax, hx = fig.subplots(1, 2)
+        colours = [f"C{i % 10}" for i in range(len(self.grid))]
+        top = self.loads[-1] if self.loads else None
+        for colour, (mbs, delay, inst) in zip(colours, self.grid):
+            rows = [self.run(mbs, delay, inst, load) for load in self.loads]
+            x = [r["offered"] if r["kind"] == "qps" else r["throughput"] for r in rows]
+            label = f"b{mbs} d{delay}us x{inst}"
+            ax.plot(x, [r["p99_ms"] for r in rows], "o-", color=colour, label=label)
+            ax.plot(x, [r["p50_ms"] for r in rows], ":", color=colour)
+            if top is not None:
+                hist = self.run(mbs, delay, inst, top)["batch_histogram"]
+                sizes = sorted(hist)
+                hx.step(sizes, [hist[s] for s in sizes], where="mid", color=colour, label=label)
+        if self.slo_p99_ms is not None:
+            ax.axhline(self.slo_p99_ms, color="tab:red", linestyle="--", label=f"SLO {self.slo_p99_ms:g} ms")
+        ax.set_yscale("log")
+        kinds = {l.kind for l in self.loads}
+        ax.set_xlabel("offered load (qps)" if kinds == {"qps"} else "load (qps offered / infer/s served)")
+        ax.set_ylabel("latency (ms): p99 solid, p50 dotted")
+        ax.set_title(f"{self.model}: simulated latency against load")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        hx.set_xlabel("batch size (rows)")
+        hx.set_ylabel("batches")
+        hx.set_title(f"batch sizes at {top}")
+        hx.grid(alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def table_html(self, rows: Sequence[dict] | None = None, columns: Sequence[str] = COLUMNS) -> str:
+        rows = self.results if rows is None else rows
+        best = self.best().row if self.results else None
+        head = "".join(f"<th>{c}</th>" for c in columns)
+        body = []
+        for r in rows:
+            style = ' style="font-weight:bold"' if r is best else ""
+            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in columns)
+                        + "</tr>")
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+    def _repr_html_(self) -> str:
+        png = base64.b64encode(self.plot_png()).decode("ascii")
+        parts = [f"<div><h4>simulate: {html.escape(self.model)} ({len(self.results)} runs, "
+                 f"{self.seconds:.1f} s)</h4>", self.best()._repr_html_()]
+        parts.append(f'<img alt="latency against load" src="data:image/png;base64,{png}"/>')
+        parts.append(self.table_html())
+        if self.bulk is not None:
+            parts.append(self.bulk_effect()._repr_html_())
+        parts.append(f"<p><small>service: {html.escape(repr(self.service))}</small></p></div>")
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        lines = [f"CapacityPlan({self.model}: {len(self.results)} simulations in {self.seconds:.2f} s)",
+                 "  ".join(f"{c:>18}" for c in COLUMNS)]
+        lines += ["  ".join(f"{_cell(r[c]):>18}" for c in COLUMNS) for r in self.results]
+        lines.append(f"best: {self.best()!r}")
+        return "\n".join(lines)
+
+    # ---- acting --------------------------------------------------------------------------
+    def apply(self, config: dict | Answer | None = None) -> Any:
+        """Serve ``config`` (default: ``best()``'s) as a new version of the model, as
+        ``tune().apply()`` does: loaded before the old version stops serving."""
+        from ..kernel.handle import ServedModel
+        chosen = config.config if isinstance(config, Answer) else (config or self.best().config)
+        if chosen is None:
+            raise Unavailable(f"simulate '{self.model}': no config to apply")
+        if self._connection is None or self._files is None:
+            raise InvalidArgument(f"simulate '{self.model}': apply needs the model's files "
+                                  f"(serve it from this kernel, or pass files=)")
+        inst = int(chosen.get("instances", self.results[0]["instances"] if self.results else 1))
+        config = self.config(int(chosen["max_batch_size"]), int(chosen["max_queue_delay_us"]), inst)
+        config["name"] = self.model
+        client = TritonHTTP(self._connection)
+        client.load(self.model, json.dumps(config), self._files)
+        versions = client.metadata(self.model)["versions"]
+        return ServedModel(self.model, max(int(v) for v in versions), self._connection,
+                           notes=[f"simulated: {_knobs(chosen)}"])
+
+
+@dataclass
+class BulkEffect:
+    """The interactive class's latency in three scenarios; ``rows`` one per scenario."""
+    bulk: str
+    config: dict
+    qps: float
+    scenarios: list[tuple[str, dict, str]]
+
+    @property
+    def rows(self) -> list[dict]:
+        out = []
+        for name, row, cls in self.scenarios:
+            inter = row["classes"][cls] if cls and "classes" in row else (
+                row["classes"][""] if "classes" in row else row)
+            bulk = row.get("classes", {}).get(self.bulk)
+            out.append({"scenario": name, "interactive_p50_ms": inter["p50_ms"],
+                        "interactive_p95_ms": inter["p95_ms"], "interactive_p99_ms": inter["p99_ms"],
+                        "bulk_throughput": bulk["throughput"] if bulk else 0.0,
+                        "bulk_p95_ms": bulk["p95_ms"] if bulk else float("nan"),
+                        "mean_batch": row["mean_batch"]})
+        return out
+
+    def p95(self, scenario: int) -> float:
+        return self.rows[scenario]["interactive_p95_ms"]
+
+    def _repr_html_(self) -> str:
+        cols = ("scenario", "interactive_p50_ms", "interactive_p95_ms", "interactive_p99_ms",
+                "bulk_throughput", "bulk_p95_ms", "mean_batch")
+        head = "".join(f"<th>{c}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r[c]))}</td>" for c in cols) + "</tr>"
+                       for r in self.rows)
+        return (f"<h5>interactive {self.qps:g} qps with and without '{html.escape(self.bulk)}' "
+                f"({html.escape(_knobs(self.config))})</h5>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+    def __repr__(self) -> str:
+        return "\n".join(f"{r['scenario']:>45}: interactive p95 {r['interactive_p95_ms']:.2f} ms, "
+                         f"bulk {r['bulk_throughput']:.0f} infer/s" for r in self.rows)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "" if value is None else str(value)
+
+
+def _config_of(row: dict) -> dict:
+    return {"max_batch_size": row["max_batch_size"], "max_queue_delay_us": row["max_queue_delay_us"],
+            "instances": row["instances"]}
+
+
+def _grid(values: Sequence[int] | int | None, default: int, what: str) -> list[int]:
+    if values is None:
+        return [default]
+    out = [int(values)] if isinstance(values, (int, float)) else [int(v) for v in values]
+    if not out or min(out) < 0:
+        raise InvalidArgument(f"simulate: {what} needs values >= 0")
+    return out
+
+
+# ---- the entry point ----------------------------------------------------------------------
+
+def simulate(model: Any, qps: Sequence[float] | float | None = None,
+             max_batch_size: Sequence[int] | int | None = None,
+             max_queue_delay_us: Sequence[int] | int | None = None,
+             instances: Sequence[int] | int | None = None, *,
+             concurrency: Sequence[int] | int | None = None,
+             traffic: dict[str, list] | None = None, classes: Sequence[tr.TrafficClass] = (),
+             bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
+             service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
+             seed: int = 0, overhead_us: float | None = None, repeats: int = 15,
+             files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
+    """Simulate every config of the grid at every load; see the module docstring.
+
+    ``model``: a served model's name or handle. Its execution times are measured once per
+    model version and config (``service`` to pass your own); a grid whose max_batch_size
+    exceeds the served one is measured on a temporary copy (``<model>__sim``) when this
+    kernel served the model (or ``files`` are given), else extrapolated. ``classes``: more
+    traffic on top of every load; ``bulk``: the class ``bulk_effect`` weighs.
+    """
+    from ..kernel import api
+    name = model if isinstance(model, str) else model.name
+    conn = connection or api.connection()
+    client = TritonHTTP(conn)
+    base = client.config(name)
+    base_mbs = int(base.get("max_batch_size", 0) or 0)
+    if base_mbs < 1:
+        raise InvalidArgument(f"simulate '{name}': the model does not batch (max_batch_size 0)")
+    sizes = _grid(max_batch_size, base_mbs, "max_batch_size")
+    delays = _grid(max_queue_delay_us, int((base.get("dynamic_batching") or {})
+                                           .get("max_queue_delay_microseconds", 0) or 0),
+                   "max_queue_delay_us")
+    groups = base.get("instance_group") or [{}]
+    counts = _grid(instances, int(groups[0].get("count", 1) or 1), "instances")
+    if min(sizes) < 1 or min(counts) < 1 or max(counts) > 64:
+        raise InvalidArgument("simulate: max_batch_size >= 1 and instances in [1, 64]")
+    if not 1 <= requests <= 100_000:
+        raise InvalidArgument("simulate: requests must be in [1, 100000]")
+    loads = [Load("qps", float(q)) for q in ([qps] if isinstance(qps, (int, float)) else qps or [])]
+    loads += [Load("concurrency", float(c)) for c in
+              ([concurrency] if isinstance(concurrency, int) else concurrency or [])]
+    loads += [Load("traffic", 0.0, label) for label in (traffic or {})]
+    if not loads:
+        raise InvalidArgument("simulate: give qps=, concurrency= or traffic=")
+    if any(l.value <= 0 for l in loads if l.kind != "traffic") or \
+            any(l.value > 1024 for l in loads if l.kind == "concurrency"):
+        raise InvalidArgument("simulate: qps must be > 0 and concurrency in [1, 1024]")
+    if files is None and name in api.uploaded:
+        files = dict(api.uploaded[name].files)
+    if service is None:
+        service = _measure(client, conn, name, base, max(sizes), files, repeats)
+    return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
+                        extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
+                        seed=seed, overhead_ns=None if overhead_us is None else int(overhead_us * 1000),
+                        bulk=bulk, files=files, connection=conn)
+
+
+def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, largest: int,
+             files: dict[str, bytes] | None, repeats: int) -> ServiceModel:
+    """The served model's sweep; past its max_batch_size, a temporary copy's."""
+    mbs = int(base["max_batch_size"])
+    if largest <= mbs or files is None:
+        return measure(conn, name, repeats=repeats)
+    temp = name + TEMP_SUFFIX
+    config = copy.deepcopy(base)
+    config.update(name=temp, max_batch_size=largest)
+    batching = dict(config.get("dynamic_batching") or {})
+    batching["max_queue_delay_microseconds"] = 0
+    config["dynamic_batching"] = batching
+    try:
+        client.load(temp, json.dumps(config), files)
+        temp_service = measure(conn, temp, repeats=repeats)
+    finally:
+        try:
+            client.unload(temp)
+        except TritonError:
+            pass          # the failure that brought us here is the one to report
+    version = str(max(int(v) for v in client.metadata(name)["versions"]))
+    return ServiceModel(name, version, temp_service.samples, temp_service.overhead_ns,
+                        temp_service.overhead_samples,
+                        method=temp_service.method + f", on a copy with max_batch_size {largest}",
+                        fingerprint=temp_service.fingerprint)

@@ -1,0 +1,301 @@
+"""A model's execution time per batch size, measured through the protocol.
+
+The sweep sends, from one client (c=1), ``repeats`` requests of each batch size and reads the
+model's statistics after each one: the request's execution is the delta of the server's
+``compute_input + compute_infer + compute_output`` for that batch size. The server's own
+figures, not a client's stopwatch, because the simulator needs what occupies an instance;
+what a client sees on top of it (front end, network, its own Python) is measured in the same
+round trip as ``overhead_ns`` (client latency minus the server's queue and compute). A sample
+whose delta is not exactly one execution (someone else used the model) is dropped.
+
+A ``ServiceModel`` draws an execution time for any batch size: the empirical samples of the
+nearest measured size, scaled to the interpolated mean (so the measured spread and tail
+carry over), linear beyond the largest measured size. Sweeps are kept per model, version,
+config fingerprint and server (``ServiceModel.cached``).
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import io
+import json
+import random
+import statistics
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from ..protocol.errors import InvalidArgument, Unavailable
+from ..kernel.client import TritonHTTP
+from ..kernel.discovery import Connection
+
+#: (url, model, version, config fingerprint) -> the sweep; a new version or config re-measures
+_CACHE: dict[tuple[str, str, str, str], "ServiceModel"] = {}
+REQUEST_TIMEOUT_S = 30.0
+
+
+def fingerprint(config: dict) -> str:
+    """What in a config changes execution: everything but the scheduling knobs we vary."""
+    keep = {k: v for k, v in config.items()
+            if k not in ("name", "max_batch_size", "dynamic_batching", "instance_group",
+                         "version_policy")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class ServiceModel:
+    """Execution ns per batch size, as measured: ``samples[rows]`` are single executions."""
+
+    model: str
+    version: str
+    samples: dict[int, list[int]]
+    overhead_ns: int = 0                       # client-seen latency beyond queue + compute, c=1
+    overhead_samples: list[int] = field(default_factory=list, repr=False)
+    method: str = "statistics deltas (compute_input + compute_infer + compute_output), c=1"
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        self.samples = {int(k): sorted(int(v) for v in vs) for k, vs in self.samples.items() if vs}
+        if not self.samples:
+            raise InvalidArgument(f"service model of '{self.model}': no sample")
+        self._sizes = sorted(self.samples)
+        self._means = {b: statistics.fmean(v) for b, v in self.samples.items()}
+
+    # -- drawing ---------------------------------------------------------------------------
+    def mean_ns(self, rows: int) -> float:
+        sizes, means = self._sizes, self._means
+        if rows in means:
+            return means[rows]
+        if len(sizes) == 1:
+            return means[sizes[0]]
+        i = bisect_left(sizes, rows)
+        if i == 0:
+            lo, hi = sizes[0], sizes[1]
+        elif i == len(sizes):
+            lo, hi = sizes[-2], sizes[-1]
+        else:
+            lo, hi = sizes[i - 1], sizes[i]
+        slope = (means[hi] - means[lo]) / (hi - lo)
+        if i == len(sizes):
+            slope = max(slope, 0.0)       # a larger batch does not run faster than a smaller
+        return max(1.0, means[lo] + slope * (rows - lo))
+
+    def nearest(self, rows: int) -> int:
+        return min(self._sizes, key=lambda b: (abs(b - rows), b))
+
+    def __call__(self, rows: int, rng: random.Random) -> int:
+        near = self.nearest(rows)
+        drawn = rng.choice(self.samples[near])
+        return max(1, int(drawn * self.mean_ns(rows) / self._means[near]))
+
+    # -- showing ---------------------------------------------------------------------------
+    def table(self) -> list[dict]:
+        out = []
+        for b in self._sizes:
+            v = self.samples[b]
+            out.append({"batch_size": b, "n": len(v), "mean_ms": self._means[b] / 1e6,
+                        "p50_ms": _q(v, 0.5) / 1e6, "p95_ms": _q(v, 0.95) / 1e6,
+                        "max_ms": v[-1] / 1e6, "per_row_ms": self._means[b] / b / 1e6})
+        return out
+
+    def plot_png(self) -> bytes:
+        """Execution time against batch size: every sample, the mean, the model's line."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.0, 3.6), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for b in self._sizes:
+            ax.scatter([b] * len(self.samples[b]), [v / 1e6 for v in self.samples[b]], s=8,
+                       alpha=0.35, color="tab:blue")
+        ax.plot(self._sizes, [self._means[b] / 1e6 for b in self._sizes], "o-", color="tab:red",
+                label="mean")
+        top = self._sizes[-1] * 2
+        ax.plot([self._sizes[-1], top], [self.mean_ns(self._sizes[-1]) / 1e6, self.mean_ns(top) / 1e6],
+                ":", color="tab:red", label="extrapolated")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (rows)")
+        ax.set_ylabel("execution (ms)")
+        ax.set_title(f"{self.model} v{self.version}: overhead {self.overhead_ns / 1e6:.2f} ms a request")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def _repr_html_(self) -> str:
+        import base64
+        png = base64.b64encode(self.plot_png()).decode("ascii")
+        cols = ("batch_size", "n", "mean_ms", "p50_ms", "p95_ms", "max_ms", "per_row_ms")
+        rows = "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>"
+                       for r in self.table())
+        head = "".join(f"<th>{c}</th>" for c in cols)
+        return (f'<div><img alt="service time" src="data:image/png;base64,{png}"/>'
+                f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+                f"<p><small>{self.method}; overhead {self.overhead_ns / 1e6:.3f} ms</small></p></div>")
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{r['batch_size']}: {r['mean_ms']:.2f} ms" for r in self.table())
+        return f"ServiceModel({self.model} v{self.version}: {rows}; overhead {self.overhead_ns / 1e6:.2f} ms)"
+
+    # -- keeping ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"model": self.model, "version": self.version, "fingerprint": self.fingerprint,
+                "method": self.method, "overhead_ns": self.overhead_ns,
+                "samples": {str(b): v for b, v in self.samples.items()}}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ServiceModel":
+        return cls(obj["model"], str(obj["version"]), {int(b): v for b, v in obj["samples"].items()},
+                   int(obj.get("overhead_ns", 0)), method=obj.get("method", ""),
+                   fingerprint=obj.get("fingerprint", ""))
+
+    @staticmethod
+    def cached(connection: Connection, model: str, version: str, config: dict) -> "ServiceModel | None":
+        return _CACHE.get((connection.url, model, version, fingerprint(config)))
+
+
+def _q(sorted_values: list[int], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def sweep_sizes(largest: int) -> list[int]:
+    """1, 2, 4, ... and ``largest`` itself."""
+    sizes, b = [], 1
+    while b < largest:
+        sizes.append(b)
+        b *= 2
+    return sizes + [largest]
+
+
+def request_body(metadata: dict, rows: int) -> bytes:
+    """A JSON infer request of ``rows`` rows of zeros (variable dims 1), as tune's load has."""
+    inputs = []
+    for inp in metadata["inputs"]:
+        shape = [rows] + [1 if int(d) < 0 else int(d) for d in inp["shape"][1:]]
+        n = 1
+        for d in shape:
+            n *= d
+        value: Any = "0" if inp["datatype"] == "BYTES" else False if inp["datatype"] == "BOOL" else 0
+        inputs.append({"name": inp["name"], "shape": shape, "datatype": inp["datatype"],
+                       "data": [value] * n})
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def _stats(client: TritonHTTP, model: str, version: str) -> dict:
+    [s] = client.stats(model, version)["model_stats"]
+    return s
+
+
+def _executions(s: dict) -> tuple[int, dict[int, int]]:
+    per = {}
+    for b in s.get("batch_stats") or []:
+        per[int(b["batch_size"])] = sum(int(b[k]["ns"]) for k in
+                                        ("compute_input", "compute_infer", "compute_output"))
+    return int(s["execution_count"]), per
+
+
+def measure(connection: Connection, model: str, sizes: list[int] | None = None, repeats: int = 15,
+            warmup: int = 3, version: str = "", refresh: bool = False,
+            time_limit_s: float = 60.0) -> ServiceModel:
+    """Sweep ``sizes`` (default 1, 2, 4, ... up to the model's max_batch_size) ``repeats``
+    times each at c=1; see the module docstring. Cached unless ``refresh``."""
+    client = TritonHTTP(connection)
+    meta = client.metadata(model, version)
+    version = version or str(max(int(v) for v in meta["versions"]))
+    config = client.config(model, version)
+    key = (connection.url, model, version, fingerprint(config))
+    if not refresh and sizes is None and key in _CACHE:
+        return _CACHE[key]
+    mbs = int(config.get("max_batch_size", 0) or 0)
+    if mbs < 1:
+        raise InvalidArgument(f"simulate '{model}': the model does not batch (max_batch_size 0)")
+    sizes = sorted({int(b) for b in (sizes or sweep_sizes(mbs))})
+    if sizes[0] < 1 or sizes[-1] > mbs:
+        raise InvalidArgument(f"simulate '{model}': batch sizes must be in [1, {mbs}] "
+                              f"(its max_batch_size)")
+    if repeats < 1 or repeats > 1000:
+        raise InvalidArgument("simulate: repeats must be in [1, 1000]")
+    parts = urlsplit(connection.url)
+    path = parts.path.rstrip("/") + f"/v2/models/{quote(model, safe='')}/versions/{version}/infer"
+    headers = {"Content-Type": "application/json", **connection.headers}
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S)
+    samples: dict[int, list[int]] = {b: [] for b in sizes}
+    overheads: list[int] = []
+    bodies = {b: request_body(meta, b) for b in sizes}
+    deadline = time.monotonic() + time_limit_s
+    before = _stats(client, model, version)
+    # sizes interleaved, round after round: a machine whose load drifts during the sweep
+    # shifts every size alike instead of bending the curve
+    rounds = [(b, True) for _ in range(warmup) for b in sizes] + \
+        [(b, False) for _ in range(repeats) for b in sizes]
+    try:
+        for b, warming in rounds:
+            if time.monotonic() > deadline:
+                break
+            sent = time.perf_counter_ns()
+            conn.request("POST", path, bodies[b], headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            latency = time.perf_counter_ns() - sent
+            if resp.status != 200:
+                raise Unavailable(f"simulate '{model}': a batch of {b} failed: "
+                                  f"{data[:300].decode('utf-8', 'replace')}")
+            after = _stats(client, model, version)
+            execs0, per0 = _executions(before)
+            execs1, per1 = _executions(after)
+            queue = (int(after["inference_stats"]["queue"]["ns"])
+                     - int(before["inference_stats"]["queue"]["ns"]))
+            before = after
+            compute = per1.get(b, 0) - per0.get(b, 0)
+            if warming or execs1 - execs0 != 1 or compute <= 0:
+                continue
+            samples[b].append(compute)
+            overheads.append(max(0, latency - queue - compute))
+    finally:
+        conn.close()
+    if not any(samples.values()):
+        raise Unavailable(f"simulate '{model}': no clean sample (is another client using it?)")
+    result = ServiceModel(model, version, samples, int(statistics.median(overheads)), overheads,
+                          fingerprint=key[3])
+    _CACHE[key] = result
+    return result
+
+
+def calibrate_overhead(connection: Connection, model: str, seconds: float = 2.0,
+                       load_generator: str = "auto") -> dict:
+    """What one client of ``load_generator`` (perf_analyzer when installed, else tune's
+    loadgen) sees beyond the server's queue + compute at c=1: its p50 latency minus the
+    server's mean queue + compute per request over the same run (statistics deltas). Use
+    it as ``simulate(..., overhead_us=...)`` when comparing with that generator."""
+    from ..kernel import tune as tu
+    client = TritonHTTP(connection)
+    meta = client.metadata(model)
+    version = str(max(int(v) for v in meta["versions"]))
+    perf = tu.find_perf_analyzer() if load_generator in ("auto", "perf_analyzer") else None
+    before = _stats(client, model, version)
+    if perf:
+        run = tu._run_perf_analyzer(perf, connection, model, tu._shapes(meta), 1, seconds)
+    else:
+        run = tu._run_loadgen(connection, model, tu._shapes(meta), 1, seconds)
+    after = _stats(client, model, version)
+
+    def total(s: dict) -> tuple[int, int]:
+        inf = s["inference_stats"]
+        return int(inf["success"]["count"]), sum(int(inf[k]["ns"]) for k in
+                                                 ("queue", "compute_input", "compute_infer", "compute_output"))
+    n0, ns0 = total(before)
+    n1, ns1 = total(after)
+    if n1 <= n0:
+        raise Unavailable(f"simulate '{model}': no request served while calibrating")
+    server_ms = (ns1 - ns0) / (n1 - n0) / 1e6
+    return {"overhead_us": max(0.0, (run["p50_ms"] - server_ms) * 1000), "client_p50_ms": run["p50_ms"],
+            "server_ms": server_ms, "load_generator": "perf_analyzer" if perf else "loadgen"}
