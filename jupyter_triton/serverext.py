@@ -388,6 +388,12 @@ class JupyterTriton(ExtensionApp):
                           ).tag(config=True)
     keep_versions = Int(0, help="after an upload, keep the newest N versions of that model on disk and delete "
                                 "older ones that are not served (0: delete nothing)").tag(config=True)
+    model_residency_bytes = Int(0, help="memory budget of the loaded models, bytes (tritonserver has no such "
+                                "flag; ours is --model-residency-bytes): a request for a model in the "
+                                "repository that is not loaded loads it, and idle models are unloaded, "
+                                "least recently used first, to stay within it. 0: no budget").tag(config=True)
+    max_loaded_models = Int(0, help="most models loaded at once, with the same load-on-demand and eviction "
+                            "(--max-loaded-models). 0: no bound").tag(config=True)
     response_cache_size = Int(0, help="bytes of Triton's response cache (tritonserver's --cache-config "
                                       "local,size=<bytes>) for models whose config says "
                                       "response_cache { enable: true } (0: no cache)").tag(config=True)
@@ -442,7 +448,9 @@ class JupyterTriton(ExtensionApp):
             unload_timeout_secs=self.unload_timeout_secs, max_output_size=self.max_output_size,
             keep_versions=self.keep_versions, histogram_latencies=self.histogram_latencies,
             histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config),
-            response_cache_size=self.response_cache_size))
+            response_cache_size=self.response_cache_size,
+            model_residency_bytes=self.model_residency_bytes,
+            max_loaded_models=self.max_loaded_models))
         self.server_token = secrets.token_urlsafe(32)
         # The server's one admission: the tornado routes, the fast lane, the data port and
         # gRPC share its bytes-in-flight budget; its credentials are set at start, once

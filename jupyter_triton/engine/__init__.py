@@ -31,7 +31,8 @@ class Engine(ModelLifecycle):
     """What every frontend calls. Besides the methods below, its public attributes are
     ``options`` (EngineOptions: the limits and metric switches frontends honour),
     ``repository``, ``response_cache`` (None without --cache-config), ``shared_memory``,
-    ``tracing`` and ``server_calls`` (BLS); frontends use these, never probe for others."""
+    ``tracing``, ``server_calls`` (BLS) and ``residency`` (engine/residency.py: the memory
+    budget, with ``resident_models()``); frontends use these, never probe for others."""
 
     shared_memory: SharedMemoryRegistry
     server_calls: Bls
@@ -65,12 +66,14 @@ class Engine(ModelLifecycle):
         if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
             return await self.tracing.infer(self, request)
         if not uses_shared_memory(request):
-            mv = self._version(request.model_name, request.model_version)
+            mv = (await self.resident_version(request.model_name, request.model_version)
+                  if self.residency.enabled else self._version(request.model_name, request.model_version))
             if mv.response_cache is None:
                 return await mv.infer(request)
             return await mv.response_cache.infer(mv, request)       # engine/cache.py
         await resolve_inputs(request, self.shared_memory)
-        mv = self._version(request.model_name, request.model_version)
+        mv = (await self.resident_version(request.model_name, request.model_version)
+              if self.residency.enabled else self._version(request.model_name, request.model_version))
         response = await (mv.infer(request) if mv.response_cache is None else
                           mv.response_cache.infer(mv, request))
         await place_outputs(response, request, self.shared_memory)
@@ -89,7 +92,8 @@ class Engine(ModelLifecycle):
             finally:
                 await traced.aclose()
             return
-        mv = self._version(request.model_name, request.model_version)
+        mv = (await self.resident_version(request.model_name, request.model_version)
+              if self.residency.enabled else self._version(request.model_name, request.model_version))
         shm = uses_shared_memory(request)
         if shm:
             await resolve_inputs(request, self.shared_memory)
@@ -171,6 +175,23 @@ class Engine(ModelLifecycle):
         return rows
 
     def statistics(self, name: str = "", version: str = "") -> dict:
+        """Triton's statistics; with a residency bound also ``residency`` (the bounds, what
+        is resident, per model its state, cold starts and evictions: engine/residency.py),
+        and for one model its ``history`` of promotions and rollbacks when it has one."""
+        extra: dict = {}
+        if self.residency.enabled:
+            extra["residency"] = self.residency.to_json(self.resident_models())
+        if name:
+            history = self.history(name)
+            if history:
+                extra["history"] = history
+            entry = self._entries.get(name)
+            if self.residency.enabled and not version and not (entry and entry.serving) \
+                    and name in self.repository.model_names():
+                return {"model_stats": [], **extra}       # in the repository, not resident
+        return {**self._statistics(name, version), **extra}
+
+    def _statistics(self, name: str = "", version: str = "") -> dict:
         if name:
             if version:
                 try:
@@ -206,7 +227,7 @@ class Engine(ModelLifecycle):
             v = int(version)
         except ValueError:
             raise InvalidArgument(f"model version must be an integer, got '{version}'") from None
-        mv = entry.serving.get(v)
+        mv = entry.serving.get(v) or entry.staged.get(v)
         if mv is None:
             if v in entry.status:
                 raise Unavailable(f"Request for unknown model: '{name}' version {v} is not at ready state")

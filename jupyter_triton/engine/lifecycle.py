@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -20,7 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import ModelFiles, backend_class, backend_name
 from ..backends.devices import resolve_kind
-from ..config import fill_defaults, validate_config
+from ..config import CONFIG_FILENAME, fill_defaults, validate_config
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
 from .cache import ResponseCache
@@ -28,7 +30,10 @@ from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
 from .histograms import latency_histograms
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from .options import EngineOptions
+from .promotion import Promotion, compare, golden_request, lifecycle_parameters, parse_promotion
 from .rate_limiter import RateLimiter
+from .residency import (EVICTED_REASON, EVICT_WAIT_SECS, FAILED_RETRY_SECS, ON_DEMAND_WAIT_SECS,
+                        RETRY_AFTER_SECS, Residency, idle, pinned)
 
 if TYPE_CHECKING:
     from ..protocol.types import InferRequest, InferResponse
@@ -67,6 +72,8 @@ class Entry:
     # polls left before the next one
     retry_every: int = 0
     retry_in: int = 0
+    # versions loaded for a promotion's golden check: callable by explicit version only
+    staged: dict[int, ModelVersion] = field(default_factory=dict)
 
 
 class ModelLifecycle:
@@ -77,6 +84,8 @@ class ModelLifecycle:
     rate_limiter: RateLimiter
     response_cache: ResponseCache | None
     server_calls: "Bls | None" = None      # the Engine's; what loaded models call models with
+    # how long a request waits for its model's on-demand load before a 503 (Retry-After)
+    on_demand_wait_secs: float = ON_DEMAND_WAIT_SECS
     _version: Callable[[str, str], ModelVersion]
     infer: Callable[["InferRequest"], "InferResponse"]
 
@@ -95,6 +104,14 @@ class ModelLifecycle:
         # Triton's response cache spans models too (--cache-config local,size=<bytes>)
         self.response_cache = ResponseCache(options.response_cache_size) \
             if options.response_cache_size > 0 else None
+        # lifecycle as a control (engine/residency.py): off unless a bound is set
+        self.residency = Residency(options.model_residency_bytes, options.max_loaded_models)
+        self._cold: dict[str, asyncio.Future] = {}      # on-demand loads under way, by model
+        # one on-demand load at a time: each makes room for itself, and its memory reading
+        # is not blurred by another load in the same process
+        self._room = asyncio.Lock()
+        # models an operator unloaded: a request does not load them back
+        self._held_off: set[str] = set()
 
     # ---- the engine's own lifecycle ------------------------------------------------------
     async def start(self) -> None:
@@ -105,6 +122,9 @@ class ModelLifecycle:
         if mode == "explicit":
             wanted = self.options.load_models
             names = names if "*" in wanted else [n for n in wanted]
+        if self.residency.enabled:
+            # within a budget only pinned models load at start; the rest on their first request
+            names = [n for n in names if self._pinned_on_disk(n)]
         for name in names:
             self._wanted.add(name)
             try:
@@ -158,8 +178,26 @@ class ModelLifecycle:
                               "explicit model load / unload is not allowed with model control mode 'none'")
 
     async def load_model(self, name: str, config: str | None = None,
-                         files: dict[str, bytes] | None = None) -> None:
+                         files: dict[str, bytes] | None = None,
+                         parameters: dict | None = None) -> None:
+        """The repository API's load. ``parameters``: its lifecycle keys (engine/promotion.py):
+        ``golden`` (+ ``atol``, ``rtol``, ``promote``) promotes only after a golden check;
+        ``rollback`` brings back the previously served version and config."""
         self._check_explicit()
+        files = dict(files) if files else files
+        lifecycle = lifecycle_parameters(parameters, files)
+        if lifecycle.get("rollback"):
+            if config is not None or files or "golden" in lifecycle:
+                raise InvalidArgument(f"failed to load '{name}': 'rollback' takes no config, "
+                                      f"files or golden set")
+            await self.rollback(name)
+            return
+        if "golden" in lifecycle:
+            await self.promote(name, parse_promotion(lifecycle), config, files)
+            return
+        if "promote" in lifecycle or "atol" in lifecycle or "rtol" in lifecycle:
+            raise InvalidArgument(f"failed to load '{name}': 'promote', 'atol' and 'rtol' "
+                                  f"need a 'golden' set")
         if files and config is None:
             raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
         from ..repository import check_model_name
@@ -172,11 +210,18 @@ class ModelLifecycle:
         finally:
             if not (entry.serving or entry.status or entry.reason) and not entry.lock.locked():
                 self._entries.pop(name, None)    # nothing known: no empty index row
+        self._held_off.discard(name)
+        if self.residency.enabled:
+            self.residency.loaded(name, entry.serving.values(), cold=False)
+            async with self._room:
+                await self._make_room(name, 0)
 
     async def _upload_and_load(self, name: str, entry: Entry, config: str | None,
                                files: dict[str, bytes] | None) -> None:
         loop = asyncio.get_running_loop()
         async with entry.lock:
+            before, before_config = self._served(entry), await loop.run_in_executor(
+                None, self._config_text, name)
             pending: PendingUpload | None = None
             if config is not None or files:
                 pending = await loop.run_in_executor(
@@ -207,6 +252,11 @@ class ModelLifecycle:
                                  self.options.keep_versions, removed)
                 entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
             self._wanted.add(name)
+            after = self._served(entry)
+            if after is not None and after != before:
+                await loop.run_in_executor(None, self._record, name, {
+                    "action": "load", "version": after, "previous": before,
+                    "previous_config": before_config})
 
     def _fingerprint_or_empty(self, name: str) -> str:
         # Only polling compares whole-model fingerprints; the walk costs O(versions on disk)
@@ -228,6 +278,7 @@ class ModelLifecycle:
         entry = self._entries.get(name)
         dependents = [m for mv in (entry.serving.values() if entry else ()) if is_ensemble(mv.config)
                       for m in composing_models(mv.config)]
+        self._held_off.add(name)
         await self._unload(name)
         if unload_dependents:                    # Triton: an ensemble's composing models go too
             for dependent in dict.fromkeys(dependents):
@@ -248,6 +299,262 @@ class ModelLifecycle:
                                    for mv in old.values()))
             for v in old:
                 entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
+
+    # ---- promotion and rollback (engine/promotion.py, repository/history.py) -------------
+    def history(self, name: str) -> list[dict]:
+        """Which version served after each load, promotion, refusal and rollback."""
+        return self.repository.lifecycle_history(name)
+
+    def _served(self, entry: Entry) -> int | None:
+        ready = [v for v, mv in entry.serving.items() if mv.ready]
+        return max(ready) if ready else None
+
+    def _config_text(self, name: str) -> str | None:
+        try:
+            return (self.repository.model_dir(name) / CONFIG_FILENAME).read_text(encoding="utf-8")
+        except (TritonError, OSError):
+            return None
+
+    def _record(self, name: str, record: dict) -> None:
+        try:
+            self.repository.record_lifecycle(name, record)
+        except (TritonError, OSError) as err:      # the swap happened; only its log is short
+            log.error("model '%s': could not append to its lifecycle history: %s", name, err)
+
+    async def promote(self, name: str, promotion: Promotion, config: str | None = None,
+                      files: dict[str, bytes] | None = None) -> None:
+        """Load the new version (an upload's, or ``promotion.version`` on disk) staged: not
+        served, callable by explicit version; run the golden cases through it; only if every
+        output matches, switch the version policy to it (new version READY before the old
+        one retires). Otherwise the upload is set aside and InvalidArgument says, per case,
+        what differed; what served keeps serving."""
+        from ..repository import check_model_name
+        check_model_name(name)
+        if files and config is None:
+            raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
+        if config is not None and not files:
+            raise InvalidArgument(f"failed to promote '{name}': a config comes with the files "
+                                  f"of the version it is for")
+        if not files and promotion.version is None:
+            raise InvalidArgument(f"failed to promote '{name}': give the new version's files, "
+                                  f"or the version on disk to promote ('promote': <version>)")
+        loop = asyncio.get_running_loop()
+        entry = self._entries.setdefault(name, Entry(name))
+        async with entry.lock:
+            before, before_config = self._served(entry), await loop.run_in_executor(
+                None, self._config_text, name)
+            pending: PendingUpload | None = None
+            if files:
+                pending = await loop.run_in_executor(
+                    None, self.repository.stage_upload, name, config, dict(files))
+            target = max(pending.versions) if pending is not None else promotion.version
+            staged: ModelVersion | None = None
+            try:
+                staged = await self._stage(name, entry, target)
+                diffs = []
+                for i, case in enumerate(promotion.cases):
+                    try:
+                        response = await staged.infer(golden_request(name, target, case))
+                        outputs = {t.name: t.data for t in response.outputs}
+                        diff = compare(i, case, outputs, promotion.atol, promotion.rtol)
+                    except TritonError as err:
+                        diff = {"case": i, "error": str(err)}
+                    if diff is not None:
+                        diffs.append(diff)
+                if diffs:
+                    summary = json.dumps({"version": target, "cases": len(promotion.cases),
+                                          "failed": diffs})
+                    raise InvalidArgument(f"promotion of '{name}' version {target} refused: "
+                                          f"its outputs differ from the golden set: {summary}")
+                if pending is not None:
+                    await asyncio.shield(loop.run_in_executor(None, pending.commit))
+                else:
+                    await loop.run_in_executor(None, self._serve_only, name, target)
+                await self._load_locked(name, entry)
+                leftover = entry.staged.pop(target, None)    # its config changed: loaded anew
+                if leftover is not None:
+                    await leftover.unload(drain_seconds=0, close_seconds=self.options.exit_timeout_secs)
+            except BaseException as err:
+                if staged is not None and entry.staged.get(target) is staged:
+                    entry.staged.pop(target)
+                    await staged.unload(drain_seconds=0, close_seconds=self.options.exit_timeout_secs)
+                if pending is not None:
+                    await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
+                elif promotion.version is not None and self._served(entry) != target:
+                    await loop.run_in_executor(None, self._restore_config, name, before_config)
+                if target is not None and target not in entry.serving:
+                    entry.status[target] = VersionStatus(UNAVAILABLE, f"not promoted: {err}"[:2000])
+                if isinstance(err, InvalidArgument) and "refused" in str(err):
+                    await loop.run_in_executor(None, self._record, name, {
+                        "action": "refused", "version": target, "served": before,
+                        "reason": str(err)[:4000]})
+                raise
+            self._wanted.add(name)
+            await loop.run_in_executor(None, self._record, name, {
+                "action": "promote", "version": self._served(entry), "previous": before,
+                "previous_config": before_config, "golden_cases": len(promotion.cases)})
+
+    async def _stage(self, name: str, entry: Entry, version: int) -> ModelVersion:
+        loop = asyncio.get_running_loop()
+        model_dir = self.repository.model_dir(name)
+        if version not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
+            raise NotFound(f"model '{name}' has no version {version} in the model repository")
+        config, backend, _ = await loop.run_in_executor(None, self._prepare, name, model_dir)
+        stamp = await loop.run_in_executor(None, self._stamp, name, config, [version])
+        mv = self._new_version(config, backend, version, model_dir, stamp[version])
+        entry.status[version] = VersionStatus("LOADING", "staged for a golden check")
+        await mv.load()
+        entry.staged[version] = mv
+        entry.status[version] = VersionStatus(READY, "staged: not served until promoted")
+        return mv
+
+    def _serve_only(self, name: str, version: int) -> None:
+        config = self.repository.read_config(name)
+        config.version_policy.specific.versions[:] = [version]
+        self.repository.write_config(name, config)        # the replaced one goes to .history/
+
+    def _restore_config(self, name: str, text: str | None) -> None:
+        if text is not None and self._config_text(name) != text:
+            from ..config import parse_config
+            self.repository.write_config(name, parse_config(text, name, CONFIG_FILENAME))
+
+    async def rollback(self, name: str) -> None:
+        """Serve again the version that served before the current one, with the config it
+        was served with (its version policy pinned to it), in one swap: it is READY before
+        the current version retires."""
+        self._check_explicit()
+        entry = self._entries.get(name)
+        current = self._served(entry) if entry is not None else None
+        if current is None:
+            raise Unavailable(f"failed to roll back '{name}': no version of it is being served")
+        loop = asyncio.get_running_loop()
+        records = await loop.run_in_executor(None, self.history, name)
+        back = next((r for r in reversed(records) if r.get("action") in ("load", "promote", "rollback")
+                     and r.get("version") == current and isinstance(r.get("previous"), int)), None)
+        if back is None:
+            raise InvalidArgument(f"failed to roll back '{name}': its history has no version "
+                                  f"served before version {current}")
+        previous, previous_config = back["previous"], back.get("previous_config")
+        async with entry.lock:
+            current_config = await loop.run_in_executor(None, self._config_text, name)
+            if previous not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
+                raise NotFound(f"failed to roll back '{name}': version {previous} is no longer in "
+                               f"the model repository")
+
+            def pin_previous() -> None:
+                from ..config import parse_config
+                config = (parse_config(previous_config, name, CONFIG_FILENAME) if previous_config
+                          else self.repository.read_config(name))
+                config.version_policy.specific.versions[:] = [previous]
+                self.repository.write_config(name, config)
+            await loop.run_in_executor(None, pin_previous)
+            try:
+                await self._load_locked(name, entry)
+            except BaseException:
+                await loop.run_in_executor(None, self._restore_config, name, current_config)
+                raise
+        await loop.run_in_executor(None, self._record, name, {
+            "action": "rollback", "version": self._served(entry), "previous": current,
+            "previous_config": current_config})
+
+    # ---- residency: load on demand, evict the least recently used idle models ----------
+    async def resident_version(self, name: str, version: str = "") -> ModelVersion:
+        """``_version``, but a model that is in the repository and not loaded (evicted, or
+        never asked for) is loaded first, once however many requests wait for it, within
+        ON_DEMAND_WAIT_SECS (then Unavailable with ``retry_after``)."""
+        deadline = time.monotonic() + self.on_demand_wait_secs
+        for _ in range(8):     # a model loaded for us may be evicted before we run: ask again
+            entry = self._entries.get(name)
+            if (entry is not None and entry.serving) or not self._loadable(name):
+                self.residency.touch(name)
+                return self._version(name, version)
+            await self._on_demand(name, deadline - time.monotonic())
+        raise _retry_later(f"model '{name}' was evicted again before this request could run")
+
+    def _loadable(self, name: str) -> bool:
+        if name in self._held_off or self._started is False:
+            return False
+        if time.monotonic() - self.residency.of(name).failed_at < FAILED_RETRY_SECS:
+            return False
+        try:
+            self.repository.model_dir(name)
+        except TritonError:
+            return False
+        return True
+
+    async def _on_demand(self, name: str, wait: float) -> None:
+        load = self._cold.get(name)
+        if load is None:
+            load = self._cold[name] = asyncio.ensure_future(self._cold_load(name))
+            load.add_done_callback(lambda f: (self._cold.pop(name, None) if self._cold.get(name) is f
+                                              else None, f.cancelled() or f.exception()))
+        try:
+            # shielded: a client that goes away does not cancel the load others wait for
+            await asyncio.wait_for(asyncio.shield(load), max(wait, 0.0))
+        except asyncio.TimeoutError:
+            raise _retry_later(f"model '{name}' is being loaded on demand") from None
+        except TritonError as err:
+            raise _load_failed(name, err) from None
+
+    async def _cold_load(self, name: str) -> None:
+        async with self._room:
+            if self._has_ready_version(name):
+                return
+            state = self.residency.of(name)
+            await self._make_room(name, state.size)
+            entry = self._entries.setdefault(name, Entry(name))
+            try:
+                async with entry.lock:
+                    await self._load_locked(name, entry)
+            except BaseException:
+                state.failed_at = time.monotonic()
+                raise
+            self._wanted.add(name)
+            self.residency.loaded(name, entry.serving.values(), cold=True)
+            log.info("model '%s' loaded on demand (%d bytes)", name, state.size)
+            await self._make_room(name, 0)
+
+    def resident_models(self) -> dict[str, list[ModelVersion]]:
+        return {n: list(e.serving.values()) for n, e in self._entries.items() if e.serving}
+
+    async def _make_room(self, incoming: str, size: int) -> None:
+        """Evict what ``residency.victims`` chooses so that ``incoming`` fits."""
+        loaded = self.resident_models()
+        self.residency.note_resident(sum(self.residency.of(n).size for n in loaded))
+        busy = {n for n, e in self._entries.items() if e.lock.locked()}
+        victims = self.residency.victims(loaded, incoming, size, busy)
+        if victims:
+            await asyncio.gather(*(self._evict(n) for n in victims))
+
+    async def _evict(self, name: str) -> None:
+        entry = self._entries.get(name)
+        deadline = time.monotonic() + EVICT_WAIT_SECS
+        while entry is not None and entry.serving and not entry.lock.locked():
+            busy = [mv for mv in entry.serving.values() if not idle(mv)]
+            if not busy:
+                break
+            if time.monotonic() >= deadline:
+                return                 # still busy: it stays, over the budget for a while
+            # requests take milliseconds; a new one may arrive while we wait: look again
+            await asyncio.wait([asyncio.ensure_future(mv._idle.wait()) for mv in busy],
+                               timeout=max(deadline - time.monotonic(), 0.0))
+        if entry is None or entry.lock.locked() or not entry.serving:
+            return
+        old, entry.serving = entry.serving, {}
+        entry.changes += 1
+        for v in old:
+            entry.status[v] = VersionStatus(UNAVAILABLE, EVICTED_REASON)
+        self._wanted.discard(name)
+        self.residency.evicted(name)
+        log.info("model '%s' evicted (residency budget)", name)
+        await asyncio.gather(*(mv.unload(drain_seconds=self.options.unload_timeout_secs)
+                               for mv in old.values()))
+
+    def _pinned_on_disk(self, name: str) -> bool:
+        try:
+            return pinned(self.repository.read_config(name))
+        except (TritonError, OSError):
+            return False
 
     async def _load(self, name: str) -> None:
         self.repository.model_dir(name)
@@ -291,24 +598,16 @@ class ModelLifecycle:
             await self._load_composing(name, config)
             entry.waits_on = {m: self._changes(m) for m in composing_models(config)}
         stamp = await loop.run_in_executor(None, self._stamp, name, config, versions)
-        keep = {v: mv for v, mv in entry.serving.items()
+        # a version staged for promotion is served as it was checked, not loaded again
+        keep = {v: mv for v, mv in {**entry.staged, **entry.serving}.items()
                 if v in versions and stamp.get(v) == mv.stamp}
+        entry.staged = {v: mv for v, mv in entry.staged.items() if v not in keep}
         fresh: dict[int, ModelVersion] = {}
         errors: list[tuple[int, TritonError]] = []
         for v in versions:
             if v in keep:
                 continue
-            mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
-                              (_Composing(self._version), self.infer)
-                              if backend == ENSEMBLE_BACKEND else None,
-                              max_output_size=self.options.max_output_size,
-                              server_calls=self.server_calls)
-            mv.stamp = stamp[v]
-            if (self.response_cache is not None and mv.config.response_cache.enable
-                    and not mv.decoupled):
-                mv.response_cache = self.response_cache.for_model(mv.stats)
-            mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
-                                                     self.options.histogram_buckets_ms)
+            mv = self._new_version(config, backend, v, model_dir, stamp[v])
             entry.status[v] = VersionStatus("LOADING")
             try:
                 await mv.load()
@@ -343,6 +642,21 @@ class ModelLifecycle:
             task = asyncio.ensure_future(mv.unload(drain_seconds=self.options.unload_timeout_secs))
             self._unloading.add(task)
             task.add_done_callback(self._unloading.discard)
+
+    def _new_version(self, config: mc.ModelConfig, backend: str, v: int, model_dir: Path,
+                     stamp: str) -> ModelVersion:
+        mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
+                          (_Composing(self._version), self.infer)
+                          if backend == ENSEMBLE_BACKEND else None,
+                          max_output_size=self.options.max_output_size,
+                          server_calls=self.server_calls)
+        mv.stamp = stamp
+        if (self.response_cache is not None and mv.config.response_cache.enable
+                and not mv.decoupled):
+            mv.response_cache = self.response_cache.for_model(mv.stats)
+        mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
+                                                 self.options.histogram_buckets_ms)
+        return mv
 
     async def _load_composing(self, name: str, config: mc.ModelConfig) -> None:
         """Triton loads an ensemble's composing models that are not loaded yet; one that fails
@@ -436,6 +750,8 @@ class ModelLifecycle:
                 entry.retry_in -= 1
                 if entry.retry_in > 0:
                     continue
+            if self.residency.enabled and not (entry is not None and entry.serving):
+                continue          # within a budget a model loads on its first request
             previous = entry.last_error if entry is not None else ""
             self._wanted.add(name)
             try:
@@ -492,6 +808,13 @@ def _load_failed(name: str, err: TritonError) -> TritonError:
             f"load failed for model '{name}': version {stage} is at UNAVAILABLE state: {text}")
     err.message = text
     err.args = (text,)
+    return err
+
+
+def _retry_later(message: str) -> Unavailable:
+    err = Unavailable(f"{message}; retry in {RETRY_AFTER_SECS} s")
+    # frontends answer it with a Retry-After header
+    err.retry_after = RETRY_AFTER_SECS  # type: ignore[attr-defined]
     return err
 
 

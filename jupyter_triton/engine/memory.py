@@ -12,7 +12,10 @@ Where a model runs decides how we can know:
   while the version loaded and warmed up (RSS growth; on a GPU torch's allocator growth for
   pytorch, NVML's per-process growth otherwise), once, at load. Arenas that grow later, on
   bigger batches, are not counted, and another model loading at the same moment blurs the
-  figure; it is an honest measurement of the load, not an accounting of the heap.
+  figure; it is an honest measurement of the load, not an accounting of the heap. The
+  allocator may give a reloaded model the memory an unloaded one freed, so on the CPU the
+  figure is at least the bytes of the version's files (its weights): the residency budget
+  (engine/residency.py) sums these figures.
 
 Nothing here runs on the data path: the probe runs once per load, and the live readings
 only when someone asks for statistics or metrics.
@@ -116,6 +119,21 @@ def _torch_allocated(devices: Iterable[int]) -> dict[int, int]:
     return {d: int(torch.cuda.memory_allocated(d)) for d in devices}
 
 
+def files_bytes(backends: Iterable[Any]) -> int:
+    """Bytes of the version directory the backends loaded from (once, however many instances)."""
+    dirs = {str(b.files.version_dir) for b in backends if getattr(b, "files", None) is not None}
+    total = 0
+    for d in dirs:
+        for dirpath, dirnames, filenames in os.walk(d):
+            dirnames[:] = [n for n in dirnames if n != "__pycache__"]
+            for name in filenames:
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    pass
+    return total
+
+
 def worker_pids(backends: Iterable[Any]) -> list[int]:
     """The worker processes serving these instances (python models in process mode)."""
     pids = []
@@ -143,6 +161,11 @@ class LoadProbe:
             return _Live(backends)
         gpus = sorted({b.instance.device_id for b in backends if b.instance.kind == "KIND_GPU"})
         cpu = max(0, rss(self._pid, children=False) - self._rss)
+        if not gpus:
+            # the allocator reuses what an unloaded model freed (glibc raises its mmap
+            # threshold after the first large free), so a reload can grow RSS by nothing;
+            # a model on the CPU holds at least its files' bytes (its weights)
+            cpu = max(cpu, files_bytes(backends))
         usage = [{"type": "CPU", "id": 0, "byte_size": cpu}]
         if gpus:
             if any(getattr(b, "backend_name", "") == "pytorch" for b in backends):

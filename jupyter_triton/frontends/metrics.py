@@ -128,11 +128,33 @@ class TritonMetricsCollector:
                       ((labels, s.load_seconds) for s, labels in stats))
         yield _family("nv_model_memory_bytes", "Memory held by a model version, in bytes, by kind "
                       "(CPU or GPU)", "gauge", memory_samples(stats))
+        residency = getattr(self.engine, "residency", None)     # absent on a stand-in engine
+        if residency is not None and residency.enabled:
+            yield from _residency_metrics(residency.to_json(self.engine.resident_models()))
         if self.cpu:
             yield from _cpu_metrics()
         if self._gpus is not None:
             yield from self._gpus.collect()
         yield from custom_metric_families()   # models' own (pb_utils.MetricFamily)
+
+
+def _residency_metrics(residency: dict) -> Iterator[Metric]:
+    """Lifecycle as a control (engine/residency.py): per model, loads a request caused and
+    evictions; server-wide, resident bytes against the budget."""
+    models = residency["models"]
+    yield _family("nv_model_cold_starts_total", "Number of model loads caused by a request "
+                  "for a model that was not loaded", "counter",
+                  (({"model": m["name"]}, m["cold_starts"]) for m in models))
+    yield _family("nv_model_evictions_total", "Number of times an idle model was unloaded to "
+                  "stay within the residency budget", "counter",
+                  (({"model": m["name"]}, m["evictions"]) for m in models))
+    yield _family("nv_model_resident", "1 while the model is loaded, 0 while it is not "
+                  "(evicted, or not asked for yet)", "gauge",
+                  (({"model": m["name"]}, int(m["state"] == "RESIDENT")) for m in models))
+    yield _family("nv_model_resident_bytes", "Memory held by the loaded models, in bytes",
+                  "gauge", [({}, residency["resident_bytes"])])
+    yield _family("nv_model_residency_budget_bytes", "The residency budget, in bytes (0: none)",
+                  "gauge", [({}, residency["budget_bytes"])])
 
 
 def _family(name: str, doc: str, kind: str, values: Iterable[tuple[dict, float]]) -> Metric:

@@ -34,6 +34,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import (CONFIG_FILENAME, config_from_json, config_to_pbtxt, load_config_file,
                       parse_config, validate_config)
 from ..protocol.errors import Internal, InvalidArgument, NotFound
+from . import history
 from .layout import check_model_name, is_hidden, is_version_dir_name
 from .upload import MAX_UPLOAD_BYTES, UploadedFile, parse_upload_files
 
@@ -131,6 +132,16 @@ class Repository:
                               f"{version}/{CONFIG_FILENAME}")
         config.name = config.name or name
         return config
+
+    def lifecycle_history(self, name: str) -> list[dict]:
+        """Promotions, refusals and rollbacks of ``name``, oldest first (repository/history.py)."""
+        try:
+            return history.read(self.model_dir(name))
+        except NotFound:
+            return []
+
+    def record_lifecycle(self, name: str, record: dict) -> dict:
+        return history.append(self.model_dir(name), record)
 
     def history(self, name: str) -> list[Path]:
         """Preserved earlier config.pbtxt files, oldest first."""
