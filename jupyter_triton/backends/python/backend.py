@@ -83,7 +83,6 @@ nothing for it: its batches take the same two messages as before.
 """
 from __future__ import annotations
 
-import sys
 
 import ast
 import collections
@@ -111,6 +110,7 @@ from ...protocol.types import InferRequest, InferTensor, RequestedOutput
 from ..base import Backend, BackendDead, InstanceSpec, ModelFiles, ResponseSender, Tensors
 from . import triton_python_backend_utils as pb_utils
 from .stub import ModelStub, OrphanCloser, RequestData, bls_response, bls_spec, ResponseError, StubError, module_name, run_auto_complete_config
+from . import messages
 from .envs import EXECUTION_ENV_PATH, packed_env
 from .shm import SharedMemoryFull
 from .worker import WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker, describe_exit
@@ -606,18 +606,18 @@ class PythonBackend(Backend):
                              decoupled=self.decoupled, side=self._side_message,
                              blas_threads=self.blas_threads, env=self.env).start()
 
-    def _side_message(self, worker: WorkerProcess, msg: tuple) -> None:
+    def _side_message(self, worker: WorkerProcess, msg: Any) -> None:
         """A worker's message that is not an answer: BLS calls, custom metrics. Never blocks:
         it runs on the thread that waits for a batch, or on a decoupled worker's reader."""
-        kind = msg[0]
-        if kind == "b":
-            _bls_pool().submit(self._bls_for_worker, worker, msg[1], msg[2], msg[3])
-        elif kind == "bx":
-            stream = self._bls_streams.pop((id(worker), msg[1]), None)
+        kind = type(msg)
+        if kind is messages.BlsCall:
+            _bls_pool().submit(self._bls_for_worker, worker, *msg)
+        elif kind is messages.BlsDropped:
+            stream = self._bls_streams.pop((id(worker), msg.call_id), None)
             if stream is not None:
                 stream.close()
-        elif kind == "m":
-            _, call_id, op, args = msg
+        elif kind is messages.Metric:
+            call_id, op, args = msg
             from ... import model_metrics
             try:
                 result, ok = model_metrics.apply(op, args, self), True
@@ -626,9 +626,9 @@ class PythonBackend(Backend):
                 if not call_id:
                     log.warning("%s: custom metric %s failed: %s", self._who, op, err)
             if call_id:
-                worker.send_side(("mr", call_id, ok, result))
+                worker.send_side(messages.MetricReply(call_id, ok, result))
         else:
-            log.warning("%s: unknown message %r from the worker", self._who, kind)
+            log.warning("%s: unexpected %s from the worker", self._who, kind.__name__)
 
     # -- BLS ----------------------------------------------------------------------------------
 
@@ -643,7 +643,7 @@ class PythonBackend(Backend):
                 if worker.closed:      # the caller is gone: stop (and cancel) its stream
                     results.close()
                     break
-                worker.send_side(("br", (call_id, seq), worker.pack(outputs), error, final))
+                worker.send_side(messages.BlsReply((call_id, seq), worker.pack(outputs), error, final))
                 seq += 1
         finally:
             self._bls_streams.pop(key, None)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .envs import PackedEnv
-from .messages import START, Channel
+from .messages import Channel, Start
 from .worker_main import TEMPLATE_STATUS
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ def start(job: str, model_py: str, payload: Any, blas_threads: int = 0,
         os.close(out_w)
         os.close(err_w)
     try:
-        Channel(ours.fileno()).send((START, job, model_py, payload, blas_threads, environ, os.getcwd()))
+        Channel(ours.fileno()).send(Start(job, model_py, payload, blas_threads, environ, os.getcwd()))
     except OSError:
         pass   # it died at once: the caller sees end-of-file and its exit
     return ours, out_r, err_r, process

@@ -34,7 +34,10 @@ from typing import Any, Callable
 from ...model_logs import LOGS
 from . import launch
 from .envs import PackedEnv
-from .messages import LOGGER_MARK, READ_CHUNK, SHM_MESSAGE_BYTES, SIDE, Channel, payload_bytes
+from .messages import (LOGGER_MARK, READ_CHUNK, SHM_MESSAGE_BYTES, SIDE, AutoCompleted, BlsCall,
+                       CancelQuery, CancelReply, Channel, DecoupledReturned, Execute, ExecuteDecoupled,
+                       Failed, Finalize, Grow, LoanAsk, LoanDone, LoanReply, OutputRegion, Release,
+                       Response, Results, payload_bytes)
 from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
 from .stub import RequestData, ResponseError, StubError
 
@@ -54,6 +57,13 @@ class WorkerTimeout(Exception):
         super().__init__(f"{what} did not finish within {seconds:g} s")
         self.what = what
         self.seconds = seconds
+
+
+def _unexpected(msg: Any) -> StubError:
+    """``Failed``'s error, or a StubError naming what a confused worker sent."""
+    if type(msg) is Failed:
+        return StubError(*msg.error)
+    return StubError("execute", f"the python worker answered {type(msg).__name__}")
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -145,8 +155,8 @@ class WorkerProcess:
     def wait_ready(self, timeout: float | None = None) -> None:
         """Raises ``StubError`` (initialize failed), ``WorkerDied`` or ``WorkerTimeout``."""
         msg = self._recv("initialize", timeout)
-        if msg[0] == "error":
-            raise StubError(*msg[1])
+        if type(msg) is Failed:
+            raise StubError(*msg.error)
         self.ready = True
         if self.decoupled:
             self._reader = threading.Thread(target=self._read_loop, daemon=True,
@@ -181,21 +191,21 @@ class WorkerProcess:
         if self._out is None:
             self._grow("_out", 0)
         deadline = None if not timeout else time.monotonic() + timeout
-        self._send(("x", self._in.name if self._in is not None else "", self._out.name, metas))
+        self._send(Execute(self._in.name if self._in is not None else "", self._out.name, metas))
         msg = self._recv("execute", timeout, deadline)
-        if msg[0] == "grow":
+        if type(msg) is Grow:
             self._out.close()   # its content is not needed: free its pages before asking for more
             self._out = None
             try:
-                self._out = ShmRegion.create(msg[1])
+                self._out = ShmRegion.create(msg.nbytes)
             except SharedMemoryFull:
-                self._send(("o", None))
+                self._send(OutputRegion(None))
                 raise
-            self._send(("o", self._out.name))
+            self._send(OutputRegion(self._out.name))
             msg = self._recv("execute", timeout, deadline)
-        if msg[0] == "error":
-            raise StubError(*msg[1])
-        items = msg[1]
+        if type(msg) is not Results:
+            raise _unexpected(msg)
+        items = msg.items
         tensors = iter(self._out.read_many([item for item in items if type(item) is list]))
         return [next(tensors) if type(item) is list else ResponseError(*item) for item in items]
 
@@ -211,10 +221,10 @@ class WorkerProcess:
             key = next(self._keys)
             self._sinks[key] = sink
             keys.append(key)
-        self._send(("xd", self._in.name if self._in is not None else "", metas, keys))
+        self._send(ExecuteDecoupled(self._in.name if self._in is not None else "", metas, keys))
         msg = self._recv("execute", timeout)
-        if msg[0] == "error":
-            raise StubError(*msg[1])
+        if type(msg) is not DecoupledReturned:
+            raise _unexpected(msg)
 
     @property
     def closed(self) -> bool:
@@ -235,17 +245,17 @@ class WorkerProcess:
             while True:
                 msg = chan.take()
                 if msg is not None:
-                    kind = msg[0]
-                    if kind == "d":
-                        _, key, outputs, error, final = msg
+                    kind = type(msg)
+                    if kind is Response:
+                        key, outputs, error, final = msg
                         if type(outputs) is tuple:
                             outputs = self._take_loan(outputs)
                         sink = sinks.pop(key, None) if final else sinks.get(key)
                         if sink is not None:
                             sink.deliver(outputs, error, final)
-                    elif kind == "cq":
-                        sink = sinks.get(msg[2])
-                        self._send(("cr", msg[1], True if sink is None else sink.cancelled()))
+                    elif kind is CancelQuery:
+                        sink = sinks.get(msg.key)
+                        self._send(CancelReply(msg.call_id, True if sink is None else sink.cancelled()))
                     elif kind in SIDE:
                         self._side_message(msg)
                     else:
@@ -274,24 +284,24 @@ class WorkerProcess:
                     log.exception("python worker %s: failing an open request", self.label)
 
     def _side_message(self, msg: Any) -> None:
-        kind = msg[0]
-        if kind == "a":     # the worker wants a region for tensors it is about to send
-            self._send(("ar", msg[1], self._lend(msg[2])))
+        kind = type(msg)
+        if kind is LoanAsk:     # the worker wants a region for tensors it is about to send
+            self._send(LoanReply(msg.call_id, self._lend(msg.nbytes)))
             return
-        if kind == "af":    # it has read the region it was sent
-            region = self._loans.pop(msg[1], None)
+        if kind is LoanDone:    # it has read the region it was sent
+            region = self._loans.pop(msg.region, None)
             if region is not None:
                 region.close()
             return
-        if kind == "b" and type(msg[3][2]) is tuple:
-            spec = list(msg[3])
+        if kind is BlsCall and type(msg.spec[2]) is tuple:
+            spec = list(msg.spec)
             spec[2] = self._take_loan(spec[2])
-            msg = (*msg[:3], tuple(spec))
+            msg = msg._replace(spec=tuple(spec))
         if self._side is not None:
             try:
                 self._side(self, msg)
             except Exception:
-                log.exception("python worker %s: side message %r failed", self.label, msg[0])
+                log.exception("python worker %s: side message %s failed", self.label, kind.__name__)
 
     def _grow(self, attr: str, nbytes: int) -> None:
         old = getattr(self, attr)
@@ -305,7 +315,7 @@ class WorkerProcess:
             if old is None:
                 raise
         # The worker still maps the old region, whose pages count until it lets go of them.
-        self._send(("r",))
+        self._send(Release())
         self._recv("release")
         setattr(self, attr, ShmRegion.create(nbytes))
 
@@ -373,7 +383,7 @@ class WorkerProcess:
         while True:
             msg = chan.take()
             if msg is not None:
-                if msg[0] in SIDE:
+                if type(msg) in SIDE:
                     self._side_message(msg)
                     continue
                 return msg
@@ -453,10 +463,10 @@ class WorkerProcess:
             self.end_reason = ("closed", "the model instance was unloaded")
         try:
             if self.ready and self._process is not None and self._process.is_alive():
-                self._send(("f",))
+                self._send(Finalize())
                 msg = self._recv("finalize", timeout)
-                if msg[0] == "error":
-                    error = StubError(*msg[1])
+                if type(msg) is Failed:
+                    error = StubError(*msg.error)
         except WorkerTimeout:
             log.warning("python worker %s: finalize did not return within %g s; killed it",
                         self.label, timeout)
@@ -585,9 +595,9 @@ def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeou
         except (EOFError, OSError):
             process.join(5)
             raise WorkerDied(process.exitcode) from None
-        if msg[0] == "error":
-            raise StubError(*msg[1])
-        return msg[1]
+        if type(msg) is not AutoCompleted:
+            raise _unexpected(msg)
+        return msg.config
     finally:
         sock.close()
         process.join(5)

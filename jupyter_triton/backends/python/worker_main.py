@@ -37,7 +37,10 @@ import traceback
 from typing import Any, Callable
 
 from . import triton_python_backend_utils as pb_utils
-from .messages import (LOGGER_MARK, REPLIES, SHM_MESSAGE_BYTES, START, Channel, payload_bytes)
+from .messages import (LOGGER_MARK, REPLIES, SHM_MESSAGE_BYTES, AutoCompleted, BlsCall, BlsDropped,
+                       BlsReply, CancelQuery, Channel, DecoupledReturned, Execute, ExecuteDecoupled,
+                       Failed, Finalize, Finalized, Grow, LoanAsk, LoanDone, Metric, OutputRegion,
+                       Ready, Release, Released, Response, Results, Start, payload_bytes)
 from .shm import ShmRegion, stage
 from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
                    run_auto_complete_config)
@@ -58,7 +61,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
     """A worker's life, on socket ``fd`` to the server: its first message says the job
-    (``messages.START``): "serve" (payload: Triton's args) or "auto_complete" (payload:
+    (``messages.Start``): "serve" (payload: Triton's args) or "auto_complete" (payload:
     (module name, config JSON)), the BLAS threads (0 leaves the library's or the
     environment's choice), the server's environment and working directory (a worker forked
     from the template gets those of the server now, not of when the template started).
@@ -74,10 +77,12 @@ def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = Channel(fd)
     try:
-        kind, job, model_py, payload, blas_threads, environ, cwd = chan.recv()
-    except (EOFError, OSError, ValueError):
+        start = chan.recv()
+    except (EOFError, OSError, ValueError, KeyError):
         return
-    assert kind == START, kind
+    if type(start) is not Start:
+        return
+    job, model_py, payload, blas_threads, environ, cwd = start
     os.environ.clear()
     os.environ.update(environ)
     try:
@@ -92,9 +97,9 @@ def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
                         format="%(asctime)s [python backend worker %(process)d] %(levelname)s %(message)s")
     if job == "auto_complete":
         try:
-            chan.send(("ok", run_auto_complete_config(model_py, *payload)))
+            chan.send(AutoCompleted(run_auto_complete_config(model_py, *payload)))
         except StubError as err:
-            chan.send(("error", err.to_tuple()))
+            chan.send(Failed(err.to_tuple()))
         return
     demux = _Demux(chan)
     host = _WorkerHost(demux, _is_decoupled(payload))
@@ -103,10 +108,10 @@ def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
     try:
         stub = ModelStub(model_py, payload)
     except StubError as err:
-        demux.send(("error", err.to_tuple()))
+        demux.send(Failed(err.to_tuple()))
         return
     host.server_reading = host.decoupled
-    demux.send(("ready", os.getpid()))
+    demux.send(Ready(os.getpid()))
     regions: dict[str, ShmRegion] = {}
     try:
         _serve(demux, host, stub, regions, _output_names(payload))
@@ -158,7 +163,7 @@ class _Demux:
 
     def _abandon(self, call_id: int) -> None:
         self.abandon(call_id)
-        self.send(("bx", call_id))
+        self.send(BlsDropped(call_id))
 
     def send(self, msg: Any) -> None:
         with self._send_lock:
@@ -174,13 +179,13 @@ class _Demux:
             for key in [k for k in self._replies if type(k) is tuple and k[0] == call_id]:
                 msg = self._replies.pop(key)
                 self._free(msg)
-                if msg[4]:
+                if msg.final:
                     self.abandoned.discard(call_id)
 
-    def _free(self, msg: Any) -> None:
+    def _free(self, msg: BlsReply) -> None:
         """A dropped BLS answer whose tensors came in a lent region: give the region back."""
-        if type(msg[2]) is tuple:
-            self.send(("af", msg[2][1]))
+        if type(msg.outputs) is tuple:
+            self.send(LoanDone(msg.outputs[1]))
 
     def _wait(self, ready: Callable[[], Any]) -> None:
         cond = self._cond
@@ -199,18 +204,18 @@ class _Demux:
                 cond.release()
                 try:
                     msg = self.chan.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError, KeyError):
                     msg = None
                 finally:
                     cond.acquire()
                     self._reading = False
                 if msg is None:
                     self._eof = True
-                elif msg[0] in REPLIES:
-                    key = "o" if msg[0] == "o" else msg[1]
+                elif type(msg) in REPLIES:
+                    key = "o" if type(msg) is OutputRegion else msg[0]
                     if type(key) is tuple and key[0] in self.abandoned:
                         self._free(msg)
-                        if msg[4]:   # a BLS stream nobody reads any more: drop it to its end
+                        if msg.final:   # a BLS stream nobody reads any more: drop it to its end
                             self.abandoned.discard(key[0])
                     else:
                         self._replies[key] = msg
@@ -231,10 +236,10 @@ class _Demux:
         self._wait(lambda: key in replies)
         return replies.pop(key)
 
-    def call(self, kind: str, *args: Any) -> Any:
-        """Ask the server and wait for its answer (``(kind, id, answer...)``)."""
+    def call(self, kind: type, *args: Any) -> Any:
+        """Ask the server (a ``kind`` message, its id first) and wait for its answer."""
         call_id = next(self._ids)
-        self.send((kind, call_id, *args))
+        self.send(kind(call_id, *args))
         return self.reply(call_id)
 
 
@@ -254,7 +259,7 @@ class _WorkerHost:
         #: whether the server reads this socket now: always for a decoupled model (a reader
         #: thread), else only while initialize or a batch runs (the waiting thread reads)
         self.server_reading = decoupled
-        self._orphans = OrphanCloser(lambda key: demux.send(("d", key, None, None, True)))
+        self._orphans = OrphanCloser(lambda key: demux.send(Response(key, None, None, True)))
 
     def _answerable(self, what: str) -> None:
         if not self.server_reading:
@@ -265,20 +270,20 @@ class _WorkerHost:
 
     def respond(self, key: Any, response: Any, final: bool) -> None:
         if response is None:
-            self.demux.send(("d", key, None, None, final))
+            self.demux.send(Response(key, None, None, final))
             return
         data = ModelStub.response_data(response)
         if isinstance(data, ResponseError):
-            self.demux.send(("d", key, None, (data.code, data.message), final))
+            self.demux.send(Response(key, None, (data.code, data.message), final))
         else:
-            self.demux.send(("d", key, self.pack(data), None, final))
+            self.demux.send(Response(key, self.pack(data), None, final))
 
     def pack(self, tensors: dict) -> Any:
         """Large tensors into a region the server lends (it reads and frees it)."""
         if not tensors or payload_bytes(tensors) < SHM_MESSAGE_BYTES:
             return tensors
         staged, end = stage(tensors)
-        name = self.demux.call("a", end)[2]
+        name = self.demux.call(LoanAsk, end).region
         if name is None:              # no room in /dev/shm: the socket carries them
             return tensors
         region = ShmRegion.attach(name)
@@ -297,10 +302,10 @@ class _WorkerHost:
             return region.read(refs)
         finally:
             region.close()
-            self.demux.send(("af", name))
+            self.demux.send(LoanDone(name))
 
     def cancelled(self, key: Any) -> bool:
-        return bool(self.demux.call("cq", key)[2])
+        return bool(self.demux.call(CancelQuery, key).cancelled)
 
     def orphaned(self, key: Any) -> None:
         self._orphans.put(key)
@@ -310,13 +315,13 @@ class _WorkerHost:
 
     def metric_call(self, op: str, args: tuple, what: str) -> Any:
         self._answerable(what)
-        _, _, ok, result = self.demux.call("m", op, args)
+        _, ok, result = self.demux.call(Metric, op, args)
         if not ok:
             raise pb_utils.TritonModelException(f"{what}: {result}")
         return result
 
     def metric_send(self, op: str, args: tuple) -> None:
-        self.demux.send(("m", 0, op, args))   # id 0: no answer wanted
+        self.demux.send(Metric(0, op, args))   # id 0: no answer wanted
 
     def model_log(self, level: str, message: str) -> None:
         # Through stderr, which the server reads at once (the socket is read only while a
@@ -330,11 +335,11 @@ class _WorkerHost:
         spec = list(bls_spec(request))
         spec[2] = self.pack(spec[2])
         call_id = self.demux.new_id()
-        self.demux.send(("b", call_id, decoupled, tuple(spec)))
+        self.demux.send(BlsCall(call_id, decoupled, tuple(spec)))
         if decoupled:
             return _BlsStream(self, call_id)
         msg = self.demux.reply((call_id, 0))
-        return bls_response(self.unpack(msg[2]), msg[3])
+        return bls_response(self.unpack(msg.outputs), msg.error)
 
 
 class _BlsStream:
@@ -359,8 +364,8 @@ class _BlsStream:
             self._done = True
             raise StopIteration from None
         self._seq += 1
-        self._done = bool(msg[4])
-        return bls_response(self._host.unpack(msg[2]), msg[3])
+        self._done = bool(msg.final)
+        return bls_response(self._host.unpack(msg.outputs), msg.error)
 
     def __del__(self) -> None:
         # Dropped before its end: cancel the called request and forget its responses, from
@@ -377,40 +382,42 @@ def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[
             msg = demux.command()
         except EOFError:   # the server went away: nothing left to serve
             return
-        kind = msg[0]
-        if kind == "f":
+        kind = type(msg)
+        if kind is Execute:
+            in_name, out_name, metas = msg
+            requests = _requests(regions, in_name, out_name, metas, all_outputs)
+            host.server_reading = True
             try:
-                stub.finalize()
-                demux.send(("done",))
+                results = stub.execute(requests)
             except StubError as err:
-                demux.send(("error", err.to_tuple()))
-            return
-        if kind == "r":
-            for region in regions.values():
-                region.close()
-            regions.clear()
-            demux.send(("r",))
-            continue
-        if kind == "xd":
-            _, in_name, metas, keys = msg
+                demux.send(Failed(err.to_tuple()))
+                continue
+            finally:
+                host.server_reading = False
+            _send_results(demux, regions, out_name, results)
+        elif kind is ExecuteDecoupled:
+            in_name, metas, keys = msg
             requests = _requests(regions, in_name, "", metas, all_outputs)
             try:
                 stub.execute_decoupled(requests, keys, host)
-                demux.send(("xdone",))
+                demux.send(DecoupledReturned())
             except StubError as err:
-                demux.send(("error", err.to_tuple()))
-            continue
-        _, in_name, out_name, metas = msg
-        requests = _requests(regions, in_name, out_name, metas, all_outputs)
-        host.server_reading = True
-        try:
-            results = stub.execute(requests)
-        except StubError as err:
-            demux.send(("error", err.to_tuple()))
-            continue
-        finally:
-            host.server_reading = False
-        _send_results(demux, regions, out_name, results)
+                demux.send(Failed(err.to_tuple()))
+        elif kind is Release:
+            for region in regions.values():
+                region.close()
+            regions.clear()
+            demux.send(Released())
+        elif kind is Finalize:
+            try:
+                stub.finalize()
+                demux.send(Finalized())
+            except StubError as err:
+                demux.send(Failed(err.to_tuple()))
+            return
+        else:
+            logging.getLogger(__name__).error("python worker: unexpected %s from the server", kind.__name__)
+
 
 
 def _requests(regions: dict[str, ShmRegion], in_name: str, out_name: str, metas: list,
@@ -450,13 +457,13 @@ def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
     if end > out_region.size:
         # Let go of the small region first: its pages count against /dev/shm until unmapped.
         regions.pop(out_name).close()
-        chan.send(("grow", end))
-        msg = chan.reply("o")
-        if msg[1] is None:    # no room: the server fails this batch
+        chan.send(Grow(end))
+        name = chan.reply("o").name
+        if name is None:    # no room: the server fails this batch
             return
-        out_region = _region(regions, msg[1])
+        out_region = _region(regions, name)
     reply = [out_region.write(item) if type(item) is list else item for item in layouts]
-    chan.send(("res", reply))
+    chan.send(Results(reply))
 
 
 # ------------------------------------------------------------------------------ the template
