@@ -299,7 +299,7 @@ def test_timeout_reject_fails_the_queued_request_with_503():
 
 def test_timeout_delay_moves_expired_requests_behind_the_others():
     config = ("max_batch_size: 1 dynamic_batching { default_queue_policy { timeout_action: DELAY "
-              "allow_timeout_override: true } }")
+              "default_timeout_microseconds: 5000000 allow_timeout_override: true } }")
 
     async def main(timeout_us: int):
         b, log, _ = batcher(config, seconds=busy_first(0.1))
@@ -334,13 +334,15 @@ def test_priority_levels_serve_level_one_first():
         b, log, _ = batcher("max_batch_size: 1 dynamic_batching { priority_levels: 2 "
                             "default_priority_level: 2 }", seconds=busy_first(0.1))
         await occupy(b, log)
-        await submit_all(b, [pending(1, priority=2), pending(2), pending(3, priority=1)])
-        with pytest.raises(InvalidArgument, match="priority 3"):
-            await b.submit(pending(4, priority=3))
+        # 0 and 3 (above the levels) both mean the default level, 2 (Triton)
+        await submit_all(b, [pending(1, priority=2), pending(2), pending(3, priority=1),
+                             pending(4, priority=3)])
+        with pytest.raises(InvalidArgument, match="priority -1"):
+            await b.submit(pending(5, priority=-1))
         await b.close()
         return log
 
-    assert run(main()) == [[0], [3], [1], [2]]
+    assert run(main()) == [[0], [3], [1], [2], [4]]
 
 
 def test_max_queue_size_is_per_priority_level():

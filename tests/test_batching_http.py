@@ -46,7 +46,7 @@ MODELS = {
     "reject": (0.6, 1, 1, "dynamic_batching { default_queue_policy { timeout_action: REJECT "
                           "default_timeout_microseconds: 200000 } }"),
     "delay": (0.5, 1, 1, "dynamic_batching { default_queue_policy { timeout_action: DELAY "
-                         "allow_timeout_override: true } }"),
+                         "default_timeout_microseconds: 5000000 allow_timeout_override: true } }"),
     "priority": (0.4, 1, 1, "dynamic_batching { priority_levels: 2 default_priority_level: 2 }"),
     "parallel": (0.5, 1, 2, ""),
     "ordered": (0.0, 1, 2, "dynamic_batching { preserve_ordering: true }"),
@@ -226,11 +226,13 @@ def test_higher_priority_is_served_first(server):
     assert ids_in_execution_order(server_repo(server) / "priority") == [1, 4, 2, 3]
 
 
-def test_an_out_of_range_priority_is_a_400(server, client):
-    with pytest.raises(InferenceServerException) as info:
-        client.infer("priority", request(1), priority=3)
-    assert info.value.status() == "400"
-    assert "priority" in info.value.message()
+def test_a_priority_above_the_levels_is_the_default_level(server):
+    # Triton (InferenceRequest::SetPriority): 3 > priority_levels 2 means the default, 2,
+    # so 2 stays behind 3 (level 1) and ahead of 4 (level 2, later)
+    calls = [Call(1), Call(2, at=0.1, priority=3), Call(3, at=0.15, priority=1), Call(4, at=0.2)]
+    outcomes = run_calls(server, "priority", calls)
+    assert all(o.error is None for o in outcomes)
+    assert ids_in_execution_order(server_repo(server) / "priority")[-4:] == [1, 3, 2, 4]
 
 
 def test_two_instances_run_side_by_side(server, repo):

@@ -162,7 +162,8 @@ def test_a_request_that_leaves_while_held_is_not_run():
 def test_a_queue_timeout_takes_the_held_batch_back_to_the_loop():
     async def main():
         b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 "
-                            "default_queue_policy { timeout_action: REJECT allow_timeout_override: true } }")
+                            "default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 5000000 "
+                            "allow_timeout_override: true } }")
         patient, hurried = pending(0), pending(1, timeout_us=20000)
         start = time.monotonic()
         await b.submit(patient)
@@ -286,3 +287,42 @@ def test_a_held_batch_leaves_the_queue_and_the_pending_count_as_it_starts_not_as
     during, queued_after, pending_after = run(main())
     assert during == (2, 0, True, False)
     assert queued_after == 2 and pending_after == 0
+
+
+def test_under_load_the_batch_waits_on_the_loop_so_requests_it_is_reading_join():
+    """After a batch of several requests (load: many clients), the next batch is not held by
+    the thread until its deadline but left to the loop's alarm: a request the loop is still
+    busy reading at the deadline then joins it, as the whole wave does in tritonserver,
+    whose front reads requests in parallel. Alone again (c=1), the thread holds it."""
+    delay_ns = 30_000_000
+
+    async def main():
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 30000 }")
+        wave = [pending(0), pending(1)]
+        for p in wave:
+            await b.submit(p)
+        await asyncio.gather(*(p.future for p in wave))
+        assert [ids for ids, _, _ in log] == [[0, 1]]
+        first, late = pending(2), pending(3)
+        await b.submit(first)
+        assert b._deferred is None and b._alarm.deadline_ns is not None
+        loop = asyncio.get_running_loop()
+
+        def busy_reading() -> None:
+            time.sleep(0.02)              # the loop is busy past the deadline...
+            loop.create_task(b.submit(late))    # ...with a request that then arrives
+
+        loop.call_later((first.enqueue_ns + delay_ns - time.monotonic_ns()) / 1e9 - 0.005, busy_reading)
+        await asyncio.gather(first.future, late.future)
+        held = []
+        for rid in (4, 5):
+            alone = pending(rid)
+            await b.submit(alone)
+            held.append(b._deferred is not None)
+            await alone.future
+        await b.close()
+        return log, held
+
+    log, held = run(main())
+    assert [ids for ids, _, _ in log] == [[0, 1], [2, 3], [4], [5]]
+    assert held == [False, True]          # after a batch of one, held by the thread again

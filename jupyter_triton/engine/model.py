@@ -147,7 +147,8 @@ class ModelVersion:
             backend.server_calls = calls
             backend.load()
             instance = Instance(backend)
-            if group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None:
+            if (group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None
+                    and self.rate_limiter.enabled):
                 instance.resources = instance_resources(group, spec.device_id)
                 instance.rate_priority = group.rate_limiter.priority
                 self.rate_limiter.register(instance.resources, self.name)

@@ -12,6 +12,10 @@ run at least alone.
 
 Waiters are served first-come-first-served among those whose resources fit; a lower
 ``priority`` value goes first (Triton weights turns by priority; we only order them).
+
+As in tritonserver, the limiter is off unless the server is started with
+``--rate-limit=execution_count`` (``EngineOptions.rate_limit``): off, instances run whenever
+they are free and the config's ``rate_limiter`` blocks are ignored (``enabled``).
 """
 from __future__ import annotations
 
@@ -41,8 +45,42 @@ class _Waiter:
     future: asyncio.Future = field(compare=False)
 
 
+RATE_LIMIT_MODES = ("off", "execution_count")
+
+
+def resource_limits(values: list[str]) -> dict[str, int]:
+    """``--rate-limit-resource`` values, ``<name>:<count>[:<device>]``, as the limiter's
+    explicit limits: ``name`` (every device, and the global resource) or ``name:<device>``."""
+    limits: dict[str, int] = {}
+    for value in values:
+        parts = value.split(":")
+        try:
+            if len(parts) not in (2, 3) or not parts[0]:
+                raise ValueError
+            count = int(parts[1])
+            device = int(parts[2]) if len(parts) == 3 else None
+            if count < 0 or (device is not None and device < 0):
+                raise ValueError
+        except ValueError:
+            raise InvalidArgument(
+                f"--rate-limit-resource '{value}': expected <name>:<count>[:<device>] with a "
+                f"count and device of 0 or more") from None
+        limits[parts[0] if device is None else f"{parts[0]}:{device}"] = count
+    return limits
+
+
 class RateLimiter:
-    def __init__(self, resource_limits: dict[str, int] | None = None) -> None:
+    @classmethod
+    def from_options(cls, options) -> "RateLimiter":
+        """The engine's limiter from ``EngineOptions.rate_limit`` and ``rate_limit_resources``."""
+        if options.rate_limit not in RATE_LIMIT_MODES:
+            raise InvalidArgument(f"--rate-limit '{options.rate_limit}': expected one of "
+                                  f"{', '.join(RATE_LIMIT_MODES)}")
+        return cls(resource_limits(options.rate_limit_resources),
+                   enabled=options.rate_limit == "execution_count")
+
+    def __init__(self, resource_limits: dict[str, int] | None = None, *, enabled: bool = False) -> None:
+        self.enabled = enabled
         self._explicit = dict(resource_limits or {})
         self._limits: dict[str, int] = {}
         self._in_use: dict[str, int] = {}
