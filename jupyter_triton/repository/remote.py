@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ..protocol.errors import InvalidArgument, Unavailable
+from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from . import JOURNAL_FILENAME
 from .layout import is_hidden, is_version_dir_name
 
@@ -119,7 +119,12 @@ class RemoteRepository:
     def start(self) -> "RemoteRepository":
         """First sync (errors raised: a server must not start on a repository it cannot read),
         then the background thread."""
-        self.sync()
+        try:
+            self.sync()
+        except TritonError:
+            raise
+        except Exception as err:      # endpoint unreachable, credentials refused, ...
+            raise Unavailable(f"model repository {self.url}: {type(err).__name__}: {err}") from None
         self._thread = threading.Thread(target=self._run, name="jupyter-triton-s3-sync", daemon=True)
         self._thread.start()
         return self

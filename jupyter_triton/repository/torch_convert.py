@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import keyword
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ PROBE_WIDTHS = (2, 5)
 RTOL, ATOL = 1e-4, 1e-5
 
 _NUMPY = {d.code: d.numpy for d in DATATYPES.values()}
+
+log = logging.getLogger(__name__)
 
 
 class ConversionRefused(InvalidArgument):
@@ -66,7 +69,13 @@ def convert(config: mc.ModelConfig, version_dir: Path, target: str = "torchscrip
     source = convertible_source(config, version_dir)
     if source is None:
         return None
-    import torch
+    try:
+        import torch
+    except ImportError:
+        if source == "callable":
+            return None      # no torch here: the pickle holds no torch module we could load
+        raise ConversionRefused(f"model '{config.name}': converting model.pt2 needs torch "
+                                f"installed where the export runs") from None
     if source == "pt2":
         config, module, run, inputs, outputs = _from_program(torch, config, version_dir)
         what = "torch.export program (model.pt2)"
@@ -78,7 +87,12 @@ def convert(config: mc.ModelConfig, version_dir: Path, target: str = "torchscrip
         what = "torch.nn.Module callable (model.pkl)"
     batching = config.max_batch_size > 0
     probes = [_probe(config, rows, width) for rows, width in zip(PROBE_ROWS, PROBE_WIDTHS)]
-    expected = [_run_reference(torch, run, p) for p in probes]
+    try:
+        expected = [_run_reference(torch, run, p) for p in probes]
+    except Exception as err:
+        raise ConversionRefused(
+            f"model '{config.name}': the original model fails on the probe inputs "
+            f"({type(err).__name__}: {_last_line(err)}), so a conversion cannot be checked") from None
     wrapper = _positional(torch, module, run, inputs)
     example = [torch.from_numpy(a) for a in _probe(config, 2, 3)]
     with _quiet():
@@ -112,8 +126,8 @@ def convert(config: mc.ModelConfig, version_dir: Path, target: str = "torchscrip
 def _from_program(torch, config: mc.ModelConfig, version_dir: Path):
     from ..backends.base import ModelFiles
     from ..backends.pytorch import PyTorchBackend, _children, export_signature
-    files = ModelFiles(config.name, int(version_dir.name), version_dir.parent, version_dir,
-                       "model.pt2")
+    files = ModelFiles(config.name or version_dir.parent.name, int(version_dir.name),
+                       version_dir.parent, version_dir, "model.pt2")
     complete = PyTorchBackend.auto_complete_config(config, files)
     program = torch.export.load(str(version_dir / "model.pt2"))
     signature = export_signature(program, config.name, complete)
@@ -137,8 +151,13 @@ def _from_program(torch, config: mc.ModelConfig, version_dir: Path):
 
 def _from_callable(torch, config: mc.ModelConfig, version_dir: Path):
     import cloudpickle
-    with open(version_dir / "model.pkl", "rb") as f:
-        spec = cloudpickle.load(f)
+    try:
+        with open(version_dir / "model.pkl", "rb") as f:
+            spec = cloudpickle.load(f)
+    except Exception as err:   # a package the callable needs is not installed here
+        log.info("model '%s': model.pkl not read (%s: %s); exported as a python model",
+                 config.name, type(err).__name__, err)
+        return None
     fn = spec.get("callable") if isinstance(spec, dict) else None
     if not isinstance(fn, torch.nn.Module):
         return None
