@@ -289,3 +289,32 @@ def test_unloading_a_model_the_repository_lacks_is_a_no_op(standalone):
     finally:
         client.close()
         grpc.close()
+
+
+def test_grpc_input_data_given_twice_is_refused_in_tritons_words():
+    # tritonserver 2.51's gRPC front (infer_handler.cc), per input in order: typed contents
+    # beside a shared memory region, then typed contents beside raw_input_contents
+    from tritonclient.grpc import service_pb2
+    from jupyter_triton.protocol.errors import InvalidArgument
+    from jupyter_triton.protocol.grpc_codec import decode_grpc_request
+    request = service_pb2.ModelInferRequest(model_name="simple")
+    for name in ("INPUT0", "INPUT1"):
+        tensor = request.inputs.add(name=name, datatype="INT32", shape=[1, 2])
+        tensor.contents.int_contents[:] = [1, 2]
+    request.inputs[1].parameters["shared_memory_region"].string_param = "region"
+    request.inputs[1].parameters["shared_memory_byte_size"].int64_param = 8
+    with pytest.raises(InvalidArgument) as err:
+        decode_grpc_request(request)
+    assert str(err.value) == ("unexpected 'content' provided when using shared memory for "
+                              "input tensor 'INPUT1' for model 'simple'")
+    request.raw_input_contents.append(np.array([1, 2], np.int32).tobytes())
+    with pytest.raises(InvalidArgument) as err:
+        decode_grpc_request(request)
+    assert str(err.value) == ("contents field must not be specified when using "
+                              "raw_input_contents for 'INPUT0' for model 'simple'")
+    del request.inputs[1].parameters["shared_memory_region"]
+    request.inputs[1].ClearField("contents")
+    request.inputs[0].ClearField("contents")
+    with pytest.raises(InvalidArgument) as err:      # only then the count of raw entries
+        decode_grpc_request(request)
+    assert "expected 2 inputs but got 1 inputs in 'raw_input_contents'" in str(err.value)

@@ -185,6 +185,10 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
                                   f"already exists in request")      # tritonserver 2.51's words
         names.add(name)
         shape = _check_shape(list(inp.shape), name, max_elements)
+        if "shared_memory_region" in tparams_of[i] and inp.HasField("contents"):
+            raise InvalidArgument(      # tritonserver 2.51's words
+                f"unexpected 'content' provided when using shared memory for input tensor "
+                f"'{name}' for model '{model}'")
         if len(raw) and inp.HasField("contents"):
             raise InvalidArgument(
                 f"contents field must not be specified when using raw_input_contents for "
