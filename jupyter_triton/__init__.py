@@ -22,20 +22,32 @@ def serve(obj, name: str, *, max_batch_size: int | None = None,
           instances: int = 1, kind: str = "auto", gpus: list[int] | None = None,
           priority_levels: int | None = None, warmup: int | None = None, example=None,
           inputs=None, outputs=None, config: str = "", decoupled: bool | None = None,
-          sequence: bool = False):
+          sequence: bool = False, golden=None, atol: float = 1e-8, rtol: float = 1e-5):
     """Serve a model, module or function as ``name``; see ``jupyter_triton.kernel.api.serve``."""
     from .kernel.api import serve as _serve
     return _serve(obj, name, max_batch_size=max_batch_size,
                   preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us,
                   instances=instances, kind=kind, gpus=gpus, priority_levels=priority_levels,
                   warmup=warmup, example=example, inputs=inputs, outputs=outputs, config=config,
-                  decoupled=decoupled, sequence=sequence)
+                  decoupled=decoupled, sequence=sequence, golden=golden, atol=atol, rtol=rtol)
 
 
 def ensemble(name: str, steps, *, max_batch_size: int | None = None, config: str = ""):
     """Serve a Triton ensemble of served models; see ``jupyter_triton.kernel.api.ensemble``."""
     from .kernel.api import ensemble as _ensemble
     return _ensemble(name, steps, max_batch_size=max_batch_size, config=config)
+
+
+def rollback(name: str):
+    """Serve again the version and config that served ``name`` before; see
+    ``jupyter_triton.kernel.api.rollback``."""
+    from .kernel.api import rollback as _rollback
+    return _rollback(name)
+
+
+def history(name: str) -> list[dict]:
+    from .kernel.api import history as _history
+    return _history(name)
 
 
 def models() -> list[dict]:

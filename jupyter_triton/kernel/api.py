@@ -6,14 +6,17 @@ which the server stores as a new version directory and loads before it retires t
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Sequence
 
+from ..protocol.errors import InvalidArgument
 from .artifacts import TensorSpec, build_artifact
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 from .discovery import connection as _discover
 from .ensemble import StepSpec, ensemble_artifact, ensemble_config
+from .golden import PromotionRefused, PromotionResult, encode
 from .handle import ServedModel
 from .knobs import Knobs, apply_knobs
 
@@ -41,7 +44,9 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
           instances: int = 1, kind: str = "auto", gpus: list[int] | None = None,
           priority_levels: int | None = None, warmup: int | None = None, example: Any = None,
           inputs: Sequence[TensorSpec] | None = None, outputs: Sequence[TensorSpec] | None = None,
-          config: str = "", decoupled: bool | None = None, sequence: bool = False) -> ServedModel:
+          config: str = "", decoupled: bool | None = None, sequence: bool = False,
+          golden: Sequence[tuple[Any, Any]] | None = None, atol: float = 1e-8,
+          rtol: float = 1e-5) -> ServedModel:
     """Serve ``obj`` as model ``name``: a new version, loaded before the old one retires.
 
     ``obj``: an ONNX model, a torch module, a TorchScript module, a TensorRT engine, a
@@ -55,6 +60,10 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     one ``str`` parameter follows the generate extension's text convention (``text_input`` ->
     ``text_output``). ``sequence``: a stateful callable; its ``state`` parameter is one dict
     per correlation id, new at the sequence's start.
+
+    ``golden``: ``[(inputs, expected), ...]``: the new version is served only if it answers
+    every case within ``atol``/``rtol`` (the server checks it staged); otherwise
+    ``PromotionRefused`` (its ``result`` has the per-case diff) and the served version stays.
     """
     artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
                               max_batch_size=max_batch_size, decoupled=decoupled, sequence=sequence)
@@ -63,16 +72,25 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
         max_queue_delay_us=max_queue_delay_us, priority_levels=priority_levels,
         instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config))
     artifact.config = model_config
-    return _upload(name, artifact)
+    lifecycle = None
+    if golden is not None:
+        cases = encode(golden, json.loads(artifact.config_json()))
+        lifecycle = {"golden": cases, "atol": atol, "rtol": rtol}
+    return _upload(name, artifact, lifecycle)
 
 
-def _upload(name: str, artifact: Any) -> ServedModel:
+def _upload(name: str, artifact: Any, lifecycle: dict | None = None) -> ServedModel:
     """The repository load request every notebook model goes through: a new version,
     loaded before the old one retires."""
     conn = connection()
     client = TritonHTTP(conn)
     started = time.monotonic()
-    client.load(name, artifact.config_json(), artifact.files)
+    try:
+        client.load(name, artifact.config_json(), artifact.files, lifecycle=lifecycle)
+    except InvalidArgument as err:
+        if lifecycle is None:
+            raise
+        raise PromotionRefused(PromotionResult.refused(name, err, len(lifecycle["golden"]))) from None
     elapsed = time.monotonic() - started
     uploaded[name] = artifact
     versions = client.metadata(name)["versions"]
@@ -110,6 +128,16 @@ def load(name: str) -> ServedModel:
     client.load(name)
     return ServedModel(name, max(int(v) for v in client.metadata(name)["versions"]), connection(),
                        load_seconds=time.monotonic() - started)
+
+
+def rollback(name: str) -> ServedModel:
+    """Serve again the version (and config) that served before the current one."""
+    return model(name).rollback()
+
+
+def history(name: str) -> list[dict]:
+    """Loads, promotions, refusals and rollbacks of ``name``, oldest first."""
+    return _client().history(name)
 
 
 def models() -> list[dict]:

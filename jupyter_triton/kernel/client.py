@@ -91,9 +91,15 @@ class TritonHTTP:
 
     # ---- control -----------------------------------------------------------------------
     def load(self, model: str, config: str | None = None,
-             files: Mapping[str, bytes] | None = None) -> None:
-        """POST v2/repository/models/{model}/load, files as ``{"<version>/<path>": bytes}``."""
+             files: Mapping[str, bytes] | None = None, lifecycle: Mapping[str, Any] | None = None
+             ) -> None:
+        """POST v2/repository/models/{model}/load, files as ``{"<version>/<path>": bytes}``.
+        ``lifecycle``: promotion (``golden``, ``atol``, ``rtol``, ``promote``) or ``rollback``,
+        sent as the load parameter ``file:lifecycle.json`` (engine/promotion.py), which
+        tritonclient's ``load_model(files=...)`` can send as well."""
         params: dict[str, str] = {}
+        if lifecycle:
+            params["file:lifecycle.json"] = base64.b64encode(json.dumps(lifecycle).encode()).decode()
         if config is not None:
             params["config"] = config
         for path, content in (files or {}).items():
@@ -102,6 +108,12 @@ class TritonHTTP:
         body = json.dumps({"parameters": params} if params else {}).encode()
         self.request("POST", f"v2/repository/models/{quote(model, safe='')}/load", body,
                      timeout=LOAD_TIMEOUT, what=f"failed to load '{model}'")
+
+    def history(self, model: str) -> list[dict]:
+        """The model's promotions, refusals and rollbacks, oldest first (its statistics'
+        ``history``; empty when it has none)."""
+        return self.get_json(self._model_path(model) + "/stats",
+                             what=f"history of '{model}'").get("history", [])
 
     def unload(self, model: str) -> None:
         self.request("POST", f"v2/repository/models/{quote(model, safe='')}/unload", b"{}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import json
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -14,6 +14,7 @@ from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
+from .golden import PromotionResult, encode
 
 #: shown instead of the real secret: other services bring their own Jupyter token or key;
 #: an in-kernel server's token is in the kernel's environment (``discovery.start_in_kernel``)
@@ -77,6 +78,33 @@ class ServedModel:
         lines = self._client.logs(self.name)[-tail:] if tail else []
         return "\n".join(f"{e['time']} v{e['version']} {e['level']:<7} [{e['source']}] {e['message']}"
                          for e in lines)
+
+    # ---- its lifecycle -----------------------------------------------------------------
+    def promote(self, version: int, golden: Sequence[tuple[Any, Any]], *, atol: float = 1e-8,
+                rtol: float = 1e-5) -> PromotionResult:
+        """Serve ``version`` (on the server's disk, not served now) only if it answers every
+        golden case ``(inputs, expected)`` within ``atol``/``rtol``: the server loads it staged,
+        runs the cases, and switches its version policy to it only if all match. A refusal
+        comes back as the result's per-case diff, not as an exception."""
+        config = self._client.config(self.name)
+        cases = encode(golden, config)
+        try:
+            self._client.load(self.name, lifecycle={"golden": cases, "atol": atol, "rtol": rtol,
+                                                    "promote": int(version)})
+        except InvalidArgument as err:
+            return PromotionResult.refused(self.name, err, len(cases))
+        self.version = int(version)
+        return PromotionResult(self.name, int(version), True, len(cases))
+
+    def rollback(self) -> "ServedModel":
+        """Serve again the version (and its config) that served before the current one, in
+        one swap; returns a handle on it."""
+        self._client.load(self.name, lifecycle={"rollback": True})
+        return ServedModel.from_server(self.name, self.connection)
+
+    def history(self) -> list[dict]:
+        """Loads, promotions, refusals and rollbacks of this model, oldest first."""
+        return self._client.history(self.name)
 
     # ---- what it does ------------------------------------------------------------------
     def infer(self, *arrays: Any, **named: Any) -> np.ndarray | dict[str, np.ndarray]:

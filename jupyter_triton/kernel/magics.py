@@ -11,6 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..protocol.errors import TritonError
 from . import api
 from .artifacts import ArtifactError
+from .golden import PromotionRefused
 from .ensemble import parse_steps
 
 
@@ -79,11 +80,17 @@ class TritonMagics(Magics):
               help="each value the function yields is one response (default for generators)")
     @argument("--sequence", action="store_true",
               help="stateful: the function's 'state' parameter is one dict per correlation id")
+    @argument("--golden", help="variable holding a golden set [(inputs, expected), ...]: the new "
+                               "version is served only if it answers every case")
+    @argument("--atol", type=float, default=1e-8, help="absolute tolerance of the golden check")
+    @argument("--rtol", type=float, default=1e-5, help="relative tolerance of the golden check")
     @cell_magic
     def serve(self, line: str, cell: str):
         """Serve the cell's value (a model, a module or a function) on the inference server.
 
-        Every run is a new version; the server loads it before it retires the old one.
+        Every run is a new version; the server loads it before it retires the old one. With
+        ``--golden NAME`` it is served only if it answers the golden set; otherwise the
+        refusal's diff is shown and the served version stays.
         """
         args = parse_argstring(self.serve, line)
         value = self._run_cell_value(cell)
@@ -101,7 +108,10 @@ class TritonMagics(Magics):
                 warmup=args.warmup, example=self._user_var(args.example, "--example"),
                 inputs=self._user_var(args.inputs, "--inputs"),
                 outputs=self._user_var(args.outputs, "--outputs"), config=_unquote(args.config),
-                decoupled=args.decoupled, sequence=args.sequence)
+                decoupled=args.decoupled, sequence=args.sequence,
+                golden=self._user_var(args.golden, "--golden"), atol=args.atol, rtol=args.rtol)
+        except PromotionRefused as refused:
+            return refused.result          # shown as its diff; the cell does not fail
         except (ArtifactError, TritonError) as err:
             raise UsageError(str(err)) from None
 
@@ -132,10 +142,11 @@ class TritonMagics(Magics):
 
     @line_magic
     def triton(self, line: str):
-        """%triton list | status NAME | load NAME | unload NAME | dashboard [NAME] | connection"""
+        """%triton list | status NAME | load NAME | unload NAME | history NAME | rollback NAME
+        | dashboard [NAME] | connection"""
         words = line.split()
         command, rest = (words[0], words[1:]) if words else ("list", [])
-        need_name = command in ("status", "load", "unload")
+        need_name = command in ("status", "load", "unload", "history", "rollback")
         if need_name and len(rest) != 1:
             raise UsageError(f"%triton {command} NAME")
         try:
@@ -151,6 +162,20 @@ class TritonMagics(Magics):
                 return api.model(rest[0])
             if command == "load":
                 return api.load(rest[0])
+            if command == "history":
+                records = api.history(rest[0])
+                if not records:
+                    print(f"'{rest[0]}' has no lifecycle history yet")
+                for r in records:
+                    was = f" (was {r['previous']})" if r.get("previous") is not None else \
+                        f" (served: {r['served']})" if r.get("served") is not None else ""
+                    print(f"{r.get('time', '')[:19]:<20} {r.get('action', ''):<9} version "
+                          f"{r.get('version')}{was}")
+                return None
+            if command == "rollback":
+                handle = api.rollback(rest[0])
+                print(f"'{rest[0]}' rolled back: version {handle.version} serves")
+                return handle
             if command == "unload":
                 api.unload(rest[0])
                 print(f"unloaded '{rest[0]}'")
@@ -166,7 +191,8 @@ class TritonMagics(Magics):
                 return None
         except TritonError as err:
             raise UsageError(str(err)) from None
-        raise UsageError("%triton list | status NAME | load NAME | unload NAME | dashboard [NAME] | connection")
+        raise UsageError("%triton list | status NAME | load NAME | unload NAME | history NAME | "
+                         "rollback NAME | dashboard [NAME] | connection")
 
 
 def _unquote(text: str) -> str:
