@@ -154,8 +154,8 @@ def test_typed_contents_through_the_raw_stub(server, model: str, datatype: str, 
                "'wrong_specification'" in err.value.details()
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
         try:        # the same words wherever a version is named
-            for call in (client.get_model_metadata, client.get_model_config,
-                         client.get_inference_statistics):
+            for call in (client.is_model_ready, client.get_model_metadata,
+                         client.get_model_config, client.get_inference_statistics):
                 with pytest.raises(InferenceServerException) as refused:
                     call(model, model_version="wrong_specification")
                 assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", call

@@ -170,6 +170,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(HEALTH)
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        check_model_version(request.version)
         return pb.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
 
     @_rpc(METADATA)
