@@ -192,3 +192,37 @@ def test_the_published_example_runs_unchanged(server, example: str):
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout + done.stderr
     assert line is None or line in done.stdout, done.stdout + done.stderr
+
+
+def _refusals(port: int, model: str, datatype: str) -> list[tuple[str, str]]:
+    """(status, details) of the examples' refused requests, as a server answers them."""
+    answers = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        both = _typed_request(model, datatype)
+        both.raw_input_contents.extend([np.arange(8).tobytes()])
+        wrong, negative = _typed_request(model, datatype), _typed_request(model, datatype)
+        wrong.model_version, negative.model_version = "wrong_specification", "-1"
+        for request in (both, wrong, negative):
+            try:
+                stub.ModelInfer(request, timeout=30)
+                answers.append(("OK", ""))
+            except grpc.RpcError as err:
+                answers.append((err.code().name, err.details()))
+    return answers
+
+
+def test_tritonserver_refuses_them_in_the_same_words(server, tmp_path: Path):
+    from tritonserver_peer import TritonServer, tritonserver_dist
+    tritonserver_dist()                 # skips with the reason where the venv is absent
+    import shutil
+    root = tmp_path / "models"
+    shutil.copytree(Path(server.engine.options.model_repository) / "simple_int8",
+                    root / "simple_int8", dirs_exist_ok=True)
+    triton = TritonServer(root, tmp_path / "triton", load=["simple_int8"])
+    try:
+        theirs = _refusals(triton.grpc_port, "simple_int8", "INT8")
+    finally:
+        triton.close()
+    ours = _refusals(server.grpc_port, "simple_int8", "INT8")
+    assert ours == theirs and all(code == "INVALID_ARGUMENT" for code, _ in ours), (ours, theirs)
