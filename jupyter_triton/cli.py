@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .engine import CONTROL_MODES, EngineOptions
 from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
@@ -307,14 +307,32 @@ def _trace_config(args: argparse.Namespace) -> list[str]:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from .standalone import start_standalone
     if args.metrics_address not in (None, args.http_address):
         logging.warning("--metrics-address is served on --http-address here")
     warn_open_repository(args)
     log_ignored(args)
     grpc_limits, grpc_ssl = grpc_connection_options(args)
+    options = options_from(args)
+    from .repository.remote import open_repository
+    try:        # s3://...: served from a local mirror kept in sync (None: a directory)
+        mirror = await asyncio.to_thread(open_repository, options.model_repository,
+                                         options.repository_poll_secs)
+    except TritonError as err:
+        raise SystemExit(f"jupyter-triton serve: {err}") from None
+    if mirror is not None:
+        options = replace(options, model_repository=mirror.path)
+    try:
+        await _serve_until_stopped(args, options, grpc_limits, grpc_ssl)
+    finally:
+        if mirror is not None:      # its last push: an upload just made is not lost
+            await asyncio.to_thread(mirror.close)
+
+
+async def _serve_until_stopped(args: argparse.Namespace, options: ServeOptions,
+                               grpc_limits: HTTP2Limits, grpc_ssl: GrpcTLS | None) -> None:
+    from .standalone import start_standalone
     server = await start_standalone(
-        options_from(args), host=args.http_address, http_port=args.http_port,
+        options, host=args.http_address, http_port=args.http_port,
         metrics_port=args.metrics_port if args.allow_metrics else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,
         access=AccessPolicy.open(args.http_restricted_api),

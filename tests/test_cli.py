@@ -59,3 +59,17 @@ def test_serve_command(model_repo: Path, argv0):
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0
+
+
+def test_serve_stops_with_the_reason_when_an_s3_repository_cannot_be_read(tmp_path: Path):
+    # the served case (moto's S3 on loopback) is tests/test_s3_repository.py's
+    url = f"s3://127.0.0.1:{free_port()}/bucket/models"      # nothing listens there
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "TRITON_AWS_MOUNT_DIRECTORY": str(tmp_path / "mount")}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "jupyter-triton"), "serve", "--model-repository", url,
+         "--http-address", "127.0.0.1", "--http-port", "0", "--allow-grpc", "false",
+         "--allow-metrics", "false"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert f"jupyter-triton serve: model repository {url}: " in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
