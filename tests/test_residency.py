@@ -204,6 +204,11 @@ def test_a_pinned_model_stays_and_an_unloaded_one_stays_unloaded(tmp_path: Path)
         assert per_model["m3"]["state"] == "RESIDENT" and per_model["m3"]["pinned"]
         assert per_model["m3"]["evictions"] == 0 and per_model["m3"]["cold_starts"] == 0
         assert per_model["m0"]["cold_starts"] == 2 and per_model["m2"]["state"] == "EVICTED"
+        # an evicted model still answers what a client asks before its first request
+        assert not client.is_model_ready("m2")
+        assert client.get_model_metadata("m2")["versions"] == ["1"]
+        assert client.get_model_config("m2")["input"][0]["dims"] == [ROWS]
+        assert client.infer("m2", [ones()]).as_numpy("OUTPUT0")[0, 0] == 3
         # an operator's unload is not undone by the next request
         client.unload_model("m1")
         with pytest.raises(InferenceServerException, match="m1"):

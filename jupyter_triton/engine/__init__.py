@@ -130,19 +130,37 @@ class Engine(ModelLifecycle):
             return False
 
     def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
-        return self._version(name, version).config
+        evicted = self._evicted_config(name, version)
+        return evicted if evicted is not None else self._version(name, version).config
+
+    def _evicted_config(self, name: str, version: str) -> mc.ModelConfig | None:
+        """The config an evicted model served with (its next request loads it again)."""
+        if not self.residency.enabled or name in self._held_off:
+            return None
+        entry = self._entries.get(name)
+        if entry is not None and entry.serving:
+            return None
+        state = self.residency.models.get(name)
+        if state is None or state.config is None or not state.evicted:
+            return None
+        if version not in ("", None) and version not in {str(v) for v in state.versions}:
+            return None
+        return state.config
 
     def model_metadata(self, name: str, version: str = "") -> dict:
-        mv = self._version(name, version)
-        cfg = mv.config
+        evicted = self._evicted_config(name, version)
+        if evicted is not None:
+            cfg, versions = evicted, list(self.residency.models[name].versions)
+        else:
+            mv = self._version(name, version)
+            cfg, versions = mv.config, sorted(self._entries[name].serving)
         lead = [-1] if cfg.max_batch_size > 0 else []
 
         def tensors(items) -> list[dict]:
             return [{"name": t.name, "datatype": config_to_triton(mc.DataType.Name(t.data_type)),
                      "shape": lead + list(t.dims)} for t in items]
 
-        entry = self._entries[name]
-        return {"name": name, "versions": [str(v) for v in sorted(entry.serving)],
+        return {"name": name, "versions": [str(v) for v in versions],
                 "platform": cfg.platform or cfg.backend,
                 "inputs": tensors(cfg.input), "outputs": tensors(cfg.output)}
 

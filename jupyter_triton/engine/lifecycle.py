@@ -373,11 +373,11 @@ class ModelLifecycle:
                 await self._load_locked(name, entry)
                 leftover = entry.staged.pop(target, None)    # its config changed: loaded anew
                 if leftover is not None:
-                    await leftover.unload(drain_seconds=0, close_seconds=self.options.exit_timeout_secs)
+                    await leftover.unload(drain_seconds=self.options.unload_timeout_secs)
             except BaseException as err:
                 if staged is not None and entry.staged.get(target) is staged:
                     entry.staged.pop(target)
-                    await staged.unload(drain_seconds=0, close_seconds=self.options.exit_timeout_secs)
+                    await staged.unload(drain_seconds=self.options.unload_timeout_secs)
                 if pending is not None:
                     await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
                 elif promotion.version is not None and self._served(entry) != target:

@@ -57,6 +57,10 @@ class ModelResidency:
     evictions: int = 0
     evicted: bool = False         # unloaded by the control (not by an operator)
     failed_at: float = 0.0        # monotonic time of the last failed on-demand load
+    # what it served with when last loaded: metadata and config answer from it while it
+    # is evicted (a client asks for them before its first request)
+    config: mc.ModelConfig | None = None
+    versions: tuple[int, ...] = ()
 
 
 class Residency:
@@ -81,7 +85,11 @@ class Residency:
 
     def loaded(self, name: str, versions: Iterable["ModelVersion"], cold: bool) -> None:
         state = self.of(name)
+        versions = list(versions)
         state.size = sum(version_bytes(mv) for mv in versions)
+        if versions:
+            state.config = max(versions, key=lambda mv: mv.version).config
+            state.versions = tuple(sorted(mv.version for mv in versions))
         self.largest_bytes = max(self.largest_bytes, state.size)
         state.evicted = False
         state.failed_at = 0.0
