@@ -8,6 +8,8 @@ What a change costs the data path, in one run on one machine: the ratio new / ba
 
 usage: .venv/bin/python benchmarks/ab.py --baseline /tmp/base [--protocols grpc] [--rounds 3]
        [--concurrency 1 32] [--interval-ms 3000] [--out benchmarks/results/ab.md]
+       [--new /tmp/change]        (the new side from another checkout too; default: this one)
+       [--tensor json] [--batch 64]   (JSON tensors, [64,256] requests: the JSON path)
 """
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ class Baseline(Ours):
 
     name = "baseline"
 
-    def __init__(self, workdir: Path, repository: Path, model: str, source: Path) -> None:
+    def __init__(self, workdir: Path, repository: Path, model: str, source: Path,
+                 name: str = "baseline") -> None:
+        self.name = name
         super().__init__(workdir, repository, model)
         self.source = source
-        self.label = f"baseline ({source}), {self.label.rsplit(', ', 1)[-1]}"
-        self.log_name = f"baseline-{model}"
+        self.label = f"{name} ({source}), {self.label.rsplit(', ', 1)[-1]}"
+        self.log_name = f"{name}-{model}"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         cmd, env = super().command()
@@ -46,6 +50,9 @@ class Baseline(Ours):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", type=Path, required=True, help="another checkout's root")
+    ap.add_argument("--new", type=Path, help="the new side's checkout (default: this one)")
+    ap.add_argument("--tensor", choices=("binary", "json"), default="binary")
+    ap.add_argument("--batch", type=int, default=1, help="rows per request")
     ap.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["grpc"])
     ap.add_argument("--models", nargs="+", default=[ONNX_MODEL, PYTHON_MODEL])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
@@ -60,7 +67,7 @@ def main() -> int:
     base = args.baseline.resolve()
     commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "?"
-    ours_commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
+    ours_commit = subprocess.run(["git", "-C", str(args.new or HERE.parent), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip() or "?"
     rows: dict[tuple[str, str], list[Row]] = {}
     with tempfile.TemporaryDirectory(prefix="jt-ab-") as tmp:
@@ -69,10 +76,11 @@ def main() -> int:
         for model in args.models:
             repository = workdir / f"repository-{model}"
             build_repository(repository, (model,))
-            for target in (Ours(workdir, repository, model),
-                           Baseline(workdir, repository, model, base)):
+            new = (Baseline(workdir, repository, model, args.new.resolve(), name="ours") if args.new
+                   else Ours(workdir, repository, model))
+            for target in (new, Baseline(workdir, repository, model, base)):
                 targets.append(target)
-                rows[(target.name, model)] = [Row(target.name, model, p, c)
+                rows[(target.name, model)] = [Row(target.name, model, p, c, tensor=args.tensor, batch=args.batch)
                                               for c in args.concurrency for p in args.protocols]
         for rnd in range(1, args.rounds + 1):
             for target in targets:
@@ -95,8 +103,9 @@ def main() -> int:
                         row.rounds.append(m)
                 finally:
                     target.stop()
-    lines = [f"# ours ({ours_commit}) / baseline ({commit}): {args.rounds} alternating rounds, "
-             f"medians, {args.interval_ms} ms windows, load avg at end {os.getloadavg()[0]:.1f}", "",
+    lines = [f"# ours ({args.new or 'this checkout'}, {ours_commit}) / baseline ({base}, {commit}): "
+             f"{args.rounds} alternating rounds, medians, {args.interval_ms} ms windows, "
+             f"{args.tensor} tensors [{args.batch},256], load avg at end {os.getloadavg()[0]:.1f}", "",
              "| model | protocol | c | new infer/s | base infer/s | ratio | new p50 ms | base p50 ms "
              "| new CPU us/inf | base CPU us/inf | CPU ratio |", "|" + "---|" * 11]
     for model in args.models:
