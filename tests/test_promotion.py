@@ -223,3 +223,17 @@ async def test_promotion_and_rollback_on_the_jupyter_server(jp_triton, jp_http_p
         finally:
             client.close()
     assert await in_thread(story) == ["load", "refused", "promote", "rollback"]
+
+
+def test_a_refused_first_upload_leaves_no_model_behind(tmp_path: Path):
+    server, client = serve(tmp_path / "models", model_control_mode="explicit")
+    try:
+        with pytest.raises(InferenceServerException, match="refused"):
+            client.load_model("lin", config=CONFIG, files={
+                "file:1/model.onnx": linear(W * 3), "file:lifecycle.json": lifecycle(golden=golden_json(W))})
+        assert not (tmp_path / "models" / "lin").exists()      # Triton would see an empty model
+        [row] = client.get_model_repository_index()
+        assert row["state"] == "UNAVAILABLE" and "golden" in row["reason"]
+        assert list((tmp_path / "models" / ".failed" / "lin").iterdir())
+    finally:
+        server.close()

@@ -384,7 +384,10 @@ class ModelLifecycle:
                     await loop.run_in_executor(None, self._restore_config, name, before_config)
                 if target is not None and target not in entry.serving:
                     entry.status[target] = VersionStatus(UNAVAILABLE, f"not promoted: {err}"[:2000])
-                if isinstance(err, InvalidArgument) and "refused" in str(err):
+                # a refused first upload leaves no model directory behind (its versions and
+                # REASON.txt are under .failed/): no history file to keep one alive
+                model_left = pending is None or not pending.created
+                if isinstance(err, InvalidArgument) and "refused" in str(err) and model_left:
                     await loop.run_in_executor(None, self._record, name, {
                         "action": "refused", "version": target, "served": before,
                         "reason": str(err)[:4000]})
@@ -500,6 +503,8 @@ class ModelLifecycle:
         async with self._room:
             if self._has_ready_version(name):
                 return
+            if not self._started:
+                raise Unavailable(f"model '{name}' cannot be loaded: the server is stopping")
             state = self.residency.of(name)
             await self._make_room(name, state.size)
             entry = self._entries.setdefault(name, Entry(name))
