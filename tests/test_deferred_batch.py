@@ -309,10 +309,11 @@ def test_under_load_the_batch_waits_on_the_loop_so_requests_it_is_reading_join()
         loop = asyncio.get_running_loop()
 
         def busy_reading() -> None:
-            time.sleep(0.02)              # the loop is busy past the deadline...
+            # the loop is busy until past the deadline...
+            time.sleep(max(0.0, (first.enqueue_ns + delay_ns - time.monotonic_ns()) / 1e9) + 0.01)
             loop.create_task(b.submit(late))    # ...with a request that then arrives
 
-        loop.call_later((first.enqueue_ns + delay_ns - time.monotonic_ns()) / 1e9 - 0.005, busy_reading)
+        loop.call_soon(busy_reading)
         await asyncio.gather(first.future, late.future)
         held = []
         for rid in (4, 5):

@@ -13,7 +13,7 @@ way Triton's ``DynamicBatchScheduler::GetDynamicBatch`` does:
   ``max_queue_delay_microseconds`` (0: no wait) or until more requests arrive, then sends
   whatever it has. After a batch of one request (one client at a time) with an instance
   free, the batch that would leave is handed to its thread at once and the thread starts it
-  at the deadline (``InstancePool.defer``: the hop to the thread happens during the wait);
+  at the deadline (``InstancePool.hold``: the hop to the thread happens during the wait);
   until then arrivals reshape it as above. Otherwise the wait ends on the loop's alarm
   (``clock.alarm``: a ``timer.Alarm``, tens of microseconds late, not an asyncio timer, up
   to a millisecond late): under load (the last batch held several requests), so that
@@ -47,15 +47,18 @@ import dataclasses
 import logging
 from collections import deque
 from itertools import chain
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.errors import Internal, InvalidArgument, Unavailable
 from .clock import MONOTONIC, Clock
-from .instances import Deferred, Instance, InstancePool
-from .scheduler import DEFAULT_MAX_QUEUE_SIZE, Pending, Scheduler, default_max_queue_size
+from .pending import Pending
+from .scheduler import DEFAULT_MAX_QUEUE_SIZE, Pool, Scheduler, default_max_queue_size
 from .statistics import ModelStatistics, mark_failure
+
+if TYPE_CHECKING:
+    from .instances import Deferred
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class _Level:
 
 
 class DynamicBatcher(Scheduler):
-    def __init__(self, config: mc.ModelConfig, pool: InstancePool, stats: ModelStatistics,
+    def __init__(self, config: mc.ModelConfig, pool: Pool, stats: ModelStatistics,
                  clock: Clock = MONOTONIC) -> None:
         super().__init__(pool)
         self._now = clock.now_ns          # a virtual clock in engine/simulation.py
@@ -114,11 +117,9 @@ class DynamicBatcher(Scheduler):
         self._alarm = clock.alarm(self._pump)   # sub-ms deadlines (asyncio's are ms-late)
         self._pumping = False
         self._pump_soon: asyncio.Handle | None = None
-        # A batch a free instance's thread holds to start at its deadline (pool.defer), and
-        # that instance; with preserve_ordering the batch leaves from the loop instead.
+        # A batch a free instance's thread holds to start at its deadline (pool.hold); with
+        # preserve_ordering the batch leaves from the loop instead.
         self._deferred: Deferred | None = None
-        self._deferred_on: Instance | None = None
-        self._deferred_done: asyncio.Future | None = None
         self._defer_ok = not self.preserve_ordering
         # Whether the last batch held one request (see _pump: only then is a batch deferred).
         self._solo = True
@@ -209,7 +210,7 @@ class DynamicBatcher(Scheduler):
         synchronously from ``submit``, the alarm and an instance's release: no batcher task,
         no wake-up between them."""
         self._pump_soon = None
-        if self._pumping:
+        if self._pumping or self._closed:
             return
         self._pumping = True
         try:
@@ -246,12 +247,9 @@ class DynamicBatcher(Scheduler):
                         self._unqueue(p, self._where[p])
                     continue
                 if not batch:
-                    if self._defer_ok and self._solo and not self._timed:
-                        instance = self.pool.try_acquire()
-                        if self.pool.can_defer(instance):
-                            self._defer(instance, taken, now + wait_ns)
-                            break
-                        self.pool.release(instance)   # (pumping: this only frees it)
+                    if self._defer_ok and self._solo and not self._timed and self.pool.can_hold():
+                        self._hold(taken, now + wait_ns)
+                        break
                     deadline = now + wait_ns
                     next_timeout = self._next_timeout_ns()
                     if next_timeout is not None:
@@ -261,8 +259,7 @@ class DynamicBatcher(Scheduler):
                     return
                 for p in batch:
                     self._unqueue(p, self._where[p])
-                instance = self.pool.try_acquire()
-                self._dispatch(instance, batch)
+                self._dispatch(batch)
             if self._deferred is not None and not self._where:
                 self._take_back(self._deferred)   # its requests have left (cancelled)
             if self._alarm.deadline_ns is not None:
@@ -274,32 +271,21 @@ class DynamicBatcher(Scheduler):
         finally:
             self._pumping = False
 
-    def _defer(self, instance: Instance, taken: list[Pending], deadline_ns: int) -> None:
-        try:
-            deferred, done = self.pool.defer(instance, taken, deadline_ns, self._claimed)
-        except BaseException:
-            self.pool.release(instance)       # (pumping: this only frees it)
-            raise
-        self._deferred, self._deferred_on, self._deferred_done = deferred, instance, done
-        self._inflight.add(done)
-        done.add_done_callback(lambda t: self._finished(t, deferred.batch))
+    def _hold(self, taken: list[Pending], deadline_ns: int) -> None:
+        deferred = self.pool.hold(taken, deadline_ns, self._claimed)
+        self._deferred = deferred
+        self._inflight.add(deferred.done)
+        deferred.done.add_done_callback(lambda t: self._finished(t, deferred.batch))
 
     def _take_back(self, deferred: Deferred) -> bool:
-        """Retract the batch a thread holds for later (True), or, where it has started
-        already, forget its requests here (False)."""
+        """Retract the batch a thread holds for later (True: it will never run, its instance
+        is free), or, where it has started already, forget its requests here (False)."""
         if deferred.retract():
-            self.pool.release(self._retracted())
+            self._inflight.discard(deferred.done)
+            self._deferred = None
             return True
         self._claimed(deferred)
         return False
-
-    def _retracted(self) -> Instance:
-        """The deferred batch was taken back: it will never run; its instance is free."""
-        done, self._deferred_done = self._deferred_done, None
-        self._inflight.discard(done)
-        done.set_result(None)
-        self._deferred = None
-        return self._deferred_on
 
     def _claimed(self, deferred: Deferred) -> None:
         """``deferred``'s thread has started it: its requests are no longer queued."""
@@ -381,11 +367,11 @@ class DynamicBatcher(Scheduler):
 
     # -- running batches ---------------------------------------------------------------
 
-    def _dispatch(self, instance: Instance, batch: list[Pending]) -> None:
+    def _dispatch(self, batch: list[Pending]) -> None:
         self._solo = len(batch) == 1
         if self.preserve_ordering:
             batch = [self._in_order(p) for p in batch]
-        task = self.pool.launch(instance, batch)     # no task per batch (unless rate-limited)
+        task = self.pool.run(batch)         # no task per batch (unless rate-limited)
         self._inflight.add(task)
         task.add_done_callback(lambda t: self._finished(t, batch))
 
@@ -439,16 +425,11 @@ class DynamicBatcher(Scheduler):
         if self._pump_soon is not None:
             self._pump_soon.cancel()
             self._pump_soon = None
-        taken_back = None
-        deferred = self._deferred
-        if deferred is not None:
-            if deferred.retract():
-                taken_back = self._retracted()
-            else:
-                self._claimed(deferred)       # it runs: not failed as queued
+        if self._deferred is not None:
+            # taken back (its instance freed: nothing is formed once closed), or it runs:
+            # then not failed as queued
+            self._take_back(self._deferred)
         self._fail_queued(Unavailable(
             f"model '{self.model}' was unloaded before the request could be scheduled"), "REJECTED")
-        if taken_back is not None:
-            self.pool.release(taken_back)
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)

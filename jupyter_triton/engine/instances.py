@@ -1,10 +1,12 @@
 """Model instances: one worker thread each, handed out first-free, never two batches at once.
 
-``execute`` / ``launch`` / ``defer`` are where a batch leaves the event loop: each runs
-``backend.execute`` on the instance's own thread, times compute input/infer/output for the
-statistics, and resolves each request's future with its outputs or its error. ``defer`` hands
-the thread a batch before its queue delay has ended; the thread starts it at the deadline
-(``Deferred``), so the hop from the loop to the thread happens during the wait.
+``InstancePool.run(batch)`` is where a batch leaves the event loop: it runs
+``backend.execute`` on a free instance's own thread (after the rate limiter's admission where
+one applies), times compute input/infer/output for the statistics, resolves each request's
+future with its outputs or its error and frees the instance. ``hold`` hands a free instance's
+thread a batch before its queue delay has ended; the thread starts it at the deadline
+(``Deferred``), so the hop from the loop to the thread happens during the wait. Schedulers
+see only these (``scheduler.Pool``); instances, threads and hand-offs stay here.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from .statistics import mark_failure
 from .timer import precise_thread_sleep
 
 if TYPE_CHECKING:
+    from .pending import Pending
     from .rate_limiter import RateLimiter
-    from .scheduler import Pending
     from .statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
@@ -60,15 +62,20 @@ class Deferred:
     c=1: ~60 us p50, ~140 us mean saved). Until the thread claims it the loop may replace
     the batch (a request arrived that joins it, or left it), move the deadline (``0``: at
     once) or take the batch back; after, the batch is the thread's and runs as claimed.
-    ``start_ns`` is when it was claimed: the requests' queue time ends there."""
+    ``start_ns`` is when it was claimed: the requests' queue time ends there. ``done`` ends
+    once the batch has run and been delivered, or was taken back."""
 
-    __slots__ = ("batch", "deadline_ns", "start_ns", "live", "check", "_state", "_lock", "_wake")
+    __slots__ = ("batch", "deadline_ns", "start_ns", "live", "check", "done", "_release",
+                 "_state", "_lock", "_wake")
 
     OPEN, CLAIMED, RETRACTED = range(3)
 
-    def __init__(self, batch: list["Pending"], deadline_ns: int) -> None:
+    def __init__(self, batch: list["Pending"], deadline_ns: int, done: asyncio.Future | None = None,
+                 release: Callable[[], Any] | None = None) -> None:
         self.batch = batch
         self.deadline_ns = deadline_ns
+        self.done = done
+        self._release = release         # frees the instance of a batch taken back
         self.start_ns = 0
         self.live: list[int] | None = None      # once its start is recorded: indices still wanted
         self.check: asyncio.TimerHandle | None = None   # the loop's look for a long run (defer)
@@ -93,7 +100,8 @@ class Deferred:
             return True
 
     def retract(self) -> bool:
-        """Take the batch back (the thread then skips it); False if already claimed."""
+        """Take the batch back: the thread skips it, ``done`` ends and the instance is free
+        again (on the loop's thread). False if the thread has claimed it already."""
         with self._lock:
             if self._state != self.OPEN:
                 return False
@@ -101,6 +109,10 @@ class Deferred:
             self._notify()
         if self.check is not None:
             self.check.cancel()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+        if self._release is not None:
+            self._release()
         return True
 
     def _notify(self) -> None:
@@ -287,11 +299,14 @@ class InstancePool:
         finally:
             self.release(instance)
 
-    def launch(self, instance: Instance, batch: list["Pending"]) -> asyncio.Future:
-        """``execute`` without a task where no rate limiter is involved (the batcher's path):
-        the batch is handed to the instance's thread now, and its results are delivered by
-        one callback when the thread is done. The returned future ends when every request's
-        future is resolved and the instance released."""
+    def run(self, batch: list["Pending"], instance: Instance | None = None) -> asyncio.Future:
+        """Run ``batch`` on ``instance`` (taken with ``acquire``/``try_acquire``) or, by
+        default, on a free one (there must be one: ``idle_count``). Where no rate limiter is
+        involved the batch is handed to the instance's thread now and its results are
+        delivered by one callback when the thread is done (no task). The returned future ends
+        when every request's future is resolved and the instance released."""
+        if instance is None:
+            instance = self._idle.get_nowait()
         if self.rate_limiter is not None and instance.resources:
             return asyncio.ensure_future(self.execute(instance, batch))
         loop = asyncio.get_running_loop()
@@ -312,27 +327,37 @@ class InstancePool:
             done.set_exception(err)
         return done
 
-    def can_defer(self, instance: Instance) -> bool:
-        """Whether a batch for ``instance`` may be handed over before its deadline
-        (``defer``): not where a rate limiter must admit it first, nor a decoupled model."""
-        return not self.decoupled and not (self.rate_limiter is not None and instance.resources)
+    def launch(self, instance: Instance, batch: list["Pending"]) -> asyncio.Future:
+        """``run`` on ``instance`` (the name engine/sequence.py calls)."""
+        return self.run(batch, instance)
 
-    def defer(self, instance: Instance, batch: list["Pending"], deadline_ns: int,
-              claimed: Callable[[Deferred], Any]) -> tuple[Deferred, asyncio.Future]:
-        """Hand ``batch`` to ``instance``'s thread to start at ``deadline_ns`` (see
-        ``Deferred``). Once the thread has started it, ``claimed(deferred)`` is called on the
-        loop (the batcher forgets the claimed requests) and their queue time and pending
-        count end (``_deferred_started``); once it has run, every request's future is resolved
-        and the instance released. If the caller retracts it, the caller releases the
-        instance. The returned future ends when the batch has run and been delivered."""
+    def can_hold(self) -> bool:
+        """Whether a free instance may be handed a batch before its deadline (``hold``): not
+        where a rate limiter must admit it first, nor for a decoupled model."""
+        return (not self.decoupled and self._idle.qsize() > 0
+                and (self.rate_limiter is None or not any(i.resources for i in self.instances)))
+
+    def hold(self, batch: list["Pending"], deadline_ns: int,
+             claimed: Callable[[Deferred], Any]) -> Deferred:
+        """Hand ``batch`` to a free instance's thread to start at ``deadline_ns`` (see
+        ``Deferred``: until then the caller may ``update`` or ``retract`` it). Once the thread
+        has started it, ``claimed(deferred)`` is called on the loop (the batcher forgets the
+        claimed requests) and their queue time and pending count end
+        (``_deferred_started``); once it has run, every request's future is resolved, the
+        instance released and ``deferred.done`` ends."""
+        instance = self._idle.get_nowait()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        deferred = Deferred(batch, deadline_ns)
-        instance.thread.post_deferred(
-            loop, functools.partial(self._deferred_ran, instance, deferred, claimed, done),
-            functools.partial(_run_batch, instance.backend), deferred)
+        deferred = Deferred(batch, deadline_ns, done, functools.partial(self.release, instance))
+        try:
+            instance.thread.post_deferred(
+                loop, functools.partial(self._deferred_ran, instance, deferred, claimed, done),
+                functools.partial(_run_batch, instance.backend), deferred)
+        except BaseException:
+            self.release(instance)
+            raise
         self._check_later(loop, deferred, claimed)
-        return deferred, done
+        return deferred
 
     def _check_later(self, loop: asyncio.AbstractEventLoop, deferred: Deferred,
                      claimed: Callable[[Deferred], Any]) -> None:

@@ -25,7 +25,8 @@ from .instances import Instance, InstancePool, run_in_daemon_thread
 from .memory import LoadProbe
 from .rate_limiter import RateLimiter, instance_resources
 from .response import OutputPlan, build_response
-from .scheduler import DirectScheduler, Pending, Scheduler
+from .pending import Pending
+from .scheduler import DirectScheduler, Scheduler
 from .sequence import SequenceBatcher, check_supported
 from .statistics import ModelStatistics, failure_reason, mark_failure
 from .streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, CollectingSender,

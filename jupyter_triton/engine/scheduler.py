@@ -1,59 +1,50 @@
-"""The scheduler seam: what a request becomes once validated, and how it reaches an instance.
+"""The scheduler seam: how a validated request (``pending.Pending``) reaches an instance.
 
 A frontend calls ``Engine.infer``; the engine wraps the request in a ``Pending`` and hands
 it to the model's scheduler. A scheduler only decides *which requests run together and
-when*; ``InstancePool.execute`` runs them and resolves every ``Pending.future``.
+when*; the model's instance pool runs a batch (``Pool.run``) and resolves every
+``Pending.future``. Schedulers know the pool only by the ``Pool`` protocol below.
 """
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
-import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends.signature import int_parameter
 from ..protocol.errors import InvalidArgument, Unavailable
-from ..protocol.types import InferRequest
-from .instances import Instance, InstancePool
+from .pending import Pending
 from .statistics import mark_failure
 
-if TYPE_CHECKING:
-    from .streaming import ResponseStream
+__all__ = ["DEFAULT_MAX_QUEUE_SIZE", "DirectScheduler", "Pending", "Pool", "Scheduler",
+           "default_max_queue_size", "queue_full"]
 
 DEFAULT_MAX_QUEUE_SIZE = 4096             # queued requests per version, where nothing else bounds them
 
 
-@dataclass(eq=False)
-class Pending:
-    request: InferRequest
-    inputs: dict[str, np.ndarray]
-    batch_size: int                       # rows this request carries (1 when max_batch_size == 0)
-    future: asyncio.Future
-    priority: int = 0                     # resolved level, 1 is highest (Triton's numbering)
-    timeout_ns: int = 0                   # 0: no timeout
-    enqueue_ns: int = field(default_factory=time.monotonic_ns)
-    stream: "ResponseStream | None" = None   # a decoupled model's request: its responses' way out
+class Pool(Protocol):
+    """What a scheduler asks of a model's instances (``instances.InstancePool``; a simulated
+    pool in ``simulation.py``)."""
 
-    started: bool = False                 # set when an instance starts executing it
-    start_ns: int = 0                     # when it did (its queue time ends there)
-    _shape_key: tuple | None = field(default=None, repr=False)
+    on_release: Callable[[], Any] | None     # called whenever an instance is free again
 
-    def shape_key(self) -> tuple:
-        """Requests batch together only when every input agrees beyond the batch dim
-        (computed once: the batcher asks on every pass over its queue)."""
-        if self._shape_key is None:
-            self._shape_key = tuple((name, arr.dtype.str, arr.shape[1:])
-                                    for name, arr in sorted(self.inputs.items()))
-        return self._shape_key
+    def idle_count(self) -> int:
+        """Instances free now."""
+
+    def run(self, batch: list[Pending], instance: Any = None) -> asyncio.Future:
+        """Run ``batch`` on ``instance`` (one taken from ``acquire``) or, by default, on a
+        free one (there must be one); every ``Pending.future`` is resolved and the instance
+        freed before the returned future ends."""
+
+    async def acquire(self) -> Any:
+        """Wait for a free instance and take it (for ``run``)."""
 
 
 class Scheduler:
     """Receives validated requests for one model version."""
 
-    def __init__(self, pool: InstancePool) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
 
     async def submit(self, pending: Pending) -> None:
@@ -90,7 +81,7 @@ class DirectScheduler(Scheduler):
     one is refused with Unavailable. ``submit`` never waits for an instance, so a request
     that unload fails (a hung model holds every instance) is answered at once."""
 
-    def __init__(self, pool: InstancePool, config: mc.ModelConfig | None = None) -> None:
+    def __init__(self, pool: Pool, config: mc.ModelConfig | None = None) -> None:
         super().__init__(pool)
         self.model = config.name if config is not None else ""
         self.max_queue_size = (default_max_queue_size(config) if config is not None
@@ -103,20 +94,18 @@ class DirectScheduler(Scheduler):
             raise mark_failure(Unavailable(
                 f"model '{self.model}' is unloading: its scheduler has stopped accepting new "
                 f"inference requests"), "REJECTED")
-        if not self._waiting:
-            instance = self.pool.try_acquire()
-            if instance is not None:      # the common case: no task, no wait
-                asyncio.ensure_future(self.pool.execute(instance, [pending]))
-                return
+        if not self._waiting and self.pool.idle_count():
+            self.pool.run([pending])      # the common case: no task, no wait
+            return
         if self.max_queue_size and len(self._waiting) >= self.max_queue_size:
             raise queue_full(self.model, len(self._waiting), self.max_queue_size)
         self._waiting[pending] = asyncio.ensure_future(self._wait_and_run(pending))
         pending.future.add_done_callback(lambda _, p=pending: self._forget(p))
 
     async def _wait_and_run(self, pending: Pending) -> None:
-        instance: Instance = await self.pool.acquire()
+        instance = await self.pool.acquire()
         self._waiting.pop(pending, None)   # from here on it runs: not cancelled by _forget
-        await self.pool.execute(instance, [pending])
+        self.pool.run([pending], instance)
 
     def _forget(self, pending: Pending) -> None:
         # Its answer is known while it still waits (client gone, unload): stop waiting, so

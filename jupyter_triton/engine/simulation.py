@@ -10,7 +10,7 @@ when serving because they are the same code.
 
 Two differences from serving, neither a batching decision: an instance starts a batch at
 its deadline from the loop's alarm, not from a batch handed early to its thread
-(``InstancePool.defer``, a hand-off saving); and what lies outside the scheduler (front
+(``InstancePool.hold``, a hand-off saving); and what lies outside the scheduler (front
 end, network, decoding) is one fixed ``overhead_ns`` per request, half before the
 scheduler and half after.
 """
@@ -28,7 +28,8 @@ from ..protocol.errors import TritonError
 from .batcher import DynamicBatcher
 from .clock import VirtualClock, VirtualLoop
 from .model import instance_specs
-from .scheduler import DirectScheduler, Pending
+from .pending import Pending
+from .scheduler import DirectScheduler
 from .statistics import ModelStatistics
 
 __all__ = ["Arrival", "ClosedLoop", "Outcome", "ServiceTime", "SimResult", "simulate"]
@@ -80,10 +81,8 @@ class SimResult:
 
 
 class _SimPool:
-    """The scheduler's side of ``instances.InstancePool``, with virtual instances."""
-
-    decoupled = False
-    rate_limiter = None
+    """``scheduler.Pool`` with virtual instances (the batcher's ``hold`` is never offered:
+    it only saves a hand-off between threads)."""
 
     def __init__(self, count: int, loop: VirtualLoop, service: ServiceTime, rng: random.Random) -> None:
         self.instances = list(range(count))
@@ -103,12 +102,6 @@ class _SimPool:
     def idle_count(self) -> int:
         return self._idle.qsize()
 
-    def try_acquire(self) -> int | None:
-        try:
-            return self._idle.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-
     async def acquire(self) -> int:
         return await self._idle.get()
 
@@ -117,10 +110,12 @@ class _SimPool:
         if self.on_release is not None:
             self.on_release()
 
-    def can_defer(self, instance: int | None) -> bool:
+    def can_hold(self) -> bool:
         return False
 
-    def launch(self, instance: int, batch: list[Pending]) -> asyncio.Future:
+    def run(self, batch: list[Pending], instance: int | None = None) -> asyncio.Future:
+        if instance is None:
+            instance = self._idle.get_nowait()
         loop = self._loop
         done = loop.create_future()
         live = [p for p in batch if not p.future.done()]      # cancelled while queued
@@ -139,9 +134,6 @@ class _SimPool:
         took = max(0, int(self._service(rows, self._rng)))
         loop.call_at((now + took) / 1e9, self._ran, instance, live, done)
         return done
-
-    async def execute(self, instance: int, batch: list[Pending]) -> None:
-        await self.launch(instance, batch)
 
     def _ran(self, instance: int, live: list[Pending], done: asyncio.Future) -> None:
         for p in live:
