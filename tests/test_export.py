@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shutil
 import socket
 import subprocess
@@ -381,6 +382,9 @@ def _run_as_triton_does(model_dir: Path, inputs: dict[str, tuple], rows: int) ->
         with torch.no_grad():
             result = module(*[torch.from_numpy(feed[n]) for n in (args if args == in_names else in_names)])
         values = result if isinstance(result, (tuple, list)) else [result]
+        # outputs: by the index of OUTPUT__<i> names when all have one, else config order
+        if all(re.fullmatch(r".*__\d+", n) for n in out_names):
+            out_names = sorted(out_names, key=lambda n: int(n.rpartition("__")[2]))
         return {n: v.numpy() for n, v in zip(out_names, values)}
     assert config.platform == "onnxruntime_onnx", config.platform
     import onnxruntime

@@ -16,6 +16,7 @@ import contextlib
 import io
 import keyword
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ RTOL, ATOL = 1e-4, 1e-5
 _NUMPY = {d.code: d.numpy for d in DATATYPES.values()}
 
 log = logging.getLogger(__name__)
+_INDEXED = re.compile(r".*__(\d+)")
 
 
 class ConversionRefused(InvalidArgument):
@@ -77,14 +79,19 @@ def convert(config: mc.ModelConfig, version_dir: Path, target: str = "torchscrip
         raise ConversionRefused(f"model '{config.name}': converting model.pt2 needs torch "
                                 f"installed where the export runs") from None
     if source == "pt2":
-        config, module, run, inputs, outputs = _from_program(torch, config, version_dir)
+        config, module, named_run, inputs = _from_program(torch, config, version_dir)
         what = "torch.export program (model.pt2)"
     else:
         found = _from_callable(torch, config, version_dir)
         if found is None:
             return None
-        config, module, run, inputs, outputs = found
+        config, module, named_run, inputs = found
         what = "torch.nn.Module callable (model.pkl)"
+    outputs = _output_order(config)
+
+    def run(*args):
+        values = named_run(*args)
+        return tuple(values[name] for name in outputs)
     batching = config.max_batch_size > 0
     probes = [_probe(config, rows, width) for rows, width in zip(PROBE_ROWS, PROBE_WIDTHS)]
     try:
@@ -104,9 +111,9 @@ def convert(config: mc.ModelConfig, version_dir: Path, target: str = "torchscrip
         out = _triton_config(config, "pytorch", "pytorch_libtorch")
         run_converted = lambda probe: _run_torchscript(torch, data, probe)  # noqa: E731
     else:
-        data, filename = _to_onnx(torch, traced, example, config, batching)
+        data, filename = _to_onnx(torch, traced, example, config, outputs, batching)
         out = _triton_config(config, "onnxruntime", "onnxruntime_onnx")
-        run_converted = lambda probe: _run_onnx(data, config, probe)  # noqa: E731
+        run_converted = lambda probe: _run_onnx(data, config, outputs, probe)  # noqa: E731
     for probe, want in zip(probes, expected):
         try:
             have = run_converted(probe)
@@ -144,9 +151,10 @@ def _from_program(torch, config: mc.ModelConfig, version_dir: Path):
     def run(*args):
         result = module(**dict(zip(inputs, args))) if by_name else module(*args)
         if isinstance(result, dict):
-            return tuple(result[k] for k in outputs)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    return complete, module, run, inputs, outputs
+            return {k: result[k] for k in outputs}
+        return dict(zip(outputs, result if isinstance(result, (tuple, list)) else (result,)))
+    _same_names(complete, outputs)
+    return complete, module, run, inputs
 
 
 def _from_callable(torch, config: mc.ModelConfig, version_dir: Path):
@@ -176,12 +184,13 @@ def _from_callable(torch, config: mc.ModelConfig, version_dir: Path):
     def run(*args):
         result = fn(**dict(zip(inputs, args))) if by_name else fn(*args)
         if isinstance(result, dict):
-            return tuple(result[k] for k in outputs)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+            return {k: result[k] for k in outputs}
+        return dict(zip(outputs, result if isinstance(result, (tuple, list)) else (result,)))
     out = mc.ModelConfig()
     out.CopyFrom(config)
     _order(out.input, inputs)
-    return out, fn, run, inputs, outputs
+    _same_names(out, outputs)
+    return out, fn, run, inputs
 
 
 def _order(tensors, names: list[str]) -> None:
@@ -196,6 +205,22 @@ def _order(tensors, names: list[str]) -> None:
         ordered.append(slot)
     del tensors[:]
     tensors.extend(ordered)
+
+
+def _same_names(config: mc.ModelConfig, outputs: list[str]) -> None:
+    if sorted(o.name for o in config.output) != sorted(outputs):
+        raise ConversionRefused(f"model '{config.name}': the config's outputs "
+                                f"{sorted(o.name for o in config.output)} are not the model's {outputs}")
+
+
+def _output_order(config: mc.ModelConfig) -> list[str]:
+    """The order Triton's pytorch backend reads a returned tuple in: by the index of names
+    like OUTPUT__1 when every output has one, else the config's order."""
+    names = [o.name for o in config.output]
+    indexed = [_INDEXED.fullmatch(n) for n in names]
+    if all(indexed) and sorted(int(m.group(1)) for m in indexed) == list(range(len(names))):
+        return sorted(names, key=lambda n: int(_INDEXED.fullmatch(n).group(1)))
+    return names
 
 
 def _positional(torch, module, run, inputs: list[str]):
@@ -232,9 +257,9 @@ def _trace(torch, wrapper, example: list, name: str):
     return traced
 
 
-def _to_onnx(torch, traced, example: list, config: mc.ModelConfig, batching: bool) -> tuple[bytes, str]:
+def _to_onnx(torch, traced, example: list, config: mc.ModelConfig, names_out: list[str],
+             batching: bool) -> tuple[bytes, str]:
     names_in = [t.name for t in config.input]
-    names_out = [t.name for t in config.output]
     dynamic: dict[str, dict[int, str]] = {}
     for t in list(config.input) + list(config.output):
         axes = {0: "batch"} if batching else {}
@@ -298,11 +323,12 @@ def _run_torchscript(torch, data: bytes, probe: list[np.ndarray]) -> list[np.nda
     return [_numpy(v) for v in (result if isinstance(result, (tuple, list)) else (result,))]
 
 
-def _run_onnx(data: bytes, config: mc.ModelConfig, probe: list[np.ndarray]) -> list[np.ndarray]:
+def _run_onnx(data: bytes, config: mc.ModelConfig, outputs: list[str],
+              probe: list[np.ndarray]) -> list[np.ndarray]:
     import onnxruntime as ort
     session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     feed = {t.name: a for t, a in zip(config.input, probe)}
-    return list(session.run([t.name for t in config.output], feed))
+    return list(session.run(outputs, feed))
 
 
 def _numpy(value) -> np.ndarray:
