@@ -62,13 +62,13 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
-def test_launch_runs_on_the_instance_thread_and_answers_every_request():
+def test_run_takes_a_free_instance_runs_on_its_thread_and_answers_every_request():
     async def main():
         pool, backend, stats, _ = _pool()
-        instance = pool.try_acquire()
         batch = [_pending(1.0), _pending(3.0)]
         stats.pending = 2
-        done = pool.launch(instance, batch)
+        done = pool.run(batch)
+        assert pool.idle_count() == 0
         outs = await asyncio.gather(*(p.future for p in batch))
         await done
         assert [o["OUT"].tolist() for o in outs] == [[[2.0, 2.0]], [[6.0, 6.0]]]
@@ -135,5 +135,29 @@ def test_the_batcher_sends_the_next_batch_as_soon_as_the_instance_is_free():
         assert time.monotonic() - t0 < 2
         assert stats.execution_count == 2 and sorted(stats.batch_stats) == [1, 4]
         await b.close()
+        pool.close()
+    run(main())
+
+
+def test_a_held_batch_taken_back_never_runs_and_frees_its_instance():
+    async def main():
+        pool, backend, stats, _ = _pool()
+        released = []
+        pool.on_release = lambda: released.append(pool.idle_count())
+        p = _pending(1.0)
+        assert pool.can_hold()
+        held = pool.hold([p], time.monotonic_ns() + 50_000_000, lambda _: None)
+        assert pool.idle_count() == 0 and not pool.can_hold()
+        assert held.retract()
+        assert held.done.done() and released == [1] and pool.idle_count() == 1
+        await asyncio.sleep(0.08)                  # past its deadline: the thread skipped it
+        assert backend.threads == [] and not p.future.done()
+        # held again and left alone: it starts at its deadline on the thread
+        held = pool.hold([p], time.monotonic_ns() + 10_000_000, lambda _: None)
+        out = await p.future
+        await held.done
+        assert not held.retract()                  # claimed: too late to take back
+        assert out["OUT"].tolist() == [[2.0, 2.0]] and backend.threads == ["triton-m_0_0"]
+        assert pool.idle_count() == 1
         pool.close()
     run(main())
