@@ -36,14 +36,21 @@ function responses(m) {
   return [sent, first, firstNs];
 }
 
-function steps(p, m, ok) {
+// An ensemble's steps over the interval: mean time, rate, runs and failures (its
+// ensemble_steps statistics), and the composing model's request p50/p99 over the last minute
+// (its latency histograms: `composing`, "name/version" -> quantiles, when the server keeps them).
+function steps(p, m, ok, dt, composing) {
   const earlier = new Map(((p && p.ensemble_steps) || []).map(s => [s.step, s]));
   return (m.ensemble_steps || []).map(s => {
     const okNow = s.success || {}, before = ((earlier.get(s.step) || {}).success) || {};
+    const failNow = ((s.fail || {}).count) || 0, failBefore = (((earlier.get(s.step) || {}).fail || {}).count) || 0;
     const dr = ok ? (okNow.count || 0) - (before.count || 0) : 0;
     const dns = ok ? (okNow.ns || 0) - (before.ns || 0) : 0;
+    const q = (composing && composing.get(s.model + "/" + s.version)) || null;
     return { step: s.step, model: s.model, version: String(s.version), meanUs: dr > 0 ? dns / dr / 1e3 : null,
-             runs: okNow.count || 0, failures: ((s.fail || {}).count) || 0 };
+             perS: ok && dt > 0 ? Math.max(0, dr) / dt : 0,
+             p50: q ? q.p50 : null, p99: q ? q.p99 : null, percentiles: !!q,
+             runs: okNow.count || 0, failures: failNow, failing: ok && failNow > failBefore };
   });
 }
 
@@ -111,6 +118,18 @@ export function figures(prev, cur, windows) {
   windows = windows || latencyWindows();
   const earlier = new Map(((prev && prev.model_stats) || []).map(m => [m.name + "/" + m.version, m]));
   const dt = prev ? cur.t - prev.t : 0;
+  // the request percentiles of every model an ensemble step runs on (a window of their own)
+  const composing = new Map();
+  const needed = new Set([
+    ...(cur.model_stats || []).flatMap(m => (m.ensemble_steps || []).map(s => s.model)),
+    ...Object.values(cur.graphs || {}).flatMap(g => g.steps.map(s => s.model))]);
+  for (const m of [...(cur.model_stats || []), ...(cur.composing || [])]) {
+    const key = m.name + "/" + m.version;
+    if (!needed.has(m.name) || composing.has(key)) continue;
+    const q = recentQuantiles(windows, "step|" + key, m, cur.t);
+    if (q && q.request) composing.set(key, q.request);
+  }
+  const graphs = cur.graphs || {};
   return (cur.model_stats || []).map(m => {
     const key = m.name + "/" + m.version, p = earlier.get(key);
     const ok = !!p && dt > 0 && (m.inference_count || 0) >= (p.inference_count || 0);
@@ -138,7 +157,8 @@ export function figures(prev, cur, windows) {
       batches: histogram(m),
       pending: cur.pending ? (cur.pending[key] ?? null) : null,
       decoupled, responsesPerRequest: perRequest, firstResponseUs: firstUs,
-      steps: steps(p, m, ok),
+      steps: steps(p, m, ok, dt, composing),
+      graph: graphs[m.name] || null,
       latency: recentQuantiles(windows, key, m, cur.t),
     };
   });
@@ -157,9 +177,10 @@ function parsePending(text) {
 const fmt = (v, unit = "") => v === null || v === undefined ? "–"
   : (v < 100 ? v.toFixed(1) : Math.round(v).toLocaleString("en-US")) + unit;
 
+const SVG_TAGS = new Set(["svg", "rect", "polyline", "text", "g", "path", "defs", "marker", "tspan"]);
+
 function el(tag, attrs = {}, text) {
-  const e = tag === "svg" || tag === "rect" || tag === "polyline" || tag === "text"
-    ? document.createElementNS(SVG, tag) : document.createElement(tag);
+  const e = SVG_TAGS.has(tag) ? document.createElementNS(SVG, tag) : document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
   if (text !== undefined) e.textContent = text;
   return e;
@@ -187,6 +208,97 @@ function spark(values) {
   const pts = values.map((v, i) => `${(i / Math.max(1, HISTORY - 1)) * w},${h - 2 - (v / max) * (h - 4)}`);
   const svg = el("svg", { class: "jt-spark", width: w, height: h, viewBox: `0 0 ${w} ${h}` });
   svg.appendChild(el("polyline", { points: pts.join(" "), class: "jt-line" }));
+  return svg;
+}
+
+// An ensemble's config (GET v2/models/{name}/config) as the graph draws it: steps with
+// their input and output maps, the ensemble's inputs and outputs.
+export function ensembleGraph(config) {
+  const sched = (config && config.ensemble_scheduling) || {};
+  return {
+    inputs: (config.input || []).map(t => t.name),
+    outputs: (config.output || []).map(t => t.name),
+    steps: (sched.step || []).map((s, i) => ({ step: i + 1, model: s.model_name,
+                                               inputs: s.input_map || {}, outputs: s.output_map || {} })),
+  };
+}
+
+// Steps as boxes in columns by depth, tensors as arrows (named) from the step that produces
+// them to those that read them; the ensemble's inputs and outputs as the first and last box.
+// Each box: the step's rate, its model's p50/p99 and failures; a step that failed is marked.
+export function graphSvg(graph, stepRows) {
+  const BW = 168, BH = 70, GX = 86, GY = 18, PAD = 8;
+  const byStep = new Map((stepRows || []).map(s => [s.step, s]));
+  const producer = new Map(graph.inputs.map(t => [t, "in"]));
+  const depth = new Map([["in", 0]]);
+  const left = [...graph.steps];
+  for (let guard = 0; left.length && guard < 1000; guard++) {
+    const i = left.findIndex(s => Object.values(s.inputs).every(t => producer.has(t)));
+    if (i < 0) break;                 // a cycle or a missing tensor: the rest is drawn last
+    const s = left.splice(i, 1)[0];
+    depth.set(s.step, 1 + Math.max(0, ...Object.values(s.inputs).map(t => depth.get(producer.get(t)) || 0)));
+    for (const t of Object.values(s.outputs)) producer.set(t, s.step);
+  }
+  for (const s of left) depth.set(s.step, 1);
+  const last = 1 + Math.max(0, ...graph.steps.map(s => depth.get(s.step)));
+  depth.set("out", last);
+  const columns = new Map();
+  for (const [node, d] of depth) { if (!columns.has(d)) columns.set(d, []); columns.get(d).push(node); }
+  const rows = Math.max(...[...columns.values()].map(c => c.length));
+  const w = PAD * 2 + (last + 1) * BW + last * GX, h = PAD * 2 + rows * BH + (rows - 1) * GY;
+  const pos = new Map();
+  for (const [d, nodes] of columns) {
+    const top = PAD + (h - PAD * 2 - (nodes.length * BH + (nodes.length - 1) * GY)) / 2;
+    nodes.forEach((node, i) => pos.set(node, { x: PAD + d * (BW + GX), y: top + i * (BH + GY) }));
+  }
+  const svg = el("svg", { class: "jt-graph", width: w, height: h, viewBox: `0 0 ${w} ${h}` });
+  const defs = el("defs");
+  const marker = el("marker", { id: "jt-arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7,
+                                markerHeight: 7, orient: "auto-start-reverse" });
+  marker.appendChild(el("path", { d: "M 0 0 L 10 5 L 0 10 z", class: "jt-arrow-head" }));
+  defs.appendChild(marker);
+  svg.appendChild(defs);
+  // edges: (from, to) -> tensor names
+  const edges = new Map();
+  const edge = (from, to, t) => {
+    const k = `${from}>${to}`;
+    if (!edges.has(k)) edges.set(k, { from, to, tensors: [] });
+    edges.get(k).tensors.push(t);
+  };
+  for (const s of graph.steps)
+    for (const t of Object.values(s.inputs)) if (producer.has(t)) edge(producer.get(t), s.step, t);
+  for (const t of graph.outputs) if (producer.has(t)) edge(producer.get(t), "out", t);
+  for (const e of edges.values()) {
+    const a = pos.get(e.from), b = pos.get(e.to);
+    const x1 = a.x + BW, y1 = a.y + BH / 2, x2 = b.x, y2 = b.y + BH / 2, mx = (x1 + x2) / 2;
+    const g = el("g", { class: "jt-edge", "data-tensor": e.tensors.join(","), "data-from": e.from, "data-to": e.to });
+    g.appendChild(el("path", { d: `M ${x1} ${y1} C ${mx} ${y1}, ${mx} ${y2}, ${x2 - 2} ${y2}`,
+                               class: "jt-edge-line", "marker-end": "url(#jt-arrow)" }));
+    g.appendChild(el("text", { x: mx, y: (y1 + y2) / 2 - 5, class: "jt-edge-label" }, e.tensors.join(", ")));
+    svg.appendChild(g);
+  }
+  const box = (node, title, lines, cls, attrs) => {
+    const p = pos.get(node);
+    const g = el("g", { class: "jt-node " + cls, transform: `translate(${p.x},${p.y})`, ...attrs });
+    g.appendChild(el("rect", { width: BW, height: BH, rx: 6, class: "jt-node-box" }));
+    g.appendChild(el("text", { x: BW / 2, y: 16, class: "jt-node-title" }, title));
+    lines.forEach(([c, text], i) => g.appendChild(el("text", { x: BW / 2, y: 32 + i * 14, class: c }, text)));
+    svg.appendChild(g);
+  };
+  box("in", "inputs", [["jt-node-tensors", graph.inputs.join(", ")]], "jt-node-io", { "data-io": "inputs" });
+  box("out", "outputs", [["jt-node-tensors", graph.outputs.join(", ")]], "jt-node-io", { "data-io": "outputs" });
+  for (const s of graph.steps) {
+    const r = byStep.get(s.step);
+    const failed = !!r && r.failures > 0;
+    const lines = r ? [
+      ["jt-node-rate", `${fmt(r.perS)} req/s · ${fmt(r.meanUs, " µs")}`],
+      ["jt-node-pct", r.percentiles ? `p50 ${fmt(r.p50, " ms")} · p99 ${fmt(r.p99, " ms")}` : "p50/p99: no histograms"],
+      ["jt-node-failed", `${r.failures} failed`],
+    ] : [["jt-node-rate", "no runs yet"]];
+    box(s.step, `${s.step}. ${s.model}${r ? " v" + r.version : ""}`, lines,
+        failed ? "jt-node-step jt-step-failed" + (r.failing ? " jt-step-failing" : "") : "jt-node-step",
+        { "data-step": s.step, "data-model": s.model, "data-failures": r ? r.failures : 0 });
+  }
   return svg;
 }
 
@@ -222,6 +334,7 @@ function card(f, hist) {
     lat.appendChild(row);
   }
   c.appendChild(lat);
+  if (f.graph) c.appendChild(graphSvg(f.graph, f.steps));
   if (f.steps.length) {
     const list = el("ol", { class: "jt-steps" });
     for (const s of f.steps)
@@ -357,6 +470,7 @@ function render({ model, el: host, request }) {
   const statsPath = only ? `v2/models/${encodeURIComponent(only)}/stats` : "v2/models/stats";
   const headers = cfg && cfg.token ? { Authorization: `token ${cfg.token}` } : {};
   let metricsOk = true;
+  const configs = new Map();          // "model/version" -> its graph (null: not an ensemble)
 
   async function fetchOnce() {
     const opts = { credentials: "same-origin", headers, cache: "no-store" };
@@ -364,6 +478,32 @@ function render({ model, el: host, request }) {
     const r = await get(statsPath);
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const body = await r.json();
+    const stats = body.model_stats || [];
+    const graphs = {}, composing = [];
+    const have = new Set(stats.map(m => m.name));
+    for (const m of stats) {
+      const key = m.name + "/" + m.version;
+      if (!configs.has(key)) {          // is it an ensemble? its config says, once a version
+        try {
+          const c = await get(`v2/models/${encodeURIComponent(m.name)}/versions/${m.version}/config`);
+          if (c.ok) {
+            const config = await c.json();
+            configs.set(key, config.platform === "ensemble" ? ensembleGraph(config) : null);
+          }
+        } catch (e) { /* drawn as a list until the config can be read */ }
+      }
+      const graph = configs.get(key);
+      if (!graph) continue;
+      graphs[m.name] = graph;
+      for (const s of graph.steps) {    // a one-model dashboard: its steps' own statistics
+        if (have.has(s.model)) continue;
+        have.add(s.model);
+        try {
+          const c = await get(`v2/models/${encodeURIComponent(s.model)}/stats`);
+          if (c.ok) composing.push(...((await c.json()).model_stats || []));
+        } catch (e) { /* no percentiles for this step this time */ }
+      }
+    }
     let pending = null;
     if (metricsOk) {
       try {
@@ -371,7 +511,7 @@ function render({ model, el: host, request }) {
         if (m.ok) pending = parsePending(await m.text()); else metricsOk = false;
       } catch (e) { metricsOk = false; }
     }
-    return { t: Date.now() / 1000, model_stats: body.model_stats || [], pending };
+    return { t: Date.now() / 1000, model_stats: stats, pending, graphs, composing };
   }
 
   async function readLogs() {

@@ -27,9 +27,26 @@ class Snapshot:
     model_stats: list[dict]
     pending: dict[str, int] | None = None
     logs: list[dict] | None = None
+    # an ensemble's graph by name (``ensemble_graph`` of its config), and the statistics of
+    # the models its steps run on that ``model_stats`` lacks (a one-model dashboard)
+    graphs: dict[str, dict] = field(default_factory=dict)
+    composing: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"t": self.t, "model_stats": self.model_stats, "pending": self.pending}
+        return {"t": self.t, "model_stats": self.model_stats, "pending": self.pending,
+                "graphs": self.graphs, "composing": self.composing}
+
+
+def ensemble_graph(config: dict) -> dict:
+    """What the dashboard draws of an ensemble's config (``GET v2/models/{m}/config``): its
+    inputs and outputs, and each step's model with its input and output maps (dashboard.js's
+    ensembleGraph)."""
+    steps = (config.get("ensemble_scheduling") or {}).get("step") or []
+    return {"inputs": [t["name"] for t in config.get("input") or []],
+            "outputs": [t["name"] for t in config.get("output") or []],
+            "steps": [{"step": i + 1, "model": s.get("model_name", ""),
+                       "inputs": s.get("input_map") or {}, "outputs": s.get("output_map") or {}}
+                      for i, s in enumerate(steps)]}
 
 
 @dataclass

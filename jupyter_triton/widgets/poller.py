@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from typing import Callable
 
-from .figures import Snapshot, parse_pending
+from .figures import Snapshot, ensemble_graph, parse_pending
 
 #: log lines a dashboard shows (the newest)
 LOG_TAIL = 200
@@ -53,6 +53,8 @@ class StatsPoller:
         self.paused = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._graphs: dict[str, dict | None] = {}     # "model/version" -> its graph, None: no ensemble
+        self._root = url.split("v2/models/", 1)[0]
 
     def _get(self, url: str) -> bytes:
         req = urllib.request.Request(url, headers=self.headers)
@@ -80,7 +82,42 @@ class StatsPoller:
                 # the statistics were read: show them, and say why the lines are missing
                 logs = [{"time": "", "version": "", "level": "ERROR", "source": "dashboard",
                          "message": describe_error(err).replace("statistics", "logs", 1)}]
-        return Snapshot(t=t, model_stats=body.get("model_stats", []), pending=pending, logs=logs)
+        stats = body.get("model_stats", [])
+        graphs, composing = self._ensembles(stats)
+        return Snapshot(t=t, model_stats=stats, pending=pending, logs=logs, graphs=graphs,
+                        composing=composing)
+
+    def _ensembles(self, stats: list[dict]) -> tuple[dict[str, dict], list[dict]]:
+        """The graph of each ensemble among ``stats`` (its config, read once a version) and
+        the statistics of its steps' models that ``stats`` lacks."""
+        graphs: dict[str, dict] = {}
+        composing: list[dict] = []
+        have = {m.get("name") for m in stats}
+        for m in stats:
+            name, version = m.get("name", ""), str(m.get("version", ""))
+            key = f"{name}/{version}"
+            if key not in self._graphs:     # is it an ensemble? its config says, once a version
+                quoted = urllib.parse.quote(name, safe="")
+                try:
+                    config = json.loads(self._get(
+                        f"{self._root}v2/models/{quoted}/versions/{version}/config"))
+                except (OSError, ValueError):
+                    continue        # drawn as a list of steps until its config can be read
+                self._graphs[key] = ensemble_graph(config) if config.get("platform") == "ensemble" else None
+            graph = self._graphs[key]
+            if graph is None:
+                continue
+            graphs[name] = graph
+            for step in graph["steps"]:
+                model = step["model"]
+                if model in have:
+                    continue
+                have.add(model)
+                try:
+                    composing += json.loads(self._get(stats_url(self._root, model))).get("model_stats", [])
+                except (OSError, ValueError):
+                    pass            # no percentiles for this step this time
+        return graphs, composing
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.duration
