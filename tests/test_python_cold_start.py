@@ -153,3 +153,19 @@ def test_a_dead_template_is_started_again(server):
     except InferenceServerException as err:
         assert "died" in str(err)
     assert call(client, "before", 5) == 15
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_without_the_template_every_worker_is_a_fresh_interpreter(server, monkeypatch, pidfd):
+    """Where pidfds are missing (not Linux, a kernel before 5.3) workers are started as a
+    packed environment's are: slower, the same behaviour."""
+    _, client = server
+    monkeypatch.setattr(launch, "USE_TEMPLATE", False)
+    monkeypatch.setattr(launch, "USE_PIDFD", pidfd and launch.USE_PIDFD)
+    upload(client, pid_or_crash, "fresh")
+    pid = call(client, "fresh", 1)
+    assert parent_of(pid) == os.getpid() and "worker" in cmdline(pid)
+    with pytest.raises(InferenceServerException) as err:
+        call(client, "fresh", -1)
+    assert "died (exit code 7)" in str(err.value), err.value
+    assert call(client, "fresh", 1) not in (pid, os.getpid())

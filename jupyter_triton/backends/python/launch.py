@@ -41,6 +41,20 @@ _BOOT = str(Path(__file__).with_name("boot.py"))
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[2])
 #: how long the template may take to answer a fork (it forks at once; a busy machine...)
 FORK_TIMEOUT_S = 30.0
+#: a pidfd tells when a process ends and signals it without a pid race (Linux 5.3+); without
+#: one, the end of a pipe the child holds tells when it ends (multiprocessing's sentinel)
+def _pidfds_work() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))   # the call exists where the kernel may not have it
+    except (AttributeError, OSError):
+        return False
+    return hasattr(signal, "pidfd_send_signal")
+
+
+USE_PIDFD = _pidfds_work()
+#: the template needs pidfds (its workers are not our children); without them every worker
+#: is a fresh interpreter, as a packed environment's is
+USE_TEMPLATE = USE_PIDFD
 
 
 class _Spawner:
@@ -118,10 +132,10 @@ class ForkedProcess:
 class ChildProcess:
     """A process of our own (the template, a packed environment's worker)."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
+    def __init__(self, popen: subprocess.Popen, sentinel: int) -> None:
         self._popen = popen
         self.pid = popen.pid
-        self.sentinel = os.pidfd_open(popen.pid)
+        self.sentinel = sentinel
 
     @property
     def exitcode(self) -> int | None:
@@ -153,8 +167,17 @@ def _boot(python: str, role: str, fds: tuple[int, ...], paths: list[str],
     tracker = resource_tracker.getfd()
     args = [python, _BOOT, role, str(fds[0]), _PACKAGE_DIR, str(os.getpid()), json.dumps(paths),
             str(tracker), *map(str, fds[1:])]
-    return ChildProcess(_SPAWNER.run(lambda: subprocess.Popen(
-        args, pass_fds=(*fds, tracker), stdin=subprocess.DEVNULL, close_fds=True, env=environ)))
+    keep = (*fds, tracker)
+    if not USE_PIDFD:   # the child holds the write end: its end is end-of-file here
+        sentinel, held = os.pipe()
+        keep += (held,)
+    try:
+        popen = _SPAWNER.run(lambda: subprocess.Popen(
+            args, pass_fds=keep, stdin=subprocess.DEVNULL, close_fds=True, env=environ))
+    finally:
+        if not USE_PIDFD:
+            os.close(held)
+    return ChildProcess(popen, os.pidfd_open(popen.pid) if USE_PIDFD else sentinel)
 
 
 class _Template:
@@ -274,11 +297,13 @@ def start(job: str, model_py: str, payload: Any, blas_threads: int = 0,
     fds = (theirs.fileno(), out_w, err_w)
     environ = dict(os.environ) if env is None else env.environ(dict(os.environ))
     try:
-        if env is None:
-            process: Any = TEMPLATE.fork(fds)
+        if env is not None:
+            process: Any = _boot(env.python, "worker", fds,
+                                 list(sys.path) if _same_python(env.python) else [], environ)
+        elif USE_TEMPLATE:
+            process = TEMPLATE.fork(fds)
         else:
-            process = _boot(env.python, "worker", fds,
-                            list(sys.path) if _same_python(env.python) else [], environ)
+            process = _boot(sys.executable, "worker", fds, list(sys.path), environ)
     except BaseException:
         for fd in (out_r, err_r):
             os.close(fd)
