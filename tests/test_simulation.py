@@ -3,6 +3,7 @@ arithmetic is known (closed loop at c=1, full queues, timeouts, priorities, pref
 instances, ordering), and agreement with a real server on the mean batch at one load."""
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -181,3 +182,17 @@ def test_the_real_engine_and_the_simulation_agree_on_the_mean_batch(tmp_path):
     simulated = sum(rows for _, rows, _ in r.batches) / len(r.batches)
     print(f"mean batch: measured {measured:.2f}, simulated {simulated:.2f}")
     assert simulated == pytest.approx(measured, rel=0.25), (simulated, measured)
+
+
+def test_it_runs_inside_a_running_loop_as_in_a_notebook():
+    cfg = config("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 500 }")
+
+    async def cell():
+        outer = asyncio.get_running_loop()
+        r = simulate(cfg, fixed(MS), [ClosedLoop(1, 3)])
+        assert asyncio.get_running_loop() is outer       # the notebook's loop is untouched
+        await asyncio.sleep(0)
+        return r
+
+    r = asyncio.run(cell())
+    assert [o.end_ns - o.arrival_ns for o in r.requests] == [1500 * US] * 3
