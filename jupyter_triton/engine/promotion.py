@@ -44,7 +44,7 @@ def lifecycle_parameters(parameters: Mapping[str, Any] | None,
     if files and LIFECYCLE_FILE in files:
         try:
             carried = json.loads(bytes(files.pop(LIFECYCLE_FILE)))
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise InvalidArgument(f"load parameter '{LIFECYCLE_FILE}' is not JSON: {err}") from None
         if not isinstance(carried, dict) or set(carried) - set(KEYS):
             raise InvalidArgument(f"load parameter '{LIFECYCLE_FILE}' must be a JSON object "
@@ -58,7 +58,7 @@ def parse_promotion(params: Mapping[str, Any]) -> Promotion:
     if isinstance(golden, (str, bytes)):
         try:
             golden = json.loads(golden)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise InvalidArgument(f"load parameter 'golden' is not JSON: {err}") from None
     if not isinstance(golden, list) or not golden or len(golden) > MAX_CASES:
         raise InvalidArgument(f"load parameter 'golden' must be a list of 1 to {MAX_CASES} "
@@ -70,9 +70,10 @@ def parse_promotion(params: Mapping[str, Any]) -> Promotion:
                 or not isinstance(case.get("outputs"), list) or not case["outputs"]:
             raise InvalidArgument(f"golden case {i}: expected {{\"inputs\": [...], "
                                   f"\"outputs\": [...]}} with at least one output")
-        inputs = [InferTensor(t["name"], t["datatype"], tuple(t["shape"]), a)
-                  for t, a in ((t, _array(t, f"golden case {i} input")) for t in case["inputs"])]
-        expected = {t["name"]: _array(t, f"golden case {i} output") for t in case["outputs"]}
+        arrays = [(t, _array(t, f"golden case {i} input")) for t in case["inputs"]]
+        inputs = [InferTensor(str(t["name"]), t["datatype"], a.shape, a) for t, a in arrays]
+        outputs = [(t, _array(t, f"golden case {i} output")) for t in case["outputs"]]
+        expected = {str(t["name"]): a for t, a in outputs}
         cases.append(GoldenCase(inputs, expected))
     version = params.get("promote")
     if version is not None:
@@ -97,8 +98,10 @@ def _tolerance(params: Mapping[str, Any], key: str, default: float) -> float:
 
 
 def _array(tensor: Any, what: str) -> np.ndarray:
-    if not isinstance(tensor, dict) or not {"name", "datatype", "shape", "data"} <= set(tensor):
-        raise InvalidArgument(f"{what}: a tensor needs name, datatype, shape and data")
+    if not isinstance(tensor, dict) or not {"name", "datatype", "shape", "data"} <= set(tensor) \
+            or not isinstance(tensor["shape"], list) or not isinstance(tensor["datatype"], str):
+        raise InvalidArgument(f"{what}: a tensor needs name, datatype (a string), shape (a list) "
+                              f"and data")
     try:
         shape = [int(d) for d in tensor["shape"]]
         if tensor["datatype"] == "BYTES":
@@ -109,7 +112,7 @@ def _array(tensor: Any, what: str) -> np.ndarray:
         if any(d < 0 for d in shape) or data.size != int(np.prod(shape)):
             raise ValueError(f"{data.size} values for shape {shape}")
         return data.reshape(shape)
-    except (TypeError, ValueError, KeyError, InvalidArgument) as err:
+    except (TypeError, ValueError, KeyError, RecursionError, InvalidArgument) as err:
         raise InvalidArgument(f"{what} '{tensor.get('name')}': {err}") from None
 
 
