@@ -452,3 +452,26 @@ def test_a_program_its_trace_cannot_follow_is_refused(tmp_path: Path):
     assert "model 'rows'" in done.stderr and "froze a shape" in done.stderr, done.stderr
     assert "Triton cannot load model.pt2" in done.stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".for-triton")]
+
+
+def test_a_module_callable_that_cannot_convert_stays_a_python_model(tmp_path: Path):
+    import torch
+    from jupyter_triton.repository.export import export_repository
+
+    class Doubles(torch.nn.Module):          # float64 out, FP32 declared: this server casts it
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.proj(x).double()
+    source = tmp_path / "models"
+    art = build_artifact(Doubles(), "doubles", inputs=[("x", "FP32", [-1, 4])],
+                         outputs=[("y", "FP32", [-1, 2])])
+    Repository(source).write_upload("doubles", art.config_json(),
+                                    {f"file:{k}": v for k, v in art.files.items()})
+    report = export_repository(source, tmp_path / "out")
+    [note] = report.models[0].notes
+    assert "output 'y' is float64 converted where the config says TYPE_FP32" in note
+    assert "needs torch, numpy and cloudpickle" in note
+    assert sorted(p.name for p in (tmp_path / "out" / "doubles" / "1").iterdir()) == ["model.pkl", "model.py"]

@@ -106,7 +106,7 @@ def _export_model(repo: Repository, name: str, out: Path, all_versions: bool,
                     or (at_root and n in _SKIPPED_FILES)}
 
         shutil.copytree(version_dir, out / str(v), ignore=ignore)
-        if (version_dir / "model.pkl").exists():
+        if (version_dir / "model.pkl").exists() and not any("not converted" in n for n in model.notes):
             model.notes.append(f"version {v} is a notebook callable (model.pkl): Triton's python "
                                f"backend needs cloudpickle and numpy in its Python environment")
     for extra in sorted(p.name for p in src.iterdir()

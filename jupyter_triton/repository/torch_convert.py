@@ -225,7 +225,7 @@ def _output_order(config: mc.ModelConfig) -> list[str]:
 
 def _positional(torch, module, run, inputs: list[str]):
     """A module whose forward takes the inputs by the config's names (Triton's pytorch backend
-    matches forward()'s argument names) and returns a tuple in the config's output order."""
+    matches forward()'s argument names) and returns a tuple in the order it reads outputs."""
     names = inputs if all(n.isidentifier() and not keyword.iskeyword(n) and n != "self"
                           for n in inputs) else [f"INPUT__{i}" for i in range(len(inputs))]
     # Only identifiers checked above reach this source.
@@ -332,7 +332,12 @@ def _run_onnx(data: bytes, config: mc.ModelConfig, outputs: list[str],
 
 
 def _numpy(value) -> np.ndarray:
-    return value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":     # numpy has none; BF16 travels as float32
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
 
 
 def _check_parity(config: mc.ModelConfig, outputs: list[str], probe, want, have) -> None:
@@ -340,7 +345,14 @@ def _check_parity(config: mc.ModelConfig, outputs: list[str], probe, want, have)
     if len(want) != len(have):
         raise ConversionRefused(f"model '{config.name}': the converted model gives {len(have)} "
                                 f"output(s), the original {len(want)}{at}")
+    types = {o.name: o.data_type for o in config.output}
     for name, w, h in zip(outputs, want, have):
+        declared = _NUMPY.get(types[name])
+        if declared is not None and declared != np.object_ and h.dtype != np.dtype(declared):
+            raise ConversionRefused(
+                f"model '{config.name}': output '{name}' is {h.dtype} converted where the config "
+                f"says {mc.DataType.Name(types[name])} (Triton's backend refuses the mismatch; "
+                f"this server casts it): return {np.dtype(declared)} from the model")
         if w.shape != h.shape:
             raise ConversionRefused(f"model '{config.name}': output '{name}' has shape "
                                     f"{list(h.shape)} converted, {list(w.shape)} originally{at} "
