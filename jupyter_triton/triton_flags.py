@@ -46,8 +46,8 @@ IGNORED: dict[str, tuple[str, str]] = {
     "--allow-gpu-metrics": ("<boolean>", "nv_gpu_* are exported where nvidia-smi reads a GPU"),
     "--allow-cpu-metrics": ("<boolean>", "nv_cpu_* are always exported"),
     "--metrics-interval-ms": ("<float>", "gauges are read when /metrics is scraped"),
-    "--model-load-thread-count": ("<integer>", "models load concurrently, each on the "
-                                  "engine's executor"),
+    "--model-load-thread-count": ("<integer>", "models load one after another at startup, "
+                                  "their disk and runtime work off the event loop"),
     "--model-load-retry-count": ("<integer>", "a failed load is not retried at startup; "
                                  "poll mode retries it with backoff"),
     "--model-namespacing": ("<boolean>", "one model repository here: no two models can "
