@@ -27,8 +27,8 @@ IGNORED: dict[str, tuple[str, str]] = {
     "--buffer-manager-thread-count": ("<integer>", _NO_CPP),
     "--http-thread-count": ("<integer>", _NO_CPP),
     "--grpc-infer-allocation-pool-size": ("<integer>", _NO_CPP + " (no response object pool)"),
-    "--grpc-infer-response-compression-level": ("<string>", "responses are compressed when "
-                                                "the client asks (grpc-accept-encoding)"),
+    "--grpc-infer-response-compression-level": ("<string>", "responses leave uncompressed "
+                                                "(compressed requests are read)"),
     "--reuse-http-port": ("<boolean>", "the port is bound without SO_REUSEPORT"),
     "--reuse-grpc-port": ("<boolean>", "the port is bound without SO_REUSEPORT"),
     "--http-header-forward-pattern": ("<string>", "headers are not forwarded as request "
@@ -43,7 +43,7 @@ IGNORED: dict[str, tuple[str, str]] = {
     "--vertex-ai-port": ("<integer>", "no Vertex AI front"),
     "--vertex-ai-thread-count": ("<integer>", "no Vertex AI front"),
     "--vertex-ai-default-model": ("<string>", "no Vertex AI front"),
-    "--allow-gpu-metrics": ("<boolean>", "nv_gpu_* are exported where nvidia-smi reads a GPU"),
+    "--allow-gpu-metrics": ("<boolean>", "nv_gpu_* are exported where NVML finds a GPU"),
     "--allow-cpu-metrics": ("<boolean>", "nv_cpu_* are always exported"),
     "--metrics-interval-ms": ("<float>", "gauges are read when /metrics is scraped"),
     "--model-load-thread-count": ("<integer>", "models load one after another at startup, "
