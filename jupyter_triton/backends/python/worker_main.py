@@ -7,17 +7,23 @@ by whichever thread of the worker waits (``_Demux``): the main loop while idle, 
 costs no thread hand-off, or a model's own thread waiting for an answer (a decoupled
 model's cancellation query, a BLS call).
 
-**The template.** Starting a python interpreter and importing numpy and this package costs
-about 0.4 s, more than a small model's ``initialize``. The server starts one template
-process (``template_main``) that has done it, and forks each worker from it: a worker is
-still a process of its own (a crash, a leak, a hang costs its own requests), it only skips
-the imports. The template runs no model code and has no threads of ours, so a fork copies
-nothing a model did. A model with a packed environment (``EXECUTION_ENV_PATH``) runs that
-environment's python instead, started afresh (``boot.py``).
+**The template.** A spawned worker paid for a fresh interpreter, ``multiprocessing``'s
+re-run of the server's main script and the imports of numpy and the backend's package:
+0.45 s on a quiet machine, 1.4-2.5 s on a loaded one, more than a small model's
+``initialize``. The server starts one template process (``template_main``) that has done the
+imports, and forks each worker from it: ready 0.02-0.05 s after the fork on the same loaded
+machine. A worker is still a process of its own (a crash, a leak, a hang costs its own
+requests); the template runs no model code and no python threads, so a fork copies nothing
+a model did (BLAS's own pool is made again after a fork by the library). Each worker takes
+the server's environment and folder of now from its ``Start`` message. A model with a
+packed environment (``EXECUTION_ENV_PATH``) runs that environment's python instead, started
+afresh (``boot.py``), as every worker is where the template cannot be used (``launch``).
 
 A worker dies with its parent: it asks the kernel for SIGKILL when the parent goes
 (``PR_SET_PDEATHSIG``), and it leaves its loop when the socket reports end-of-file. The
-template dies with the server the same way, so the chain holds.
+template dies with the server the same way, so the chain holds; a template that is killed
+takes its workers with it (they fail their requests and are started again, from a new
+template).
 """
 from __future__ import annotations
 
