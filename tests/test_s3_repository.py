@@ -179,10 +179,6 @@ def test_serve_command_takes_an_s3_repository(moto_endpoint: str, bucket, tmp_pa
     import re
     import subprocess
     import sys
-    import jupyter_triton.cli
-    if "repository.remote" not in Path(jupyter_triton.cli.__file__).read_text():
-        pytest.skip("jupyter-triton serve does not wire s3:// repositories yet "
-                    "(the hook: jupyter_triton.repository.remote.open_repository)")
     env = dict(os.environ, TRITON_AWS_MOUNT_DIRECTORY=str(tmp_path / "mount"))
     exe = Path(sys.executable).parent / "jupyter-triton"
     process = subprocess.Popen(
