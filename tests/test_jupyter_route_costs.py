@@ -94,7 +94,7 @@ async def test_remembered_routes_match_as_tornado_does(jp_triton, jp_fetch, monk
                           or b"{}") == {}
         meta = json.loads((await jp_fetch("v2/models/linear", headers=AUTH)).body)
         assert meta["name"] == "linear" and meta["versions"] == ["1"]
-        assert json.loads((await jp_fetch("v2", headers=AUTH)).body)["name"] == "jupyter_triton"
+        assert json.loads((await jp_fetch("v2", headers=AUTH)).body)["name"] == "triton"
         assert (await jp_fetch("api/status", headers=AUTH)).code == 200     # Jupyter's own
         for name in ("m0", "m1", "m2", "m3", "m4", "m5"):                  # past the bound
             with pytest.raises(HTTPClientError) as err:

@@ -441,3 +441,24 @@ def test_cli_trace_flags_as_tritonserver(repo: Path, tmp_path: Path):
                          timeout=60)
     assert bad.returncode != 0
     assert "unknown trace level 'LOUD'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_settings_of_an_unknown_model_are_refused_with_400(server):
+    # tritonserver 2.51: HTTP 400 and gRPC INVALID_ARGUMENT, "Request for unknown model : <m>",
+    # for GET and POST alike (read from it: the same calls against its python backend)
+    client = http_client(server)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        for call in (lambda: client.get_trace_settings(model_name="nosuch"),
+                     lambda: client.update_trace_settings(model_name="nosuch",
+                                                          settings={"trace_rate": "5"})):
+            with pytest.raises(InferenceServerException) as err:
+                call()
+            assert (err.value.status(), err.value.message()) == (
+                "400", "Request for unknown model : nosuch")
+        with pytest.raises(InferenceServerException) as err:
+            grpc.get_trace_settings(model_name="nosuch")
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        client.close()
+        grpc.close()

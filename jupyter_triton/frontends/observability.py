@@ -14,11 +14,11 @@ from ..protocol.errors import InvalidArgument, NotFound, TritonError
 
 
 def _known_model(engine: Engine, model: str) -> None:
-    """Triton's refusal of a trace setting for a model it does not know."""
+    """Triton's refusal of a trace setting for a model it does not know (2.51: 400)."""
     try:
         engine.model_metadata(model)
     except NotFound:
-        raise NotFound(f"Request for unknown model : {model}") from None
+        raise InvalidArgument(f"Request for unknown model : {model}") from None
     except TritonError:
         pass                    # known, only not ready: its settings may still be set
 
