@@ -1,4 +1,4 @@
-"""Benchmark what users run, side by side with PyTriton, in one run.
+"""Benchmark what users run, side by side with NVIDIA's tritonserver and PyTriton, in one run.
 
 One model (models.py: y = x·W, 256x256 fp32, one row per request, max_batch_size 64, dynamic
 batching with a 0.5 ms queue delay, one CPU instance), served by
@@ -6,18 +6,25 @@ batching with a 0.5 ms queue delay, one CPU instance), served by
 * ours, standalone: `jupyter-triton serve` (the ONNX model and a python-backend model.py),
   over HTTP and gRPC, plus a `--shared-memory system` row where the server advertises the
   system_shared_memory extension;
+* the peer that matters: NVIDIA's tritonserver 2.51 (the binary nvidia-pytriton ships) with
+  its python backend running the same model.py, over HTTP and gRPC;
 * ours through the Jupyter server's own routes (`jupyter server` with the extension, the
   ONNX model, a token header): the URL the product advertises;
-* the peer, PyTriton 0.7.0 (tritonserver + the same function as a @batch model), in its own
-  venv that this script creates when missing (skipped with a line where it does not install),
+* PyTriton 0.7.0 (tritonserver + the same function as a @batch model);
+* the JSON path: JSON tensors of [1,256] and [64,256] over HTTP, ours and tritonserver;
+* many models: 4 copies of the python model in one server, each driven at c=8 at once,
 
 each driven by Triton's perf_analyzer at concurrency 1 and 32, in alternating rounds (every
-server in turn, then again). Per row: throughput, p50/p99, server CPU us per inference (the
-whole server process tree from /proc, over the server's own inference count), peak RSS of
-the tree, queue time per inference (server statistics) and the batches formed.
+server in turn, then again). tritonserver and PyTriton live in their own venv (numpy<2) that
+this script creates when missing (their rows are skipped with a line where it does not
+install). Per row: throughput, p50/p99, server CPU us per inference (the whole server process
+tree from /proc: ours + its workers, tritonserver + its python stubs), peak RSS of the tree,
+queue time per request and the mean batch (server statistics). Then ratios ours/tritonserver
+and ours/PyTriton, and issue 18's and issue 8's aims, each PASS or MISS (a miss does not fail
+the run).
 
-    .venv/bin/python benchmarks/run.py            (./dev bench; about 7-9 min on 2 cores)
-    .venv/bin/python benchmarks/run.py --quick    (a smoke run, ~2 min; not figures to quote)
+    .venv/bin/python benchmarks/run.py            (./dev bench; about 13 min on 2 cores)
+    .venv/bin/python benchmarks/run.py --quick    (a smoke run, ~4-5 min; not figures to quote)
 
 Writes benchmarks/results/bench.md and bench.json (--quick: benchmarks/results/quick.tmp/).
 """
@@ -322,7 +329,7 @@ class Tritonserver(Target):
     model.py. Started as tests/tritonserver_peer.py starts it for the parity tests."""
 
     name = "tritonserver"
-    label = "tritonserver 2.51, python backend"
+    label = "tritonserver 2.51"
 
     def __init__(self, workdir: Path, repository: Path, served: tuple[str, ...], python: Path,
                  dist: tuple[Path, str, str], name: str = "") -> None:
@@ -333,6 +340,7 @@ class Tritonserver(Target):
         self.python = python
         self.dist, self.version, self.libdir = dist
         self.log_name = f"{self.name}-{'-'.join(served) if len(served) == 1 else 'many'}"
+        self.label = f"{self.label}, {MODEL_LABEL[served[0] if len(served) == 1 else MANY]}"
 
     def models(self) -> list[str]:
         return list(self.served)
@@ -702,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1 round, 1 s windows, results under results/quick.tmp/")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 2; --quick 1)")
-    parser.add_argument("--interval-ms", type=int, help="perf_analyzer window (default 3000; --quick 1000)")
+    parser.add_argument("--interval-ms", type=int, help="perf_analyzer window (default 2500; --quick 1000)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--protocols", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
     parser.add_argument("--targets", nargs="+",
@@ -717,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="default: benchmarks/results (--quick: results/quick.tmp)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 2)
-    interval_ms = args.interval_ms or (1000 if args.quick else 3000)
+    # 2.5 s windows keep the full run (34 rows, 2 rounds) within ~13 minutes on 2 cores.
+    interval_ms = args.interval_ms or (1000 if args.quick else 2500)
     out_dir = args.out or (HERE / "results" / ("quick.tmp" if args.quick else ""))
 
     pa = find_perf_analyzer()
@@ -946,9 +955,9 @@ def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]],
         aim(18, f"python model.py, {name}: throughput c=1 ours/tritonserver >= 1.1", v, v is not None and v >= 1.1)
         v = t.get("cpu/inf c=32")
         aim(18, f"python model.py, {name}: CPU per inference c=32 ours/tritonserver <= 1", v, v is not None and v <= 1)
-        for model in (PYTHON_MODEL, ONNX_MODEL):
-            v = ratios.get(variant_label("ours", model, protocol, False), {}).get("throughput c=32")
-            aim(18, f"{MODEL_LABEL[model]}, {name}: throughput c=32 ours/PyTriton >= 3", v, v is not None and v >= 3)
+        # "stays >= 3x": the ONNX row, where issue 18's own measurement had it (3.08x over HTTP).
+        v = ratios.get(variant_label("ours", ONNX_MODEL, protocol, False), {}).get("throughput c=32")
+        aim(18, f"ONNX, {name}: throughput c=32 ours/PyTriton >= 3", v, v is not None and v >= 3)
     for r in rows:
         if r.target not in PEERS and r.concurrency == 1 and r.median and not r.shm and _plain(r):
             q = r.median["queue_us"]
