@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -22,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import ModelFiles, backend_class, backend_name
 from ..backends.devices import resolve_kind
-from ..config import CONFIG_FILENAME, fill_defaults, validate_config
+from ..config import fill_defaults, validate_config
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
 from .cache import ResponseCache
@@ -30,10 +28,11 @@ from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
 from .histograms import latency_histograms
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from .options import EngineOptions
-from .promotion import Promotion, compare, golden_request, lifecycle_parameters, parse_promotion
+from .on_demand import OnDemand
+from .promotion import lifecycle_parameters, parse_promotion
 from .rate_limiter import RateLimiter
-from .residency import (EVICTED_REASON, EVICT_WAIT_SECS, FAILED_RETRY_SECS, ON_DEMAND_WAIT_SECS,
-                        RETRY_AFTER_SECS, Residency, idle, pinned)
+from .residency import Residency
+from .rollout import Rollout
 
 if TYPE_CHECKING:
     from ..protocol.types import InferRequest, InferResponse
@@ -76,16 +75,16 @@ class Entry:
     staged: dict[int, ModelVersion] = field(default_factory=dict)
 
 
-class ModelLifecycle:
-    """Load / unload / poll / stop for the Engine (which adds the data plane and queries)."""
+class ModelLifecycle(OnDemand, Rollout):
+    """Load / unload / poll / stop for the Engine (which adds the data plane and queries);
+    loading on demand within a budget (engine/on_demand.py), promotion and rollback
+    (engine/rollout.py)."""
 
     options: EngineOptions
     repository: Repository
     rate_limiter: RateLimiter
     response_cache: ResponseCache | None
     server_calls: "Bls | None" = None      # the Engine's; what loaded models call models with
-    # how long a request waits for its model's on-demand load before a 503 (Retry-After)
-    on_demand_wait_secs: float = ON_DEMAND_WAIT_SECS
     _version: Callable[[str, str], ModelVersion]
     infer: Callable[["InferRequest"], "InferResponse"]
 
@@ -300,270 +299,12 @@ class ModelLifecycle:
             for v in old:
                 entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
 
-    # ---- promotion and rollback (engine/promotion.py, repository/history.py) -------------
-    def history(self, name: str) -> list[dict]:
-        """Which version served after each load, promotion, refusal and rollback."""
-        return self.repository.lifecycle_history(name)
-
-    def _served(self, entry: Entry) -> int | None:
-        ready = [v for v, mv in entry.serving.items() if mv.ready]
-        return max(ready) if ready else None
-
-    def _config_text(self, name: str) -> str | None:
-        try:
-            return (self.repository.model_dir(name) / CONFIG_FILENAME).read_text(encoding="utf-8")
-        except (TritonError, OSError):
-            return None
-
-    def _record(self, name: str, record: dict) -> None:
-        try:
-            self.repository.record_lifecycle(name, record)
-        except (TritonError, OSError) as err:      # the swap happened; only its log is short
-            log.error("model '%s': could not append to its lifecycle history: %s", name, err)
-
-    async def promote(self, name: str, promotion: Promotion, config: str | None = None,
-                      files: dict[str, bytes] | None = None) -> None:
-        """Load the new version (an upload's, or ``promotion.version`` on disk) staged: not
-        served, callable by explicit version; run the golden cases through it; only if every
-        output matches, switch the version policy to it (new version READY before the old
-        one retires). Otherwise the upload is set aside and InvalidArgument says, per case,
-        what differed; what served keeps serving."""
-        from ..repository import check_model_name
-        check_model_name(name)
-        if files and config is None:
-            raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
-        if config is not None and not files:
-            raise InvalidArgument(f"failed to promote '{name}': a config comes with the files "
-                                  f"of the version it is for")
-        if not files and promotion.version is None:
-            raise InvalidArgument(f"failed to promote '{name}': give the new version's files, "
-                                  f"or the version on disk to promote ('promote': <version>)")
-        loop = asyncio.get_running_loop()
-        entry = self._entries.setdefault(name, Entry(name))
-        async with entry.lock:
-            before, before_config = self._served(entry), await loop.run_in_executor(
-                None, self._config_text, name)
-            pending: PendingUpload | None = None
-            if files:
-                pending = await loop.run_in_executor(
-                    None, self.repository.stage_upload, name, config, dict(files))
-            target = max(pending.versions) if pending is not None else promotion.version
-            staged: ModelVersion | None = None
-            try:
-                staged = await self._stage(name, entry, target)
-                diffs = []
-                for i, case in enumerate(promotion.cases):
-                    try:
-                        response = await staged.infer(golden_request(name, target, case))
-                        outputs = {t.name: t.data for t in response.outputs}
-                        diff = compare(i, case, outputs, promotion.atol, promotion.rtol)
-                    except TritonError as err:
-                        diff = {"case": i, "error": str(err)}
-                    if diff is not None:
-                        diffs.append(diff)
-                if diffs:
-                    summary = json.dumps({"version": target, "cases": len(promotion.cases),
-                                          "failed": diffs})
-                    raise InvalidArgument(f"promotion of '{name}' version {target} refused: "
-                                          f"its outputs differ from the golden set: {summary}")
-                if pending is not None:
-                    await asyncio.shield(loop.run_in_executor(None, pending.commit))
-                else:
-                    await loop.run_in_executor(None, self._serve_only, name, target)
-                await self._load_locked(name, entry)
-                leftover = entry.staged.pop(target, None)    # its config changed: loaded anew
-                if leftover is not None:
-                    await leftover.unload(drain_seconds=self.options.unload_timeout_secs)
-            except BaseException as err:
-                if staged is not None and entry.staged.get(target) is staged:
-                    entry.staged.pop(target)
-                    await staged.unload(drain_seconds=self.options.unload_timeout_secs)
-                if pending is not None:
-                    await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
-                elif promotion.version is not None and self._served(entry) != target:
-                    await loop.run_in_executor(None, self._restore_config, name, before_config)
-                if target is not None and target not in entry.serving:
-                    entry.status[target] = VersionStatus(UNAVAILABLE, f"not promoted: {err}"[:2000])
-                # a refused first upload leaves no model directory behind (its versions and
-                # REASON.txt are under .failed/): no history file to keep one alive
-                model_left = pending is None or not pending.created
-                if isinstance(err, InvalidArgument) and "refused" in str(err) and model_left:
-                    await loop.run_in_executor(None, self._record, name, {
-                        "action": "refused", "version": target, "served": before,
-                        "reason": str(err)[:4000]})
-                raise
-            self._wanted.add(name)
-            await loop.run_in_executor(None, self._record, name, {
-                "action": "promote", "version": self._served(entry), "previous": before,
-                "previous_config": before_config, "golden_cases": len(promotion.cases)})
-
-    async def _stage(self, name: str, entry: Entry, version: int) -> ModelVersion:
-        loop = asyncio.get_running_loop()
-        model_dir = self.repository.model_dir(name)
-        if version not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
-            raise NotFound(f"model '{name}' has no version {version} in the model repository")
-        config, backend, _ = await loop.run_in_executor(None, self._prepare, name, model_dir)
-        stamp = await loop.run_in_executor(None, self._stamp, name, config, [version])
-        mv = self._new_version(config, backend, version, model_dir, stamp[version])
-        entry.status[version] = VersionStatus("LOADING", "staged for a golden check")
-        await mv.load()
-        entry.staged[version] = mv
-        entry.status[version] = VersionStatus(READY, "staged: not served until promoted")
-        return mv
-
-    def _serve_only(self, name: str, version: int) -> None:
-        config = self.repository.read_config(name)
-        config.version_policy.specific.versions[:] = [version]
-        self.repository.write_config(name, config)        # the replaced one goes to .history/
-
-    def _restore_config(self, name: str, text: str | None) -> None:
-        if text is not None and self._config_text(name) != text:
-            from ..config import parse_config
-            self.repository.write_config(name, parse_config(text, name, CONFIG_FILENAME))
-
-    async def rollback(self, name: str) -> None:
-        """Serve again the version that served before the current one, with the config it
-        was served with (its version policy pinned to it), in one swap: it is READY before
-        the current version retires."""
-        self._check_explicit()
-        entry = self._entries.get(name)
-        current = self._served(entry) if entry is not None else None
-        if current is None:
-            raise Unavailable(f"failed to roll back '{name}': no version of it is being served")
-        loop = asyncio.get_running_loop()
-        records = await loop.run_in_executor(None, self.history, name)
-        back = next((r for r in reversed(records) if r.get("action") in ("load", "promote", "rollback")
-                     and r.get("version") == current and isinstance(r.get("previous"), int)), None)
-        if back is None:
-            raise InvalidArgument(f"failed to roll back '{name}': its history has no version "
-                                  f"served before version {current}")
-        previous, previous_config = back["previous"], back.get("previous_config")
-        async with entry.lock:
-            current_config = await loop.run_in_executor(None, self._config_text, name)
-            if previous not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
-                raise NotFound(f"failed to roll back '{name}': version {previous} is no longer in "
-                               f"the model repository")
-
-            def pin_previous() -> None:
-                from ..config import parse_config
-                config = (parse_config(previous_config, name, CONFIG_FILENAME) if previous_config
-                          else self.repository.read_config(name))
-                config.version_policy.specific.versions[:] = [previous]
-                self.repository.write_config(name, config)
-            await loop.run_in_executor(None, pin_previous)
-            try:
-                await self._load_locked(name, entry)
-            except BaseException:
-                await loop.run_in_executor(None, self._restore_config, name, current_config)
-                raise
-        await loop.run_in_executor(None, self._record, name, {
-            "action": "rollback", "version": self._served(entry), "previous": current,
-            "previous_config": current_config})
-
-    # ---- residency: load on demand, evict the least recently used idle models ----------
-    async def resident_version(self, name: str, version: str = "") -> ModelVersion:
-        """``_version``, but a model that is in the repository and not loaded (evicted, or
-        never asked for) is loaded first, once however many requests wait for it, within
-        ON_DEMAND_WAIT_SECS (then Unavailable with ``retry_after``)."""
-        deadline = time.monotonic() + self.on_demand_wait_secs
-        for _ in range(8):     # a model loaded for us may be evicted before we run: ask again
-            entry = self._entries.get(name)
-            if (entry is not None and entry.serving) or not self._loadable(name):
-                self.residency.touch(name)
-                return self._version(name, version)
-            await self._on_demand(name, deadline - time.monotonic())
-        raise _retry_later(f"model '{name}' was evicted again before this request could run")
-
-    def _loadable(self, name: str) -> bool:
-        if name in self._held_off or self._started is False:
-            return False
-        if time.monotonic() - self.residency.of(name).failed_at < FAILED_RETRY_SECS:
-            return False
-        try:
-            self.repository.model_dir(name)
-        except TritonError:
-            return False
-        return True
-
-    async def _on_demand(self, name: str, wait: float) -> None:
-        load = self._cold.get(name)
-        if load is None:
-            load = self._cold[name] = asyncio.ensure_future(self._cold_load(name))
-            load.add_done_callback(lambda f: (self._cold.pop(name, None) if self._cold.get(name) is f
-                                              else None, f.cancelled() or f.exception()))
-        try:
-            # shielded: a client that goes away does not cancel the load others wait for
-            await asyncio.wait_for(asyncio.shield(load), max(wait, 0.0))
-        except asyncio.TimeoutError:
-            raise _retry_later(f"model '{name}' is being loaded on demand") from None
-        except TritonError as err:
-            raise _load_failed(name, err) from None
-
-    async def _cold_load(self, name: str) -> None:
-        async with self._room:
-            if self._has_ready_version(name):
-                return
-            if not self._started:
-                raise Unavailable(f"model '{name}' cannot be loaded: the server is stopping")
-            state = self.residency.of(name)
-            await self._make_room(name, state.size)
-            entry = self._entries.setdefault(name, Entry(name))
-            try:
-                async with entry.lock:
-                    await self._load_locked(name, entry)
-            except BaseException:
-                state.failed_at = time.monotonic()
-                raise
-            self._wanted.add(name)
-            self.residency.loaded(name, entry.serving.values(), cold=True)
-            log.info("model '%s' loaded on demand (%d bytes)", name, state.size)
-            await self._make_room(name, 0)
-
-    def resident_models(self) -> dict[str, list[ModelVersion]]:
-        return {n: list(e.serving.values()) for n, e in self._entries.items() if e.serving}
-
-    async def _make_room(self, incoming: str, size: int) -> None:
-        """Evict what ``residency.victims`` chooses so that ``incoming`` fits."""
-        loaded = self.resident_models()
-        self.residency.note_resident(sum(self.residency.of(n).size for n in loaded))
-        busy = {n for n, e in self._entries.items() if e.lock.locked()}
-        victims = self.residency.victims(loaded, incoming, size, busy)
-        if victims:
-            await asyncio.gather(*(self._evict(n) for n in victims))
-
-    async def _evict(self, name: str) -> None:
-        entry = self._entries.get(name)
-        deadline = time.monotonic() + EVICT_WAIT_SECS
-        while entry is not None and entry.serving and not entry.lock.locked():
-            busy = [mv for mv in entry.serving.values() if not idle(mv)]
-            if not busy:
-                break
-            if time.monotonic() >= deadline:
-                return                 # still busy: it stays, over the budget for a while
-            # requests take milliseconds; a new one may arrive while we wait: look again
-            await asyncio.wait([asyncio.ensure_future(mv._idle.wait()) for mv in busy],
-                               timeout=max(deadline - time.monotonic(), 0.0))
-        if entry is None or entry.lock.locked() or not entry.serving:
-            return
-        old, entry.serving = entry.serving, {}
-        entry.changes += 1
-        for v in old:
-            entry.status[v] = VersionStatus(UNAVAILABLE, EVICTED_REASON)
-        self._wanted.discard(name)
-        self.residency.evicted(name)
-        log.info("model '%s' evicted (residency budget)", name)
-        await asyncio.gather(*(mv.unload(drain_seconds=self.options.unload_timeout_secs)
-                               for mv in old.values()))
-
-    def _pinned_on_disk(self, name: str) -> bool:
-        try:
-            return pinned(self.repository.read_config(name))
-        except (TritonError, OSError):
-            return False
+    def _entry(self, name: str) -> Entry:
+        return self._entries.setdefault(name, Entry(name))
 
     async def _load(self, name: str) -> None:
         self.repository.model_dir(name)
-        entry = self._entries.setdefault(name, Entry(name))
+        entry = self._entry(name)
         async with entry.lock:
             await self._load_locked(name, entry)
 
@@ -813,13 +554,6 @@ def _load_failed(name: str, err: TritonError) -> TritonError:
             f"load failed for model '{name}': version {stage} is at UNAVAILABLE state: {text}")
     err.message = text
     err.args = (text,)
-    return err
-
-
-def _retry_later(message: str) -> Unavailable:
-    err = Unavailable(f"{message}; retry in {RETRY_AFTER_SECS} s")
-    # frontends answer it with a Retry-After header
-    err.retry_after = RETRY_AFTER_SECS  # type: ignore[attr-defined]
     return err
 
 

@@ -1,0 +1,184 @@
+"""Promotion and rollback, the lifecycle's part: a version loaded staged, checked against a
+golden set (engine/promotion.py), then served by a switch of the version policy; and the
+previous version and config served again in one swap. Every switch is appended to the
+model's history in the repository (repository/history.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from ..config import CONFIG_FILENAME
+from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from ..repository import PendingUpload
+from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
+from .promotion import Promotion, compare, golden_request
+
+if TYPE_CHECKING:
+    from .lifecycle import Entry
+
+log = logging.getLogger(__name__)
+
+
+class Rollout:
+    """Mixed into ModelLifecycle, whose entries, locks and loads it uses."""
+
+    def history(self, name: str) -> list[dict]:
+        """Which version served after each load, promotion, refusal and rollback."""
+        return self.repository.lifecycle_history(name)
+
+    def _served(self, entry: Entry) -> int | None:
+        ready = [v for v, mv in entry.serving.items() if mv.ready]
+        return max(ready) if ready else None
+
+    def _config_text(self, name: str) -> str | None:
+        try:
+            return (self.repository.model_dir(name) / CONFIG_FILENAME).read_text(encoding="utf-8")
+        except (TritonError, OSError):
+            return None
+
+    def _record(self, name: str, record: dict) -> None:
+        try:
+            self.repository.record_lifecycle(name, record)
+        except (TritonError, OSError) as err:      # the swap happened; only its log is short
+            log.error("model '%s': could not append to its lifecycle history: %s", name, err)
+
+    async def promote(self, name: str, promotion: Promotion, config: str | None = None,
+                      files: dict[str, bytes] | None = None) -> None:
+        """Load the new version (an upload's, or ``promotion.version`` on disk) staged: not
+        served, callable by explicit version; run the golden cases through it; only if every
+        output matches, switch the version policy to it (new version READY before the old
+        one retires). Otherwise the upload is set aside and InvalidArgument says, per case,
+        what differed; what served keeps serving."""
+        from ..repository import check_model_name
+        check_model_name(name)
+        if files and config is None:
+            raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
+        if config is not None and not files:
+            raise InvalidArgument(f"failed to promote '{name}': a config comes with the files "
+                                  f"of the version it is for")
+        if not files and promotion.version is None:
+            raise InvalidArgument(f"failed to promote '{name}': give the new version's files, "
+                                  f"or the version on disk to promote ('promote': <version>)")
+        loop = asyncio.get_running_loop()
+        entry = self._entry(name)
+        async with entry.lock:
+            before, before_config = self._served(entry), await loop.run_in_executor(
+                None, self._config_text, name)
+            pending: PendingUpload | None = None
+            if files:
+                pending = await loop.run_in_executor(
+                    None, self.repository.stage_upload, name, config, dict(files))
+            target = max(pending.versions) if pending is not None else promotion.version
+            staged: ModelVersion | None = None
+            try:
+                staged = await self._stage(name, entry, target)
+                diffs = []
+                for i, case in enumerate(promotion.cases):
+                    try:
+                        response = await staged.infer(golden_request(name, target, case))
+                        outputs = {t.name: t.data for t in response.outputs}
+                        diff = compare(i, case, outputs, promotion.atol, promotion.rtol)
+                    except TritonError as err:
+                        diff = {"case": i, "error": str(err)}
+                    if diff is not None:
+                        diffs.append(diff)
+                if diffs:
+                    summary = json.dumps({"version": target, "cases": len(promotion.cases),
+                                          "failed": diffs})
+                    raise InvalidArgument(f"promotion of '{name}' version {target} refused: "
+                                          f"its outputs differ from the golden set: {summary}")
+                if pending is not None:
+                    await asyncio.shield(loop.run_in_executor(None, pending.commit))
+                else:
+                    await loop.run_in_executor(None, self._serve_only, name, target)
+                await self._load_locked(name, entry)
+                leftover = entry.staged.pop(target, None)    # its config changed: loaded anew
+                if leftover is not None:
+                    await leftover.unload(drain_seconds=self.options.unload_timeout_secs)
+            except BaseException as err:
+                if staged is not None and entry.staged.get(target) is staged:
+                    entry.staged.pop(target)
+                    await staged.unload(drain_seconds=self.options.unload_timeout_secs)
+                if pending is not None:
+                    await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
+                elif promotion.version is not None and self._served(entry) != target:
+                    await loop.run_in_executor(None, self._restore_config, name, before_config)
+                if target is not None and target not in entry.serving:
+                    entry.status[target] = VersionStatus(UNAVAILABLE, f"not promoted: {err}"[:2000])
+                # a refused first upload leaves no model directory behind (its versions and
+                # REASON.txt are under .failed/): no history file to keep one alive
+                model_left = pending is None or not pending.created
+                if isinstance(err, InvalidArgument) and "refused" in str(err) and model_left:
+                    await loop.run_in_executor(None, self._record, name, {
+                        "action": "refused", "version": target, "served": before,
+                        "reason": str(err)[:4000]})
+                raise
+            self._wanted.add(name)
+            await loop.run_in_executor(None, self._record, name, {
+                "action": "promote", "version": self._served(entry), "previous": before,
+                "previous_config": before_config, "golden_cases": len(promotion.cases)})
+
+    async def _stage(self, name: str, entry: Entry, version: int) -> ModelVersion:
+        loop = asyncio.get_running_loop()
+        model_dir = self.repository.model_dir(name)
+        if version not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
+            raise NotFound(f"model '{name}' has no version {version} in the model repository")
+        config, backend, _ = await loop.run_in_executor(None, self._prepare, name, model_dir)
+        stamp = await loop.run_in_executor(None, self._stamp, name, config, [version])
+        mv = self._new_version(config, backend, version, model_dir, stamp[version])
+        entry.status[version] = VersionStatus("LOADING", "staged for a golden check")
+        await mv.load()
+        entry.staged[version] = mv
+        entry.status[version] = VersionStatus(READY, "staged: not served until promoted")
+        return mv
+
+    def _serve_only(self, name: str, version: int) -> None:
+        config = self.repository.read_config(name)
+        config.version_policy.specific.versions[:] = [version]
+        self.repository.write_config(name, config)        # the replaced one goes to .history/
+
+    def _restore_config(self, name: str, text: str | None) -> None:
+        if text is not None and self._config_text(name) != text:
+            from ..config import parse_config
+            self.repository.write_config(name, parse_config(text, name, CONFIG_FILENAME))
+
+    async def rollback(self, name: str) -> None:
+        """Serve again the version that served before the current one, with the config it
+        was served with (its version policy pinned to it), in one swap: it is READY before
+        the current version retires."""
+        self._check_explicit()
+        entry = self._entries.get(name)
+        current = self._served(entry) if entry is not None else None
+        if current is None:
+            raise Unavailable(f"failed to roll back '{name}': no version of it is being served")
+        loop = asyncio.get_running_loop()
+        records = await loop.run_in_executor(None, self.history, name)
+        back = next((r for r in reversed(records) if r.get("action") in ("load", "promote", "rollback")
+                     and r.get("version") == current and isinstance(r.get("previous"), int)), None)
+        if back is None:
+            raise InvalidArgument(f"failed to roll back '{name}': its history has no version "
+                                  f"served before version {current}")
+        previous, previous_config = back["previous"], back.get("previous_config")
+        async with entry.lock:
+            current_config = await loop.run_in_executor(None, self._config_text, name)
+            if previous not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
+                raise NotFound(f"failed to roll back '{name}': version {previous} is no longer in "
+                               f"the model repository")
+
+            def pin_previous() -> None:
+                from ..config import parse_config
+                config = (parse_config(previous_config, name, CONFIG_FILENAME) if previous_config
+                          else self.repository.read_config(name))
+                config.version_policy.specific.versions[:] = [previous]
+                self.repository.write_config(name, config)
+            await loop.run_in_executor(None, pin_previous)
+            try:
+                await self._load_locked(name, entry)
+            except BaseException:
+                await loop.run_in_executor(None, self._restore_config, name, current_config)
+                raise
+        await loop.run_in_executor(None, self._record, name, {
+            "action": "rollback", "version": self._served(entry), "previous": current,
+            "previous_config": current_config})
