@@ -141,7 +141,12 @@ class CapacityPlan:
         config["max_batch_size"] = int(max_batch_size)
         batching = dict(config.get("dynamic_batching") or {})
         batching["max_queue_delay_microseconds"] = int(max_queue_delay_us)
-        preferred = [int(p) for p in batching.get("preferred_batch_size", []) if int(p) <= max_batch_size]
+        preferred = [int(p) for p in batching.get("preferred_batch_size", [])]
+        if preferred == [int(self._base.get("max_batch_size", 0) or 0)]:
+            # what the server's auto-complete writes ([max_batch_size]): no preference of the
+            # user's, so it follows the new max_batch_size instead of capping its batches
+            preferred = []
+        preferred = [p for p in preferred if p <= max_batch_size]
         if preferred:
             batching["preferred_batch_size"] = preferred
         else:
@@ -273,14 +278,22 @@ class CapacityPlan:
             (f"+ {name} at priority 2 (interactive 1)",
              self._with_priority(mbs, delay, inst, interactive_first, low), "interactive"),
         ]
+        # "split models or instance groups": the bulk class on a copy of the model with one
+        # instance of its own; the interactive class keeps this config's instances to itself
+        # (the simulation shares no CPU between the two: give the copy its own hardware)
+        alone = self.run(mbs, delay, inst, load, extra=[])
+        alone_bulk = self._with_priority(mbs, delay, 1, None, same)
+        split = {**alone, "classes": {"": alone, name: alone_bulk["classes"][name]}}
+        scenarios.append((f"{name} split onto its own model (1 instance)", split, ""))
         return BulkEffect(name, {"max_batch_size": mbs, "max_queue_delay_us": delay, "instances": inst},
                           qps, scenarios)
 
-    def _with_priority(self, mbs: int, delay: int, inst: int, first: tr.TrafficClass,
+    def _with_priority(self, mbs: int, delay: int, inst: int, first: tr.TrafficClass | None,
                        low: tr.TrafficClass) -> dict:
-        label = f"interactive {first.qps:g} qps at priority 1"
+        """``first`` (None: no traffic) with ``low`` on top, as a named traffic load."""
+        label = f"interactive {first.qps:g} qps at priority {first.priority}" if first else "nothing"
         if label not in self.traffic:
-            self.traffic[label] = first.traffic(self.seed, self.requests)
+            self.traffic[label] = first.traffic(self.seed, self.requests) if first else []
         return self.run(mbs, delay, inst, Load("traffic", 0.0, label), extra=[low])
 
     # ---- measured beside simulated -----------------------------------------------------
@@ -522,6 +535,7 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     config.update(name=temp, max_batch_size=largest)
     batching = dict(config.get("dynamic_batching") or {})
     batching["max_queue_delay_microseconds"] = 0
+    batching.pop("preferred_batch_size", None)
     config["dynamic_batching"] = batching
     try:
         client.load(temp, json.dumps(config), files)

@@ -8,10 +8,14 @@ what a client sees on top of it (front end, network, its own Python) is measured
 round trip as ``overhead_ns`` (client latency minus the server's queue and compute). A sample
 whose delta is not exactly one execution (someone else used the model) is dropped.
 
-A ``ServiceModel`` draws an execution time for any batch size: the empirical samples of the
-nearest measured size, scaled to the interpolated mean (so the measured spread and tail
-carry over), linear beyond the largest measured size. Sweeps are kept per model, version,
-config fingerprint and server (``ServiceModel.cached``).
+A ``ServiceModel`` draws an execution time for any batch size: the median at that size
+(linear between measured sizes, and beyond the largest along the least-squares slope of all; made non-decreasing in rows, since a
+sweep on a busy machine can show a batch of 2 slower than one of 4 by chance, and a model
+whose larger batches truly run faster is rare) times a ratio drawn from every sample's ratio
+to its own size's median. Medians and pooled ratios, not per-size means and samples: a few
+slow samples (another process took the core) then widen the spread of every size instead of
+bending the curve at the size they hit. Sweeps are kept per model, version, config
+fingerprint and server (``ServiceModel.cached``).
 """
 from __future__ import annotations
 
@@ -62,33 +66,51 @@ class ServiceModel:
             raise InvalidArgument(f"service model of '{self.model}': no sample")
         self._sizes = sorted(self.samples)
         self._means = {b: statistics.fmean(v) for b, v in self.samples.items()}
+        medians = {b: float(statistics.median(v)) for b, v in self.samples.items()}
+        self._medians, top = {}, 0.0
+        for b in self._sizes:
+            top = max(top, medians[b])
+            self._medians[b] = top
+        self._ratios = sorted(v / medians[b] for b, vs in self.samples.items() for v in vs)
+        # past the largest size: the least-squares slope over every size, not the last
+        # segment's alone (one noisy size would decide it)
+        if len(self._sizes) > 1:
+            mx = statistics.fmean(self._sizes)
+            my = statistics.fmean(self._medians[b] for b in self._sizes)
+            num = sum((b - mx) * (self._medians[b] - my) for b in self._sizes)
+            self._slope = max(0.0, num / sum((b - mx) ** 2 for b in self._sizes))
+        else:
+            self._slope = 0.0
 
     # -- drawing ---------------------------------------------------------------------------
-    def mean_ns(self, rows: int) -> float:
-        sizes, means = self._sizes, self._means
-        if rows in means:
-            return means[rows]
+    def median_ns(self, rows: int) -> float:
+        """The typical execution of a batch of ``rows``: interpolated between measured sizes."""
+        sizes, med = self._sizes, self._medians
+        if rows in med:
+            return med[rows]
         if len(sizes) == 1:
-            return means[sizes[0]]
+            return med[sizes[0]]
         i = bisect_left(sizes, rows)
+        if i == len(sizes):
+            return med[sizes[-1]] + self._slope * (rows - sizes[-1])
         if i == 0:
             lo, hi = sizes[0], sizes[1]
-        elif i == len(sizes):
-            lo, hi = sizes[-2], sizes[-1]
         else:
             lo, hi = sizes[i - 1], sizes[i]
-        slope = (means[hi] - means[lo]) / (hi - lo)
-        if i == len(sizes):
-            slope = max(slope, 0.0)       # a larger batch does not run faster than a smaller
-        return max(1.0, means[lo] + slope * (rows - lo))
-
-    def nearest(self, rows: int) -> int:
-        return min(self._sizes, key=lambda b: (abs(b - rows), b))
+        slope = (med[hi] - med[lo]) / (hi - lo)
+        return max(1.0, med[lo] + slope * (rows - lo))
 
     def __call__(self, rows: int, rng: random.Random) -> int:
-        near = self.nearest(rows)
-        drawn = rng.choice(self.samples[near])
-        return max(1, int(drawn * self.mean_ns(rows) / self._means[near]))
+        return max(1, int(self.median_ns(rows) * rng.choice(self._ratios)))
+
+    def scaled(self, factor: float) -> "ServiceModel":
+        """Every execution ``factor`` times as long: another machine, or this one under load."""
+        if factor <= 0:
+            raise InvalidArgument("simulate: a service model's scale must be > 0")
+        return ServiceModel(self.model, self.version,
+                            {b: [int(v * factor) for v in vs] for b, vs in self.samples.items()},
+                            self.overhead_ns, self.overhead_samples,
+                            method=self.method + f", scaled x{factor:.2f}", fingerprint=self.fingerprint)
 
     # -- showing ---------------------------------------------------------------------------
     def table(self) -> list[dict]:
@@ -111,10 +133,11 @@ class ServiceModel:
         for b in self._sizes:
             ax.scatter([b] * len(self.samples[b]), [v / 1e6 for v in self.samples[b]], s=8,
                        alpha=0.35, color="tab:blue")
-        ax.plot(self._sizes, [self._means[b] / 1e6 for b in self._sizes], "o-", color="tab:red",
-                label="mean")
+        ax.plot(self._sizes, [self._medians[b] / 1e6 for b in self._sizes], "o-", color="tab:red",
+                label="median (the model's)")
+        ax.plot(self._sizes, [self._means[b] / 1e6 for b in self._sizes], "x", color="k", label="mean")
         top = self._sizes[-1] * 2
-        ax.plot([self._sizes[-1], top], [self.mean_ns(self._sizes[-1]) / 1e6, self.mean_ns(top) / 1e6],
+        ax.plot([self._sizes[-1], top], [self.median_ns(self._sizes[-1]) / 1e6, self.median_ns(top) / 1e6],
                 ":", color="tab:red", label="extrapolated")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (rows)")
@@ -270,32 +293,21 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
     return result
 
 
-def calibrate_overhead(connection: Connection, model: str, seconds: float = 2.0,
-                       load_generator: str = "auto") -> dict:
+def calibrate_overhead(connection: Connection, model: str, service: ServiceModel,
+                       seconds: float = 2.0, load_generator: str = "auto") -> dict:
     """What one client of ``load_generator`` (perf_analyzer when installed, else tune's
-    loadgen) sees beyond the server's queue + compute at c=1: its p50 latency minus the
-    server's mean queue + compute per request over the same run (statistics deltas). Use
-    it as ``simulate(..., overhead_us=...)`` when comparing with that generator."""
+    loadgen) sees beyond one execution at c=1: its p50 latency minus the service model's
+    median for one row (medians both: a few slow outliers move neither). Use it as
+    ``simulate(..., overhead_us=...)`` when comparing with that generator. Run it on a model
+    with max_queue_delay 0, as the sweep's figures are."""
     from ..kernel import tune as tu
     client = TritonHTTP(connection)
     meta = client.metadata(model)
-    version = str(max(int(v) for v in meta["versions"]))
     perf = tu.find_perf_analyzer() if load_generator in ("auto", "perf_analyzer") else None
-    before = _stats(client, model, version)
     if perf:
         run = tu._run_perf_analyzer(perf, connection, model, tu._shapes(meta), 1, seconds)
     else:
         run = tu._run_loadgen(connection, model, tu._shapes(meta), 1, seconds)
-    after = _stats(client, model, version)
-
-    def total(s: dict) -> tuple[int, int]:
-        inf = s["inference_stats"]
-        return int(inf["success"]["count"]), sum(int(inf[k]["ns"]) for k in
-                                                 ("queue", "compute_input", "compute_infer", "compute_output"))
-    n0, ns0 = total(before)
-    n1, ns1 = total(after)
-    if n1 <= n0:
-        raise Unavailable(f"simulate '{model}': no request served while calibrating")
-    server_ms = (ns1 - ns0) / (n1 - n0) / 1e6
+    server_ms = service.median_ns(1) / 1e6
     return {"overhead_us": max(0.0, (run["p50_ms"] - server_ms) * 1000), "client_p50_ms": run["p50_ms"],
             "server_ms": server_ms, "load_generator": "perf_analyzer" if perf else "loadgen"}

@@ -1,0 +1,261 @@
+"""Simulated against measured: does ``jupyter_triton.simulate`` predict what a real load
+generator measures? (issue 21)
+
+One standalone server (``jupyter-triton serve``, its own process, 127.0.0.1) serves
+"embedder", a Python-backend model that sleeps 3 ms + 0.25 ms a row per execution (so the
+compute is the model's, not a CPU race). Then:
+
+1. the service model: ``planning.measure`` (a sweep over batch sizes at c=1, statistics
+   deltas) on a copy with the grid's largest max_batch_size;
+2. the overhead a client of the load generator sees beyond queue + compute, calibrated at
+   c=1 with that generator (``planning.service.calibrate_overhead``);
+3. measured: each of 8 configs (max_batch_size x max_queue_delay_us) served under a
+   temporary name and driven closed loop at two concurrencies by tune's load generator
+   (perf_analyzer when installed, else tune's loadgen), the server's statistics read around
+   each run: the batches formed and how long they executed under that load;
+4. simulated, twice: "predicted" from the c=1 sweep (what a user gets before deploying), and
+   "replayed" with the sweep's executions scaled to what the server recorded under that
+   load (the scheduler alone, CPU contention taken out): where predicted misses and replayed
+   does not, the miss is the machine's contention, not the batcher's model.
+
+Writes benchmarks/results/simulate_validation.md and .json (``--append`` keeps earlier
+runs in the json and shows every run in the md). Aim per row: throughput and p50 within
+15 %, p99 within 30 %.
+
+    .venv/bin/python benchmarks/simulate_validation.py [--seconds 3] [--append]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jupyter_triton.kernel.client import TritonHTTP  # noqa: E402
+from jupyter_triton.kernel.discovery import Connection  # noqa: E402
+from jupyter_triton.kernel import tune as tu  # noqa: E402
+from jupyter_triton.planning import Load, simulate  # noqa: E402
+from jupyter_triton.planning.capacity import CapacityPlan, _measure  # noqa: E402
+from jupyter_triton.planning.service import calibrate_overhead  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MODEL_PY = '''
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        rows = sum(pb_utils.get_input_tensor_by_name(r, "X").as_numpy().shape[0] for r in requests)
+        time.sleep(0.003 + 0.00025 * rows)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)]) for r in requests]
+'''
+CONFIG = '''name: "embedder"
+backend: "python"
+max_batch_size: 16
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 0 }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+'''
+SIZES = [4, 16]
+DELAYS = [0, 500, 1000, 4000]
+CONCURRENCY = [4, 16]
+AIM = {"throughput": 0.15, "p50_ms": 0.15, "p99_ms": 0.30}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(repo: Path) -> tuple[subprocess.Popen, Connection]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(ROOT / ".venv" / "bin" / "jupyter-triton"), "serve", "--model-repository", str(repo),
+         "--model-control-mode", "explicit", "--load-model", "embedder", "--http-address", "127.0.0.1",
+         "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    conn = Connection(f"http://127.0.0.1:{port}/", mode="standalone")
+    client = TritonHTTP(conn)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if client.metadata("embedder") and client.ready():
+                return proc, conn
+        except Exception:          # not up yet
+            pass
+        time.sleep(0.3)
+    proc.terminate()
+    raise RuntimeError("the server did not become ready in 120 s")
+
+
+def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds: float,
+                 load_generator: str) -> list[dict]:
+    """Every config under a temporary name, every concurrency, closed loop; per row the load
+    generator's figures and, from the statistics, the batches and their execution time."""
+    client = TritonHTTP(conn)
+    perf = tu.find_perf_analyzer() if load_generator in ("auto", "perf_analyzer") else None
+    temp = "embedder__validation"
+    out = []
+    try:
+        for mbs in SIZES:
+            for delay in DELAYS:
+                client.load(temp, json.dumps(tu.with_batching(base, temp, mbs, delay)), files)
+                meta = client.metadata(temp)
+                version = str(max(int(v) for v in meta["versions"]))
+                shapes = tu._shapes(meta)
+                for c in CONCURRENCY:
+                    [s0] = client.stats(temp, version)["model_stats"]
+                    run = (tu._run_perf_analyzer(perf, conn, temp, shapes, c, seconds) if perf
+                           else tu._run_loadgen(conn, temp, shapes, c, seconds))
+                    [s1] = client.stats(temp, version)["model_stats"]
+                    execs = int(s1["execution_count"]) - int(s0["execution_count"])
+                    rows = int(s1["inference_count"]) - int(s0["inference_count"])
+                    compute = sum(int(b[k]["ns"]) for b in s1["batch_stats"] for k in
+                                  ("compute_input", "compute_infer", "compute_output")) - \
+                        sum(int(b[k]["ns"]) for b in s0.get("batch_stats") or [] for k in
+                            ("compute_input", "compute_infer", "compute_output"))
+                    out.append({"max_batch_size": mbs, "max_queue_delay_us": delay, "concurrency": c,
+                                "throughput": run["throughput"], "p50_ms": run["p50_ms"],
+                                "p95_ms": run["p95_ms"], "p99_ms": run["p99_ms"],
+                                "mean_batch": rows / execs, "exec_ms": compute / execs / 1e6,
+                                "failures": run["failures"]})
+    finally:
+        client.unload(temp)
+    return out
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run(seconds: float, load_generator: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="simulate-validation-") as tmp:
+        repo = Path(tmp) / "models"
+        (repo / "embedder" / "1").mkdir(parents=True)
+        (repo / "embedder" / "1" / "model.py").write_text(MODEL_PY)
+        (repo / "embedder" / "config.pbtxt").write_text(CONFIG)
+        files = {"1/model.py": MODEL_PY.encode()}
+        load_before = load_average()
+        proc, conn = start_server(repo)
+        try:
+            client = TritonHTTP(conn)
+            base = client.config("embedder")
+            started = time.perf_counter()
+            service = _measure(client, conn, "embedder", base, max(SIZES), None, repeats=30)
+            sweep_s = time.perf_counter() - started
+            calib = calibrate_overhead(conn, "embedder", service, seconds=seconds,
+                                       load_generator=load_generator)
+            started = time.perf_counter()
+            measured = measure_grid(conn, base, files, seconds, load_generator)
+            tune_s = time.perf_counter() - started
+            started = time.perf_counter()
+            overhead_us = calib["overhead_us"]
+            plan = simulate("embedder", concurrency=CONCURRENCY, max_batch_size=SIZES,
+                            max_queue_delay_us=DELAYS, service=service, overhead_us=overhead_us,
+                            connection=conn)
+            rows = plan.compare(measured)
+            for r, m in zip(rows, measured):
+                # the same row on the executions the server recorded under this load
+                factor = m["exec_ms"] * 1e6 / service.median_ns(round(m["mean_batch"]))
+                replay = CapacityPlan("embedder", base, service.scaled(factor),
+                                      [Load("concurrency", float(m["concurrency"]))],
+                                      [(m["max_batch_size"], m["max_queue_delay_us"], 1)],
+                                      overhead_ns=int(overhead_us * 1000)).results[0]
+                r.update(exec_ms=m["exec_ms"], exec_factor=factor,
+                         replayed_throughput=replay["throughput"], replayed_p50_ms=replay["p50_ms"],
+                         replayed_p99_ms=replay["p99_ms"], replayed_mean_batch=replay["mean_batch"])
+                for k in ("throughput", "p50_ms", "p99_ms"):
+                    r[f"replayed_error_{k}"] = (replay[k] - r[f"measured_{k}"]) / r[f"measured_{k}"]
+            simulate_s = time.perf_counter() - started
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    for r in rows:
+        r["within_aim"] = all(abs(r[f"error_{k}"]) <= v for k, v in AIM.items())
+    for r in rows:
+        r["replayed_within_aim"] = all(abs(r[f"replayed_error_{k}"]) <= v for k, v in AIM.items())
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_generator": calib["load_generator"], "seconds_per_row": seconds,
+            "load_average_before": load_before, "load_average_after": load_average(),
+            "cpus": os.cpu_count(), "service": service.to_json(), "service_table": service.table(),
+            "sweep_overhead_us": service.overhead_ns / 1e3, "calibration": calib,
+            "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:+.0f} %"
+
+
+def render(runs: list[dict]) -> str:
+    out = ["# Simulated vs measured (issue 21)", "",
+           "`.venv/bin/python benchmarks/simulate_validation.py` (see its docstring). Model: python",
+           "backend, 3 ms + 0.25 ms a row per execution; one CPU instance; closed loop. Errors are",
+           "(simulated - measured) / measured; aim: throughput and p50 within 15 %, p99 within 30 %.", ""]
+    for i, run in enumerate(runs, 1):
+        ok = sum(r["within_aim"] for r in run["rows"])
+        cal = run["calibration"]
+        out += [f"## Run {i}: {run['date']}, {run['load_generator']}, {run['seconds_per_row']:g} s a row",
+                "",
+                f"load average before {run['load_average_before']}, after {run['load_average_after']} "
+                f"({run['cpus']} CPUs, shared with other sessions); sweep {run['sweep_s']:.1f} s, "
+                f"measurement {run['tune_s']:.0f} s, simulation of the {len(run['rows'])} rows "
+                f"{run['simulate_s']:.2f} s.", "",
+                "Service model (statistics deltas, c=1): " + ", ".join(
+                    f"{r['batch_size']}: {r['mean_ms']:.2f} ms (p95 {r['p95_ms']:.2f})"
+                    for r in run["service_table"]) + ".",
+                f"Overhead at c=1: {cal['overhead_us']:.0f} us with {cal['load_generator']} "
+                f"(client p50 {cal['client_p50_ms']:.2f} ms - median execution of one row "
+                f"{cal['server_ms']:.2f} ms); "
+                f"the sweep's own client saw {run['sweep_overhead_us']:.0f} us.", "",
+                f"**Predicted from the c=1 sweep: {ok} of {len(run['rows'])} rows within the aim; "
+                f"replayed with the executions recorded under load: "
+                f"{sum(r['replayed_within_aim'] for r in run['rows'])} of {len(run['rows'])}.**", "",
+                "| max_batch_size | delay us | c | thr meas | thr sim | err | p50 meas | p50 sim | err "
+                "| p99 meas | p99 sim | err | batch meas | batch sim | aim | exec x | replayed err thr / p50 / p99 | aim |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in run["rows"]:
+            out.append(
+                f"| {r['max_batch_size']} | {r['max_queue_delay_us']} | {r['concurrency']} "
+                f"| {r['measured_throughput']:.0f} | {r['simulated_throughput']:.0f} | {pct(r['error_throughput'])} "
+                f"| {r['measured_p50_ms']:.2f} | {r['simulated_p50_ms']:.2f} | {pct(r['error_p50_ms'])} "
+                f"| {r['measured_p99_ms']:.2f} | {r['simulated_p99_ms']:.2f} | {pct(r['error_p99_ms'])} "
+                f"| {r['measured_mean_batch']:.2f} | {r['simulated_mean_batch']:.2f} "
+                f"| {'yes' if r['within_aim'] else 'no'} | {r['exec_factor']:.2f} "
+                f"| {pct(r['replayed_error_throughput'])} / {pct(r['replayed_error_p50_ms'])} / "
+                f"{pct(r['replayed_error_p99_ms'])} | {'yes' if r['replayed_within_aim'] else 'no'} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="measurement per row")
+    parser.add_argument("--load-generator", default="auto", choices=["auto", "perf_analyzer", "loadgen"])
+    parser.add_argument("--append", action="store_true", help="keep the runs already in the json")
+    args = parser.parse_args()
+    result = run(args.seconds, args.load_generator)
+    path = RESULTS / "simulate_validation.json"
+    runs = json.loads(path.read_text()) if args.append and path.exists() else []
+    runs.append({**result, "command": " ".join(sys.argv)})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(runs, indent=1) + "\n")
+    (RESULTS / "simulate_validation.md").write_text(render(runs))
+    print(render([runs[-1]]))
+
+
+if __name__ == "__main__":
+    main()
