@@ -10,4 +10,12 @@ from .handle import ServedModel
 from .magics import load_ipython_extension
 
 __all__ = ["Artifact", "ArtifactError", "Connection", "ServedModel", "build_artifact", "connection",
-           "dashboard", "ensemble", "load", "load_ipython_extension", "model", "models", "serve", "unload"]
+           "dashboard", "ensemble", "load", "load_ipython_extension", "model", "models", "serve",
+           "simulate", "unload"]
+
+
+def simulate(model, qps=None, max_batch_size=None, max_queue_delay_us=None, instances=None, **options):
+    """Simulate batching configs under traffic before deploying them; see
+    ``jupyter_triton.planning.capacity``. (Imported on call: planning imports this package.)"""
+    from ..planning import simulate as _simulate
+    return _simulate(model, qps, max_batch_size, max_queue_delay_us, instances, **options)
