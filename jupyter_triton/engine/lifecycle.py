@@ -190,13 +190,20 @@ class ModelLifecycle(OnDemand, Rollout):
                 raise InvalidArgument(f"failed to load '{name}': 'rollback' takes no config, "
                                       f"files or golden set")
             await self.rollback(name)
-            return
-        if "golden" in lifecycle:
+        elif "golden" in lifecycle:
             await self.promote(name, parse_promotion(lifecycle), config, files)
-            return
-        if "promote" in lifecycle or "atol" in lifecycle or "rtol" in lifecycle:
+        elif "promote" in lifecycle or "atol" in lifecycle or "rtol" in lifecycle:
             raise InvalidArgument(f"failed to load '{name}': 'promote', 'atol' and 'rtol' "
                                   f"need a 'golden' set")
+        else:
+            await self._plain_load(name, config, files)
+        self._held_off.discard(name)
+        if self.residency.enabled:
+            self.residency.loaded(name, self._entries[name].serving.values(), cold=False)
+            async with self._room:
+                await self._make_room(name, 0)
+
+    async def _plain_load(self, name: str, config: str | None, files: dict[str, bytes] | None) -> None:
         if files and config is None:
             raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
         from ..repository import check_model_name
@@ -209,11 +216,6 @@ class ModelLifecycle(OnDemand, Rollout):
         finally:
             if not (entry.serving or entry.status or entry.reason) and not entry.lock.locked():
                 self._entries.pop(name, None)    # nothing known: no empty index row
-        self._held_off.discard(name)
-        if self.residency.enabled:
-            self.residency.loaded(name, entry.serving.values(), cold=False)
-            async with self._room:
-                await self._make_room(name, 0)
 
     async def _upload_and_load(self, name: str, entry: Entry, config: str | None,
                                files: dict[str, bytes] | None) -> None:
