@@ -196,3 +196,17 @@ def test_it_runs_inside_a_running_loop_as_in_a_notebook():
 
     r = asyncio.run(cell())
     assert [o.end_ns - o.arrival_ns for o in r.requests] == [1500 * US] * 3
+
+
+def test_the_servers_loop_is_taken_in_turn():
+    cfg = config("max_batch_size: 64 dynamic_batching { max_queue_delay_microseconds: 500 }")
+    # alone, the loop's work only adds to the latency
+    r = simulate(cfg, fixed(MS), [ClosedLoop(1, 5)], overhead_ns=200 * US, loop_ns=100 * US)
+    assert {o.end_ns - o.arrival_ns for o in r.requests} == {200 * US + 100 * US + 500 * US + MS}
+    # at c=32 it spreads the arrivals: batches smaller than 32, throughput at most 1 / loop_ns
+    r = simulate(cfg, fixed(10 * US), [ClosedLoop(32, 3200)], loop_ns=100 * US)
+    assert r.duration_ns >= 3200 * 100 * US
+    mean_batch = sum(rows for _, rows, _ in r.batches) / len(r.batches)
+    assert 1 < mean_batch < 16, mean_batch
+    free = simulate(cfg, fixed(10 * US), [ClosedLoop(32, 3200)])
+    assert sum(rows for _, rows, _ in free.batches) / len(free.batches) > 30

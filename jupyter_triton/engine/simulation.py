@@ -10,9 +10,12 @@ when serving because they are the same code.
 
 Two differences from serving, neither a batching decision: an instance starts a batch at
 its deadline from the loop's alarm, not from a batch handed early to its thread
-(``InstancePool.hold``, a hand-off saving); and what lies outside the scheduler (front
-end, network, decoding) is one fixed ``overhead_ns`` per request, half before the
-scheduler and half after.
+(``InstancePool.hold``, a hand-off saving); and what lies outside the scheduler is modelled
+by two figures per request, each half before the scheduler and half after: ``overhead_ns``,
+a fixed delay (client, network), and ``loop_ns``, the server's own work on its one event
+loop (read, decode, validate; encode, write), which requests take in turn: under load it
+spreads their arrivals at the scheduler (and bounds throughput at 1 / ``loop_ns``), which
+is what makes the batches formed at high concurrency smaller than the concurrency.
 """
 from __future__ import annotations
 
@@ -153,12 +156,16 @@ class _Client:
 
 class _Simulation:
     def __init__(self, config: mc.ModelConfig, service: ServiceTime,
-                 traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int) -> None:
+                 traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int,
+                 loop_ns: int) -> None:
         self.loop = VirtualLoop()
         self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
         self.config = config
         self.half_in = overhead_ns // 2
         self.half_out = overhead_ns - self.half_in
+        self.loop_in = loop_ns // 2
+        self.loop_out = loop_ns - self.loop_in
+        self.loop_free_ns = 0               # when the server's event loop is next free
         self.outcomes: list[Outcome] = []
         self.end_ns = 0
         self.open = 0
@@ -215,12 +222,20 @@ class _Simulation:
         self.loop.call_at(at_ns / 1e9, self._arrive, client, at_ns - self.half_in)
 
     def _arrive(self, client: _Client, sent_ns: int) -> None:
+        """The request reaches the server; it reaches the scheduler once the loop has read it."""
         if client.spec is None:
             spec = client.arrivals.popleft()
             if client.arrivals:
                 self._next_arrival()
         else:
             spec = client.spec
+        if self.loop_in:
+            self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_in
+            self.loop.call_at(self.loop_free_ns / 1e9, self._submit, client, spec, sent_ns)
+        else:
+            self._submit(client, spec, sent_ns)
+
+    def _submit(self, client: _Client, spec: Arrival | ClosedLoop, sent_ns: int) -> None:
         outcome = Outcome(spec.cls, sent_ns, None, None, 0, "ok")
         self.outcomes.append(outcome)
         future = self.loop.create_future()
@@ -247,7 +262,10 @@ class _Simulation:
         self._answered(client, outcome)
 
     def _answered(self, client: _Client, outcome: Outcome) -> None:
-        outcome.end_ns = end = self.loop.now + self.half_out
+        now = self.loop.now
+        if self.loop_out:                   # the loop writes the answer in its turn
+            now = self.loop_free_ns = max(now, self.loop_free_ns) + self.loop_out
+        outcome.end_ns = end = now + self.half_out
         self.end_ns = max(self.end_ns, end)
         self.open -= 1
         if client.spec is not None and client.left > 0:
@@ -257,8 +275,8 @@ class _Simulation:
 
 
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
-             seed: int = 0, overhead_ns: int = 0) -> SimResult:
+             seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0) -> SimResult:
     """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
-    if overhead_ns < 0:
-        raise ValueError(f"overhead_ns must be 0 or more, got {overhead_ns}")
-    return _Simulation(config, service, traffic, seed, overhead_ns).run()
+    if overhead_ns < 0 or loop_ns < 0:
+        raise ValueError(f"overhead_ns and loop_ns must be 0 or more, got {overhead_ns}, {loop_ns}")
+    return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns).run()
