@@ -131,3 +131,49 @@ def test_the_ensemble_graph_moves_live_in_the_lab(tmp_path):
               int(first["boxes"]["check"]["lines"][3].split()[0])]
     assert failed[0] >= failed[1] >= 1 and outcomes["failed"] >= 1, (first, later, outcomes)
     assert later["boxes"]["double"]["lines"][0] == "1. double v1"
+
+
+def test_the_sidebar_tells_resident_from_evicted_models(tmp_path):
+    """Within a residency budget of one model, calling the second evicts the first: its card
+    says EVICTED (not a failure), the other's is resident."""
+    from playwright.sync_api import sync_playwright
+
+    from test_residency import budget_for, fleet, ones
+    import tritonclient.http as httpclient
+
+    shots = Path(os.environ.get("JUPYTER_TRITON_SCREENSHOTS") or tempfile.mkdtemp(prefix="jt-shots-"))
+    repository = tmp_path / "models"
+    size = fleet(repository, n=2)
+    (tmp_path / "root").mkdir()
+    lab = start_lab(tmp_path / "state", tmp_path / "root", repository,
+                    triton={"model_residency_bytes": budget_for(1, size)})
+    errors: list[str] = []
+    try:
+        address = lab.url.split("//", 1)[1].rstrip("/")
+        client = httpclient.InferenceServerClient(address, network_timeout=120)
+        auth = {"Authorization": f"token {lab.token}"}
+        for model in ("m0", "m1"):
+            client.infer(model, [ones()], headers=auth)
+        index = {r["name"]: r for r in client.get_model_repository_index(headers=auth)}
+        assert index["m0"].get("reason") == "evicted: residency budget", index
+        with sync_playwright() as p:
+            ctx = launch_browser(p, tmp_path / "chromium", viewport=(1400, 900))
+            try:
+                page = ctx.pages[0] if ctx.pages else ctx.new_page()
+                page.set_default_timeout(60_000)
+                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+                page.goto(f"{lab.url}lab/workspaces/t{int(time.time() * 1000)}?reset&token="
+                          f"{urllib.parse.quote(lab.token)}", wait_until="domcontentloaded")
+                page.locator(PANEL_TAB).click()
+                evicted = page.locator(f'{_card("m0")}[data-residency="evicted"]')
+                evicted.wait_for(timeout=30_000)
+                assert evicted.locator(".jp-TritonPanel-state").text_content() == "EVICTED"
+                assert "jp-TritonPanel-state-evicted" in evicted.locator(".jp-TritonPanel-state").get_attribute("class")
+                resident = page.locator(f'{_card("m1", "1", "READY")}[data-residency="resident"]')
+                resident.wait_for(timeout=30_000)
+                page.locator("#jupyter-triton-panel").screenshot(path=str(shots / "labextension-residency.png"))
+            finally:
+                ctx.close()
+    finally:
+        lab.stop()
+    assert errors == [], errors

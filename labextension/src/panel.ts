@@ -224,11 +224,20 @@ export class TritonPanel extends Widget {
     li.dataset.model = name;
     li.dataset.version = version;
     li.dataset.state = state;
+    // within a residency budget the server evicts idle models (they load again on a request):
+    // resident and evicted are told apart, an evicted model is not a broken one
+    const evicted = state === 'UNAVAILABLE' && (entry.reason ?? '').startsWith('evicted');
+    li.dataset.residency = state === 'READY' ? 'resident' : evicted ? 'evicted' : '';
+    const shown = evicted ? 'EVICTED' : state;
     const head = document.createElement('div');
     head.className = 'jp-TritonPanel-head';
     field(head, 'name', name);
     field(head, 'version', version ? `v${version}` : '');
-    field(head, 'state', state).classList.add(`jp-TritonPanel-state-${state.toLowerCase()}`);
+    const badge = field(head, 'state', shown);
+    badge.classList.add(`jp-TritonPanel-state-${shown.toLowerCase()}`);
+    if (evicted) {
+      badge.title = 'evicted to stay within the residency budget: the next request loads it again';
+    }
     li.appendChild(head);
     if (entry.reason) {
       field(li, 'reason', entry.reason).dataset.reason = entry.reason;
