@@ -679,6 +679,11 @@ def _python_float_text(text: bytes) -> bytes:
     return b"".join(parts)
 
 
+# json.dumps with any argument builds a new encoder per call; this one is built once (the
+# same settings, the same text; encode keeps no state between calls, so threads may share it).
+_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_json_default)
+
+
 def encode_infer_response(response: InferResponse, request: InferRequest
                           ) -> tuple[bytes, int | None]:
     """The response body and its Inference-Header-Content-Length (None: all JSON).
@@ -729,7 +734,7 @@ def encode_infer_response(response: InferResponse, request: InferRequest
     if response.parameters:
         doc["parameters"] = response.parameters
     doc["outputs"] = outputs
-    header = json.dumps(doc, separators=(",", ":"), default=_json_default).encode()
+    header = _HEADER_ENCODER.encode(doc).encode()
     for marker, slices in spliced.items():
         before, _, after = header.partition(marker)
         header = b"".join([before, b"[", b",".join(slices), b"]", after])
