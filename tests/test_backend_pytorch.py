@@ -151,6 +151,21 @@ def test_exported_dict_outputs_are_named_by_key(tmp_path):
     np.testing.assert_array_equal(out["count"], [[2]])
 
 
+def test_program_exported_from_keyword_arguments_is_called_with_them(tmp_path):
+    # what a dict example (`%%serve` with example={"x": ..., "scale": ...}) exports
+    files = files_for(tmp_path, "kw", "")
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(Linear().eval(), (),
+                                  {"x": torch.randn(2, 3), "scale": torch.ones(2, 2)},
+                                  dynamic_shapes={"x": {0: batch}, "scale": {0: batch}})
+    torch.export.save(program, files.version_dir / "model.pt2")
+    backend = loaded(PyTorchBackend.auto_complete_config(mc.ModelConfig(name="kw"), files), files)
+    out = backend.run({"x": X, "scale": SCALE})
+    y, s = reference(X, SCALE)
+    np.testing.assert_allclose(out["OUTPUT__0"], y, rtol=1e-5)
+    np.testing.assert_allclose(out["OUTPUT__1"], s, rtol=1e-5)
+
+
 def test_exported_config_that_contradicts_the_program_is_refused(tmp_path):
     files = export_linear(tmp_path)
     with pytest.raises(InvalidArgument, match="model 'ex'.*datatype TYPE_INT32 for input 'x'"):

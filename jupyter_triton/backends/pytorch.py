@@ -279,12 +279,17 @@ class PyTorchBackend(TensorBackend):
             self._module = program.module().to(self.device)
             self._input_order = [t.name for t in signature.inputs]
             self._output_names = [t.name for t in signature.outputs]
+            # a program exported from keyword arguments (a dict example) takes them so again
+            in_spec = program.call_spec.in_spec
+            self._by_name = bool(in_spec is not None and len(_children(in_spec)) > 1
+                                 and list(_children(in_spec)[1].context or ()))
         else:
             _require_io(cfg)
             self._module = _load_script(path, self.files, str(self.device))
             self._module.eval()
             self._input_order = self._order_inputs(_script_forward_args(self._module))
             self._output_names = self._order_outputs()
+            self._by_name = False
         self._output_types = {o.name: o.data_type for o in cfg.output}
 
     def _apply_threads(self, torch) -> None:
@@ -350,7 +355,8 @@ class PyTorchBackend(TensorBackend):
         mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
         try:
             with mode, torch.jit.optimized_execution(self._optimized):
-                result = self._module(*args)
+                result = (self._module(**dict(zip(self._input_order, args))) if self._by_name
+                          else self._module(*args))
         except TritonError:
             raise
         except Exception as err:
