@@ -288,3 +288,23 @@ async def test_the_jupyter_server_honours_the_budget(jp_triton, jp_http_port, jp
     # conftest's own models (linear, simple, identity_int32) are in the repository too:
     # they load on demand like the rest
     assert json.dumps(residency).count('"state": "RESIDENT"') <= 3
+
+
+def test_the_command_line_bounds(tmp_path: Path):
+    """``jupyter-triton serve --max-loaded-models 2 --model-residency-bytes B``."""
+    from test_cli_options import serve as serve_command, stop
+    root = tmp_path / "models"
+    fleet(root, n=4)
+    proc, url = serve_command(root, "--load-model", "*", "--max-loaded-models", "2",
+                              "--model-residency-bytes", str(1 << 30))
+    client = httpclient.InferenceServerClient(url)
+    try:
+        for i in (0, 1, 2, 3, 0):
+            assert client.infer(f"m{i}", [ones()]).as_numpy("OUTPUT0")[0, 0] == i + 1
+        residency = client.get_inference_statistics()["residency"]
+        assert (residency["max_loaded_models"], residency["budget_bytes"]) == (2, 1 << 30)
+        # the count binds first: two resident, five cold starts, three evictions
+        assert (residency["resident_models"], residency["cold_starts"], residency["evictions"]) == (2, 5, 3)
+    finally:
+        client.close()
+        stop(proc)
