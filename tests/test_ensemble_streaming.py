@@ -97,6 +97,10 @@ def write_repository(root):
     write_model(root, "post", POST_MODEL, STEP_CONFIG.format(name="post", count=2))
     (root / "stream_pipe" / "1").mkdir(parents=True)
     (root / "stream_pipe" / "config.pbtxt").write_text(STREAMING_ENSEMBLE)
+    (root / "undeclared" / "1").mkdir(parents=True)
+    (root / "undeclared" / "config.pbtxt").write_text(
+        STREAMING_ENSEMBLE.replace('"stream_pipe"', '"undeclared"')
+        .replace("model_transaction_policy { decoupled: true }\n", ""))
     return root
 
 
@@ -264,3 +268,16 @@ def test_the_notebooks_ensemble_of_a_streaming_step_is_decoupled(server):
     assert ensemble_config("e", steps, config_of).model_transaction_policy.decoupled
     assert not ensemble_config("e", steps[:1], config_of).model_transaction_policy.decoupled
     triton.close()
+
+
+def test_an_ensemble_with_a_streaming_step_not_declared_decoupled_says_what_to_add(server):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("undeclared", _text("a b"))
+        result, error = results.get(timeout=TIMEOUT_S)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert result is None and "add model_transaction_policy { decoupled: true }" in str(error)

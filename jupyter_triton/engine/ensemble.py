@@ -34,7 +34,7 @@ from ..protocol import errors
 from ..protocol.errors import Internal, InvalidArgument, TritonError
 from ..protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from .scheduler import Pending, Scheduler
-from .streaming import decoupled_refusal
+from .streaming import DecoupledRefused
 
 if TYPE_CHECKING:
     from .statistics import ModelStatistics
@@ -185,9 +185,12 @@ class EnsembleScheduler(Scheduler):
     async def submit(self, pending: Pending) -> None:
         if pending.stream is None and self.streams:
             step = next(s for s in self.steps if s.decoupled)
-            refusal = decoupled_refusal(self.config.name, pending.request.model_version or 1)
-            raise type(refusal)(f"{refusal}; ensemble '{self.config.name}' streams: its step "
-                                f"{step.index} ('{step.model}') is decoupled")
+            # (a one-response call to an ensemble declared decoupled is refused before this)
+            raise DecoupledRefused(
+                f"ensemble '{self.config.name}' streams: its step {step.index} ('{step.model}') "
+                f"is decoupled, so the ensemble must be too; add model_transaction_policy "
+                f"{{ decoupled: true }} to its config (tritonserver infers it) and call it on a "
+                f"streaming end point (gRPC ModelStreamInfer, generate_stream)")
         run = self._run if pending.stream is None else self._run_stream
         task = asyncio.ensure_future(run(pending))
         self._tasks.add(task)
