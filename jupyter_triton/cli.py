@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write <output>-kserve.yaml, an InferenceService of that name")
     export.add_argument("--storage-uri", default="",
                         help="where KServe will find the repository (e.g. s3://bucket/models)")
+    export.add_argument("--torch-format", choices=("torchscript", "onnx"), default="torchscript",
+                        help="what torch.export programs and torch modules become for Triton: "
+                             "TorchScript (its pytorch backend) or ONNX (its onnxruntime backend)")
     return parser
 
 
@@ -250,7 +253,8 @@ def _export(args: argparse.Namespace) -> int:
     from .repository.export import export_repository
     try:
         report = export_repository(args.model_repository, args.output, args.model or None,
-                                   args.all_versions, args.kserve_name, args.storage_uri)
+                                   args.all_versions, args.kserve_name, args.storage_uri,
+                                   torch_format=args.torch_format)
     except TritonError as err:
         print(f"jupyter-triton export: {err}", file=sys.stderr)
         return 2

@@ -399,13 +399,11 @@ def test_torch_models_export_to_what_tritons_backends_load(tmp_path: Path, torch
     source = tmp_path / "models"
     models = _torch_repository(source)
     out = tmp_path / "for-triton"
-    if torch_format == "torchscript":       # the command's default
-        done = export("--model-repository", str(source), "--output", str(out))
-        assert done.returncode == 0, done.stderr
-        summary = done.stdout
-    else:
-        from jupyter_triton.repository.export import export_repository
-        summary = export_repository(source, out, torch_format="onnx").summary()
+    # torchscript is the command's default; onnx is asked for with --torch-format
+    flags = [] if torch_format == "torchscript" else ["--torch-format", "onnx"]
+    done = export("--model-repository", str(source), "--output", str(out), *flags)
+    assert done.returncode == 0, done.stderr
+    summary = done.stdout
     assert "torch.export program (model.pt2) converted" in summary
     assert "torch.nn.Module callable (model.pkl) converted" in summary
     expected_platform = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx"}[torch_format]
