@@ -132,6 +132,9 @@ class ModelLifecycle(OnDemand, Rollout):
                 log.error("failed to load model '%s': %s", name, err)
                 if self.options.exit_on_error:
                     raise
+            else:
+                if self.residency.enabled:          # pinned: measured, never evicted
+                    self.residency.loaded(name, self._entries[name].serving.values(), cold=False)
         if mode == "poll":
             self._poller = asyncio.ensure_future(self._poll())
         self._started = True

@@ -104,8 +104,12 @@ class OnDemand:
             if time.monotonic() >= deadline:
                 return                 # still busy: it stays, over the budget for a while
             # requests take milliseconds; a new one may arrive while we wait: look again
-            await asyncio.wait([asyncio.ensure_future(mv._idle.wait()) for mv in busy],
-                               timeout=max(deadline - time.monotonic(), 0.0))
+            waits = [asyncio.ensure_future(mv._idle.wait()) for mv in busy]
+            try:
+                await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 0.0))
+            finally:
+                for wait in waits:
+                    wait.cancel()
         if entry is None or entry.lock.locked() or not entry.serving:
             return
         old, entry.serving = entry.serving, {}
