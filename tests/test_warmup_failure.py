@@ -37,8 +37,18 @@ model_warmup [{ name: "zeros" batch_size: 1 inputs { key: "X" value: { data_type
 
 
 def python_workers() -> int:
-    return sum(1 for p in psutil.Process().children(recursive=True)
-               if "spawn_main" in " ".join(p.cmdline()))   # not the resource tracker
+    """Worker processes of python models: the template's children (backends/python/launch.py
+    forks each worker from one template process, so a worker's command line is the
+    template's), not the template itself nor the resource tracker."""
+    count = 0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            parent = p.parent()
+            if parent is not None and "boot.py template" in " ".join(parent.cmdline()):
+                count += p.status() != psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue            # exited (or not yet reaped) while we looked: not a live worker
+    return count
 
 
 def test_failed_warmup_fails_the_load_and_frees_the_worker(tmp_path):
@@ -46,6 +56,11 @@ def test_failed_warmup_fails_the_load_and_frees_the_worker(tmp_path):
     (root / "picky" / "1").mkdir(parents=True)
     (root / "picky" / "1" / "model.py").write_text(FAILS_ON_ZEROS)
     (root / "picky" / "config.pbtxt").write_text(CONFIG)
+    # the same model without its failing warmup: its worker shows that workers are counted
+    (root / "fine" / "1").mkdir(parents=True)
+    (root / "fine" / "1" / "model.py").write_text(FAILS_ON_ZEROS)
+    (root / "fine" / "config.pbtxt").write_text(
+        CONFIG.split("model_warmup")[0].replace('name: "picky"', 'name: "fine"'))
     server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit"),
                              host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
     try:
@@ -60,5 +75,7 @@ def test_failed_warmup_fails_the_load_and_frees_the_worker(tmp_path):
         while python_workers() > baseline and time.monotonic() < deadline:
             time.sleep(0.1)
         assert python_workers() <= baseline, [" ".join(p.cmdline())[:200] for p in psutil.Process().children(recursive=True)]
+        client.load_model("fine")
+        assert python_workers() == baseline + 1
     finally:
         server.close()
