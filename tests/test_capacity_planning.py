@@ -19,6 +19,7 @@ from jupyter_triton.engine.options import EngineOptions
 from jupyter_triton.kernel import api, discovery
 from jupyter_triton.planning import (Load, ServiceModel, TrafficClass, bursty, from_trace, measure,
                                      poisson, simulate)
+from jupyter_triton.planning.capacity import LOOP_MODELLED, CapacityPlan
 from jupyter_triton.planning.service import sweep_sizes
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
 
@@ -144,6 +145,22 @@ def test_closed_loop_beside_tune_and_apply(kernel_server):
     assert config["instance_group"][0]["count"] == 2
     y = served(np.ones((1, 4), np.float32))
     assert np.asarray(y).tolist() == [[2.0] * 4]
+
+
+@pytest.mark.skipif(not LOOP_MODELLED, reason="engine.simulation has no loop_ns yet")
+def test_the_servers_event_loop_spreads_a_closed_loop():
+    """Answers written in turn come back apart: at a short queue delay the batches are smaller
+    than the concurrency, and throughput stays under one request per loop_ns."""
+    service = ServiceModel("m", "1", {b: [int((3 + 0.25 * b) * 1e6)] * 5 for b in (1, 4, 16)})
+    config = {"name": "m", "backend": "python", "max_batch_size": 16, "dynamic_batching": {},
+              "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}],
+              "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4]}]}
+    load = Load("concurrency", 16.0)
+    fixed = CapacityPlan("m", config, service, [load], [(16, 500, 1)], overhead_ns=500_000)
+    looped = CapacityPlan("m", config, service, [load], [(16, 500, 1)], overhead_ns=0, loop_ns=500_000)
+    [a], [b] = fixed.results, looped.results
+    assert a["mean_batch"] == pytest.approx(16, abs=0.5)          # all come back at once
+    assert b["mean_batch"] < 12 and b["throughput"] < 1e9 / 500_000
 
 
 def test_traffic_shapes():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import copy
 import html
+import inspect
 import io
 import json
 import statistics as stats_
@@ -36,6 +37,8 @@ COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "through
 TEMP_SUFFIX = "__sim"
 #: an open-loop load is kept up with when this share of it is served (the rest: queue growth)
 KEPT_UP = 0.95
+#: whether engine.simulation models the server's event loop as a stage requests take in turn
+LOOP_MODELLED = "loop_ns" in inspect.signature(sim.simulate).parameters
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class CapacityPlan:
                  traffic: dict[str, list] | None = None, slo_p99_ms: float | None = None,
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
-                 connection: Connection | None = None) -> None:
+                 connection: Connection | None = None, loop_ns: int = 0) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -124,6 +127,10 @@ class CapacityPlan:
         self.requests = requests
         self.seed = seed
         self.overhead_ns = service.overhead_ns if overhead_ns is None else int(overhead_ns)
+        self.loop_ns = int(loop_ns)
+        if self.loop_ns and not LOOP_MODELLED:
+            raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
+                                  "event-loop work per request); leave loop_us unset")
         self.bulk = bulk
         self._base = base_config
         self._files = files
@@ -187,8 +194,9 @@ class CapacityPlan:
         levels = max([getattr(a, "priority", 0) for a in traffic] + [0])
         config = config_from_json(self.config(max_batch_size, max_queue_delay_us, instances, levels),
                                   self._base.get("name", self.model))
+        loop = {"loop_ns": self.loop_ns} if self.loop_ns else {}
         result = sim.simulate(config, self.service, traffic, seed=self.seed,
-                              overhead_ns=self.overhead_ns)
+                              overhead_ns=self.overhead_ns, **loop)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
                **summarize(result)}
@@ -477,7 +485,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              traffic: dict[str, list] | None = None, classes: Sequence[tr.TrafficClass] = (),
              bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
              service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
-             seed: int = 0, overhead_us: float | None = None, repeats: int = 15,
+             seed: int = 0, overhead_us: float | None = None, loop_us: float = 0.0, repeats: int = 15,
              files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
     """Simulate every config of the grid at every load; see the module docstring.
 
@@ -486,6 +494,12 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     exceeds the served one is measured on a temporary copy (``<model>__sim``) when this
     kernel served the model (or ``files`` are given), else extrapolated. ``classes``: more
     traffic on top of every load; ``bulk``: the class ``bulk_effect`` weighs.
+
+    ``overhead_us``: a fixed delay per request outside the scheduler (default: what the
+    sweep's client saw at c=1); ``loop_us``: the part of it that is the server's own work on
+    its one event loop, which requests take in turn (it spreads a batch's answers, so that
+    closed-loop clients come back apart, and bounds throughput). With perf_analyzer as the
+    client nearly all of the c=1 overhead is the server's: ``calibrate_overhead``.
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
@@ -521,7 +535,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
                         extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
                         seed=seed, overhead_ns=None if overhead_us is None else int(overhead_us * 1000),
-                        bulk=bulk, files=files, connection=conn)
+                        bulk=bulk, files=files, connection=conn, loop_ns=int(loop_us * 1000))
 
 
 def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, largest: int,

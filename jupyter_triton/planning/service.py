@@ -100,6 +100,10 @@ class ServiceModel:
         slope = (med[hi] - med[lo]) / (hi - lo)
         return max(1.0, med[lo] + slope * (rows - lo))
 
+    def mean_ns(self, rows: int) -> float:
+        """The mean of what ``__call__`` draws for ``rows``."""
+        return self.median_ns(rows) * statistics.fmean(self._ratios)
+
     def __call__(self, rows: int, rng: random.Random) -> int:
         return max(1, int(self.median_ns(rows) * rng.choice(self._ratios)))
 
