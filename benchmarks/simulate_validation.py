@@ -212,7 +212,14 @@ def render(runs: list[dict]) -> str:
     out = ["# Simulated vs measured (issue 21)", "",
            "`.venv/bin/python benchmarks/simulate_validation.py` (see its docstring). Model: python",
            "backend, 3 ms + 0.25 ms a row per execution; one CPU instance; closed loop. Errors are",
-           "(simulated - measured) / measured; aim: throughput and p50 within 15 %, p99 within 30 %.", ""]
+           "(simulated - measured) / measured; aim: throughput and p50 within 15 %, p99 within 30 %.", "",
+           "Reading it: `batch meas` is what the server's statistics say it formed, `exec x` the",
+           "mean execution recorded under the load over the sweep's mean at that batch (1.0: the",
+           "c=1 sweep predicted the execution right). The client (perf_analyzer), the server and",
+           "the model's worker share 2 cores with 7 other busy sessions: the c=1 sweep's tail and",
+           "the tail under load come from other processes taking the cores at different moments,",
+           "so p99 misses go either way from run to run; the event-loop figure (`loop_us`) is the",
+           "c=1 overhead, a difference of two noisy medians.", ""]
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
