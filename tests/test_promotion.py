@@ -237,3 +237,57 @@ def test_a_refused_first_upload_leaves_no_model_behind(tmp_path: Path):
         assert list((tmp_path / "models" / ".failed" / "lin").iterdir())
     finally:
         server.close()
+
+
+def test_a_canary_takes_its_fraction_then_is_promoted_or_stopped(kernel_server):
+    server, client, repo = kernel_server
+    v1 = jt.serve(double, "scale", example=X)
+    canary = jt.serve(twice, "scale", example=X, canary=0.5)
+    assert canary.version == v1.version + 1
+    # while it runs, other loads of the model are refused, naming the way out
+    with pytest.raises(Exception, match="canary running"):
+        jt.serve(triple, "scale", example=X)
+    with pytest.raises(Exception, match="canary running"):
+        jt.rollback("scale")
+    seen = [served_version(client, "scale") for _ in range(200)]
+    counts = {v: seen.count(v) for v in set(seen)}
+    assert set(counts) == {str(v1.version), str(canary.version)}
+    assert min(counts.values()) > 40        # binomial(200, 0.5): below 41 has p < 1e-11
+    # each version's own statistics, side by side
+    rows = {r["version"]: r for r in client.get_inference_statistics("scale")["model_stats"]}
+    assert {v: rows[v]["inference_count"] for v in rows} == counts
+    # the canary is promoted once it passes the golden set: every request goes to it
+    assert canary.promote(canary.version, golden=GOLDEN).promoted
+    assert {served_version(client, "scale") for _ in range(20)} == {str(canary.version)}
+
+    third = jt.serve(triple, "scale", example=X, canary=0.25)
+    third.stop_canary()
+    assert {served_version(client, "scale") for _ in range(20)} == {str(canary.version)}
+    rows = [r for r in client.get_model_repository_index()
+            if r["name"] == "scale" and r.get("version") == str(third.version)]
+    assert rows and rows[0]["state"] == "UNAVAILABLE" and "canary stopped" in rows[0]["reason"]
+    assert [r["action"] for r in jt.history("scale")] == \
+        ["load", "canary", "promote", "canary", "canary stopped"]
+
+
+def test_a_canary_is_not_served_after_a_restart(tmp_path: Path):
+    repo = tmp_path / "models"
+    server, client = serve(repo, model_control_mode="explicit")
+    try:
+        client.load_model("lin", config=CONFIG, files={"file:1/model.onnx": linear(W)})
+        client.load_model("lin", config=CONFIG, files={"file:1/model.onnx": linear(W * 2),
+                                                       "file:lifecycle.json": lifecycle(canary=1.0)})
+        inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 4), np.float32))
+        assert client.infer("lin", [inp]).get_response()["model_version"] == "2"    # fraction 1
+        with pytest.raises(InferenceServerException, match="canary"):
+            client.load_model("lin", files={"file:lifecycle.json": lifecycle(canary=2)})
+    finally:
+        server.close()
+    # never committed: the next start sets it aside and serves version 1
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    try:
+        assert client.infer("lin", [inp]).get_response()["model_version"] == "1"
+        assert not (repo / "lin" / "2").exists() and list((repo / ".failed" / "lin").iterdir())
+    finally:
+        server.close()

@@ -6,6 +6,7 @@ This module is the data plane and the model queries; loading, unloading, polling
 stopping live in ``lifecycle``; the operator's options in ``options``."""
 from __future__ import annotations
 
+import random
 from typing import AsyncGenerator
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -223,7 +224,9 @@ class Engine(ModelLifecycle):
                 entry = self._entries.get(name)
                 if entry is None or not entry.serving:
                     raise NotFound(f"requested model '{name}' is not available")
-                versions = [entry.serving[v] for v in sorted(entry.serving)]
+                # a canary's statistics beside the served version's, to compare them
+                versions = [{**entry.staged, **entry.serving}[v]
+                            for v in sorted({*entry.serving, *entry.staged})]
         else:
             versions = self.models()
         return {"model_stats": [mv.stats.to_json() for mv in versions]}
@@ -233,6 +236,10 @@ class Engine(ModelLifecycle):
         if entry is None or not (entry.serving or entry.status or entry.reason):
             raise NotFound(f"Request for unknown model: '{name}' is not found")
         if version in ("", None):
+            if entry.canary is not None and random.random() < entry.canary.fraction:
+                canary = entry.staged.get(entry.canary.version)
+                if canary is not None and canary.ready:
+                    return canary
             ready = [v for v, mv in entry.serving.items() if mv.ready]
             if not ready:
                 reasons = "; ".join([s.reason for s in entry.status.values() if s.reason]

@@ -29,10 +29,10 @@ from .histograms import latency_histograms
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from .options import EngineOptions
 from .on_demand import OnDemand
-from .promotion import lifecycle_parameters, parse_promotion
+from .promotion import canary_fraction, lifecycle_parameters, parse_promotion
 from .rate_limiter import RateLimiter
 from .residency import Residency
-from .rollout import Rollout
+from .rollout import Canary, Rollout, canary_running
 
 if TYPE_CHECKING:
     from ..protocol.types import InferRequest, InferResponse
@@ -71,8 +71,10 @@ class Entry:
     # polls left before the next one
     retry_every: int = 0
     retry_in: int = 0
-    # versions loaded for a promotion's golden check: callable by explicit version only
+    # versions loaded for a promotion's golden check or a canary: callable by explicit
+    # version; a canary's also takes its fraction of the requests naming no version
     staged: dict[int, ModelVersion] = field(default_factory=dict)
+    canary: "Canary | None" = None
 
 
 class ModelLifecycle(OnDemand, Rollout):
@@ -146,9 +148,13 @@ class ModelLifecycle(OnDemand, Rollout):
         if self._poller:
             self._poller.cancel()
         bound = max(self.options.exit_timeout_secs, 0.0)
-        versions = [mv for e in self._entries.values() for mv in e.serving.values()]
+        # a canary's upload stays uncommitted: the next start sets it aside
+        versions = [mv for e in self._entries.values()
+                    for mv in (*e.serving.values(), *e.staged.values())]
         for entry in self._entries.values():
             entry.serving.clear()
+            entry.staged.clear()
+            entry.canary = None
         tasks = [asyncio.ensure_future(mv.unload(drain_seconds=bound * 0.6,
                                                  close_seconds=bound * 0.4))
                  for mv in versions] + list(self._unloading)
@@ -188,7 +194,16 @@ class ModelLifecycle(OnDemand, Rollout):
         self._check_explicit()
         files = dict(files) if files else files
         lifecycle = lifecycle_parameters(parameters, files)
-        if lifecycle.get("rollback"):
+        entry = self._entries.get(name)
+        if entry is not None and entry.canary is not None and not (
+                "canary" in lifecycle or "golden" in lifecycle):
+            raise canary_running(name, entry)
+        if "canary" in lifecycle:
+            if set(lifecycle) - {"canary"}:
+                raise InvalidArgument(f"failed to load '{name}': 'canary' goes alone with the "
+                                      f"new version's config and files")
+            await self.canary(name, canary_fraction(lifecycle), config, files)
+        elif lifecycle.get("rollback"):
             if config is not None or files or "golden" in lifecycle:
                 raise InvalidArgument(f"failed to load '{name}': 'rollback' takes no config, "
                                       f"files or golden set")
@@ -283,6 +298,9 @@ class ModelLifecycle(OnDemand, Rollout):
         dependents = [m for mv in (entry.serving.values() if entry else ()) if is_ensemble(mv.config)
                       for m in composing_models(mv.config)]
         self._held_off.add(name)
+        if entry is not None and entry.canary is not None:
+            async with entry.lock:
+                await self._end_canary(entry, "canary stopped: the model was unloaded")
         await self._unload(name)
         if unload_dependents:                    # Triton: an ensemble's composing models go too
             for dependent in dict.fromkeys(dependents):

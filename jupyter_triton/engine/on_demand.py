@@ -89,7 +89,8 @@ class OnDemand:
         """Evict what ``residency.victims`` chooses so that ``incoming`` fits."""
         loaded = self.resident_models()
         self.residency.note_resident(sum(self.residency.of(n).size for n in loaded))
-        busy = {n for n, e in self._entries.items() if e.lock.locked()}
+        # a model with a staged version (a canary, a golden check) is compared, not evicted
+        busy = {n for n, e in self._entries.items() if e.lock.locked() or e.staged}
         victims = self.residency.victims(loaded, incoming, size, busy)
         if victims:
             await asyncio.gather(*(self._evict(n) for n in victims))

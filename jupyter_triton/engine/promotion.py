@@ -1,7 +1,8 @@
 """Promotion with a golden set: what a load request asks for, the golden cases it carries,
 and whether a staged version's answers match them.
 
-A load's lifecycle parameters (``golden``, ``atol``, ``rtol``, ``promote``, ``rollback``) come
+A load's lifecycle parameters (``golden``, ``atol``, ``rtol``, ``promote``, ``rollback``,
+``canary``) come
 as load parameters, or, since tritonclient's ``load_model`` sends only ``config`` and
 ``file:`` parameters, as one JSON object under the load parameter ``file:lifecycle.json``
 (no version directory is named like that, so it never reaches the repository)."""
@@ -18,7 +19,7 @@ from ..protocol.errors import InvalidArgument
 from ..protocol.types import InferRequest, InferTensor
 
 LIFECYCLE_FILE = "file:lifecycle.json"
-KEYS = ("golden", "atol", "rtol", "promote", "rollback")
+KEYS = ("golden", "atol", "rtol", "promote", "rollback", "canary")
 #: golden cases one promotion may carry
 MAX_CASES = 1000
 
@@ -84,6 +85,14 @@ def parse_promotion(params: Mapping[str, Any]) -> Promotion:
                                   f"not {version!r}") from None
     return Promotion(cases, _tolerance(params, "atol", 1e-8), _tolerance(params, "rtol", 1e-5),
                      version)
+
+
+def canary_fraction(params: Mapping[str, Any]) -> float:
+    value = params.get("canary")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise InvalidArgument(f"load parameter 'canary' must be a fraction of the requests, "
+                              f"0 (stop) to 1, not {value!r}")
+    return float(value)
 
 
 def _tolerance(params: Mapping[str, Any], key: str, default: float) -> float:

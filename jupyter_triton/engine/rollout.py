@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..config import CONFIG_FILENAME
@@ -19,6 +20,20 @@ if TYPE_CHECKING:
     from .lifecycle import Entry
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Canary:
+    """A staged version that takes ``fraction`` of the requests naming no version."""
+    version: int
+    fraction: float
+    pending: PendingUpload          # committed only by a promotion
+
+
+def canary_running(name: str, entry: "Entry") -> InvalidArgument:
+    return InvalidArgument(f"model '{name}' has a canary running (version {entry.canary.version}): "
+                           f"promote it ('golden' with 'promote': {entry.canary.version}) or stop "
+                           f"it ('canary': 0) first")
 
 
 class Rollout:
@@ -67,13 +82,21 @@ class Rollout:
             before, before_config = self._served(entry), await loop.run_in_executor(
                 None, self._config_text, name)
             pending: PendingUpload | None = None
-            if files:
+            canary = entry.canary if entry.canary is not None and not files and \
+                promotion.version == entry.canary.version else None
+            if entry.canary is not None and canary is None:
+                raise canary_running(name, entry)
+            entry.canary = None           # its requests go back to what served
+            if canary is not None:
+                pending = canary.pending
+            elif files:
                 pending = await loop.run_in_executor(
                     None, self.repository.stage_upload, name, config, dict(files))
             target = max(pending.versions) if pending is not None else promotion.version
-            staged: ModelVersion | None = None
+            staged: ModelVersion | None = entry.staged.get(target) if canary is not None else None
             try:
-                staged = await self._stage(name, entry, target)
+                if staged is None:
+                    staged = await self._stage(name, entry, target)
                 diffs = []
                 for i, case in enumerate(promotion.cases):
                     try:
@@ -120,6 +143,60 @@ class Rollout:
                 "action": "promote", "version": self._served(entry), "previous": before,
                 "previous_config": before_config, "golden_cases": len(promotion.cases)})
 
+    async def canary(self, name: str, fraction: float, config: str | None = None,
+                     files: dict[str, bytes] | None = None) -> None:
+        """Load an upload's version staged and send ``fraction`` of the requests that name no
+        version to it, with its own statistics, until a promotion (``golden`` with
+        ``promote: <its version>``) serves it or ``canary: 0`` stops it. Until then the upload
+        is not committed: a restart serves what served before."""
+        from ..repository import check_model_name
+        check_model_name(name)
+        loop = asyncio.get_running_loop()
+        entry = self._entry(name)
+        async with entry.lock:
+            if fraction == 0:
+                if entry.canary is None:
+                    raise InvalidArgument(f"failed to stop the canary of '{name}': none is running")
+                stopped = entry.canary
+                await self._end_canary(entry, "canary stopped")
+                await loop.run_in_executor(None, self._record, name, {
+                    "action": "canary stopped", "version": stopped.version,
+                    "served": self._served(entry)})
+                return
+            if not files or config is None:
+                raise InvalidArgument(f"failed to start a canary of '{name}': it takes the new "
+                                      f"version's config and files")
+            if entry.canary is not None:
+                raise canary_running(name, entry)
+            if self._served(entry) is None:
+                raise Unavailable(f"failed to start a canary of '{name}': no version of it is "
+                                  f"served to compare with")
+            pending = await loop.run_in_executor(
+                None, self.repository.stage_upload, name, config, dict(files))
+            target = max(pending.versions)
+            try:
+                await self._stage(name, entry, target)
+            except BaseException as err:
+                await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
+                entry.status[target] = VersionStatus(UNAVAILABLE, f"canary failed to load: {err}"[:2000])
+                raise
+            entry.canary = Canary(target, fraction, pending)
+            entry.status[target] = VersionStatus(READY, f"canary: {fraction:g} of the requests")
+            await loop.run_in_executor(None, self._record, name, {
+                "action": "canary", "version": target, "served": self._served(entry),
+                "fraction": fraction})
+
+    async def _end_canary(self, entry: Entry, reason: str) -> None:
+        canary, entry.canary = entry.canary, None
+        if canary is None:
+            return
+        staged = entry.staged.pop(canary.version, None)
+        if staged is not None:
+            await staged.unload(drain_seconds=self.options.unload_timeout_secs)
+        loop = asyncio.get_running_loop()
+        await asyncio.shield(loop.run_in_executor(None, canary.pending.abort, reason))
+        entry.status[canary.version] = VersionStatus(UNAVAILABLE, reason)
+
     async def _stage(self, name: str, entry: Entry, version: int) -> ModelVersion:
         loop = asyncio.get_running_loop()
         model_dir = self.repository.model_dir(name)
@@ -153,6 +230,8 @@ class Rollout:
         current = self._served(entry) if entry is not None else None
         if current is None:
             raise Unavailable(f"failed to roll back '{name}': no version of it is being served")
+        if entry.canary is not None:
+            raise canary_running(name, entry)
         loop = asyncio.get_running_loop()
         records = await loop.run_in_executor(None, self.history, name)
         back = next((r for r in reversed(records) if r.get("action") in ("load", "promote", "rollback")

@@ -46,7 +46,7 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
           inputs: Sequence[TensorSpec] | None = None, outputs: Sequence[TensorSpec] | None = None,
           config: str = "", decoupled: bool | None = None, sequence: bool = False,
           golden: Sequence[tuple[Any, Any]] | None = None, atol: float = 1e-8,
-          rtol: float = 1e-5) -> ServedModel:
+          rtol: float = 1e-5, canary: float | None = None) -> ServedModel:
     """Serve ``obj`` as model ``name``: a new version, loaded before the old one retires.
 
     ``obj``: an ONNX model, a torch module, a TorchScript module, a TensorRT engine, a
@@ -64,6 +64,9 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     ``golden``: ``[(inputs, expected), ...]``: the new version is served only if it answers
     every case within ``atol``/``rtol`` (the server checks it staged); otherwise
     ``PromotionRefused`` (its ``result`` has the per-case diff) and the served version stays.
+    ``canary``: instead, the new version takes this fraction of the requests that name no
+    version (with its own statistics) until ``handle.promote(version, golden=...)`` serves
+    it or ``handle.stop_canary()`` sets it aside; returns a handle on the canary version.
     """
     artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
                               max_batch_size=max_batch_size, decoupled=decoupled, sequence=sequence)
@@ -73,7 +76,12 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
         instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config))
     artifact.config = model_config
     lifecycle = None
-    if golden is not None:
+    if canary is not None:
+        if golden is not None:
+            raise InvalidArgument("a canary is promoted with its golden set later: "
+                                  "handle.promote(version, golden=...)")
+        lifecycle = {"canary": canary}
+    elif golden is not None:
         cases = encode(golden, json.loads(artifact.config_json()))
         lifecycle = {"golden": cases, "atol": atol, "rtol": rtol}
     return _upload(name, artifact, lifecycle)
@@ -88,9 +96,15 @@ def _upload(name: str, artifact: Any, lifecycle: dict | None = None) -> ServedMo
     try:
         client.load(name, artifact.config_json(), artifact.files, lifecycle=lifecycle)
     except InvalidArgument as err:
-        if lifecycle is None:
+        if lifecycle is None or "golden" not in lifecycle:
             raise
         raise PromotionRefused(PromotionResult.refused(name, err, len(lifecycle["golden"]))) from None
+    if lifecycle is not None and "canary" in lifecycle:
+        version = max(int(r["version"]) for r in client.index()
+                      if r.get("name") == name and r.get("state") == "READY")
+        uploaded[name] = artifact
+        return ServedModel(name, version, conn, notes=artifact.notes,
+                           load_seconds=time.monotonic() - started)
     elapsed = time.monotonic() - started
     uploaded[name] = artifact
     versions = client.metadata(name)["versions"]

@@ -96,6 +96,11 @@ class ServedModel:
         self.version = int(version)
         return PromotionResult(self.name, int(version), True, len(cases))
 
+    def stop_canary(self) -> None:
+        """End this model's canary: its version is set aside, all requests go to the
+        served version again."""
+        self._client.load(self.name, lifecycle={"canary": 0})
+
     def rollback(self) -> "ServedModel":
         """Serve again the version (and its config) that served before the current one, in
         one swap; returns a handle on it."""
