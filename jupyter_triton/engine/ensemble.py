@@ -326,9 +326,13 @@ class EnsembleScheduler(Scheduler):
                         _collect(got) if isinstance(got, TritonError) else
                         _collect(self._flow({**table, **got}, list(rest), request))))
         finally:
-            for future in (following, *branches):
-                if future is not None:
-                    future.cancel()
+            # the step's stream may be inside __anext__ (``following``): it must have ended
+            # before the stream can be closed
+            left = [f for f in (following, *branches) if f is not None]
+            for future in left:
+                future.cancel()
+            if left:
+                await asyncio.gather(*left, return_exceptions=True)
             await responses.aclose()
 
     async def _stream_step(self, step: Step, table: dict[str, InferTensor],
