@@ -273,15 +273,19 @@ async def test_embeddings_on_the_jupyter_server_with_an_inference_key(jp_triton,
             time.sleep(0.1)
         vectors = client.embeddings.create(model="bow", input=["red fox", "blue fox"])
         piped = client.embeddings.create(model="pipeline", input="hi there")
+        chat = client.chat.completions.create(model="words", max_tokens=2,
+                                              messages=[{"role": "user", "content": "a b c"}])
         refused = openai.OpenAI(base_url=url, api_key="not-a-key", max_retries=0, timeout=30)
         try:
             refused.embeddings.create(model="bow", input="x")
             status = 200
         except openai.APIStatusError as err:
             status = err.status_code
-        return vectors, piped, status
+        return vectors, piped, chat, status
 
-    vectors, piped, status = await asyncio.to_thread(run)
+    vectors, piped, chat, status = await asyncio.to_thread(run)
+    assert chat.choices[0].message.content == "user:a" and chat.choices[0].finish_reason == "length"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (5, 2)
     np.testing.assert_allclose(vectors.data[1].embedding, _bow("blue fox"), rtol=1e-6)
     assert piped.data[0].embedding == [5, 7, 0, 5] and piped.usage.prompt_tokens == 5
     assert status == 403
