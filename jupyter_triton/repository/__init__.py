@@ -137,7 +137,7 @@ class Repository:
         """Promotions, refusals and rollbacks of ``name``, oldest first (repository/history.py)."""
         try:
             return history.read(self.model_dir(name))
-        except NotFound:
+        except (NotFound, InvalidArgument):      # the caller's own lookup says why
             return []
 
     def record_lifecycle(self, name: str, record: dict) -> dict:
