@@ -249,3 +249,29 @@ async def test_a_jupyter_client_that_disconnects_mid_stream_cancels_its_request(
     while not marker.exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert marker.exists(), "the model never saw is_cancelled() after the client left"
+
+
+def test_generate_carries_sequence_ids_to_a_stateful_model(tmp_path):
+    """Fields named as Triton's sequence parameters (sequence_id, sequence_start,
+    sequence_end) reach the sequence batcher: two interleaved sequences keep their own sums."""
+    from conftest import serve
+    from test_sequence import accumulator
+    accumulator(tmp_path / "models", "acc")
+    server, client = serve(tmp_path / "models", model_control_mode="explicit", load_models=["*"])
+    try:
+        def add(value: int, sequence: int, **flags) -> int:
+            response, raw, _ = _post(server.http_port, "/v2/models/acc/generate",
+                                     {"INPUT": value, "sequence_id": sequence, **flags})
+            assert response.status == 200, raw
+            return json.loads(raw)["OUTPUT"]
+        assert add(5, 7, sequence_start=True) == 5
+        assert add(100, 8, sequence_start=True) == 100
+        assert add(3, 7) == 8
+        assert add(1, 8, sequence_end=True) == 101
+        assert add(2, 7, sequence_end=True) == 10
+        response, raw, _ = _post(server.http_port, "/v2/models/acc/generate",
+                                 {"INPUT": 1, "sequence_id": 7})      # ended: a new one must start
+        assert response.status == 400, raw
+    finally:
+        client.close()
+        server.close()
