@@ -270,14 +270,25 @@ def test_the_notebooks_ensemble_of_a_streaming_step_is_decoupled(server):
     triton.close()
 
 
-def test_an_ensemble_with_a_streaming_step_not_declared_decoupled_says_what_to_add(server):
+def test_an_ensemble_with_a_streaming_step_not_declared_decoupled_is_made_decoupled(server):
+    # as tritonserver does at load: the ensemble streams, and its config says so
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    config = client.get_model_config("undeclared", as_json=True)["config"]
+    assert config.get("model_transaction_policy", {}).get("decoupled") is True
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer("undeclared", _text("a b"))
-        result, error = results.get(timeout=TIMEOUT_S)
+        client.async_stream_infer("undeclared", _text("a b"), enable_empty_final_response=True)
+        got = []
+        while True:
+            result, error = results.get(timeout=TIMEOUT_S)
+            assert error is None, error
+            response = result.get_response()
+            if response.outputs:
+                got.append(result.as_numpy("text_output").reshape(-1)[0].decode())
+            if response.parameters["triton_final_response"].bool_param:
+                break
     finally:
         client.stop_stream()
         client.close()
-    assert result is None and "add model_transaction_policy { decoupled: true }" in str(error)
+    assert len(got) == 2, got

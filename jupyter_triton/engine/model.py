@@ -118,8 +118,13 @@ class ModelVersion:
         start = time.monotonic()
         if self.backend_name == ENSEMBLE_BACKEND:     # no instances: steps run on composing models
             lookup, infer = self.ensemble
-            self.scheduler = EnsembleScheduler(self.config, plan(self.config, lookup), infer,
-                                               self.stats)
+            steps = plan(self.config, lookup)
+            if any(step.decoupled for step in steps) and not self.decoupled:
+                # tritonserver (ValidateEnsembleConfig) makes an ensemble with a streaming
+                # step decoupled itself; its config then says so, as Triton's does
+                self.decoupled = True
+                self.config.model_transaction_policy.decoupled = True
+            self.scheduler = EnsembleScheduler(self.config, steps, infer, self.stats)
             self.status = VersionStatus(READY)
             return
         if self.config.HasField("sequence_batching"):
