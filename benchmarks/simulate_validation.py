@@ -8,7 +8,9 @@ compute is the model's, not a CPU race). Then:
 1. the service model: ``planning.measure`` (a sweep over batch sizes at c=1, statistics
    deltas) on a copy with the grid's largest max_batch_size;
 2. the overhead a client of the load generator sees beyond queue + compute, calibrated at
-   c=1 with that generator (``planning.service.calibrate_overhead``);
+   c=1 with that generator (``planning.service.calibrate_overhead``); of it, the server
+   process's CPU per request over that run (/proc) is simulated as ``loop_us``, work its one
+   event loop does for each request in turn, the rest as a fixed delay;
 3. measured: each of 8 configs (max_batch_size x max_queue_delay_us) served under a
    temporary name and driven closed loop at two concurrencies by tune's load generator
    (perf_analyzer when installed, else tune's loadgen), the server's statistics read around
@@ -138,8 +140,15 @@ def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds:
     return out
 
 
-def perf_client(calibration: dict) -> bool:
-    return calibration["load_generator"] == "perf_analyzer"
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served(client: TritonHTTP) -> int:
+    [s] = client.stats("embedder")["model_stats"]
+    return int(s["inference_stats"]["success"]["count"])
 
 
 def load_average() -> list[float]:
@@ -161,15 +170,19 @@ def run(seconds: float, load_generator: str) -> dict:
             started = time.perf_counter()
             service = _measure(client, conn, "embedder", base, max(SIZES), None, repeats=30)
             sweep_s = time.perf_counter() - started
+            served0 = served(client)
+            cpu0 = process_cpu_s(proc.pid)
             calib = calibrate_overhead(conn, "embedder", service, seconds=seconds,
                                        load_generator=load_generator)
+            cpu_per_request_us = (process_cpu_s(proc.pid) - cpu0) / (served(client) - served0) * 1e6
             started = time.perf_counter()
             measured = measure_grid(conn, base, files, seconds, load_generator)
             tune_s = time.perf_counter() - started
             started = time.perf_counter()
-            # perf_analyzer's client costs little: the c=1 overhead is the server's work on
-            # its event loop, a stage requests take in turn (where the simulation models it)
-            loop_us = calib["overhead_us"] if LOOP_MODELLED and perf_client(calib) else 0.0
+            # the server process's CPU per request (its event loop's work, mostly: the model
+            # runs in its own worker process) is a stage requests take in turn; the rest of
+            # the c=1 overhead (client, sockets, wake-ups) a fixed delay
+            loop_us = min(cpu_per_request_us, calib["overhead_us"]) if LOOP_MODELLED else 0.0
             overhead_us = calib["overhead_us"] - loop_us
             plan = simulate("embedder", concurrency=CONCURRENCY, max_batch_size=SIZES,
                             max_queue_delay_us=DELAYS, service=service, overhead_us=overhead_us,
@@ -201,7 +214,7 @@ def run(seconds: float, load_generator: str) -> dict:
             "load_average_before": load_before, "load_average_after": load_average(),
             "cpus": os.cpu_count(), "service": service.to_json(), "service_table": service.table(),
             "sweep_overhead_us": service.overhead_ns / 1e3, "calibration": calib,
-            "loop_us": loop_us, "overhead_us": overhead_us, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
+            "loop_us": loop_us, "overhead_us": overhead_us, "server_cpu_per_request_us": cpu_per_request_us, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
 
 
 def pct(x: float) -> str:
@@ -218,8 +231,7 @@ def render(runs: list[dict]) -> str:
            "c=1 sweep predicted the execution right). The client (perf_analyzer), the server and",
            "the model's worker share 2 cores with 7 other busy sessions: the c=1 sweep's tail and",
            "the tail under load come from other processes taking the cores at different moments,",
-           "so p99 misses go either way from run to run; the event-loop figure (`loop_us`) is the",
-           "c=1 overhead, a difference of two noisy medians.", ""]
+           "so p99 misses go either way from run to run.", ""]
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
@@ -237,7 +249,10 @@ def render(runs: list[dict]) -> str:
                 f"{cal['server_ms']:.2f} ms); "
                 f"the sweep's own client saw {run['sweep_overhead_us']:.0f} us. Simulated with "
                 f"overhead_us={run.get('overhead_us', cal['overhead_us']):.0f} (a fixed delay) and "
-                f"loop_us={run.get('loop_us', 0):.0f} (the server's event loop, taken in turn).", "",
+                f"loop_us={run.get('loop_us', 0):.0f} (the server's event loop, taken in turn"
+                + (f"; the server process's CPU per request at c=1 was "
+                   f"{run['server_cpu_per_request_us']:.0f} us" if "server_cpu_per_request_us" in run
+                   else "; all of the c=1 overhead") + ").", "",
                 f"**Predicted from the c=1 sweep: {ok} of {len(run['rows'])} rows within the aim; "
                 f"replayed with the executions recorded under load: "
                 f"{sum(r['replayed_within_aim'] for r in run['rows'])} of {len(run['rows'])}.**", "",
