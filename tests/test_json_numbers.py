@@ -16,7 +16,7 @@ from onnx import TensorProto
 from conftest import serve
 from jupyter_triton.protocol.datatypes import round_to_bf16
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.http_codec import _may_hold_big_integer, decode_infer_request, encode_infer_response
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
 from onnx_models import identity
 
@@ -139,3 +139,26 @@ def test_json_tensors_through_the_server(identity_server):
     assert status == 200 and b'"data":[NaN,1.0,2.0]' in body
     status, body = _post(server, _json_request(b"[1,2,"))
     assert status == 400 and json.loads(body)["error"].startswith("failed to parse the request JSON buffer")
+
+
+@pytest.mark.parametrize("text,big", [
+    (b"[1,123456789012345678901234567890,3]", True),
+    (b"12345678901234567890", True),
+    (b'{"id":"123456789012345678901"}', True),            # digits in a string: json's, to be safe
+    (b"[440059843361160300000.0,-0.000008415989213972353]", False),   # rapidjson's floats
+    (b"[12345678901234567890e3,1234567890123456789]", False),
+    (b"[440059843361160300000.0,12345678901234567890]", True),
+    (b"", False),
+])
+def test_only_integers_past_64_bits_keep_a_document_from_orjson(text, big):
+    assert _may_hold_big_integer(text) is big
+
+
+def test_floats_as_rapidjson_writes_them_decode_as_json_read_them():
+    # perf_analyzer's and tritonclient C++'s JSON: 0.0000084... and 440059843361160300000.0.
+    x = np.random.default_rng(7).integers(0, 2**32, 256, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = x[np.isfinite(x)]
+    text = b"[" + b",".join(b"%.17g" % v if abs(v) >= 1e21 or v == 0 or abs(v) < 1e-7 else
+                            (b"%.25f" % v).rstrip(b"0") + b"0" for v in x.astype(np.float64)) + b"]"
+    got = decode_infer_request(_json_request(text, "FP64", f"[1,{len(x)}]"), None, "m", "")
+    np.testing.assert_array_equal(got.inputs[0].data.ravel(), np.array(json.loads(text), dtype=np.float64))
