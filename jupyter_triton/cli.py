@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from .engine import CONTROL_MODES, EngineOptions
 from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
@@ -22,13 +22,6 @@ from .triton_flags import add_ignored, log_ignored
 # wait is most of the latency (benchmarks/README.md has the figures).
 SWITCH_INTERVAL_S = 0.0005
 _DEFAULTS = EngineOptions(model_repository=".")     # the engine's defaults are the flags' defaults
-
-
-@dataclass
-class ServeOptions(EngineOptions):
-    """The engine's options and tritonserver's settings that EngineOptions has no field for
-    yet: ``server_id`` (--id), the name server metadata answers."""
-    server_id: str = "triton"
 
 
 def _non_negative(kind: type):
@@ -262,14 +255,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def options_from(args: argparse.Namespace) -> ServeOptions:
+def options_from(args: argparse.Namespace) -> EngineOptions:
     if len(args.model_repository) > 1:
         raise SystemExit("jupyter-triton serves one --model-repository")
     metrics = dict(item.split("=", 1) for item in args.metrics_config if "=" in item)
     cache_config = list(args.cache_config)
     if args.response_cache_byte_size is not None:       # tritonserver's deprecated spelling
         cache_config.append(f"local,size={args.response_cache_byte_size}")
-    return ServeOptions(
+    return EngineOptions(
         model_repository=args.model_repository[0], model_control_mode=args.model_control_mode,
         load_models=args.load_model, repository_poll_secs=args.repository_poll_secs,
         summary_latencies=_bool(metrics.get("summary_latencies", "false")),
@@ -282,7 +275,9 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         response_cache_size=_cache_size(cache_config),
         model_residency_bytes=args.model_residency_bytes,
         max_loaded_models=args.max_loaded_models, rate_limit=args.rate_limit,
-        rate_limit_resources=list(args.rate_limit_resource), server_id=args.id)
+        rate_limit_resources=list(args.rate_limit_resource), server_id=args.id,
+        auto_complete_config=not (args.disable_auto_complete_config or
+                                  _bool((args.strict_model_config or ["false"])[-1])))
 
 
 def _cache_size(values: list[str]) -> int:
@@ -332,7 +327,7 @@ async def _serve(args: argparse.Namespace) -> None:
             await asyncio.to_thread(mirror.close)
 
 
-async def _serve_until_stopped(args: argparse.Namespace, options: ServeOptions,
+async def _serve_until_stopped(args: argparse.Namespace, options: EngineOptions,
                                grpc_limits: HTTP2Limits, grpc_ssl: GrpcTLS | None) -> None:
     from .standalone import start_standalone
     server = await start_standalone(

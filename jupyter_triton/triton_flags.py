@@ -54,15 +54,12 @@ IGNORED: dict[str, tuple[str, str]] = {
                             "share a name"),
     "--model-config-name": ("<string>", "custom configs (configs/<name>.pbtxt) are not "
                             "supported; config.pbtxt is read"),
-    # not applied yet: the engine has no option for them (issue 22)
-    "--disable-auto-complete-config": ("", "configs are still auto-completed"),
-    "--strict-model-config": ("<boolean>", "configs are still auto-completed"),
 }
 
 # Values that ask for what this engine does anyway: given so, the flag is simply applied
 # (`--strict-model-config=false` is in most Triton manifests).
 AS_HERE: dict[str, bool] = {
-    "--strict-model-config": False, "--allow-cpu-metrics": True, "--model-namespacing": False,
+    "--allow-cpu-metrics": True, "--model-namespacing": False,
     "--reuse-http-port": False, "--reuse-grpc-port": False, "--allow-sagemaker": False,
     "--allow-vertex-ai": False, "--enable-peer-access": False,
 }
@@ -80,6 +77,10 @@ BACKEND_SETTINGS: dict[tuple[str, str], str] = {
 
 def add_ignored(parser: argparse.ArgumentParser) -> None:
     """Register every flag of IGNORED (and --backend-config) with tritonserver's syntax."""
+    parser.add_argument("--disable-auto-complete-config", action="store_true",
+                        help="serve configs as written (a backend fills nothing in)")
+    parser.add_argument("--strict-model-config", action="append", default=None,
+                        metavar="<boolean>", help="true: as --disable-auto-complete-config")
     for flag, (metavar, _why) in IGNORED.items():
         if metavar:
             parser.add_argument(flag, default=None, metavar=metavar, action="append",

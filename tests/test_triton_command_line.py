@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.cli import build_parser, options_from
 from jupyter_triton.triton_flags import AS_HERE, IGNORED, log_ignored
@@ -162,6 +163,7 @@ def test_a_whole_tritonserver_command_line_serves(tmp_path: Path):
     options = options_from(args)
     assert options.rate_limit == "execution_count" and options.rate_limit_resources == ["R1:4:0"]
     assert options.server_id == "x" and options.response_cache_size == 1048576
+    assert options.auto_complete_config is False            # --disable-auto-complete-config
     lines = log_ignored(args)
     named = [line.split(" ", 1)[0] for line in lines]
     # every boolean above is "false": those that ask for what happens here anyway are applied
@@ -169,10 +171,10 @@ def test_a_whole_tritonserver_command_line_serves(tmp_path: Path):
     assert quiet and quiet < set(IGNORED)
     assert sorted(named) == sorted(set(IGNORED) - quiet | {
         "--backend-config=python,shm-default-byte-size=1048576"}), lines
-    loud = parse(tmp_path, "--strict-model-config=true", "--model-namespacing", "1",
+    loud = parse(tmp_path, "--model-namespacing", "1",
                  "--allow-cpu-metrics=true", "--allow-cpu-metrics=false")
     assert sorted(line.split(" ", 1)[0] for line in log_ignored(loud)) == [
-        "--allow-cpu-metrics", "--model-namespacing", "--strict-model-config"]
+        "--allow-cpu-metrics", "--model-namespacing"]
 
 
 def test_refusals_name_the_flag(tmp_path: Path, capsys):
@@ -190,7 +192,7 @@ def test_flags_take_effect_in_a_served_process(tmp_path: Path):
     proc, url = serve(repo, "--id=team-a", "--http-thread-count", "16",
                       "--backend-config=python,shm-default-byte-size=1048576",
                       "--backend-config", "default-max-batch-size=8",
-                      "--allow-gpu-metrics=false", "--disable-auto-complete-config",
+                      "--allow-gpu-metrics=false",
                       "--rate-limit=execution_count", "--rate-limit-resource=R1:2",
                       "--response-cache-byte-size", "1048576")
     client = httpclient.InferenceServerClient(url, network_timeout=30)
@@ -199,7 +201,7 @@ def test_flags_take_effect_in_a_served_process(tmp_path: Path):
     finally:
         client.close()
         out = stop(proc)
-    for flag in ("--http-thread-count", "--allow-gpu-metrics", "--disable-auto-complete-config",
+    for flag in ("--http-thread-count", "--allow-gpu-metrics",
                  "--backend-config=python,shm-default-byte-size=1048576",
                  "--backend-config=default-max-batch-size=8"):
         said = [line for line in out.splitlines() if f"{flag} is accepted and ignored: " in line]
@@ -220,3 +222,33 @@ def test_the_list_is_tritonservers_own(tmp_path: Path):
             flag, _, metavar = line.strip().partition(" ")
             listed.append((flag, metavar))
     assert listed == TRITONSERVER_FLAGS
+
+
+@pytest.mark.parametrize("flags", [["--disable-auto-complete-config"],
+                                   ["--strict-model-config", "true"]])
+def test_without_auto_complete_a_config_is_served_as_written(tmp_path: Path, flags: list[str]):
+    from onnx import TensorProto
+    from onnx_models import add_sub
+    from conftest import LINEAR_CONFIG, W
+    from onnx_models import linear
+    repo = tmp_path / "models"
+    add_sub(repo / "partial" / "1" / "model.onnx", elem=TensorProto.FLOAT)
+    (repo / "partial" / "config.pbtxt").write_text('name: "partial"\nbackend: "onnxruntime"\n')
+    linear(W, repo / "linear" / "1" / "model.onnx")
+    (repo / "linear" / "config.pbtxt").write_text(LINEAR_CONFIG)
+    for strict in (True, False):
+        proc, url = serve(repo, *(flags if strict else ["--strict-model-config=false"]))
+        client = httpclient.InferenceServerClient(url, network_timeout=30)
+        try:
+            client.load_model("linear")                     # complete: served either way
+            if strict:
+                with pytest.raises(InferenceServerException) as err:
+                    client.load_model("partial")
+                assert err.value.status() == "400" and "partial" in err.value.message()
+            else:
+                client.load_model("partial")
+                assert [i["name"] for i in client.get_model_metadata("partial")["inputs"]] == \
+                    ["INPUT0", "INPUT1"]
+        finally:
+            client.close()
+            stop(proc)

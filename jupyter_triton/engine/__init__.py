@@ -58,8 +58,7 @@ class Engine(ModelLifecycle):
     def server_metadata(self) -> dict:
         """Triton answers its --id here, "triton" unless set, and NVIDIA's example clients
         and tools check that name: a drop-in answers the same; the version is ours."""
-        # server_id: tritonserver's --id (cli.ServeOptions until EngineOptions has the field)
-        return {"name": getattr(self.options, "server_id", "triton"), "version": __version__,
+        return {"name": self.options.server_id, "version": __version__,
                 "extensions": list(EXTENSIONS) + ["sequence"]}
 
     # ---- data path ---------------------------------------------------------------------

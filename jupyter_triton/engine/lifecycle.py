@@ -101,7 +101,7 @@ class ModelLifecycle(OnDemand, Rollout):
         # since); an explicit unload takes a model off the list
         self._wanted: set[str] = set()
         # Triton's rate limiter spans models: one per engine.
-        self.rate_limiter = RateLimiter()
+        self.rate_limiter = RateLimiter.from_options(options)
         # Triton's response cache spans models too (--cache-config local,size=<bytes>)
         self.response_cache = ResponseCache(options.response_cache_size) \
             if options.response_cache_size > 0 else None
@@ -463,7 +463,8 @@ class ModelLifecycle(OnDemand, Rollout):
         files = ModelFiles(name, latest, model_dir, model_dir / str(latest),
                            config.default_model_filename or cls.default_filename)
         try:
-            config = cls.auto_complete_config(config, files)
+            if self.options.auto_complete_config:
+                config = cls.auto_complete_config(config, files)
         except TritonError as err:
             # it read the latest version's files: as in Triton, whose backends complete the
             # config when that version loads, the version failed, not the model's config

@@ -51,3 +51,8 @@ class EngineOptions:
     # --rate-limit-resource=<name>:<count>[:<device>] values as given.
     rate_limit: str = "off"
     rate_limit_resources: list[str] = field(default_factory=list)
+    # tritonserver's --disable-auto-complete-config (and --strict-model-config=true): a
+    # config is served as written; one that leaves out what a backend would fill is refused.
+    auto_complete_config: bool = True
+    # tritonserver's --id: the name server metadata answers
+    server_id: str = "triton"
