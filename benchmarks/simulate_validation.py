@@ -10,7 +10,8 @@ compute is the model's, not a CPU race). Then:
 2. the overhead a client of the load generator sees beyond queue + compute, calibrated at
    c=1 with that generator (``planning.service.calibrate_overhead``); of it, the server
    process's CPU per request over that run (/proc) is simulated as ``loop_us``, work its one
-   event loop does for each request in turn, the rest as a fixed delay;
+   event loop does for each request in turn, the rest as a fixed delay; how much the
+   sweep's own round trips varied around their median is drawn onto each simulated latency;
 3. measured: each of 8 configs (max_batch_size x max_queue_delay_us) served under a
    temporary name and driven closed loop at two concurrencies by tune's load generator
    (perf_analyzer when installed, else tune's loadgen), the server's statistics read around

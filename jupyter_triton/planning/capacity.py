@@ -9,7 +9,8 @@ seeded simulation: a row of p50/p95/p99, throughput and mean batch. The same
 ``bulk_effect``) is computed from such rows, so answers and table agree.
 
 Latency here is what a client sees: queue + execution + the request's ``overhead_ns``
-(front end and client, measured at c=1 by the sweep; see ``service``).
+(front end and client, measured at c=1 by the sweep; see ``service``), plus, drawn per
+request, how much the sweep saw that overhead vary around its median (``jitter``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import html
 import inspect
 import io
 import json
+import random
 import statistics as stats_
 import time
 from dataclasses import dataclass, field
@@ -82,12 +84,20 @@ def _q(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarize(result: sim.SimResult) -> dict:
+def summarize(result: sim.SimResult, jitter_ns: Sequence[int] = (), seed: int = 0) -> dict:
     """A simulation's figures: client-seen latency percentiles (ms; an Outcome runs from the
     client's send to its receipt, overhead included), throughput (answers per second over
-    the run), mean batch, refusals, and the same per traffic class."""
+    the run), mean batch, refusals, and the same per traffic class.
+
+    ``jitter_ns``: zero-median variations of the path outside the scheduler, one drawn onto
+    each latency (the simulation's overhead is one fixed figure; a real client's is not, and
+    at low load its spread is most of the p99)."""
+    rng = random.Random(f"jitter/{seed}")
+    extra = {id(o): (rng.choice(jitter_ns) if jitter_ns else 0) for o in result.requests}
+
     def figures(outcomes: list[sim.Outcome]) -> dict:
-        ok = sorted((o.end_ns - o.arrival_ns) / 1e6 for o in outcomes if o.status == "ok")
+        ok = sorted(max(0, o.end_ns - o.arrival_ns + extra[id(o)]) / 1e6
+                    for o in outcomes if o.status == "ok")
         span = result.duration_ns / 1e9 or 1e-9
         return {"throughput": len(ok) / span, "p50_ms": _q(ok, 0.50), "p95_ms": _q(ok, 0.95),
                 "p99_ms": _q(ok, 0.99), "mean_ms": stats_.fmean(ok) if ok else float("nan"),
@@ -116,7 +126,7 @@ class CapacityPlan:
                  traffic: dict[str, list] | None = None, slo_p99_ms: float | None = None,
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
-                 connection: Connection | None = None, loop_ns: int = 0) -> None:
+                 connection: Connection | None = None, loop_ns: int = 0, jitter: bool = True) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -128,6 +138,7 @@ class CapacityPlan:
         self.seed = seed
         self.overhead_ns = service.overhead_ns if overhead_ns is None else int(overhead_ns)
         self.loop_ns = int(loop_ns)
+        self.jitter = jitter
         if self.loop_ns and not LOOP_MODELLED:
             raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
                                   "event-loop work per request); leave loop_us unset")
@@ -199,7 +210,7 @@ class CapacityPlan:
                               overhead_ns=self.overhead_ns, **loop)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
-               **summarize(result)}
+               **summarize(result, self.service.jitter_ns() if self.jitter else (), self.seed)}
         self._memo[key] = row
         return row
 

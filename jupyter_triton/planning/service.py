@@ -100,6 +100,14 @@ class ServiceModel:
         slope = (med[hi] - med[lo]) / (hi - lo)
         return max(1.0, med[lo] + slope * (rows - lo))
 
+    def jitter_ns(self) -> list[int]:
+        """The c=1 overhead samples less their median: how much a request's path outside
+        the scheduler (client, front end, wake-ups) varied around the fixed ``overhead_ns``."""
+        if not self.overhead_samples:
+            return []
+        median = statistics.median(self.overhead_samples)
+        return sorted(int(v - median) for v in self.overhead_samples)
+
     def mean_ns(self, rows: int) -> float:
         """The mean of what ``__call__`` draws for ``rows``."""
         return self.median_ns(rows) * statistics.fmean(self._ratios)
@@ -173,12 +181,14 @@ class ServiceModel:
     def to_json(self) -> dict:
         return {"model": self.model, "version": self.version, "fingerprint": self.fingerprint,
                 "method": self.method, "overhead_ns": self.overhead_ns,
+                "overhead_samples": list(self.overhead_samples),
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
     def from_json(cls, obj: dict) -> "ServiceModel":
         return cls(obj["model"], str(obj["version"]), {int(b): v for b, v in obj["samples"].items()},
-                   int(obj.get("overhead_ns", 0)), method=obj.get("method", ""),
+                   int(obj.get("overhead_ns", 0)), [int(v) for v in obj.get("overhead_samples", [])],
+                   method=obj.get("method", ""),
                    fingerprint=obj.get("fingerprint", ""))
 
     @staticmethod
