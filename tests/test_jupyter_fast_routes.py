@@ -182,6 +182,14 @@ async def test_jupyters_request_metric_counts_fast_requests(jp_triton, jp_http_p
     assert float(line.rsplit(" ", 1)[1]) >= 3
 
 
+
+async def test_latency_histograms_are_on_by_default_in_the_extension(jp_triton, jp_http_port,
+                                                                     jp_base_url, jp_fetch):
+    # the dashboard's p50/p99 come from them; tritonserver's default (off) stays on its command line
+    await exchange(jp_http_port, request("POST", f"{jp_base_url}v2/models/linear/infer", AUTH, ROW))
+    text = (await jp_fetch("metrics", headers=AUTH)).body.decode()
+    assert 'nv_inference_request_histogram_ms_bucket{' in text and 'model="linear"' in text
+
 @pytest.fixture
 def jp_server_config(jp_server_config, request):
     if getattr(request, "param", None) == "off":

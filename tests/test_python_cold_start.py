@@ -169,3 +169,30 @@ def test_without_the_template_every_worker_is_a_fresh_interpreter(server, monkey
         call(client, "fresh", -1)
     assert "died (exit code 7)" in str(err.value), err.value
     assert call(client, "fresh", 1) not in (pid, os.getpid())
+
+
+def test_a_server_that_may_get_python_models_starts_the_template_at_once(tmp_path):
+    """``jupyter-triton serve`` in explicit mode (uploads may bring python models) has the
+    template running before the first python model arrives: that model pays no start."""
+    import psutil
+
+    exe = os.path.join(os.path.dirname(sys.executable), "jupyter-triton")
+    (tmp_path / "models").mkdir()
+    proc = subprocess.Popen([exe, "serve", "--model-repository", str(tmp_path / "models"),
+                             "--model-control-mode", "explicit", "--http-address", "127.0.0.1",
+                             "--http-port", "0", "--allow-grpc", "false", "--allow-metrics", "false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        templates: list = []
+        while not templates and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            try:
+                templates = [c for c in psutil.Process(proc.pid).children()
+                             if "template" in c.cmdline()]
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                pass
+        assert templates, "no template process under the server"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -119,6 +119,11 @@ class ModelLifecycle(OnDemand, Rollout):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.repository.recover)
         mode = self.options.model_control_mode
+        if mode != "none" or any(Path(self.options.model_repository).glob("*/*/model.py")):
+            # python models may come (uploads, %%serve) or are here: their workers are forked
+            # from a template process; starting it now spares the first one its start (~1 s)
+            from ..backends.python.launch import prestart
+            prestart()
         names = self.repository.model_names()
         if mode == "explicit":
             wanted = self.options.load_models
