@@ -273,7 +273,9 @@ class CapacityPlan:
     def bulk_effect(self, bulk: tr.TrafficClass | None = None, qps: float | None = None,
                     config: dict | None = None) -> "BulkEffect":
         """The interactive class's latency alone, with ``bulk`` in the same batch window at
-        the same priority, and with ``bulk`` at a lower priority level."""
+        the same priority, with ``bulk`` at a lower priority level, and with ``bulk`` split
+        onto a model of its own (``qps``: the interactive rate, default the table's highest;
+        ``config``: default ``best()``'s)."""
         bulk = bulk or self.bulk
         if bulk is None:
             raise InvalidArgument("simulate: bulk_effect needs a bulk TrafficClass")
