@@ -124,7 +124,7 @@ def test_closed_loop_beside_tune_and_apply(kernel_server):
     jt.serve(EMBEDDER_PY, "embedder", max_batch_size=4, **IO)
     t = jt.tune("embedder", max_batch_size=[4, 8], max_queue_delay_us=[0], concurrency=[4],
                 seconds=1, load_generator="loadgen")
-    plan = simulate("embedder", concurrency=[1, 4], max_batch_size=[4, 8], repeats=4)
+    plan = simulate("embedder", concurrency=[1, 4], max_batch_size=[4, 8], repeats=4, measured=t)
     # max_batch_size 8 is past the served 4: measured on a temporary copy, then unloaded
     assert max(plan.service.samples) == 8 and "copy" in plan.service.method
     assert not [r for r in jt.models() if r["name"] == "embedder__sim" and r.get("state") == "READY"]
@@ -134,6 +134,7 @@ def test_closed_loop_beside_tune_and_apply(kernel_server):
         assert r["measured_throughput"] > 0 and r["simulated_throughput"] > 0
         assert r["simulated_p50_ms"] <= r["simulated_p99_ms"]
         assert 1 <= r["simulated_mean_batch"] <= 4
+    assert "measured by tune() beside simulated" in plan._repr_html_()
     # closed loop at c=1 never batches; four clients do
     c1 = plan.run(4, 0, 1, Load("concurrency", 1.0))
     assert c1["mean_batch"] == 1.0 and plan.run(4, 0, 1, Load("concurrency", 4.0))["mean_batch"] > 1

@@ -36,6 +36,9 @@ from .service import ServiceModel, measure
 
 COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
            "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts")
+COMPARE_COLUMNS = ("max_batch_size", "max_queue_delay_us", "concurrency", "measured_throughput",
+                   "simulated_throughput", "measured_p50_ms", "simulated_p50_ms", "measured_p99_ms",
+                   "simulated_p99_ms", "measured_mean_batch", "simulated_mean_batch")
 TEMP_SUFFIX = "__sim"
 #: an open-loop load is kept up with when this share of it is served (the rest: queue growth)
 KEPT_UP = 0.95
@@ -126,7 +129,8 @@ class CapacityPlan:
                  traffic: dict[str, list] | None = None, slo_p99_ms: float | None = None,
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
-                 connection: Connection | None = None, loop_ns: int = 0, jitter: bool = True) -> None:
+                 connection: Connection | None = None, loop_ns: int = 0, jitter: bool = True,
+                 measured: Any = None) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -139,6 +143,7 @@ class CapacityPlan:
         self.overhead_ns = service.overhead_ns if overhead_ns is None else int(overhead_ns)
         self.loop_ns = int(loop_ns)
         self.jitter = jitter
+        self.measured = measured          # a TuneResult (or its results): shown side by side
         if self.loop_ns and not LOOP_MODELLED:
             raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
                                   "event-loop work per request); leave loop_us unset")
@@ -397,6 +402,9 @@ class CapacityPlan:
         parts.append(self.table_html())
         if self.bulk is not None:
             parts.append(self.bulk_effect()._repr_html_())
+        if self.measured is not None:
+            parts.append("<h5>measured by tune() beside simulated (closed loop)</h5>")
+            parts.append(self.table_html(self.compare(self.measured), COMPARE_COLUMNS))
         parts.append(f"<p><small>service: {html.escape(repr(self.service))}</small></p></div>")
         return "".join(parts)
 
@@ -498,7 +506,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              traffic: dict[str, list] | None = None, classes: Sequence[tr.TrafficClass] = (),
              bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
              service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
-             seed: int = 0, overhead_us: float | None = None, loop_us: float = 0.0, repeats: int = 15,
+             seed: int = 0, overhead_us: float | None = None, loop_us: float = 0.0,
+             measured: Any = None, repeats: int = 15,
              files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
     """Simulate every config of the grid at every load; see the module docstring.
 
@@ -506,7 +515,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     model version and config (``service`` to pass your own); a grid whose max_batch_size
     exceeds the served one is measured on a temporary copy (``<model>__sim``) when this
     kernel served the model (or ``files`` are given), else extrapolated. ``classes``: more
-    traffic on top of every load; ``bulk``: the class ``bulk_effect`` weighs.
+    traffic on top of every load; ``bulk``: the class ``bulk_effect`` weighs; ``measured``:
+    a ``tune()`` result, shown beside the same configs simulated (``compare``).
 
     ``overhead_us``: a fixed delay per request outside the scheduler (default: what the
     sweep's client saw at c=1); ``loop_us``: the part of it that is the server's own work on
@@ -548,7 +558,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
                         extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
                         seed=seed, overhead_ns=None if overhead_us is None else int(overhead_us * 1000),
-                        bulk=bulk, files=files, connection=conn, loop_ns=int(loop_us * 1000))
+                        bulk=bulk, files=files, connection=conn, loop_ns=int(loop_us * 1000),
+                        measured=measured)
 
 
 def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, largest: int,
