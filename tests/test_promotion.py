@@ -291,3 +291,35 @@ def test_a_canary_is_not_served_after_a_restart(tmp_path: Path):
         assert not (repo / "lin" / "2").exists() and list((repo / ".failed" / "lin").iterdir())
     finally:
         server.close()
+
+
+def test_lifecycle_keys_reach_the_engine_as_plain_load_parameters(tmp_path: Path):
+    """Besides file:lifecycle.json, a load's own parameters carry the lifecycle keys (a raw v2
+    client can send them): a malformed golden set is refused by name over HTTP and gRPC."""
+    import http.client
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    import grpc
+
+    server = start_in_thread(EngineOptions(model_repository=tmp_path / "models",
+                                           model_control_mode="explicit"),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+        conn.request("POST", "/v2/repository/models/lin/load",
+                     json.dumps({"parameters": {"config": CONFIG, "golden": "not json"}}),
+                     {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        body = json.loads(reply.read())
+        conn.close()
+        assert reply.status == 400 and "load parameter 'golden' is not JSON" in body["error"]
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            request = service_pb2.RepositoryModelLoadRequest(model_name="lin")
+            request.parameters["config"].string_param = CONFIG
+            request.parameters["golden"].string_param = "not json"
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.RepositoryModelLoad(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "load parameter 'golden' is not JSON" in refused.value.details()
+    finally:
+        server.close()

@@ -4,6 +4,8 @@ through real servers (standalone and Jupyter) with tritonclient, as an operator 
 them: the answers, the repository index, the statistics and the Prometheus metrics."""
 from __future__ import annotations
 
+import http.client
+
 import json
 import random
 import threading
@@ -247,9 +249,15 @@ def test_a_load_slower_than_the_wait_answers_503_then_serves(tmp_path: Path):
     try:
         inp = httpclient.InferInput("INPUT0", [1, 2], "FP32")
         inp.set_data_from_numpy(np.ones((1, 2), np.float32))
-        with pytest.raises(InferenceServerException) as refused:
-            client.infer("slow", [inp])
-        assert refused.value.status() == "503" and "retry" in refused.value.message()
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+        conn.request("POST", "/v2/models/slow/infer", json.dumps({"inputs": [
+            {"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1, 1]}]}),
+            {"Content-Type": "application/json"})
+        refused = conn.getresponse()
+        body = json.loads(refused.read())
+        conn.close()
+        assert refused.status == 503 and "retry" in body["error"]
+        assert refused.getheader("Retry-After") == "1"
         deadline = time.monotonic() + 60
         while not client.is_model_ready("slow") and time.monotonic() < deadline:
             time.sleep(0.2)                  # the load went on without the client

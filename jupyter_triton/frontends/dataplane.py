@@ -82,7 +82,11 @@ def json_reply(obj: Any, status: int = 200) -> Reply:
 
 def error_reply(err: TritonError | str, status: int | None = None) -> Reply:
     code = status if status is not None else (err.status if isinstance(err, TritonError) else 500)
-    return Reply(code, json.dumps({"error": str(err)}).encode(), {"Content-Type": JSON},
+    headers = {"Content-Type": JSON}
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:       # e.g. a model still loading on demand (engine/on_demand.py)
+        headers["Retry-After"] = str(retry_after)
+    return Reply(code, json.dumps({"error": str(err)}).encode(), headers,
                  close=isinstance(err, RequestTimeout))
 
 
@@ -372,7 +376,9 @@ async def repository_load(plane: DataPlane, call: Call) -> Reply:
     if isinstance(config, dict):
         config = json.dumps(config)
     files = await plane.offload(_body_size(call.body) > OFFLOAD_BYTES, _load_files, params)
-    await plane.engine.load_model(call.params["model"], config=config, files=files)
+    # lifecycle keys (golden, promote, rollback, canary...) ride along as load parameters
+    await plane.engine.load_model(call.params["model"], config=config, files=files,
+                                  parameters=params)
     return Reply(200)
 
 

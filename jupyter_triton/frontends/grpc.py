@@ -384,7 +384,11 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                         f"load parameter '{key}' of model '{request.model_name}' must be a "
                         "bytes_param holding the file content")
                 files[key] = value
-        await self.engine.load_model(request.model_name, config=config, files=files or None)
+        # lifecycle keys (golden, promote, rollback, canary...) ride along as load parameters
+        await self.engine.load_model(
+            request.model_name, config=config, files=files or None,
+            parameters={k: parameter_value(v) for k, v in request.parameters.items()
+                        if not k.startswith("file:") and k != "config"})
         return pb.RepositoryModelLoadResponse()
 
     @_rpc(MODEL_REPOSITORY)
