@@ -98,7 +98,7 @@ class FakeEngine:
         return [m for m in models if m["state"] == "READY"] if ready_only else models
 
     async def load_model(self, name: str, config: str | None = None,
-                         files: dict[str, bytes] | None = None) -> None:
+                         files: dict[str, bytes] | None = None, parameters: dict | None = None) -> None:
         self.loaded.append((name, config, files))
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
