@@ -52,6 +52,15 @@ def history(name: str) -> list[dict]:
     return _history(name)
 
 
+def simulate(model: str, qps=None, max_batch_size=None, max_queue_delay_us=None, instances=None,
+             **options):
+    """Capacity planning before deploying: the served model's execution times, measured once,
+    drive the engine's own dynamic batcher on a virtual clock for every config and load
+    (``jupyter_triton.planning.capacity``)."""
+    from .kernel import simulate as _simulate
+    return _simulate(model, qps, max_batch_size, max_queue_delay_us, instances, **options)
+
+
 def models() -> list[dict]:
     from .kernel.api import models as _models
     return _models()
