@@ -236,7 +236,9 @@ def test_triton_sidebar_acts_load_unload_versions_config_view_snippet(tmp_path):
     (repository / "multi" / "config.pbtxt").write_text(
         'name: "multi"\nbackend: "onnxruntime"\nmax_batch_size: 8\n')
     (tmp_path / "root").mkdir()
-    lab = start_lab(tmp_path / "state", tmp_path / "root", repository)
+    # histograms off (the extension's default is on): the model view's percentiles note is checked
+    lab = start_lab(tmp_path / "state", tmp_path / "root", repository,
+                    triton={"histogram_latencies": False})
     errors: list[str] = []
     try:
         with sync_playwright() as p:

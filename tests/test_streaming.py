@@ -127,12 +127,15 @@ async def _collect(engine: Engine, request: InferRequest) -> list:
 
 
 async def _stats(engine: Engine, model: str, executions: int) -> dict:
-    """The model's statistics once ``executions`` executes have returned (a model may send
-    its final response before its execute returns; the execution is counted at return)."""
+    """The model's statistics once ``executions`` executes have returned and their requests'
+    outcomes are recorded (a model may send its final response before its execute returns;
+    the execution and the request's success are counted at return)."""
     deadline = time.monotonic() + 5
     while True:
         stats = engine.statistics(model)["model_stats"][0]
-        if stats["execution_count"] >= executions or time.monotonic() > deadline:
+        outcomes = sum(stats["inference_stats"][k]["count"] for k in ("success", "fail"))
+        if (stats["execution_count"] >= executions and outcomes >= executions) \
+                or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.01)
 
