@@ -196,3 +196,35 @@ def test_a_server_that_may_get_python_models_starts_the_template_at_once(tmp_pat
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_worker_handles_past_fd_setsize_work(server):
+    """A server holding over 1,024 descriptors (connections, workers) still watches its
+    workers: their pidfds land past select()'s FD_SETSIZE, which once failed every unload."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} leaves no room past 1,024 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        srv, client = server
+        upload(client, pid_or_crash, "pids")
+        pid = call(client, "pids", 1)                    # its pidfd is past 1,024
+        assert alive(pid)
+        client.unload_model("pids")                      # joins the worker through that pidfd
+        deadline = time.monotonic() + 30
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid)
+        upload(client, pid_or_crash, "pids")             # and a crash is still seen as one
+        with pytest.raises(InferenceServerException) as died:
+            call(client, "pids", -1)
+        assert died.value.status() == "503"
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

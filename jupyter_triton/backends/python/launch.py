@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import queue
 import select
@@ -86,8 +87,17 @@ class _Spawner:
 _SPAWNER = _Spawner()
 
 
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` is readable (or hung up) within ``timeout`` s (None: wait). poll, not
+    select: select refuses descriptors past FD_SETSIZE (1024), which a server holding many
+    connections and workers reaches (a long test run did: every unload then failed)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else math.ceil(max(0.0, timeout) * 1000)))
+
+
 def _exited(pidfd: int) -> bool:
-    return bool(select.select([pidfd], [], [], 0)[0])
+    return _readable(pidfd, 0)
 
 
 class ForkedProcess:
@@ -112,7 +122,7 @@ class ForkedProcess:
         return not _exited(self.sentinel)
 
     def join(self, timeout: float | None = None) -> None:
-        if select.select([self.sentinel], [], [], timeout)[0]:
+        if _readable(self.sentinel, timeout):
             self._template.wait_exit(self.pid, 1.0)
 
     def kill(self) -> None:
