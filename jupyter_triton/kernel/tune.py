@@ -55,6 +55,15 @@ def find_perf_analyzer() -> str | None:
 
 # ---- the result ---------------------------------------------------------------------------
 
+
+def png_bytes(fig) -> bytes:
+    """A matplotlib figure (Agg canvas) as PNG bytes, laid out: the tuner's and the
+    planner's plots end the same way."""
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
 @dataclass
 class Recommendation:
     """The config ``tune`` recommends, the measurement it rests on, and why."""
@@ -167,10 +176,7 @@ class TuneResult:
         ax.set_title(f"{self.model}: {len(configs)} configs ({self.load_generator})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig)
 
     def table_html(self) -> str:
         front = {id(r) for r in pareto_front(self.results)}

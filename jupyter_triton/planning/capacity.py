@@ -18,7 +18,6 @@ import base64
 import copy
 import html
 import inspect
-import io
 import json
 import random
 import statistics as stats_
@@ -33,6 +32,7 @@ from ..kernel.client import TritonHTTP
 from ..kernel.discovery import Connection
 from . import traffic as tr
 from .service import ServiceModel, measure
+from ..kernel.tune import png_bytes
 
 COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
            "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts")
@@ -378,10 +378,7 @@ class CapacityPlan:
         hx.set_ylabel("batches")
         hx.set_title(f"batch sizes at {top}")
         hx.grid(alpha=0.3)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig)
 
     def table_html(self, rows: Sequence[dict] | None = None, columns: Sequence[str] = COLUMNS) -> str:
         rows = self.results if rows is None else rows

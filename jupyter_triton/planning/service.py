@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import io
 import json
 import random
 import statistics
@@ -34,6 +33,7 @@ from urllib.parse import quote, urlsplit
 from ..protocol.errors import InvalidArgument, Unavailable
 from ..kernel.client import TritonHTTP
 from ..kernel.discovery import Connection
+from ..kernel.tune import png_bytes
 
 #: (url, model, version, config fingerprint) -> the sweep; a new version or config re-measures
 _CACHE: dict[tuple[str, str, str, str], "ServiceModel"] = {}
@@ -157,10 +157,7 @@ class ServiceModel:
         ax.set_title(f"{self.model} v{self.version}: overhead {self.overhead_ns / 1e6:.2f} ms a request")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+        return png_bytes(fig)
 
     def _repr_html_(self) -> str:
         import base64
