@@ -983,6 +983,17 @@ def check_aims(rows: list[Row], ratios: dict[str, dict[str, float]],
 
 # -- the report --------------------------------------------------------------------------------
 
+def _ratio_table(ratios: dict, first: str, title: str) -> list[str]:
+    """One markdown table of ratios (row name -> {column: ratio}), or nothing."""
+    if not ratios:
+        return []
+    cols = list(dict.fromkeys(k for v in ratios.values() for k in v))
+    lines = ["", title, "", f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, v in ratios.items():
+        lines.append(f"| {name} | " + " | ".join(f"{v[c]:.2f}" if c in v else "" for c in cols) + " |")
+    return lines
+
+
 def markdown(p: dict, rows: list[Row]) -> str:
     m = p["machine"]
     lines = [
@@ -1039,22 +1050,12 @@ def markdown(p: dict, rows: list[Row]) -> str:
     failed = [f"- {r.key}, round {x.round}: {x.error}" for r in rows for x in r.rounds if x.error]
     if failed:
         lines += ["", "Failed measurements:", *failed]
-    triton = p["ratios_vs_tritonserver"]
-    if triton:
-        cols = list(dict.fromkeys(k for v in triton.values() for k in v))
-        lines += ["", "Ours / tritonserver 2.51, the same model.py, protocol, tensors and concurrency "
-                  "(throughput: higher is better; p50, p99 and CPU per inference: lower is better):", "",
-                  "| model, protocol | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        for name, v in triton.items():
-            lines.append(f"| {name} | " + " | ".join(f"{v[c]:.2f}" if c in v else "" for c in cols) + " |")
-    ratios = p["ratios_vs_pytriton"]
-    if ratios:
-        cols = list(dict.fromkeys(k for v in ratios.values() for k in v))
-        lines += ["", "Ours / PyTriton, same protocol and concurrency (throughput: higher is better; "
-                  "p50 and CPU per inference: lower is better):", "",
-                  "| ours | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        for name, v in ratios.items():
-            lines.append(f"| {name} | " + " | ".join(f"{v[c]:.2f}" if c in v else "" for c in cols) + " |")
+    lines += _ratio_table(p["ratios_vs_tritonserver"], "model, protocol",
+                          "Ours / tritonserver 2.51, the same model.py, protocol, tensors and concurrency "
+                          "(throughput: higher is better; p50, p99 and CPU per inference: lower is better):")
+    lines += _ratio_table(p["ratios_vs_pytriton"], "ours",
+                          "Ours / PyTriton, same protocol and concurrency (throughput: higher is better; "
+                          "p50 and CPU per inference: lower is better):")
     for issue in (18, 8):
         mine = [a for a in p["aims"] if a["issue"] == issue]
         if mine:
