@@ -1,0 +1,103 @@
+"""The HTTP codec's shortcuts keep its answers: a repeated JSON header decoded from what the
+first decode found (``_PLANS``), and the response header written by orjson where json would
+write the same bytes (``_encode_header``)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jupyter_triton.protocol import http_codec
+from jupyter_triton.protocol.errors import InvalidArgument
+from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
+
+
+def _binary(header: dict, *arrays: np.ndarray) -> tuple[bytes, int]:
+    text = json.dumps(header).encode()
+    return text + b"".join(a.tobytes() for a in arrays), len(text)
+
+
+HEADER = {"id": "r1", "parameters": {"priority": 1, "note": "x"},
+          "inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32",
+                      "parameters": {"binary_data_size": 16, "tag": 1.5}},
+                     {"name": "B", "shape": [2], "datatype": "BOOL",
+                      "parameters": {"binary_data_size": 2}}],
+          "outputs": [{"name": "Y", "parameters": {"binary_data": True}}]}
+
+
+def test_a_repeated_header_decodes_the_same_with_its_own_dicts() -> None:
+    http_codec._PLANS.clear()
+    first = np.arange(4, dtype=np.float32)
+    body, length = _binary(HEADER, first, np.array([1, 0], np.uint8))
+    a = decode_infer_request(body, length, "m", "")
+    assert len(http_codec._PLANS) == 1
+    a.parameters["priority"] = 9
+    a.inputs[0].parameters["tag"] = 0
+    a.outputs[0].parameters["binary_data"] = False
+    second = np.arange(4, 8, dtype=np.float32)
+    body2, _ = _binary(HEADER, second, np.array([0, 1], np.uint8))
+    b = decode_infer_request(body2, length, "m", "2")
+    assert b.id == "r1" and b.model_version == "2"
+    assert b.parameters == {"priority": 1, "note": "x"}
+    assert b.inputs[0].parameters == {"tag": 1.5} and b.inputs[1].parameters == {}
+    assert b.outputs == [RequestedOutput("Y", {"binary_data": True})]
+    np.testing.assert_array_equal(b.inputs[0].data, second.reshape(1, 4))
+    np.testing.assert_array_equal(b.inputs[1].data, [False, True])
+    # The values are still checked on a repeat: a BOOL byte other than 0 or 1.
+    bad, _ = _binary(HEADER, second, np.array([2, 1], np.uint8))
+    with pytest.raises(InvalidArgument, match="BOOL byte"):
+        decode_infer_request(bad, length, "m", "")
+
+
+def test_a_header_is_not_kept_for_another_body_size_or_model() -> None:
+    http_codec._PLANS.clear()
+    body, length = _binary(HEADER, np.zeros(4, np.float32), np.zeros(2, np.uint8))
+    decode_infer_request(body, length, "m", "")
+    with pytest.raises(InvalidArgument, match="additional input data for model 'n'"):
+        decode_infer_request(body + b"\0", length, "n", "")
+    with pytest.raises(InvalidArgument, match="expecting 1 additional bytes"):
+        decode_infer_request(body[:-1], length, "m", "")
+
+
+def test_json_values_and_nested_parameters_are_not_kept() -> None:
+    http_codec._PLANS.clear()
+    for values in ([1.0, 2.0], [3.0, 4.0]):
+        doc = {"inputs": [{"name": "X", "shape": [2], "datatype": "FP32", "data": values}]}
+        request = decode_infer_request(json.dumps(doc).encode(), None, "m", "")
+        np.testing.assert_array_equal(request.inputs[0].data, values)
+    nested = dict(HEADER, parameters={"user": {"k": [1]}})
+    body, length = _binary(nested, np.zeros(4, np.float32), np.zeros(2, np.uint8))
+    decode_infer_request(body, length, "m", "")
+    assert not http_codec._PLANS
+
+
+def _by_json(response: InferResponse, request: InferRequest) -> tuple[bytes, int | None]:
+    saved = http_codec._encode_header
+    http_codec._encode_header = lambda doc, plain: saved(doc, False)
+    try:
+        return encode_infer_response(response, request)
+    finally:
+        http_codec._encode_header = saved
+
+
+@pytest.mark.parametrize("name, rid, params, out_params, data", [
+    ("plain", "", {}, {}, np.ones((1, 3), np.float32)),
+    ("caf\u00e9", "id-\u2028", {}, {}, np.ones((1, 3), np.float32)),
+    ("del\x7f", "", {}, {"k": "\x01\n"}, np.ones((1, 3), np.float32)),
+    ("floats", "7", {"p": 1e-05, "q": 1e16}, {"r": 0.1}, np.ones((1, 3), np.float32)),
+    ("bigint", "", {"p": 2 ** 70}, {}, np.ones((1, 3), np.int64)),
+    ("intkey", "", {1: "a"}, {}, np.ones((1, 3), np.int64)),
+    ("nested", "", {"p": [1.5, {"x": None}]}, {}, np.ones((1, 3), np.int64)),
+    ("nonfinite", "", {}, {}, np.array([[np.nan, np.inf, 1.0]], np.float32)),
+    ("bytes", "", {}, {}, np.array([b"a\xc3\xa9", b"\x7f"], dtype=object)),
+])
+@pytest.mark.parametrize("binary", [True, False])
+def test_the_response_header_is_what_json_writes(name, rid, params, out_params, data,
+                                                 binary) -> None:
+    dt = {"f": "FP32", "i": "INT64", "O": "BYTES"}[data.dtype.kind]
+    response = InferResponse(name, "1", rid, [InferTensor("Y", dt, data.shape, data, out_params)],
+                             params)
+    request = InferRequest(name, outputs=[RequestedOutput("Y", {"binary_data": binary})])
+    assert encode_infer_response(response, request) == _by_json(response, request)
