@@ -38,6 +38,9 @@ class InputPlan:
         self.full = {name: lead + dims for name, dims in self.dims.items()}
         self.reshape = {i.name: list(i.reshape.shape) for i in config.input if i.HasField("reshape")}
         self.known_outputs = frozenset(o.name for o in config.output)
+        # (name, datatype, shape) of inputs found valid -> their batch rows (0: unbatched):
+        # clients repeat a few shapes, each checked once (bounded: shapes come from clients).
+        self.accepted: dict[tuple, int] = {}
 
 
 def _rid(request: InferRequest) -> str:
@@ -73,41 +76,19 @@ def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan
     max_batch_size = config.max_batch_size
     batch = 0
     inputs: dict[str, np.ndarray] = {}
+    accepted = plan.accepted
     for name, tensor in given.items():
-        want = plan.datatypes[name]
-        if tensor.datatype != want:
-            raise InvalidArgument(
-                f"{_rid(request)}inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
-                f"expects '{want}'")
-        shape = tuple(int(d) for d in tensor.shape)
-        if any(d < 0 or d > MAX_DIM for d in shape):
-            # requests made in-process (ensemble steps, python models' BLS) skip the codecs'
-            # checks: an absurd dimension must still be a 400, not numpy's error later
-            raise InvalidArgument(
-                f"input '{name}' of model '{model}' has shape {_fmt(shape)}: each dimension "
-                f"must be between 0 and {MAX_DIM}")
-        dims = plan.dims[name]
-        if max_batch_size > 0:
-            if not shape:
-                raise InvalidArgument(
-                    f"inference input '{name}' of model '{model}' has no batch dimension; "
-                    f"expected shape {_fmt([-1] + dims)}")
-            rows = shape[0]
-            if batch and rows != batch:
-                raise InvalidArgument(
-                    f"inputs of model '{model}' disagree on the batch size: input '{name}' has "
-                    f"{rows}, another input has {batch}")
-            batch = rows
-            if rows < 1 or rows > max_batch_size:
-                raise InvalidArgument(
-                    f"{_rid(request)}inference request batch-size must be <= {max_batch_size} for "
-                    f"'{model}'" if rows > 0 else
-                    f"{_rid(request)}inference request batch-size must be >= 1 for '{model}'")
-        full = plan.full[name]
-        if not _matches(shape, full):
-            raise InvalidArgument(
-                f"{_rid(request)}unexpected shape for input '{name}' for model '{model}'. "
-                f"Expected {_fmt(full)}, got {_fmt(shape)}" + (_BATCH_NOTE if max_batch_size > 0 else ""))
+        key = (name, tensor.datatype, tensor.shape) if type(tensor.shape) is tuple else None
+        rows = accepted.get(key) if key is not None else None
+        if rows is None:
+            rows = _check_input(plan, request, name, tensor, batch, max_batch_size, model)
+            if key is not None:
+                if len(accepted) >= 64:
+                    accepted.clear()
+                accepted[key] = rows
+        elif batch and rows != batch:
+            raise _disagree(model, name, rows, batch)
+        batch = rows
         data = tensor.data
         target = plan.reshape.get(name)
         if target is not None:
@@ -119,3 +100,47 @@ def check_request(config: mc.ModelConfig, request: InferRequest, plan: InputPlan
         if out.name not in known_outputs:
             raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
     return inputs, (batch if max_batch_size > 0 else 1)
+
+
+def _disagree(model: str, name: str, rows: int, batch: int) -> InvalidArgument:
+    return InvalidArgument(
+        f"inputs of model '{model}' disagree on the batch size: input '{name}' has "
+        f"{rows}, another input has {batch}")
+
+
+def _check_input(plan: InputPlan, request: InferRequest, name: str, tensor, batch: int,
+                 max_batch_size: int, model: str) -> int:
+    """Raise unless ``tensor`` fits input ``name``; its batch rows (0: unbatched model).
+    ``batch``: the rows of the inputs checked before it (0: none)."""
+    want = plan.datatypes[name]
+    if tensor.datatype != want:
+        raise InvalidArgument(
+            f"{_rid(request)}inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
+            f"expects '{want}'")
+    shape = tuple(int(d) for d in tensor.shape)
+    if any(d < 0 or d > MAX_DIM for d in shape):
+        # requests made in-process (ensemble steps, python models' BLS) skip the codecs'
+        # checks: an absurd dimension must still be a 400, not numpy's error later
+        raise InvalidArgument(
+            f"input '{name}' of model '{model}' has shape {_fmt(shape)}: each dimension "
+            f"must be between 0 and {MAX_DIM}")
+    dims = plan.dims[name]
+    if max_batch_size > 0:
+        if not shape:
+            raise InvalidArgument(
+                f"inference input '{name}' of model '{model}' has no batch dimension; "
+                f"expected shape {_fmt([-1] + dims)}")
+        rows = shape[0]
+        if batch and rows != batch:
+            raise _disagree(model, name, rows, batch)
+        if rows < 1 or rows > max_batch_size:
+            raise InvalidArgument(
+                f"{_rid(request)}inference request batch-size must be <= {max_batch_size} for "
+                f"'{model}'" if rows > 0 else
+                f"{_rid(request)}inference request batch-size must be >= 1 for '{model}'")
+    full = plan.full[name]
+    if not _matches(shape, full):
+        raise InvalidArgument(
+            f"{_rid(request)}unexpected shape for input '{name}' for model '{model}'. "
+            f"Expected {_fmt(full)}, got {_fmt(shape)}" + (_BATCH_NOTE if max_batch_size > 0 else ""))
+    return shape[0] if max_batch_size > 0 else 0
