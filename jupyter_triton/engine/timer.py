@@ -60,7 +60,19 @@ def _timerfd() -> int | None:
     return fd if fd >= 0 else None
 
 
-_settime_c = _LIBC.timerfd_settime if _LIBC is not None else None
+def _settime_function():
+    """timerfd_settime, called holding the GIL (a PyDLL function): it never blocks, and
+    a CDLL call gives the GIL away and takes it back, a chance for another thread (a model
+    instance's) to hold the event loop up for its switch interval."""
+    if _LIBC is None:
+        return None
+    try:
+        return ctypes.PyDLL(None, use_errno=True).timerfd_settime
+    except (OSError, AttributeError):
+        return _LIBC.timerfd_settime
+
+
+_settime_c = _settime_function()
 
 
 def _settime(fd: int, deadline_ns: int, spec: _Itimerspec | None = None) -> None:

@@ -38,6 +38,8 @@ access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _REASONS[499] = b"Client Closed Request"
 _HEADER_LINES: dict[tuple[str, str], bytes] = {}
+# Header names as received -> lower-case text, for the few names clients send (bounded).
+_HEADER_NAMES: dict[bytes, str] = {}
 
 
 class _Refused(Exception):
@@ -102,6 +104,7 @@ class HTTPFront:
         self.access_log = access_log
         self.connections: set[_Connection] = set()
         self._server: asyncio.base_events.Server | None = None
+        self._routed: dict[str, tuple[Route, dict[str, str]]] = {}
 
     async def listen(self, host: str, port: int) -> int:
         """Start listening; returns the bound port (``port=0`` picks a free one)."""
@@ -113,6 +116,19 @@ class HTTPFront:
     def route(self, path: str) -> tuple[Route, dict[str, str]]:
         """The data-plane route of a request path (and its parameters)."""
         return self.plane.match(path)
+
+    def routed(self, path: str) -> tuple[Route, dict[str, str]]:
+        """``route`` with the parameters %-decoded, kept per path: a client repeats its few
+        paths (bounded: paths come from clients). The parameters are the caller's to keep,
+        not to change."""
+        hit = self._routed.get(path)
+        if hit is None:
+            route, params = self.route(path)
+            hit = route, {k: unquote(v) for k, v in params.items()} if params else {}
+            if len(self._routed) >= 1024:
+                self._routed.clear()
+            self._routed[path] = hit
+        return hit
 
     def stop(self) -> None:
         """Stop accepting; idle connections close now, busy ones after their reply."""
@@ -319,7 +335,11 @@ class _Connection(asyncio.Protocol):
             return
         if self.guarded and self._count(m, len(name) + len(value)):
             return              # a trailer line: counted, not kept (the head was admitted)
-        key = name.decode("latin-1").lower()
+        key = _HEADER_NAMES.get(name)
+        if key is None:
+            key = name.decode("latin-1").lower()
+            if len(_HEADER_NAMES) < 256:
+                _HEADER_NAMES[name] = key
         headers = m.headers
         text = value.decode("latin-1")
         if key in headers:
@@ -392,8 +412,7 @@ class _Connection(asyncio.Protocol):
                 m.path = httptools.parse_url(url).path.decode("latin-1")
             except httptools.HttpParserInvalidURLError:
                 m.path = ""
-        m.route, params = self.front.route(m.path)
-        m.params = {k: unquote(v) for k, v in params.items()} if params else params
+        m.route, m.params = self.front.routed(m.path)
         self._disarm()
         if "content-length" in m.headers or "transfer-encoding" in m.headers:
             self._arm(self.front.body_timeout, self._body_late)
