@@ -210,3 +210,52 @@ def test_the_servers_loop_is_taken_in_turn():
     assert 1 < mean_batch < 16, mean_batch
     free = simulate(cfg, fixed(10 * US), [ClosedLoop(32, 3200)])
     assert sum(rows for _, rows, _ in free.batches) / len(free.batches) > 30
+
+
+def test_each_request_draws_its_own_delay_outside_the_server():
+    cfg = config("max_batch_size: 8 dynamic_batching { }")
+    jitter = [-200 * US, 0, 200 * US]
+    r = simulate(cfg, fixed(2 * MS), [ClosedLoop(1, 60)], overhead_ns=300 * US, jitter_ns=jitter, seed=3)
+    latencies = [o.end_ns - o.arrival_ns for o in r.requests]
+    assert set(latencies) == {2 * MS + 100 * US, 2 * MS + 300 * US, 2 * MS + 500 * US}
+    again = simulate(cfg, fixed(2 * MS), [ClosedLoop(1, 60)], overhead_ns=300 * US, jitter_ns=jitter, seed=3)
+    assert [o.end_ns for o in again.requests] == [o.end_ns for o in r.requests]     # seeded
+    # a draw below zero is no delay, not a negative one
+    r = simulate(cfg, fixed(MS), [ClosedLoop(1, 20)], overhead_ns=100 * US, jitter_ns=[-500 * US])
+    assert {o.end_ns - o.arrival_ns for o in r.requests} == {MS}
+
+
+def test_closed_loop_clients_start_apart_and_leave_lockstep():
+    """Four clients, batches of up to 4 and a long delay: started together with a fixed
+    overhead they stay in lockstep (batches of 4); started over one round trip with drawn
+    delays outside the server they come apart, as real clients do."""
+    cfg = config("max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 1000 }")
+    service = fixed(4 * MS)
+    r = simulate(cfg, service, [ClosedLoop(4, 4)], overhead_ns=500 * US, stagger_ns=5 * MS, seed=1)
+    starts = sorted(o.arrival_ns for o in r.requests)
+    assert len(set(starts)) == 4 and 0 <= starts[0] and starts[-1] < 5 * MS
+    together = simulate(cfg, service, [ClosedLoop(4, 400)], overhead_ns=500 * US)
+    assert {rows for _, rows, _ in together.batches} == {4}
+    apart = simulate(cfg, service, [ClosedLoop(4, 400)], overhead_ns=500 * US, stagger_ns=5 * MS,
+                     jitter_ns=[-300 * US, -100 * US, 100 * US, 300 * US], seed=1)
+    assert len({rows for _, rows, _ in apart.batches}) > 1
+
+
+def test_stalls_hold_up_every_request_behind_them():
+    """A stall of the server's event loop delays every request waiting for it, and the answers
+    behind it: the tail a shared machine shows; the typical request does not see one."""
+    cfg = config("max_batch_size: 8 dynamic_batching { }")
+    arrivals = [Arrival(i * MS) for i in range(4000)]
+    plain = simulate(cfg, fixed(MS // 2), arrivals, loop_ns=50 * US)
+    stalled = simulate(cfg, fixed(MS // 2), arrivals, loop_ns=50 * US, stall_ns=[20 * MS], stall_p=0.002)
+
+    def p(r, q):
+        lat = sorted(o.end_ns - o.arrival_ns for o in r.requests)
+        return lat[int(q * len(lat))]
+    assert p(stalled, 0.5) == p(plain, 0.5) == 50 * US + MS // 2
+    assert p(stalled, 0.99) > p(plain, 0.99) + 5 * MS
+    # one stall holds up the ~20 requests that arrive during it, not only the one that met it
+    held = sum(o.end_ns - o.arrival_ns > 2 * MS for o in stalled.requests)
+    assert held > 5 * sum(o.end_ns - o.arrival_ns > 2 * MS for o in plain.requests) + 40
+    with pytest.raises(ValueError):
+        simulate(cfg, fixed(MS), [ClosedLoop(1, 1)], stall_ns=[MS], stall_p=2)

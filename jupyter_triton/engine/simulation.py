@@ -12,10 +12,20 @@ Two differences from serving, neither a batching decision: an instance starts a 
 its deadline from the loop's alarm, not from a batch handed early to its thread
 (``InstancePool.hold``, a hand-off saving); and what lies outside the scheduler is modelled
 by two figures per request, each half before the scheduler and half after: ``overhead_ns``,
-a fixed delay (client, network), and ``loop_ns``, the server's own work on its one event
-loop (read, decode, validate; encode, write), which requests take in turn: under load it
-spreads their arrivals at the scheduler (and bounds throughput at 1 / ``loop_ns``), which
-is what makes the batches formed at high concurrency smaller than the concurrency.
+a delay requests spend side by side (client, network, wake-ups), each request's drawn as
+``overhead_ns`` plus one of ``jitter_ns`` (zero-median variations; none: fixed), and
+``loop_ns``, the server's own work on its one event loop (read, decode, validate; encode,
+write), which requests take in turn: under load it spreads their arrivals at the scheduler
+(and bounds throughput at 1 / ``loop_ns``), which is what makes the batches formed at high
+concurrency smaller than the concurrency. The drawn delays also keep closed-loop clients from
+moving in lockstep, as real ones do not; ``stagger_ns`` spreads their first sends.
+
+``stall_p``: the chance that a request, as the server's event loop takes it, finds the loop
+stalled, for one of ``stall_ns``: the moments a busy machine gives the server's threads no
+core (per request, not per second: the more the server serves, the more it competes for
+the cores). Unlike a request's own delay, a stall holds up every request waiting for the
+loop, and answers queue behind it: the correlated tail that a shared machine shows under
+load.
 """
 from __future__ import annotations
 
@@ -157,12 +167,19 @@ class _Client:
 class _Simulation:
     def __init__(self, config: mc.ModelConfig, service: ServiceTime,
                  traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int,
-                 loop_ns: int) -> None:
+                 loop_ns: int, jitter_ns: Sequence[int] = (), stagger_ns: int = 0,
+                 stall_ns: Sequence[int] = (), stall_p: float = 0.0) -> None:
         self.loop = VirtualLoop()
         self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
         self.config = config
-        self.half_in = overhead_ns // 2
-        self.half_out = overhead_ns - self.half_in
+        self.overhead_ns = overhead_ns
+        self.jitter_ns = list(jitter_ns)
+        self.stagger_ns = stagger_ns
+        self.outside_rng = random.Random(f"outside/{seed}")    # apart: service draws stay the same
+        self.stall_ns = list(stall_ns) if stall_p > 0 else []
+        self.stall_p = stall_p
+        self.stall_rng = random.Random(f"stalls/{seed}")
+        self.loop_stage = bool(loop_ns or self.stall_ns)       # requests pass the loop in turn
         self.loop_in = loop_ns // 2
         self.loop_out = loop_ns - self.loop_in
         self.loop_free_ns = 0               # when the server's event loop is next free
@@ -209,19 +226,29 @@ class _Simulation:
             self._next_arrival()
         for client in self.closed:
             for _ in range(min(client.spec.concurrency, client.left)):
-                self._send_at(client, self.half_in)
+                start = int(self.outside_rng.random() * self.stagger_ns) if self.stagger_ns else 0
+                self._send_at(client, start)
         await self.finished
         await self.scheduler.close()
 
+    def _outside(self) -> tuple[int, int]:
+        """One request's delay outside the server: (before it, after it)."""
+        delay = self.overhead_ns
+        if self.jitter_ns:
+            delay = max(0, delay + self.outside_rng.choice(self.jitter_ns))
+        return delay // 2, delay - delay // 2
+
     def _next_arrival(self) -> None:
         a = self.open_loop.arrivals[0]
-        self.loop.call_at((a.t_ns + self.half_in) / 1e9, self._arrive, self.open_loop, a.t_ns)
+        before, after = self._outside()
+        self.loop.call_at((a.t_ns + before) / 1e9, self._arrive, self.open_loop, a.t_ns, after)
 
-    def _send_at(self, client: _Client, at_ns: int) -> None:
+    def _send_at(self, client: _Client, sent_ns: int) -> None:
         client.left -= 1
-        self.loop.call_at(at_ns / 1e9, self._arrive, client, at_ns - self.half_in)
+        before, after = self._outside()
+        self.loop.call_at((sent_ns + before) / 1e9, self._arrive, client, sent_ns, after)
 
-    def _arrive(self, client: _Client, sent_ns: int) -> None:
+    def _arrive(self, client: _Client, sent_ns: int, after_ns: int) -> None:
         """The request reaches the server; it reaches the scheduler once the loop has read it."""
         if client.spec is None:
             spec = client.arrivals.popleft()
@@ -229,13 +256,15 @@ class _Simulation:
                 self._next_arrival()
         else:
             spec = client.spec
-        if self.loop_in:
+        if self.loop_stage:
             self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_in
-            self.loop.call_at(self.loop_free_ns / 1e9, self._submit, client, spec, sent_ns)
+            if self.stall_ns and self.stall_rng.random() < self.stall_p:
+                self.loop_free_ns += self.stall_rng.choice(self.stall_ns)
+            self.loop.call_at(self.loop_free_ns / 1e9, self._submit, client, spec, sent_ns, after_ns)
         else:
-            self._submit(client, spec, sent_ns)
+            self._submit(client, spec, sent_ns, after_ns)
 
-    def _submit(self, client: _Client, spec: Arrival | ClosedLoop, sent_ns: int) -> None:
+    def _submit(self, client: _Client, spec: Arrival | ClosedLoop, sent_ns: int, after_ns: int) -> None:
         outcome = Outcome(spec.cls, sent_ns, None, None, 0, "ok")
         self.outcomes.append(outcome)
         future = self.loop.create_future()
@@ -249,34 +278,39 @@ class _Simulation:
             pass
         except TritonError:
             outcome.status = "rejected"
-            self._answered(client, outcome)
+            self._answered(client, outcome, after_ns)
             return
         else:
             submit.close()
             raise RuntimeError("a scheduler's submit waited: the simulation cannot drive it")
-        future.add_done_callback(lambda f: self._done(client, outcome, f))
+        future.add_done_callback(lambda f: self._done(client, outcome, f, after_ns))
 
-    def _done(self, client: _Client, outcome: Outcome, future: asyncio.Future) -> None:
+    def _done(self, client: _Client, outcome: Outcome, future: asyncio.Future, after_ns: int) -> None:
         if future.cancelled() or future.exception() is not None:
             outcome.status = "timeout" if outcome.start_ns is None else "error"
-        self._answered(client, outcome)
+        self._answered(client, outcome, after_ns)
 
-    def _answered(self, client: _Client, outcome: Outcome) -> None:
+    def _answered(self, client: _Client, outcome: Outcome, after_ns: int) -> None:
         now = self.loop.now
-        if self.loop_out:                   # the loop writes the answer in its turn
+        if self.loop_stage:                 # the loop writes the answer in its turn
             now = self.loop_free_ns = max(now, self.loop_free_ns) + self.loop_out
-        outcome.end_ns = end = now + self.half_out
+        outcome.end_ns = end = now + after_ns
         self.end_ns = max(self.end_ns, end)
         self.open -= 1
         if client.spec is not None and client.left > 0:
-            self._send_at(client, end + client.spec.think_ns + self.half_in)
+            self._send_at(client, end + client.spec.think_ns)
         if not self.open:
             self.finished.set_result(None)
 
 
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
-             seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0) -> SimResult:
+             seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0, jitter_ns: Sequence[int] = (),
+             stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_p: float = 0.0) -> SimResult:
     """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
-    if overhead_ns < 0 or loop_ns < 0:
-        raise ValueError(f"overhead_ns and loop_ns must be 0 or more, got {overhead_ns}, {loop_ns}")
-    return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns).run()
+    if overhead_ns < 0 or loop_ns < 0 or stagger_ns < 0 or any(v < 0 for v in stall_ns):
+        raise ValueError(f"overhead_ns, loop_ns, stagger_ns and stalls must be 0 or more, "
+                         f"got {overhead_ns}, {loop_ns}, {stagger_ns}")
+    if not 0 <= stall_p <= 1:
+        raise ValueError(f"stall_p is a probability, got {stall_p}")
+    return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns, jitter_ns, stagger_ns,
+                       stall_ns, stall_p).run()

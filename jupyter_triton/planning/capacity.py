@@ -8,18 +8,21 @@ seeded simulation: a row of p50/p95/p99, throughput and mean batch. The same
 (config, load) always gives the same row, and every answer (``best``, ``instances_for``,
 ``bulk_effect``) is computed from such rows, so answers and table agree.
 
-Latency here is what a client sees: queue + execution + the request's ``overhead_ns``
-(front end and client, measured at c=1 by the sweep; see ``service``), plus, drawn per
-request, how much the sweep saw that overhead vary around its median (``jitter``).
+Latency here is what a client sees. What the service model measured (``service``) drives
+every stage: each batch occupies its instance for a drawn execution plus the measured
+hand-off; each request takes the server's event loop in turn for ``loop_ns`` (its measured
+CPU per request), and spends ``overhead_ns`` side by side with the others (the rest of the
+c=1 overhead: client, sockets, wake-ups), drawn per request with the spread the sweep saw
+(``jitter``); closed-loop clients start spread over one c=1 round trip.
 """
 from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import html
 import inspect
 import json
-import random
 import statistics as stats_
 import time
 from dataclasses import dataclass, field
@@ -87,19 +90,14 @@ def _q(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarize(result: sim.SimResult, jitter_ns: Sequence[int] = (), seed: int = 0) -> dict:
+def summarize(result: sim.SimResult) -> dict:
     """A simulation's figures: client-seen latency percentiles (ms; an Outcome runs from the
-    client's send to its receipt, overhead included), throughput (answers per second over
-    the run), mean batch, refusals, and the same per traffic class.
-
-    ``jitter_ns``: zero-median variations of the path outside the scheduler, one drawn onto
-    each latency (the simulation's overhead is one fixed figure; a real client's is not, and
-    at low load its spread is most of the p99)."""
-    rng = random.Random(f"jitter/{seed}")
-    extra = {id(o): (rng.choice(jitter_ns) if jitter_ns else 0) for o in result.requests}
+    client's send to its receipt, the delay outside the server included: the simulation
+    draws it per request), throughput (answers per second over the run), mean batch,
+    refusals, and the same per traffic class."""
 
     def figures(outcomes: list[sim.Outcome]) -> dict:
-        ok = sorted(max(0, o.end_ns - o.arrival_ns + extra[id(o)]) / 1e6
+        ok = sorted((o.end_ns - o.arrival_ns) / 1e6
                     for o in outcomes if o.status == "ok")
         span = result.duration_ns / 1e9 or 1e-9
         return {"throughput": len(ok) / span, "p50_ms": _q(ok, 0.50), "p95_ms": _q(ok, 0.95),
@@ -129,7 +127,7 @@ class CapacityPlan:
                  traffic: dict[str, list] | None = None, slo_p99_ms: float | None = None,
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
-                 connection: Connection | None = None, loop_ns: int = 0, jitter: bool = True,
+                 connection: Connection | None = None, loop_ns: int | None = None, jitter: bool = True,
                  measured: Any = None) -> None:
         self.model = model
         self.service = service
@@ -140,9 +138,10 @@ class CapacityPlan:
         self.slo_p99_ms = slo_p99_ms
         self.requests = requests
         self.seed = seed
-        self.overhead_ns = service.overhead_ns if overhead_ns is None else int(overhead_ns)
-        self.loop_ns = int(loop_ns)
-        self.jitter = jitter
+        # overhead_ns: the parallel delay alone (the c=1 overhead less the stages modelled)
+        self.overhead_ns = service.parallel_ns if overhead_ns is None else int(overhead_ns)
+        self.loop_ns = service.loop_ns if loop_ns is None else int(loop_ns)
+        self.jitter = jitter              # False: no drawn delays nor stalls, fixed figures only
         self.measured = measured          # a TuneResult (or its results): shown side by side
         if self.loop_ns and not LOOP_MODELLED:
             raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
@@ -210,12 +209,17 @@ class CapacityPlan:
         levels = max([getattr(a, "priority", 0) for a in traffic] + [0])
         config = config_from_json(self.config(max_batch_size, max_queue_delay_us, instances, levels),
                                   self._base.get("name", self.model))
+        service = self.service
         loop = {"loop_ns": self.loop_ns} if self.loop_ns else {}
-        result = sim.simulate(config, self.service, traffic, seed=self.seed,
-                              overhead_ns=self.overhead_ns, **loop)
+        # one c=1 round trip: closed-loop clients start spread over it, not all at once
+        stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
+        result = sim.simulate(config, service, traffic, seed=self.seed, overhead_ns=self.overhead_ns,
+                              jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
+                              stall_ns=service.stall_ns if self.jitter else (),
+                              stall_p=service.stall_p, **loop)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
-               **summarize(result, self.service.jitter_ns() if self.jitter else (), self.seed)}
+               **summarize(result)}
         self._memo[key] = row
         return row
 
@@ -503,7 +507,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              traffic: dict[str, list] | None = None, classes: Sequence[tr.TrafficClass] = (),
              bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
              service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
-             seed: int = 0, overhead_us: float | None = None, loop_us: float = 0.0,
+             seed: int = 0, overhead_us: float | None = None, loop_us: float | None = None,
              measured: Any = None, repeats: int = 15,
              files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
     """Simulate every config of the grid at every load; see the module docstring.
@@ -515,11 +519,12 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     traffic on top of every load; ``bulk``: the class ``bulk_effect`` weighs; ``measured``:
     a ``tune()`` result, shown beside the same configs simulated (``compare``).
 
-    ``overhead_us``: a fixed delay per request outside the scheduler (default: what the
-    sweep's client saw at c=1); ``loop_us``: the part of it that is the server's own work on
-    its one event loop, which requests take in turn (it spreads a batch's answers, so that
-    closed-loop clients come back apart, and bounds throughput). With perf_analyzer as the
-    client nearly all of the c=1 overhead is the server's: ``calibrate_overhead``.
+    ``overhead_us``: what your client sees at c=1 beyond one execution (default: what the
+    sweep's client saw; ``calibrate_overhead`` measures it for another load generator); of
+    it, ``loop_us`` (default: the server's event-loop CPU per request, measured by the
+    sweep's burst) is work requests take in turn on the server's one event loop, which
+    spreads a batch's answers and bounds throughput, and the instance's hand-off per batch is
+    occupation of the instance; the rest is a delay requests spend side by side.
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
@@ -554,17 +559,26 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
         service = _measure(client, conn, name, base, max(sizes), files, repeats)
     return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
                         extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
-                        seed=seed, overhead_ns=None if overhead_us is None else int(overhead_us * 1000),
-                        bulk=bulk, files=files, connection=conn, loop_ns=int(loop_us * 1000),
+                        seed=seed, overhead_ns=None if overhead_us is None else
+                        parallel_ns(service, overhead_us, loop_us),
+                        bulk=bulk, files=files, connection=conn,
+                        loop_ns=None if loop_us is None else int(loop_us * 1000),
                         measured=measured)
 
 
+def parallel_ns(service: ServiceModel, overhead_us: float, loop_us: float | None = None) -> int:
+    """The part of a client's c=1 overhead (``overhead_us``) spent side by side: less the
+    event loop's turn (``loop_us``, default the service model's) and the instance's hand-off."""
+    loop_ns = service.loop_ns if loop_us is None else int(loop_us * 1000)
+    return max(0, int(overhead_us * 1000) - loop_ns - service.handoff_ns)
+
+
 def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, largest: int,
-             files: dict[str, bytes] | None, repeats: int) -> ServiceModel:
+             files: dict[str, bytes] | None, repeats: int, server_pid: int | None = None) -> ServiceModel:
     """The served model's sweep; past its max_batch_size, a temporary copy's."""
     mbs = int(base["max_batch_size"])
     if largest <= mbs or files is None:
-        return measure(conn, name, repeats=repeats)
+        return measure(conn, name, repeats=repeats, server_pid=server_pid)
     temp = name + TEMP_SUFFIX
     config = copy.deepcopy(base)
     config.update(name=temp, max_batch_size=largest)
@@ -574,14 +588,12 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     config["dynamic_batching"] = batching
     try:
         client.load(temp, json.dumps(config), files)
-        temp_service = measure(conn, temp, repeats=repeats)
+        temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid)
     finally:
         try:
             client.unload(temp)
         except TritonError:
             pass          # the failure that brought us here is the one to report
     version = str(max(int(v) for v in client.metadata(name)["versions"]))
-    return ServiceModel(name, version, temp_service.samples, temp_service.overhead_ns,
-                        temp_service.overhead_samples,
-                        method=temp_service.method + f", on a copy with max_batch_size {largest}",
-                        fingerprint=temp_service.fingerprint)
+    return dataclasses.replace(temp_service, model=name, version=version,
+                               method=temp_service.method + f", on a copy with max_batch_size {largest}")

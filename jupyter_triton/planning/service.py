@@ -9,21 +9,54 @@ round trip as ``overhead_ns`` (client latency minus the server's queue and compu
 whose delta is not exactly one execution (someone else used the model) is dropped.
 
 A ``ServiceModel`` draws an execution time for any batch size: the median at that size
-(linear between measured sizes, and beyond the largest along the least-squares slope of all; made non-decreasing in rows, since a
-sweep on a busy machine can show a batch of 2 slower than one of 4 by chance, and a model
-whose larger batches truly run faster is rare) times a ratio drawn from every sample's ratio
-to its own size's median. Medians and pooled ratios, not per-size means and samples: a few
+(linear between measured sizes, and beyond the largest along the least-squares slope of all;
+made non-decreasing in rows, since a sweep on a busy machine can show a batch of 2 slower
+than one of 4 by chance, and a model whose larger batches truly run faster is rare) times a
+ratio drawn from every sample's ratio to its own size's median. Medians and pooled ratios, not per-size means and samples: a few
 slow samples (another process took the core) then widen the spread of every size instead of
 bending the curve at the size they hit. Sweeps are kept per model, version, config
 fingerprint and server (``ServiceModel.cached``).
+
+After the sweep, a short saturating burst (``BURST_CLIENTS`` clients, one row a request, back to
+back) measures what the c=1 sweep cannot see:
+
+* ``handoff_ns``: how long an instance is occupied per batch beyond the execution the
+  statistics record (the hand-off to the instance's worker and back, the event loop
+  delivering the results and dispatching the next batch): at saturation the instance runs
+  batch after batch, so the burst's wall time less the recorded executions, per execution,
+  is that cycle's remainder;
+* ``loop_ns``: the server's event loop's CPU per request over the burst (read, decode, submit;
+  encode, write): work that requests take in turn on its one thread. It needs the server's
+  process on this host (``server_thread``: the in-kernel server's thread, or the pid in a
+  Jupyter server's runtime file); 0 when it cannot be read, and then the simulation treats
+  the whole overhead as a delay requests spend in parallel;
+* ``stall_ns`` and ``stall_p``: the moments the machine gave the server no core (other
+  processes, the clients themselves): a request whose latency exceeds the burst's median by
+  more than one instance cycle was stalled (its place in the queue varies by a cycle at
+  most), and a stall holds up every request in flight, so each is counted once for the
+  ``BURST_CLIENTS`` it delayed. Per request served, not per second: the server's own load
+  is much of what it competes with, so a lighter load meets fewer. The simulation stalls its
+  event loop as often, as long.
+
+The burst's clients run in a process of their own (in the kernel's they would take the GIL
+from an in-kernel server). What it measures is this machine at that moment: on a shared
+machine a later load finds other neighbours; measure again (``refresh=True``) to follow.
+
+The rest of the c=1 overhead (``overhead_ns - loop_ns - handoff_ns``: the client, sockets,
+wake-ups) is a delay per request that requests spend in parallel; its spread is the sweep's
+(``jitter_ns``), drawn per request by the simulation.
 """
 from __future__ import annotations
 
 import hashlib
+import html
 import http.client
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -32,12 +65,56 @@ from urllib.parse import quote, urlsplit
 
 from ..protocol.errors import InvalidArgument, Unavailable
 from ..kernel.client import TritonHTTP
-from ..kernel.discovery import Connection
+from ..kernel.discovery import IN_KERNEL, Connection, runtime_files
 from ..kernel.tune import png_bytes
 
 #: (url, model, version, config fingerprint) -> the sweep; a new version or config re-measures
 _CACHE: dict[tuple[str, str, str, str], "ServiceModel"] = {}
 REQUEST_TIMEOUT_S = 30.0
+#: clients of the saturating burst: enough that the queue is never empty when a batch ends
+BURST_CLIENTS = 8
+#: the burst's clients (standard library only: it starts fast): argv host, port, clients;
+#: stdin a JSON line {path, headers, body}, then "measure" and "stop"; stdout "go" once all
+#: send, then {latencies (ns) of the requests sent between measure and stop, errors}
+BURST_CLIENT = """
+import http.client, json, sys, threading, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+job = json.loads(sys.stdin.readline())
+body = job["body"].encode("latin-1")
+measuring, stop = threading.Event(), threading.Event()
+started, latencies, errors = threading.Barrier(n + 1), [], []
+def send():
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    started.wait()
+    while not stop.is_set():
+        counted = measuring.is_set()
+        sent = time.perf_counter_ns()
+        try:
+            conn.request("POST", job["path"], body, job["headers"])
+            resp = conn.getresponse()
+            data = resp.read()
+        except Exception as err:
+            errors.append(repr(err))
+            return
+        if resp.status != 200:
+            errors.append(data[:300].decode("utf-8", "replace"))
+            return
+        if counted and not stop.is_set():
+            latencies.append(time.perf_counter_ns() - sent)
+threads = [threading.Thread(target=send, daemon=True) for _ in range(n)]
+for t in threads:
+    t.start()
+started.wait()
+time.sleep(0.2)
+print("go", flush=True)
+sys.stdin.readline()
+measuring.set()
+sys.stdin.readline()
+stop.set()
+for t in threads:
+    t.join(30)
+print(json.dumps({"latencies": latencies, "errors": errors}), flush=True)
+"""
 
 
 def fingerprint(config: dict) -> str:
@@ -59,6 +136,10 @@ class ServiceModel:
     overhead_samples: list[int] = field(default_factory=list, repr=False)
     method: str = "statistics deltas (compute_input + compute_infer + compute_output), c=1"
     fingerprint: str = ""
+    handoff_ns: int = 0                        # per batch: instance occupied beyond the execution
+    loop_ns: int = 0                           # per request: the server's event loop's CPU (0: unknown)
+    stall_ns: list[int] = field(default_factory=list, repr=False)   # stalls seen by the burst
+    stall_p: float = 0.0                       # stalls a request served in the burst
 
     def __post_init__(self) -> None:
         self.samples = {int(k): sorted(int(v) for v in vs) for k, vs in self.samples.items() if vs}
@@ -102,7 +183,7 @@ class ServiceModel:
 
     def jitter_ns(self) -> list[int]:
         """The c=1 overhead samples less their median: how much a request's path outside
-        the scheduler (client, front end, wake-ups) varied around the fixed ``overhead_ns``."""
+        the server (client, front end, wake-ups) varies, drawn per request."""
         if not self.overhead_samples:
             return []
         median = statistics.median(self.overhead_samples)
@@ -113,7 +194,15 @@ class ServiceModel:
         return self.median_ns(rows) * statistics.fmean(self._ratios)
 
     def __call__(self, rows: int, rng: random.Random) -> int:
-        return max(1, int(self.median_ns(rows) * rng.choice(self._ratios)))
+        """How long an instance is occupied by a batch of ``rows``: a drawn execution and the
+        measured hand-off around it."""
+        return max(1, int(self.median_ns(rows) * rng.choice(self._ratios))) + self.handoff_ns
+
+    @property
+    def parallel_ns(self) -> int:
+        """The median c=1 overhead less what the simulation models as stages (the event
+        loop's turn, the instance's hand-off): the delay requests spend side by side."""
+        return max(0, self.overhead_ns - self.loop_ns - self.handoff_ns)
 
     def scaled(self, factor: float) -> "ServiceModel":
         """Every execution ``factor`` times as long: another machine, or this one under load."""
@@ -122,7 +211,9 @@ class ServiceModel:
         return ServiceModel(self.model, self.version,
                             {b: [int(v * factor) for v in vs] for b, vs in self.samples.items()},
                             self.overhead_ns, self.overhead_samples,
-                            method=self.method + f", scaled x{factor:.2f}", fingerprint=self.fingerprint)
+                            method=self.method + f", scaled x{factor:.2f}", fingerprint=self.fingerprint,
+                            handoff_ns=self.handoff_ns, loop_ns=self.loop_ns,
+                            stall_ns=self.stall_ns, stall_p=self.stall_p)
 
     # -- showing ---------------------------------------------------------------------------
     def table(self) -> list[dict]:
@@ -168,17 +259,23 @@ class ServiceModel:
         head = "".join(f"<th>{c}</th>" for c in cols)
         return (f'<div><img alt="service time" src="data:image/png;base64,{png}"/>'
                 f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
-                f"<p><small>{self.method}; overhead {self.overhead_ns / 1e6:.3f} ms</small></p></div>")
+                f"<p><small>{self.method}; {html.escape(self.describe_overhead())}</small></p></div>")
+
+    def describe_overhead(self) -> str:
+        return (f"overhead {self.overhead_ns / 1e6:.2f} ms a request at c=1 (event loop "
+                f"{self.loop_ns / 1e3:.0f} us in turn, parallel {self.parallel_ns / 1e3:.0f} us); "
+                f"hand-off {self.handoff_ns / 1e3:.0f} us a batch")
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{r['batch_size']}: {r['mean_ms']:.2f} ms" for r in self.table())
-        return f"ServiceModel({self.model} v{self.version}: {rows}; overhead {self.overhead_ns / 1e6:.2f} ms)"
+        return f"ServiceModel({self.model} v{self.version}: {rows}; {self.describe_overhead()})"
 
     # -- keeping ---------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"model": self.model, "version": self.version, "fingerprint": self.fingerprint,
                 "method": self.method, "overhead_ns": self.overhead_ns,
-                "overhead_samples": list(self.overhead_samples),
+                "overhead_samples": list(self.overhead_samples), "handoff_ns": self.handoff_ns,
+                "loop_ns": self.loop_ns, "stall_ns": list(self.stall_ns), "stall_p": self.stall_p,
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
@@ -186,7 +283,10 @@ class ServiceModel:
         return cls(obj["model"], str(obj["version"]), {int(b): v for b, v in obj["samples"].items()},
                    int(obj.get("overhead_ns", 0)), [int(v) for v in obj.get("overhead_samples", [])],
                    method=obj.get("method", ""),
-                   fingerprint=obj.get("fingerprint", ""))
+                   fingerprint=obj.get("fingerprint", ""), handoff_ns=int(obj.get("handoff_ns", 0)),
+                   loop_ns=int(obj.get("loop_ns", 0)),
+                   stall_ns=[int(v) for v in obj.get("stall_ns", [])],
+                   stall_p=float(obj.get("stall_p", 0.0)))
 
     @staticmethod
     def cached(connection: Connection, model: str, version: str, config: dict) -> "ServiceModel | None":
@@ -239,9 +339,12 @@ def _executions(s: dict) -> tuple[int, dict[int, int]]:
 
 def measure(connection: Connection, model: str, sizes: list[int] | None = None, repeats: int = 15,
             warmup: int = 3, version: str = "", refresh: bool = False,
-            time_limit_s: float = 60.0) -> ServiceModel:
+            time_limit_s: float = 60.0, burst_s: float = 2.0,
+            server_pid: int | None = None) -> ServiceModel:
     """Sweep ``sizes`` (default 1, 2, 4, ... up to the model's max_batch_size) ``repeats``
-    times each at c=1; see the module docstring. Cached unless ``refresh``."""
+    times each at c=1, then a saturating burst of ``burst_s`` (0: none); see the module
+    docstring. ``server_pid``: the server's process when ``server_thread`` cannot find it
+    (a standalone server started elsewhere on this host). Cached unless ``refresh``."""
     client = TritonHTTP(connection)
     meta = client.metadata(model, version)
     version = version or str(max(int(v) for v in meta["versions"]))
@@ -300,8 +403,128 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
         raise Unavailable(f"simulate '{model}': no clean sample (is another client using it?)")
     result = ServiceModel(model, version, samples, int(statistics.median(overheads)), overheads,
                           fingerprint=key[3])
+    if burst_s > 0:
+        seen = burst(connection, model, version, path, request_body(meta, 1), burst_s,
+                     server_thread(connection, server_pid))
+        if seen is not None:
+            # the cycle at saturation less the executions the statistics recorded in it
+            result.handoff_ns = max(0, seen.cycle_ns - seen.compute_ns)
+            result.loop_ns = seen.loop_ns
+            result.stall_ns, result.stall_p = seen.stall_ns, seen.stall_p
+            result.method += f"; hand-off, event loop and stalls from a {burst_s:g} s burst at c={BURST_CLIENTS}"
     _CACHE[key] = result
     return result
+
+
+def server_thread(connection: Connection, pid: int | None = None) -> tuple[int, int] | None:
+    """(pid, thread id) of the server's event loop on this host: the in-kernel server's thread,
+    a Jupyter server's main thread (the pid its runtime file gives for this URL), or ``pid``'s
+    main thread; None when not found or /proc is not there."""
+    found: tuple[int, int] | None = None
+    thread = getattr(connection.server, "thread", None)
+    if pid is not None:
+        found = (pid, pid)
+    elif connection.mode == IN_KERNEL and getattr(thread, "native_id", None):
+        found = (os.getpid(), thread.native_id)
+    else:
+        try:
+            infos = runtime_files()
+        except Exception:          # no Jupyter runtime directory here
+            infos = []
+        for info in infos:
+            if str(info.get("url", "")).rstrip("/") == connection.url.rstrip("/"):
+                found = (int(info["pid"]), int(info["pid"]))
+                break
+    if found is None or _thread_cpu_ns(*found) is None:
+        return None
+    return found
+
+
+def _thread_cpu_ns(pid: int, tid: int) -> int | None:
+    """User + system CPU of one thread (Linux /proc), ns."""
+    try:
+        stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def burst(connection: Connection, model: str, version: str, path: str, body: bytes, seconds: float,
+          thread: tuple[int, int] | None) -> "Burst | None":
+    """``BURST_CLIENTS`` clients sending one-row requests back to back for ``seconds``; None
+    when nothing was executed.
+
+    At saturation an instance runs batch after batch: the wall time over the executions is
+    its cycle (with n instances, n times the wall time), and the cycle less the execution
+    the statistics recorded is the hand-off. A request's latency beyond the median by more
+    than one cycle is not its place in the queue (that varies by a cycle at most) but a stall:
+    the server's threads or processes waiting for a core while something else runs. A stall
+    holds up every request in flight, so the burst's clients each count it: stalls a request
+    served are those requests over ``BURST_CLIENTS``, over the requests answered."""
+    client = TritonHTTP(connection)
+    parts = urlsplit(connection.url)
+    headers = {"Content-Type": "application/json", **connection.headers}
+    instances = sum(int(g.get("count", 1) or 1)
+                    for g in client.config(model, version).get("instance_group") or [{}])
+    # The clients run in a process of their own: in this one they would take the GIL from an
+    # in-kernel server's loop (and from the measurement), which no real client does.
+    proc = subprocess.Popen([sys.executable, "-c", BURST_CLIENT, parts.hostname or "127.0.0.1",
+                             str(parts.port), str(BURST_CLIENTS)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        proc.stdin.write(json.dumps({"path": path, "headers": headers,
+                                     "body": body.decode("latin-1")}) + "\n")
+        proc.stdin.flush()
+        if proc.stdout.readline().strip() != "go":      # every client sending, past the start
+            raise Unavailable(f"simulate '{model}': the burst's clients did not start: "
+                              f"{proc.stderr.read()[-500:]}")
+        before, cpu0, t0 = _stats(client, model, version), thread and _thread_cpu_ns(*thread), time.monotonic_ns()
+        proc.stdin.write("measure\n")
+        proc.stdin.flush()
+        time.sleep(seconds)
+        after, cpu1, t1 = _stats(client, model, version), thread and _thread_cpu_ns(*thread), time.monotonic_ns()
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=REQUEST_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        report = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise Unavailable(f"simulate '{model}': the burst's clients failed: {err[-500:]}") from None
+    if report["errors"]:
+        raise Unavailable(f"simulate '{model}': a request of the burst failed: {report['errors'][0]}")
+    latencies = report["latencies"]
+    execs0, per0 = _executions(before)
+    execs1, per1 = _executions(after)
+    execs = execs1 - execs0
+    served = (int(after["inference_stats"]["success"]["count"])
+              - int(before["inference_stats"]["success"]["count"]))
+    if execs < 1 or served < 1 or not latencies:
+        return None
+    rows = int(after["inference_count"]) - int(before["inference_count"])
+    compute = sum(per1.values()) - sum(per0.values())
+    cycle = (t1 - t0) * instances // execs
+    loop = max(0, (cpu1 - cpu0) // served) if thread and cpu0 is not None and cpu1 is not None else 0
+    median = statistics.median(latencies)
+    stalls = sorted(int(v - median) for v in latencies if v - median > cycle)
+    return Burst(cycle, rows / execs, compute // execs, int(loop), stalls,
+                 len(stalls) / BURST_CLIENTS / len(latencies))
+
+
+@dataclass
+class Burst:
+    """What a saturating burst saw (``burst``)."""
+    cycle_ns: int          # an instance's cycle, one batch to the next
+    rows: float            # the mean batch
+    compute_ns: int        # the mean execution the statistics recorded
+    loop_ns: int           # the event loop's CPU per request (0: unread)
+    stall_ns: list[int]
+    stall_p: float         # stalls a request served
 
 
 def calibrate_overhead(connection: Connection, model: str, service: ServiceModel,
