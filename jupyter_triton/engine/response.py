@@ -34,14 +34,13 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
     if plan is None:
         plan = OutputPlan(config)
     wanted = request.outputs
-    if wanted is None:
-        names, params = plan.names, None
-    else:
-        names = [o.name for o in wanted]
-        params = {o.name: o.parameters for o in wanted}
     tensors = []
     total = 0
-    for name in names:
+    for item in plan.names if wanted is None else wanted:
+        if wanted is None:
+            name, params = item, None
+        else:
+            name, params = item.name, item.parameters
         if name not in outputs:
             raise Internal(f"model '{config.name}' did not produce output '{name}'")
         datatype = plan.datatypes[name]
@@ -53,9 +52,9 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
             lead = [value.shape[0]] if plan.batched else []
             value = value.reshape(lead + dims)
         want = plan.dtypes[name]
-        if value.dtype != want:
+        if value.dtype is not want and value.dtype != want:
             value = value.astype(want)
-        k = int(params.get(name, {}).get("classification", 0) or 0) if params else 0
+        k = int(params.get("classification", 0) or 0) if params else 0
         if k:
             value, datatype = _classify(value, k, plan.batched, model_dir, plan.by_name[name])
         if max_output_size:

@@ -37,6 +37,9 @@ access_log = logging.getLogger("tornado.access")   # the cli quiets this one, as
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _REASONS[499] = b"Client Closed Request"
+# Each status line with the Date header's name after it: a reply's head begins with one.
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\nDate: " % (code, reason)
+                 for code, reason in _REASONS.items()}
 _HEADER_LINES: dict[tuple[str, str], bytes] = {}
 # Header names as received -> lower-case text, for the few names clients send (bounded).
 _HEADER_NAMES: dict[bytes, str] = {}
@@ -564,8 +567,10 @@ class _Connection(asyncio.Protocol):
     def _head(self, reply: Reply, close: bool = False, chunked: bool = False,
               body: bytes = b"") -> bytes:
         status = reply.status
-        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
-                b"Date: ", _Date.now(),
+        line = _STATUS_LINES.get(status)
+        if line is None:
+            line = b"HTTP/1.1 %d Unknown\r\nDate: " % status
+        head = [line, _Date.now(),
                 b"\r\nContent-Length: %d\r\n" % len(reply.body) if reply.stream is None
                 else b"\r\nTransfer-Encoding: chunked\r\n" if chunked else b"\r\n",
                 self.front.fixed_headers]
