@@ -239,6 +239,10 @@ class Engine(ModelLifecycle):
                 canary = entry.staged.get(entry.canary.version)
                 if canary is not None and canary.ready:
                     return canary
+            if len(entry.serving) == 1:         # the usual case: one version served
+                for mv in entry.serving.values():
+                    if mv.ready:
+                        return mv
             ready = [v for v, mv in entry.serving.items() if mv.ready]
             if not ready:
                 reasons = "; ".join([s.reason for s in entry.status.values() if s.reason]

@@ -94,7 +94,8 @@ def _rpc(group: str) -> Callable[[Callable], Callable]:
         async def wrapper(self: "GRPCInferenceService", request: Any,
                           context: grpc.aio.ServicerContext):
             try:
-                await self.authenticate(group, context)
+                if not self._open(group):       # (an open group: no coroutine to await)
+                    await self.authenticate(group, context)
                 return await method(self, request, context)
             except TritonError as err:
                 await context.abort(grpc.StatusCode[err.grpc_code], str(err))
