@@ -167,8 +167,9 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
         result._grpc, result.grpc_port = await start_grpc_server(
             engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access,
             limits=grpc_limits, ssl=grpc_ssl, admission=plane.admission)
-    log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s)", options.model_repository,
-             result.http_port, http_front, result.grpc_port, result.metrics_port)
+    log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s; event loop: %s)",
+             options.model_repository, result.http_port, http_front, result.grpc_port,
+             result.metrics_port, type(asyncio.get_running_loop()).__module__.partition(".")[0])
     return result
 
 

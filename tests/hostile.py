@@ -4,7 +4,9 @@
   measurable and a crash is visible), on 127.0.0.1 and free ports, serving the repository
   ``conftest.build_repository`` writes; ``ServerProcess.close()`` stops it.
   ``h2_limits={...}`` overrides HTTP2Limits defaults in that process (short idle / keepalive
-  deadlines for tests), ``http1_limits={...}`` the HTTP1Limits ones.
+  deadlines for tests), ``http1_limits={...}`` the HTTP1Limits ones. The standalone server
+  runs on its default loop (uvloop where installed), or ``loop="asyncio"``: the attack tests
+  run it on both, since their memory bounds depend on how a loop reads and writes.
 - ``rss_mib(pid)``: resident memory of a process, from /proc.
 - ``Probe``: a legitimate tritonclient calling the server in a thread during an attack;
   ``probe.check()`` asserts every call was answered correctly within ``LEGIT_DEADLINE_S``.
@@ -147,6 +149,7 @@ def _env(h2_limits: dict | None, http1_limits: dict | None, home: Path) -> dict:
     env["JUPYTER_PLATFORM_DIRS"] = "1"
     env.pop("JUPYTER_TRITON_URL", None)
     env.pop("JUPYTER_TRITON_TOKEN", None)
+    env.pop("JUPYTER_TRITON_LOOP", None)
     return env
 
 
@@ -176,10 +179,12 @@ def _wait_ready(server: ServerProcess) -> ServerProcess:
 
 
 def start_standalone(repo: Path | None = None, *, h2_limits: dict | None = None,
-                     http1_limits: dict | None = None, extra_args: tuple[str, ...] = ()
-                     ) -> ServerProcess:
+                     http1_limits: dict | None = None, extra_args: tuple[str, ...] = (),
+                     loop: str | None = None) -> ServerProcess:
     """``jupyter-triton serve`` in a subprocess, every model of ``repo`` (default: a fresh
-    ``build_repository``) loaded, HTTP and gRPC on free loopback ports."""
+    ``build_repository``) loaded, HTTP and gRPC on free loopback ports; on the event loop
+    ``loop`` names ("asyncio", "uvloop"; None: the server's default), named
+    ``standalone-<loop>`` then."""
     work = tempfile.TemporaryDirectory(prefix="hostile-standalone-")
     home = Path(work.name)
     repo = repo or build_repository(home / "models")
@@ -188,9 +193,17 @@ def start_standalone(repo: Path | None = None, *, h2_limits: dict | None = None,
             "--http-port", str(http_port), "--grpc-address", "127.0.0.1",
             "--grpc-port", str(grpc_port), "--allow-metrics", "false", *extra_args]
     code = "from jupyter_triton.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc, log_path = _spawn("standalone", code, argv, _env(h2_limits, http1_limits, home), home)
-    return _wait_ready(ServerProcess("standalone", proc, grpc_port, http_port, {},
-                                     "", log_path, work))
+    env = _env(h2_limits, http1_limits, home)
+    name = "standalone"
+    if loop is not None:
+        env["JUPYTER_TRITON_LOOP"] = loop
+        name = f"standalone-{loop}"
+    proc, log_path = _spawn(name, code, argv, env, home)
+    server = _wait_ready(ServerProcess(name, proc, grpc_port, http_port, {}, "", log_path, work))
+    if loop is not None and f"event loop: {loop}" not in log_path.read_text(errors="replace"):
+        server.close()
+        raise RuntimeError(f"{name} is not on {loop}:\n{server.log_tail()}")
+    return server
 
 
 def start_jupyter(repo: Path | None = None, *, h2_limits: dict | None = None,

@@ -1,5 +1,6 @@
-"""Issue 17's HTTP/2 attacks, each against the standalone server's gRPC port and the Jupyter
-server's extension gRPC port (both real servers in subprocesses, see tests/hostile.py).
+"""Issue 17's HTTP/2 attacks, each against the standalone server's gRPC port (on uvloop, its
+default, and on asyncio) and the Jupyter server's extension gRPC port (real servers in
+subprocesses, see tests/hostile.py).
 
 Each attack asserts what the issue asks: the server is alive, a legitimate tritonclient call
 is answered within 2 s during and after the attack, the server's RSS grows less than 100 MiB
@@ -31,11 +32,19 @@ ATTACK_S = 2.5                      # the longest any one attack runs
 MAX_RECEIVE = 64 * 1024 * 1024      # both servers' default receive limit
 
 
-@pytest.fixture(scope="module", params=["standalone", "jupyter"])
+SERVERS = ["standalone", "standalone-asyncio", "jupyter"]
+
+
+def _start(name: str, repo, **kwargs) -> ServerProcess:
+    if name == "jupyter":
+        return start_jupyter(repo, **kwargs)
+    return start_standalone(repo, loop=name.partition("-")[2] or None, **kwargs)
+
+
+@pytest.fixture(scope="module", params=SERVERS)
 def server(request, tmp_path_factory):
     repo = hostile_repository(tmp_path_factory.mktemp(request.param) / "models")
-    start = start_standalone if request.param == "standalone" else start_jupyter
-    srv = start(repo, h2_limits=LIMITS)
+    srv = _start(request.param, repo, h2_limits=LIMITS)
     yield srv
     srv.close()
 
@@ -48,15 +57,14 @@ SMALL_RECEIVE = 12 * 1024 * 1024
 BUDGET_LIMITS = {**LIMITS, "message_timeout": 2.0}
 
 
-@pytest.fixture(scope="module", params=["standalone", "jupyter"])
+@pytest.fixture(scope="module", params=SERVERS)
 def budget_server(request, tmp_path_factory):
     repo = hostile_repository(tmp_path_factory.mktemp(f"{request.param}-budget") / "models")
-    if request.param == "standalone":
-        srv = start_standalone(repo, h2_limits=BUDGET_LIMITS,
-                               extra_args=("--http-max-input-size", str(SMALL_RECEIVE)))
+    if request.param == "jupyter":
+        extra = (f"--JupyterTriton.http_max_input_size={SMALL_RECEIVE}",)
     else:
-        srv = start_jupyter(repo, h2_limits=BUDGET_LIMITS,
-                            extra_args=(f"--JupyterTriton.http_max_input_size={SMALL_RECEIVE}",))
+        extra = ("--http-max-input-size", str(SMALL_RECEIVE))
+    srv = _start(request.param, repo, h2_limits=BUDGET_LIMITS, extra_args=extra)
     yield srv
     srv.close()
 
@@ -591,3 +599,13 @@ def test_credentials_are_checked_on_headers(server):
         c.request(3, "ServerLive", extra=creds(server))
         assert c.read_until(lambda f: f.sid == 3 and f.flags & END_STREAM, 3.0) is not None
         assert c.statuses()[3] == "0"
+
+
+def test_standalone_runs_on_uvloop_where_installed(server):
+    """`jupyter-triton serve` runs on uvloop when it is installed (the attacks above then
+    meet its transports), and on asyncio when JUPYTER_TRITON_LOOP=asyncio says so."""
+    if server.name == "jupyter":
+        pytest.skip("the Jupyter server's loop is Jupyter's own")
+    pytest.importorskip("uvloop")
+    expected = "asyncio" if server.name == "standalone-asyncio" else "uvloop"
+    assert f"event loop: {expected}" in server.log_path.read_text(errors="replace")

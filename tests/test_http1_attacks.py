@@ -1,11 +1,11 @@
 """Issue 17, HTTP/1: what a hostile HTTP/1 client gets from every port that speaks it: the
-standalone server's fast front, the Jupyter server's own port (the fast routes claim a request
-that carries an inference key; what they do not claim is tornado's), and the extension's data
-port. Servers run in subprocesses (``hostile``), with short deadlines and a small connection
-cap. Each attack runs twice while a legitimate tritonclient calls the server, and asserts: the
-hostile connection was refused (a Triton error reply, then a close) or closed, the server is
-alive and answers within 2 s during and after, its RSS grew less than 100 MiB, and the repeat
-added (next to) nothing.
+standalone server's fast front (on uvloop, its default, and on asyncio), the Jupyter server's
+own port (the fast routes claim a request that carries an inference key; what they do not
+claim is tornado's), and the extension's data port. Servers run in subprocesses (``hostile``),
+with short deadlines and a small connection cap. Each attack runs twice while a legitimate
+tritonclient calls the server, and asserts: the hostile connection was refused (a Triton error
+reply, then a close) or closed, the server is alive and answers within 2 s during and after,
+its RSS grew less than 100 MiB, and the repeat added (next to) nothing.
 
 On the Jupyter port a head past one of our limits is not ours to refuse: it goes to tornado,
 whose limits answer it (a close, or its 4xx), as does every chunked body (never claimed);
@@ -54,12 +54,22 @@ class Target:
                          self.key, *lines])
 
 
-@pytest.fixture(scope="module")
-def standalone_server() -> Iterator[ServerProcess]:
-    server = start_standalone(http1_limits=LIMITS,
+def _standalone(loop: str | None) -> Iterator[ServerProcess]:
+    server = start_standalone(http1_limits=LIMITS, loop=loop,
                               extra_args=("--http-max-input-size", str(MAX_INPUT)))
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def standalone_server() -> Iterator[ServerProcess]:
+    """On the server's default loop: uvloop where installed."""
+    yield from _standalone(None)
+
+
+@pytest.fixture(scope="module")
+def standalone_asyncio_server() -> Iterator[ServerProcess]:
+    yield from _standalone("asyncio")
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +85,11 @@ def jupyter_server() -> Iterator[tuple[ServerProcess, int]]:
 KEY = f"Authorization: Bearer {INFER_KEY}\r\n".encode()
 
 
-@pytest.fixture(params=["standalone", "jupyter", "data_port"])
+@pytest.fixture(params=["standalone", "standalone-asyncio", "jupyter", "data_port"])
 def target(request) -> Target:
-    if request.param == "standalone":
-        return Target("standalone", request.getfixturevalue("standalone_server"), True, b"")
+    if request.param.startswith("standalone"):
+        server = request.getfixturevalue(request.param.replace("-", "_") + "_server")
+        return Target(request.param, server, True, b"")
     server, data_port = request.getfixturevalue("jupyter_server")
     if request.param == "jupyter":
         return Target("jupyter", server, False, KEY)
