@@ -70,22 +70,28 @@ def test_a_simulated_grid_answers_from_its_table(kernel_server):
     # the saturating burst: an instance's hand-off per batch, the in-kernel server's event
     # loop's CPU per request (its thread found), the stalls it saw
     assert 0 < service.handoff_ns < 20e6 and 0 < service.loop_ns < 20e6
-    assert 0 <= service.stall_p < 1 and all(v > 0 for v in service.stall_ns)
+    assert service.stall_rate >= 0 and all(v > 0 for v in service.stall_ns)
     assert service(1, random.Random(0)) >= min(service.samples[1]) + service.handoff_ns
     assert service.parallel_ns == max(0, service.overhead_ns - service.loop_ns - service.handoff_ns)
     assert measure(kernel_server, "embedder") is service                # kept per model version
     kept = ServiceModel.from_json(json.loads(json.dumps(service.to_json())))
     assert kept.samples == service.samples
-    assert (kept.handoff_ns, kept.loop_ns, kept.stall_ns, kept.stall_p) == \
-        (service.handoff_ns, service.loop_ns, service.stall_ns, service.stall_p)
+    assert (kept.handoff_ns, kept.loop_ns, kept.stall_ns, kept.stall_rate) == \
+        (service.handoff_ns, service.loop_ns, service.stall_ns, service.stall_rate)
     assert service.plot_png().startswith(b"\x89PNG")
 
-    # 8 configs x 3 loads
+    # 8 configs x 3 loads, planned for a host of the server's own: the stalls this shared
+    # machine imposed in the burst depend on its neighbours of the moment, and every p99 with
+    # them (they are drawn below, and in test_simulation)
     started = time.perf_counter()
     plan = simulate("embedder", qps=[100, 400, 1600], max_batch_size=[4, 8],
                     max_queue_delay_us=[0, 2000], instances=[1, 2], service=service,
-                    slo_p99_ms=30, bulk=TrafficClass("bulk", qps=60, rows=8))
+                    slo_p99_ms=30, bulk=TrafficClass("bulk", qps=60, rows=8), stalls=False)
     took = time.perf_counter() - started
+    stalled = simulate("embedder", qps=[400], max_batch_size=[8], max_queue_delay_us=[0],
+                       service=service)
+    if service.stall_ns:
+        assert stalled.results[0]["p99_ms"] >= plan.run(8, 0, 1, Load("qps", 400.0))["p99_ms"]
     assert took < 30, f"24 simulations took {took:.1f} s"          # ~2 s here; shared machine
     assert len(plan.results) == 24
     for r in plan.results:

@@ -243,11 +243,12 @@ def test_closed_loop_clients_start_apart_and_leave_lockstep():
 
 def test_stalls_hold_up_every_request_behind_them():
     """A stall of the server's event loop delays every request waiting for it, and the answers
-    behind it: the tail a shared machine shows; the typical request does not see one."""
+    behind it: the tail a shared machine shows; the typical request does not see one, and a
+    server left idle has nothing for a stall to hold."""
     cfg = config("max_batch_size: 8 dynamic_batching { }")
     arrivals = [Arrival(i * MS) for i in range(4000)]
     plain = simulate(cfg, fixed(MS // 2), arrivals, loop_ns=50 * US)
-    stalled = simulate(cfg, fixed(MS // 2), arrivals, loop_ns=50 * US, stall_ns=[20 * MS], stall_p=0.002)
+    stalled = simulate(cfg, fixed(MS // 2), arrivals, loop_ns=50 * US, stall_ns=[20 * MS], stall_rate=4.0)
 
     def p(r, q):
         lat = sorted(o.end_ns - o.arrival_ns for o in r.requests)
@@ -257,5 +258,9 @@ def test_stalls_hold_up_every_request_behind_them():
     # one stall holds up the ~20 requests that arrive during it, not only the one that met it
     held = sum(o.end_ns - o.arrival_ns > 2 * MS for o in stalled.requests)
     assert held > 5 * sum(o.end_ns - o.arrival_ns > 2 * MS for o in plain.requests) + 40
+    # a request every 100 ms keeps the server at work 0.5 % of the time: (almost) no stall
+    sparse = [Arrival(i * 100 * MS) for i in range(200)]
+    idle = simulate(cfg, fixed(MS // 2), sparse, loop_ns=50 * US, stall_ns=[20 * MS], stall_rate=4.0)
+    assert sum(o.end_ns - o.arrival_ns > 2 * MS for o in idle.requests) <= 2
     with pytest.raises(ValueError):
-        simulate(cfg, fixed(MS), [ClosedLoop(1, 1)], stall_ns=[MS], stall_p=2)
+        simulate(cfg, fixed(MS), [ClosedLoop(1, 1)], stall_ns=[MS], stall_rate=-1)

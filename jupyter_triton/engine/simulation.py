@@ -20,12 +20,12 @@ write), which requests take in turn: under load it spreads their arrivals at the
 concurrency smaller than the concurrency. The drawn delays also keep closed-loop clients from
 moving in lockstep, as real ones do not; ``stagger_ns`` spreads their first sends.
 
-``stall_p``: the chance that a request, as the server's event loop takes it, finds the loop
-stalled, for one of ``stall_ns``: the moments a busy machine gives the server's threads no
-core (per request, not per second: the more the server serves, the more it competes for
-the cores). Unlike a request's own delay, a stall holds up every request waiting for the
-loop, and answers queue behind it: the correlated tail that a shared machine shows under
-load.
+``stall_rate`` stalls a second while the server works (a Poisson stream; a stall that comes
+while every instance and the event loop are idle has nothing to hold), each holding the
+event loop for one of ``stall_ns``: the moments a busy machine gives the server's threads
+no core, as often as a saturated server met them. Unlike a request's own delay, a stall
+holds up every request waiting for the loop, and answers queue behind it: the correlated
+tail that a shared machine shows under load.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class _Simulation:
     def __init__(self, config: mc.ModelConfig, service: ServiceTime,
                  traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int,
                  loop_ns: int, jitter_ns: Sequence[int] = (), stagger_ns: int = 0,
-                 stall_ns: Sequence[int] = (), stall_p: float = 0.0) -> None:
+                 stall_ns: Sequence[int] = (), stall_rate: float = 0.0) -> None:
         self.loop = VirtualLoop()
         self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
         self.config = config
@@ -176,8 +176,8 @@ class _Simulation:
         self.jitter_ns = list(jitter_ns)
         self.stagger_ns = stagger_ns
         self.outside_rng = random.Random(f"outside/{seed}")    # apart: service draws stay the same
-        self.stall_ns = list(stall_ns) if stall_p > 0 else []
-        self.stall_p = stall_p
+        self.stall_ns = list(stall_ns) if stall_rate > 0 else []
+        self.stall_rate = stall_rate
         self.stall_rng = random.Random(f"stalls/{seed}")
         self.loop_stage = bool(loop_ns or self.stall_ns)       # requests pass the loop in turn
         self.loop_in = loop_ns // 2
@@ -222,6 +222,8 @@ class _Simulation:
         else:
             self.scheduler = DirectScheduler(self.pool, self.config)
         self.finished = self.loop.create_future()
+        if self.stall_ns:
+            self._next_stall()
         if self.open_loop.arrivals:
             self._next_arrival()
         for client in self.closed:
@@ -230,6 +232,17 @@ class _Simulation:
                 self._send_at(client, start)
         await self.finished
         await self.scheduler.close()
+
+    def _next_stall(self) -> None:
+        self.loop.call_at(self.loop.now / 1e9 + self.stall_rng.expovariate(self.stall_rate), self._stall)
+
+    def _stall(self) -> None:
+        if self.finished is None or self.finished.done():
+            return
+        now = self.loop.now
+        if self.pool.idle_count() < self.pool.size or self.loop_free_ns > now:    # at work
+            self.loop_free_ns = max(now, self.loop_free_ns) + self.stall_rng.choice(self.stall_ns)
+        self._next_stall()
 
     def _outside(self) -> tuple[int, int]:
         """One request's delay outside the server: (before it, after it)."""
@@ -258,8 +271,6 @@ class _Simulation:
             spec = client.spec
         if self.loop_stage:
             self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_in
-            if self.stall_ns and self.stall_rng.random() < self.stall_p:
-                self.loop_free_ns += self.stall_rng.choice(self.stall_ns)
             self.loop.call_at(self.loop_free_ns / 1e9, self._submit, client, spec, sent_ns, after_ns)
         else:
             self._submit(client, spec, sent_ns, after_ns)
@@ -305,12 +316,10 @@ class _Simulation:
 
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
              seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0, jitter_ns: Sequence[int] = (),
-             stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_p: float = 0.0) -> SimResult:
+             stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_rate: float = 0.0) -> SimResult:
     """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
-    if overhead_ns < 0 or loop_ns < 0 or stagger_ns < 0 or any(v < 0 for v in stall_ns):
-        raise ValueError(f"overhead_ns, loop_ns, stagger_ns and stalls must be 0 or more, "
-                         f"got {overhead_ns}, {loop_ns}, {stagger_ns}")
-    if not 0 <= stall_p <= 1:
-        raise ValueError(f"stall_p is a probability, got {stall_p}")
+    if overhead_ns < 0 or loop_ns < 0 or stagger_ns < 0 or stall_rate < 0 or any(v < 0 for v in stall_ns):
+        raise ValueError(f"overhead_ns, loop_ns, stagger_ns, stall_rate and stalls must be 0 or more, "
+                         f"got {overhead_ns}, {loop_ns}, {stagger_ns}, {stall_rate}")
     return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns, jitter_ns, stagger_ns,
-                       stall_ns, stall_p).run()
+                       stall_ns, stall_rate).run()

@@ -128,7 +128,7 @@ class CapacityPlan:
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
                  connection: Connection | None = None, loop_ns: int | None = None, jitter: bool = True,
-                 measured: Any = None) -> None:
+                 stalls: bool = True, measured: Any = None) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -142,6 +142,7 @@ class CapacityPlan:
         self.overhead_ns = service.parallel_ns if overhead_ns is None else int(overhead_ns)
         self.loop_ns = service.loop_ns if loop_ns is None else int(loop_ns)
         self.jitter = jitter              # False: no drawn delays nor stalls, fixed figures only
+        self.stalls = stalls              # False: the machine's stalls left out (a dedicated host)
         self.measured = measured          # a TuneResult (or its results): shown side by side
         if self.loop_ns and not LOOP_MODELLED:
             raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
@@ -215,8 +216,8 @@ class CapacityPlan:
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         result = sim.simulate(config, service, traffic, seed=self.seed, overhead_ns=self.overhead_ns,
                               jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
-                              stall_ns=service.stall_ns if self.jitter else (),
-                              stall_p=service.stall_p, **loop)
+                              stall_ns=service.stall_ns if self.jitter and self.stalls else (),
+                              stall_rate=service.stall_rate, **loop)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
                **summarize(result)}
@@ -508,7 +509,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
              service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
              seed: int = 0, overhead_us: float | None = None, loop_us: float | None = None,
-             measured: Any = None, repeats: int = 15,
+             measured: Any = None, repeats: int = 15, stalls: bool = True,
              files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
     """Simulate every config of the grid at every load; see the module docstring.
 
@@ -525,6 +526,9 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     sweep's burst) is work requests take in turn on the server's one event loop, which
     spreads a batch's answers and bounds throughput, and the instance's hand-off per batch is
     occupation of the instance; the rest is a delay requests spend side by side.
+    ``stalls``: the event loop stalls as often as ``measure``'s burst saw this machine stall
+    the server (the default: the tail a shared machine gives); False plans for a host of the
+    server's own, where no neighbour takes its cores.
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
@@ -562,7 +566,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
                         seed=seed, overhead_ns=None if overhead_us is None else
                         parallel_ns(service, overhead_us, loop_us),
                         bulk=bulk, files=files, connection=conn,
-                        loop_ns=None if loop_us is None else int(loop_us * 1000),
+                        loop_ns=None if loop_us is None else int(loop_us * 1000), stalls=stalls,
                         measured=measured)
 
 
@@ -574,11 +578,13 @@ def parallel_ns(service: ServiceModel, overhead_us: float, loop_us: float | None
 
 
 def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, largest: int,
-             files: dict[str, bytes] | None, repeats: int, server_pid: int | None = None) -> ServiceModel:
-    """The served model's sweep; past its max_batch_size, a temporary copy's."""
+             files: dict[str, bytes] | None, repeats: int, server_pid: int | None = None,
+             **keywords: Any) -> ServiceModel:
+    """The served model's sweep; past its max_batch_size, a temporary copy's (``keywords``:
+    ``measure``'s)."""
     mbs = int(base["max_batch_size"])
     if largest <= mbs or files is None:
-        return measure(conn, name, repeats=repeats, server_pid=server_pid)
+        return measure(conn, name, repeats=repeats, server_pid=server_pid, **keywords)
     temp = name + TEMP_SUFFIX
     config = copy.deepcopy(base)
     config.update(name=temp, max_batch_size=largest)
@@ -588,7 +594,7 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     config["dynamic_batching"] = batching
     try:
         client.load(temp, json.dumps(config), files)
-        temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid)
+        temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid, **keywords)
     finally:
         try:
             client.unload(temp)

@@ -30,13 +30,13 @@ back) measures what the c=1 sweep cannot see:
   process on this host (``server_thread``: the in-kernel server's thread, or the pid in a
   Jupyter server's runtime file); 0 when it cannot be read, and then the simulation treats
   the whole overhead as a delay requests spend in parallel;
-* ``stall_ns`` and ``stall_p``: the moments the machine gave the server no core (other
+* ``stall_ns`` and ``stall_rate``: the moments the machine gave the server no core (other
   processes, the clients themselves): a request whose latency exceeds the burst's median by
   more than one instance cycle was stalled (its place in the queue varies by a cycle at
-  most), and a stall holds up every request in flight, so each is counted once for the
-  ``BURST_CLIENTS`` it delayed. Per request served, not per second: the server's own load
-  is much of what it competes with, so a lighter load meets fewer. The simulation stalls its
-  event loop as often, as long.
+  most), and the requests answered within a cycle of each other were held by one stall,
+  as long as the longest of them; so many a second. The simulation stalls its event loop
+  as often while the server works (a server left idle has nothing to hold up, so a lighter
+  load meets fewer), as long.
 
 The burst's clients run in a process of their own (in the kernel's they would take the GIL
 from an in-kernel server). What it measures is this machine at that moment: on a shared
@@ -75,14 +75,14 @@ REQUEST_TIMEOUT_S = 30.0
 BURST_CLIENTS = 8
 #: the burst's clients (standard library only: it starts fast): argv host, port, clients;
 #: stdin a JSON line {path, headers, body}, then "measure" and "stop"; stdout "go" once all
-#: send, then {latencies (ns) of the requests sent between measure and stop, errors}
+#: send, then {requests: [sent, latency] (ns) of those sent between measure and stop, errors}
 BURST_CLIENT = """
 import http.client, json, sys, threading, time
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 job = json.loads(sys.stdin.readline())
 body = job["body"].encode("latin-1")
 measuring, stop = threading.Event(), threading.Event()
-started, latencies, errors = threading.Barrier(n + 1), [], []
+started, requests, errors = threading.Barrier(n + 1), [], []
 def send():
     conn = http.client.HTTPConnection(host, port, timeout=30)
     started.wait()
@@ -100,7 +100,7 @@ def send():
             errors.append(data[:300].decode("utf-8", "replace"))
             return
         if counted and not stop.is_set():
-            latencies.append(time.perf_counter_ns() - sent)
+            requests.append((sent, time.perf_counter_ns() - sent))
 threads = [threading.Thread(target=send, daemon=True) for _ in range(n)]
 for t in threads:
     t.start()
@@ -113,7 +113,7 @@ sys.stdin.readline()
 stop.set()
 for t in threads:
     t.join(30)
-print(json.dumps({"latencies": latencies, "errors": errors}), flush=True)
+print(json.dumps({"requests": requests, "errors": errors}), flush=True)
 """
 
 
@@ -139,7 +139,7 @@ class ServiceModel:
     handoff_ns: int = 0                        # per batch: instance occupied beyond the execution
     loop_ns: int = 0                           # per request: the server's event loop's CPU (0: unknown)
     stall_ns: list[int] = field(default_factory=list, repr=False)   # stalls seen by the burst
-    stall_p: float = 0.0                       # stalls a request served in the burst
+    stall_rate: float = 0.0                    # stalls a second of the (saturated) burst
 
     def __post_init__(self) -> None:
         self.samples = {int(k): sorted(int(v) for v in vs) for k, vs in self.samples.items() if vs}
@@ -213,7 +213,7 @@ class ServiceModel:
                             self.overhead_ns, self.overhead_samples,
                             method=self.method + f", scaled x{factor:.2f}", fingerprint=self.fingerprint,
                             handoff_ns=self.handoff_ns, loop_ns=self.loop_ns,
-                            stall_ns=self.stall_ns, stall_p=self.stall_p)
+                            stall_ns=self.stall_ns, stall_rate=self.stall_rate)
 
     # -- showing ---------------------------------------------------------------------------
     def table(self) -> list[dict]:
@@ -275,7 +275,7 @@ class ServiceModel:
         return {"model": self.model, "version": self.version, "fingerprint": self.fingerprint,
                 "method": self.method, "overhead_ns": self.overhead_ns,
                 "overhead_samples": list(self.overhead_samples), "handoff_ns": self.handoff_ns,
-                "loop_ns": self.loop_ns, "stall_ns": list(self.stall_ns), "stall_p": self.stall_p,
+                "loop_ns": self.loop_ns, "stall_ns": list(self.stall_ns), "stall_rate": self.stall_rate,
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
@@ -286,7 +286,7 @@ class ServiceModel:
                    fingerprint=obj.get("fingerprint", ""), handoff_ns=int(obj.get("handoff_ns", 0)),
                    loop_ns=int(obj.get("loop_ns", 0)),
                    stall_ns=[int(v) for v in obj.get("stall_ns", [])],
-                   stall_p=float(obj.get("stall_p", 0.0)))
+                   stall_rate=float(obj.get("stall_rate", 0.0)))
 
     @staticmethod
     def cached(connection: Connection, model: str, version: str, config: dict) -> "ServiceModel | None":
@@ -339,7 +339,7 @@ def _executions(s: dict) -> tuple[int, dict[int, int]]:
 
 def measure(connection: Connection, model: str, sizes: list[int] | None = None, repeats: int = 15,
             warmup: int = 3, version: str = "", refresh: bool = False,
-            time_limit_s: float = 60.0, burst_s: float = 2.0,
+            time_limit_s: float = 60.0, burst_s: float = 3.0,
             server_pid: int | None = None) -> ServiceModel:
     """Sweep ``sizes`` (default 1, 2, 4, ... up to the model's max_batch_size) ``repeats``
     times each at c=1, then a saturating burst of ``burst_s`` (0: none); see the module
@@ -410,7 +410,7 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
             # the cycle at saturation less the executions the statistics recorded in it
             result.handoff_ns = max(0, seen.cycle_ns - seen.compute_ns)
             result.loop_ns = seen.loop_ns
-            result.stall_ns, result.stall_p = seen.stall_ns, seen.stall_p
+            result.stall_ns, result.stall_rate = seen.stall_ns, seen.stall_rate
             result.method += f"; hand-off, event loop and stalls from a {burst_s:g} s burst at c={BURST_CLIENTS}"
     _CACHE[key] = result
     return result
@@ -459,9 +459,8 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
     its cycle (with n instances, n times the wall time), and the cycle less the execution
     the statistics recorded is the hand-off. A request's latency beyond the median by more
     than one cycle is not its place in the queue (that varies by a cycle at most) but a stall:
-    the server's threads or processes waiting for a core while something else runs. A stall
-    holds up every request in flight, so the burst's clients each count it: stalls a request
-    served are those requests over ``BURST_CLIENTS``, over the requests answered."""
+    the server's threads or processes waiting for a core while something else runs; one
+    stall holds up the requests in flight with it (``_stalls``)."""
     client = TritonHTTP(connection)
     parts = urlsplit(connection.url)
     headers = {"Content-Type": "application/json", **connection.headers}
@@ -498,22 +497,37 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
         raise Unavailable(f"simulate '{model}': the burst's clients failed: {err[-500:]}") from None
     if report["errors"]:
         raise Unavailable(f"simulate '{model}': a request of the burst failed: {report['errors'][0]}")
-    latencies = report["latencies"]
+    sent = report["requests"]
     execs0, per0 = _executions(before)
     execs1, per1 = _executions(after)
     execs = execs1 - execs0
     served = (int(after["inference_stats"]["success"]["count"])
               - int(before["inference_stats"]["success"]["count"]))
-    if execs < 1 or served < 1 or not latencies:
+    if execs < 1 or served < 1 or not sent:
         return None
     rows = int(after["inference_count"]) - int(before["inference_count"])
     compute = sum(per1.values()) - sum(per0.values())
     cycle = (t1 - t0) * instances // execs
     loop = max(0, (cpu1 - cpu0) // served) if thread and cpu0 is not None and cpu1 is not None else 0
-    median = statistics.median(latencies)
-    stalls = sorted(int(v - median) for v in latencies if v - median > cycle)
-    return Burst(cycle, rows / execs, compute // execs, int(loop), stalls,
-                 len(stalls) / BURST_CLIENTS / len(latencies))
+    stalls = _stalls(sent, cycle)
+    return Burst(cycle, rows / execs, compute // execs, int(loop), stalls, len(stalls) / seconds)
+
+
+def _stalls(sent: list[tuple[int, int]], cycle_ns: int) -> list[int]:
+    """Each stall's length, from the burst's (sent, latency) pairs: the
+    requests held beyond the median latency by more than one cycle, those answered within a
+    cycle of each other one stall (it held all of them), as long as the longest it held."""
+    median = statistics.median(lat for _, lat in sent)
+    held = sorted((t + lat, lat - median) for t, lat in sent if lat - median > cycle_ns)
+    stalls: list[int] = []
+    last_end = None
+    for end, excess in held:
+        if last_end is not None and end - last_end <= cycle_ns:
+            stalls[-1] = max(stalls[-1], int(excess))
+        else:
+            stalls.append(int(excess))
+        last_end = end
+    return sorted(stalls)
 
 
 @dataclass
@@ -524,7 +538,7 @@ class Burst:
     compute_ns: int        # the mean execution the statistics recorded
     loop_ns: int           # the event loop's CPU per request (0: unread)
     stall_ns: list[int]
-    stall_p: float         # stalls a request served
+    stall_rate: float      # stalls a second
 
 
 def calibrate_overhead(connection: Connection, model: str, service: ServiceModel,
