@@ -69,7 +69,7 @@ def test_a_simulated_grid_answers_from_its_table(kernel_server):
     assert service.overhead_ns > 0
     # the saturating burst: an instance's hand-off per batch, the in-kernel server's event
     # loop's CPU per request (its thread found), the stalls it saw
-    assert 0 < service.handoff_ns < 20e6 and 0 < service.loop_ns < 20e6
+    assert 0 <= service.handoff_ns < 20e6 and 0 < service.loop_ns < 20e6
     assert service.stall_rate >= 0 and all(v > 0 for v in service.stall_ns)
     assert service(1, random.Random(0)) >= min(service.samples[1]) + service.handoff_ns
     assert service.parallel_ns == max(0, service.overhead_ns - service.loop_ns - service.handoff_ns)

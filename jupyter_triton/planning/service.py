@@ -23,7 +23,8 @@ back) measures what the c=1 sweep cannot see:
 * ``handoff_ns``: how long an instance is occupied per batch beyond the execution the
   statistics record (the hand-off to the instance's worker and back, the event loop
   delivering the results and dispatching the next batch): at saturation the instance runs
-  batch after batch, so the burst's wall time less the recorded executions, per execution,
+  batch after batch, so the burst's wall time less the recorded executions and the stalls
+  (below: the instance waited them out, and the simulation stalls apart), per execution,
   is that cycle's remainder;
 * ``loop_ns``: the server's event loop's CPU per request over the burst (read, decode, submit;
   encode, write): work that requests take in turn on its one thread. It needs the server's
@@ -457,7 +458,7 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
 
     At saturation an instance runs batch after batch: the wall time over the executions is
     its cycle (with n instances, n times the wall time), and the cycle less the execution
-    the statistics recorded is the hand-off. A request's latency beyond the median by more
+    the statistics recorded and the stalls is the hand-off. A request's latency beyond the median by more
     than one cycle is not its place in the queue (that varies by a cycle at most) but a stall:
     the server's threads or processes waiting for a core while something else runs; one
     stall holds up the requests in flight with it (``_stalls``)."""
@@ -510,6 +511,8 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
     cycle = (t1 - t0) * instances // execs
     loop = max(0, (cpu1 - cpu0) // served) if thread and cpu0 is not None and cpu1 is not None else 0
     stalls = _stalls(sent, cycle)
+    # the instance waited out the stalls too: its cycle is the wall time without them
+    cycle = max(0, (t1 - t0 - sum(stalls)) * instances // execs)
     return Burst(cycle, rows / execs, compute // execs, int(loop), stalls, len(stalls) / seconds)
 
 
