@@ -11,11 +11,9 @@ see only these (``scheduler.Pool``); instances, threads and hand-offs stay here.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
-import os
-import select
+import queue
 import threading
 import time
 from concurrent.futures import Executor, Future
@@ -26,7 +24,7 @@ from ..protocol.errors import Internal, TritonError
 
 from .bls import executing
 from .statistics import mark_failure
-from .timer import _Itimerspec, _settime, _timerfd, precise_thread_sleep
+from .timer import precise_thread_sleep
 
 if TYPE_CHECKING:
     from .pending import Pending
@@ -65,16 +63,15 @@ class Deferred:
     the batch (a request arrived that joins it, or left it), move the deadline (``0``: at
     once) or take the batch back; after, the batch is the thread's and runs as claimed.
     ``start_ns`` is when it was claimed: the requests' queue time ends there. ``done`` ends
-    once the batch has run and been delivered, or was taken back. The thread sleeps on its
-    ``Bell``, whose alarm the loop sets to the deadline: handing a batch over wakes nobody."""
+    once the batch has run and been delivered, or was taken back."""
 
     __slots__ = ("batch", "deadline_ns", "start_ns", "live", "check", "done", "_release",
-                 "_state", "_lock", "_bell")
+                 "_state", "_lock", "_wake")
 
     OPEN, CLAIMED, RETRACTED = range(3)
 
     def __init__(self, batch: list["Pending"], deadline_ns: int, done: asyncio.Future | None = None,
-                 release: Callable[[], Any] | None = None, bell: "Bell | None" = None) -> None:
+                 release: Callable[[], Any] | None = None) -> None:
         self.batch = batch
         self.deadline_ns = deadline_ns
         self.done = done
@@ -83,10 +80,12 @@ class Deferred:
         self.live: list[int] | None = None      # once its start is recorded: indices still wanted
         self.check: asyncio.TimerHandle | None = None   # the loop's look for a long run (defer)
         self._state = self.OPEN
-        # A plain lock, not a Condition (which costs ~10 us to build, once a batch), guards
-        # the fields; every change of the deadline reaches the thread's bell under it.
+        # Two plain locks, not a Condition (which costs ~10 us to build, once a batch): _lock
+        # guards the fields; _wake is held while nobody has news for the thread, which waits
+        # on it until its deadline and is woken early by a release.
         self._lock = threading.Lock()
-        self._bell = bell or Bell(precise=False)
+        self._wake = threading.Lock()
+        self._wake.acquire()
 
     def update(self, batch: list["Pending"], deadline_ns: int) -> bool:
         """The loop's new batch and deadline; False if the thread has claimed it already."""
@@ -94,9 +93,10 @@ class Deferred:
             if self._state != self.OPEN:
                 return False
             self.batch = batch
-            if deadline_ns != self.deadline_ns:
-                self._bell.alarm(deadline_ns, deadline_ns < self.deadline_ns)
-                self.deadline_ns = deadline_ns
+            earlier = deadline_ns < self.deadline_ns
+            self.deadline_ns = deadline_ns
+            if earlier:
+                self._notify()
             return True
 
     def retract(self) -> bool:
@@ -106,7 +106,7 @@ class Deferred:
             if self._state != self.OPEN:
                 return False
             self._state = self.RETRACTED
-            self._bell.disarm()             # nothing to wake for: it skips it when it next looks
+            self._notify()
         if self.check is not None:
             self.check.cancel()
         if self.done is not None and not self.done.done():
@@ -115,11 +115,10 @@ class Deferred:
             self._release()
         return True
 
-    def _arm(self) -> None:
-        """On the loop, as the batch is handed over: the thread's alarm rings at the deadline."""
-        with self._lock:
-            if self._state == self.OPEN:
-                self._bell.alarm(self.deadline_ns, True)
+    def _notify(self) -> None:
+        # Only the loop releases, only the thread acquires: a held lock stays held until here.
+        if self._wake.locked():
+            self._wake.release()
 
     def _claim(self) -> list["Pending"] | None:
         """On the thread: wait for the deadline, then own the batch (None: retracted)."""
@@ -132,123 +131,40 @@ class Deferred:
                     self._state = self.CLAIMED
                     self.start_ns = now
                     return self.batch
-                deadline_ns = self.deadline_ns
-            self._bell.sleep(deadline_ns)
-
-
-class Bell:
-    """Where an instance thread sleeps: until ``ring`` (new work) or until the time its
-    alarm was last set to (a held batch's deadline, ``Deferred``), whichever comes first.
-
-    On Linux an eventfd and a timerfd watched by one ``poll``: the loop sets the alarm with
-    ``timerfd_settime`` and wakes nobody, so a held batch costs its thread one wake-up, at
-    the deadline, where a queue and a timed lock cost two (the hand-over, then the
-    deadline), and the loop a futex wake across cores. Elsewhere a lock the loop releases:
-    an earlier deadline wakes the thread, which waits again with a timeout."""
-
-    def __init__(self, precise: bool = True) -> None:
-        self._timer = _timerfd() if precise else None
-        self._lock: threading.Lock | None = None
-        if self._timer is None or not hasattr(os, "eventfd"):
-            if self._timer is not None:
-                os.close(self._timer)
-                self._timer = None
-            self._lock = threading.Lock()   # held while nobody has news for the thread
-            self._lock.acquire()
-            return
-        self._event = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._spec = _Itimerspec()          # alarm() runs under the Deferred's lock: one is enough
-        self._poll = select.poll()
-        self._poll.register(self._event, select.POLLIN)
-        self._poll.register(self._timer, select.POLLIN)
-
-    def ring(self) -> None:
-        if self._lock is None:
-            os.eventfd_write(self._event, 1)
-        elif self._lock.locked():
-            try:
-                self._lock.release()
-            except RuntimeError:            # two threads rang at once
-                pass
-
-    def alarm(self, deadline_ns: int, earlier: bool) -> None:
-        """The deadline the thread waits for is now ``deadline_ns`` (0 or past: at once).
-        Called with the held batch's lock (``Deferred``); ``earlier``: sooner than the
-        last one."""
-        if self._lock is None:
-            _settime(self._timer, max(deadline_ns, 1), self._spec)   # absolute
-        elif earlier:
-            self.ring()
-
-    def disarm(self) -> None:
-        """No deadline to wait for any more (with the held batch's lock)."""
-        if self._lock is None:
-            _settime(self._timer, 0, self._spec)
-
-    def sleep(self, deadline_ns: int | None = None) -> None:
-        """On the thread: until a ring or the alarm (``deadline_ns``: the one it waits for;
-        a backstop only where the timerfd keeps it)."""
-        if self._lock is not None:
-            wait_s = -1 if deadline_ns is None else max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
-            self._lock.acquire(True, wait_s)
-            return
-        timeout_ms = None if deadline_ns is None else \
-            max(0, (deadline_ns - time.monotonic_ns()) // 1_000_000) + 2
-        for fd, _ in self._poll.poll(timeout_ms):
-            try:
-                os.read(fd, 8)              # both count: reading clears them
-            except BlockingIOError:
-                pass
-
-    def close(self) -> None:
-        if self._lock is None:
-            os.close(self._event)
-            os.close(self._timer)
+                wait_s = (self.deadline_ns - now) / 1e9
+            self._wake.acquire(True, wait_s)
 
 
 class InstanceThread(Executor):
     """A one-thread executor whose thread is a daemon: a model stuck in execute (a thread
     cannot be killed) must not keep the server process alive at exit, which the standard
-    ThreadPoolExecutor would, since it joins its threads at interpreter exit. Jobs wait in
-    a deque; the thread sleeps on its ``Bell``, rung only when it sleeps (``_idle``)."""
+    ThreadPoolExecutor would, since it joins its threads at interpreter exit."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: collections.deque = collections.deque()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._idle = False
-        self.bell = Bell()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-
-    def _put(self, job: Any) -> None:
-        # Appending before reading _idle, as the thread sets _idle before it looks at the
-        # deque: either it sees the job or this sees it idle (the GIL orders both).
-        self._jobs.append(job)
-        if self._idle:
-            self.bell.ring()
 
     def post_deferred(self, loop: asyncio.AbstractEventLoop,
                       done: Callable[[Any, BaseException | None], Any],
                       fn: Callable[[list], Any], deferred: Deferred) -> None:
         """``fn(batch)`` on this thread once ``deferred`` is claimed (its deadline), then
-        ``done(result, error)`` on ``loop``; nothing if the loop takes it back first. The
-        thread is not woken now: its alarm is set to the deadline."""
+        ``done(result, error)`` on ``loop``; nothing if the loop takes it back first."""
         if self._closed:
             raise RuntimeError("cannot schedule new work after shutdown")
-        self._jobs.append((done, fn, deferred, loop))
-        deferred._arm()
+        self._jobs.put((done, fn, deferred, loop))
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         if self._closed:
             raise RuntimeError("cannot schedule new work after shutdown")
         future: Future = Future()
-        self._put((future, fn, args, kwargs))
+        self._jobs.put((future, fn, args, kwargs))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._closed = True
-        self._jobs.append(None)
-        self.bell.ring()
+        self._jobs.put(None)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -266,23 +182,15 @@ class InstanceThread(Executor):
         path's hand-off, one ``call_soon_threadsafe`` back and no future at all."""
         if self._closed:
             raise RuntimeError("cannot schedule new work after shutdown")
-        self._put((done, fn, args, loop))
+        self._jobs.put((done, fn, args, loop))
 
     def _run(self) -> None:
         # Deadlines (Deferred) are waited for here: without this, Linux adds the thread's 50 us
         # of timer slack to every timed wait.
         precise_thread_sleep()
-        jobs, bell = self._jobs, self.bell
         while True:
-            if not jobs:
-                self._idle = True
-                if not jobs:
-                    bell.sleep()
-                self._idle = False
-                continue
-            job = jobs.popleft()
+            job = self._jobs.get()
             if job is None:
-                bell.close()
                 return
             future, fn, args, extra = job
             if type(future) is not Future:          # post(): extra is the loop to call back on
@@ -440,8 +348,7 @@ class InstancePool:
         instance = self._idle.get_nowait()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        deferred = Deferred(batch, deadline_ns, done, functools.partial(self.release, instance),
-                            instance.thread.bell)
+        deferred = Deferred(batch, deadline_ns, done, functools.partial(self.release, instance))
         try:
             instance.thread.post_deferred(
                 loop, functools.partial(self._deferred_ran, instance, deferred, claimed, done),
