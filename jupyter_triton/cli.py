@@ -23,9 +23,10 @@ from .triton_flags import add_ignored, log_ignored
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
 # wait is most of the latency (benchmarks/README.md has the figures).
 SWITCH_INTERVAL_S = 0.0005
-# `serve` runs on uvloop where it is installed: the event loop's CPU per inference is 0.88x
-# asyncio's over HTTP, 0.89x over gRPC (benchmarks/loop_cpu.py). JUPYTER_TRITON_LOOP=asyncio
-# keeps asyncio's loop (the one the Jupyter server and the kernel's fallback server run on).
+# `serve` runs on uvloop where it is installed: the event loop's CPU per inference of the
+# python model is 0.91x asyncio's over HTTP and 0.81x over gRPC at c=32, 0.88x over HTTP at c=1
+# (benchmarks/loop_cpu.py). JUPYTER_TRITON_LOOP=asyncio keeps asyncio's loop (the one the
+# Jupyter server and the kernel's fallback server run on).
 LOOP_ENV = "JUPYTER_TRITON_LOOP"
 _DEFAULTS = EngineOptions(model_repository=".")     # the engine's defaults are the flags' defaults
 
