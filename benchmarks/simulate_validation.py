@@ -215,6 +215,14 @@ def pct(x: float) -> str:
     return f"{x * 100:+.0f} %"
 
 
+def _tally(rows: list[dict]) -> str:
+    parts = []
+    for key, name in (("throughput", "throughput"), ("p50_ms", "p50"), ("p99_ms", "p99")):
+        counts = [sum(abs(r[f"{pre}error_{key}"]) <= AIM[key] for r in rows) for pre in ("", "replayed_")]
+        parts.append(f"{name} {counts[0]} / {counts[1]}")
+    return ", ".join(parts) + f" of {len(rows)}"
+
+
 def _stalls(run: dict) -> str:
     if not run.get("stall_rate"):
         return "no stall"
@@ -277,6 +285,7 @@ def render(runs: list[dict]) -> str:
                 f"**Predicted from the c=1 sweep: {ok} of {len(run['rows'])} rows within the aim; "
                 f"replayed with the executions recorded under load: "
                 f"{sum(r['replayed_within_aim'] for r in run['rows'])} of {len(run['rows'])}.**", "",
+                f"Within each aim, predicted / replayed: {_tally(run['rows'])}.", "",
                 "| max_batch_size | delay us | c | thr meas | thr sim | err | p50 meas | p50 sim | err "
                 "| p99 meas | p99 sim | err | batch meas | batch sim | aim | exec x | replayed err thr / p50 / p99 | aim |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
