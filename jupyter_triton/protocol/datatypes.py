@@ -94,11 +94,16 @@ def numpy_to_triton(dtype: np.dtype | type | str) -> str:
         raise InvalidArgument(f"numpy dtype '{d}' has no Triton datatype") from None
 
 
+_WIRE_DTYPES: dict[str, np.dtype] = {}     # (newbyteorder builds a new dtype every call)
+
+
 def wire_dtype(dt: str) -> np.dtype:
     """The little-endian dtype of one element on the wire (BF16: its 16 raw bits)."""
-    if dt == "BF16":
-        return np.dtype("<u2")
-    return triton_to_numpy(dt).newbyteorder("<")
+    found = _WIRE_DTYPES.get(dt)
+    if found is None:
+        found = np.dtype("<u2") if dt == "BF16" else triton_to_numpy(dt).newbyteorder("<")
+        _WIRE_DTYPES[dt] = found        # only Triton's names get here (others raise)
+    return found
 
 
 def element_size(dt: str) -> int | None:
@@ -261,7 +266,10 @@ def tensor_wire_buffer(arr: np.ndarray, dt: str) -> bytes | memoryview:
         if arr.dtype.name == "bfloat16":
             return memoryview(np.ascontiguousarray(arr).view(np.uint16)).cast("B")
         return memoryview(float32_to_bf16_bits(arr)).cast("B")
-    arr = np.ascontiguousarray(arr, dtype=wire_dtype(dt))
+    wire = wire_dtype(dt)
+    if arr.dtype == wire and arr.flags.c_contiguous and arr.size:
+        return memoryview(arr).cast("B")        # as it is (the usual case): no reshape
+    arr = np.ascontiguousarray(arr, dtype=wire)
     return memoryview(arr.reshape(-1)).cast("B")
 
 
