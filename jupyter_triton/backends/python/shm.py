@@ -80,7 +80,15 @@ def _dtype(spelling: str) -> np.dtype:
 def stage(tensors: dict[str, np.ndarray], offset: int = 0) -> tuple[list[Staged], int]:
     """Lay ``tensors`` out back to back (aligned) from ``offset``; returns the layout and the
     offset where the next tensor may start."""
-    staged = []
+    staged: list[Staged] = []
+    _, offset = stage_into(staged, tensors, offset)
+    return staged, offset
+
+
+def stage_into(staged: list[Staged], tensors: dict[str, np.ndarray], offset: int) -> tuple[list[Ref], int]:
+    """``stage`` onto ``staged`` (a batch's requests one after the other, into one layout);
+    returns these tensors' refs and the offset where the next tensor may start."""
+    refs = []
     for name, array in tensors.items():
         if type(array) is not np.ndarray:
             array = np.asarray(array)
@@ -89,9 +97,11 @@ def stage(tensors: dict[str, np.ndarray], offset: int = 0) -> tuple[list[Staged]
             dtype, nbytes = BYTES, len(payload)
         else:
             payload, dtype, nbytes = array, array.dtype.str, array.nbytes
-        staged.append(((name, dtype, array.shape, offset, nbytes), payload))
+        ref = (name, dtype, array.shape, offset, nbytes)
+        refs.append(ref)
+        staged.append((ref, payload))
         offset += -(-nbytes // ALIGN) * ALIGN
-    return staged, offset
+    return refs, offset
 
 
 def _serialize_bytes(array: np.ndarray) -> bytes:
@@ -270,12 +280,11 @@ class ShmRegion:
             if type(payload) is bytes:
                 buf[offset:offset + nbytes] = payload
                 continue
-            if payload.flags.c_contiguous:
-                try:   # a byte view of the array: a plain memcpy
-                    buf[offset:offset + nbytes] = memoryview(payload).cast("B")
-                    continue
-                except (TypeError, ValueError):   # a format memoryview cannot cast (byte order)
-                    pass
+            try:   # a byte view of the array: a plain memcpy
+                buf[offset:offset + nbytes] = memoryview(payload).cast("B")
+                continue
+            except (TypeError, ValueError):   # not C-contiguous, or a format that cannot cast
+                pass
             view = np.ndarray(payload.shape, payload.dtype, buffer=buf, offset=offset)
             np.copyto(view, payload, casting="no")
             del view   # a live view would keep the segment from closing

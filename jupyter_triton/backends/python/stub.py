@@ -213,11 +213,9 @@ class ModelStub:
 
     def _pb_requests(self, requests: list[RequestData]) -> list[pb_utils.InferenceRequest]:
         version = int(self.args.get("model_version") or -1)
-        name, request, tensor = self.model_name, pb_utils.InferenceRequest, pb_utils.Tensor._of
-        # positional: InferenceRequest(model_name, inputs, requested_output_names, request_id,
-        # correlation_id, model_version, flags, timeout, parameters)
+        name, request, tensor = self.model_name, pb_utils.InferenceRequest._of, pb_utils.Tensor._of
         return [request(name, [tensor(n, a) for n, a in r.inputs.items()], r.requested_output_names,
-                        r.request_id, r.correlation_id, version, r.flags, 0, r.parameters)
+                        r.request_id, r.correlation_id, version, r.flags, r.parameters)
                 for r in requests]
 
     def execute(self, requests: list[RequestData]) -> list[dict[str, np.ndarray] | ResponseError]:

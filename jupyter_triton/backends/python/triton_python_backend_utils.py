@@ -192,6 +192,27 @@ class InferenceRequest:
         # Set by the stub on the requests it hands to a decoupled model's execute.
         self._response_sender: InferenceResponseSender | None = None
 
+    @classmethod
+    def _of(cls, model_name: str, inputs: list[Tensor], requested_output_names: list[str],
+            request_id: str, correlation_id: int | str, model_version: int, flags: int,
+            parameters: str) -> "InferenceRequest":
+        """The backend's own requests (a batch's, built for every request of every batch):
+        the fields as they are, without the checks and conversions a model's arguments
+        need; the output names are still the request's own list."""
+        request = cls.__new__(cls)
+        request._model_name = model_name
+        request._preferred_memory = None
+        request._inputs = inputs
+        request._requested_output_names = list(requested_output_names)
+        request._request_id = request_id
+        request._correlation_id = correlation_id
+        request._model_version = model_version
+        request._flags = flags
+        request._timeout = 0
+        request._parameters = parameters
+        request._response_sender = None
+        return request
+
     def inputs(self) -> list[Tensor]:
         return self._inputs
 

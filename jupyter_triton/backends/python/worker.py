@@ -38,7 +38,7 @@ from .messages import (LOGGER_MARK, READ_CHUNK, SHM_MESSAGE_BYTES, SIDE, AutoCom
                        CancelQuery, CancelReply, Channel, DecoupledReturned, Execute, ExecuteDecoupled,
                        Failed, Finalize, Grow, LoanAsk, LoanDone, LoanReply, OutputRegion, Release,
                        Response, Results, payload_bytes)
-from .shm import SharedMemoryFull, ShmRegion, stage, sweep_once
+from .shm import SharedMemoryFull, ShmRegion, stage, stage_into, sweep_once
 from .stub import RequestData, ResponseError, StubError
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,10 @@ class WorkerProcess:
             self._reader.start()
 
     def _stage_inputs(self, requests: list[RequestData], all_outputs: list[str] | None) -> list:
-        staged, end, metas = [], 0, []
+        staged: list = []
+        end, metas = 0, []
         for req in requests:
-            s, end = stage(req.inputs, end)
-            staged.extend(s)
-            refs = [x[0] for x in s]
+            refs, end = stage_into(staged, req.inputs, end)
             names = None if all_outputs is not None and req.requested_output_names == all_outputs \
                 else req.requested_output_names
             if not req.request_id and not req.correlation_id and req.parameters == "{}" \

@@ -47,7 +47,7 @@ from .messages import (LOGGER_MARK, REPLIES, SHM_MESSAGE_BYTES, AutoCompleted, B
                        BlsReply, CancelQuery, Channel, DecoupledReturned, Execute, ExecuteDecoupled,
                        Failed, Finalize, Finalized, Grow, LoanAsk, LoanDone, Metric, OutputRegion,
                        Ready, Release, Released, Response, Results, Start, payload_bytes)
-from .shm import ShmRegion, stage
+from .shm import ShmRegion, stage, stage_into
 from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
                    run_auto_complete_config)
 
@@ -434,31 +434,35 @@ def _requests(regions: dict[str, ShmRegion], in_name: str, out_name: str, metas:
     in_region = _region(regions, in_name) if in_name else None
     groups = [meta if type(meta) is list else meta[0] for meta in metas]
     inputs = in_region.read_many(groups) if in_region is not None else [{} for _ in groups]
+    # all_outputs is shared: pb_utils.InferenceRequest._of gives each request its own list
     requests = []
     for meta, tensors in zip(metas, inputs):
         if type(meta) is list:   # a plain request: every output, no id, no parameters
-            requests.append(RequestData(tensors, "", 0, "{}", list(all_outputs), 0))
+            requests.append(RequestData(tensors, "", 0, "{}", all_outputs, 0))
             continue
         _, rid, cid, params, names, flags = meta
         requests.append(RequestData(tensors, rid, cid, params,
-                                    list(all_outputs) if names is None else names, flags))
+                                    all_outputs if names is None else names, flags))
     return requests
 
 
 def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
                   results: list[dict | ResponseError]) -> None:
-    layouts: list[Any] = []
+    layouts: list[Any] = []     # per request: its refs, or (code, message)
+    staged: list = []
     end = 0
     for result in results:
-        if isinstance(result, ResponseError):
+        if type(result) is ResponseError:
             layouts.append((result.code, result.message))
             continue
+        mark = len(staged)
         try:
-            staged, end = stage(result, end)
+            refs, end = stage_into(staged, result, end)
         except Exception as err:   # e.g. an output whose dtype Triton has no name for
+            del staged[mark:]
             layouts.append((1, f"cannot return outputs: {type(err).__name__}: {err}"))
             continue
-        layouts.append(staged)
+        layouts.append(refs)
     out_region = _region(regions, out_name)
     if end > out_region.size:
         # Let go of the small region first: its pages count against /dev/shm until unmapped.
@@ -468,8 +472,8 @@ def _send_results(chan: _Demux, regions: dict[str, ShmRegion], out_name: str,
         if name is None:    # no room: the server fails this batch
             return
         out_region = _region(regions, name)
-    reply = [out_region.write(item) if type(item) is list else item for item in layouts]
-    chan.send(Results(reply))
+    out_region.write(staged)
+    chan.send(Results(layouts))
 
 
 # ------------------------------------------------------------------------------ the template
