@@ -187,11 +187,15 @@ class DataPlane:
                 raise UnsupportedMediaType(
                     f"Content-Type '{ctype}' is not accepted: send {JSON} or {OCTET}")
         access = self.access
-        credential = access.unresolved(route.api_group, headers) if access.resolve else None
-        if credential:
-            access.check_restrictions(route.api_group, headers)
+        group = route.api_group
+        if group in access.anonymous and not access.restrictions:
+            credential = None       # open, no header rule: nothing to check (the usual server)
         else:
-            access.check(route.api_group, headers)
+            credential = access.unresolved(group, headers) if access.resolve else None
+            if credential:
+                access.check_restrictions(group, headers)
+            else:
+                access.check(group, headers)
         cap = self.max_input_size if body_limit is None else body_limit
         if content_length is not None and content_length > cap:
             raise InvalidArgument(
