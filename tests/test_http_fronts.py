@@ -131,7 +131,7 @@ def test_chunked_gzip_and_expect_continue_bodies(server):
     sock.close()
 
 
-def test_body_cap_announced_or_chunked(server):
+def test_body_cap_announced_or_chunked(server, http_front):
     big = b'{"pad": "' + b"x" * (100 * 1024) + b'"}'
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=20)
     conn.request("POST", "/v2/models/linear/infer", body=big)
@@ -140,9 +140,16 @@ def test_body_cap_announced_or_chunked(server):
     assert "maximum input size of 65536 bytes" in json.loads(resp.read())["error"]
     conn.close()
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=20)
-    conn.request("POST", "/v2/models/linear/infer", body=iter([big[:40000], big[40000:]]),
-                 encode_chunked=True)
-    assert conn.getresponse().status == 400
+    try:
+        conn.request("POST", "/v2/models/linear/infer", body=iter([big[:40000], big[40000:]]),
+                     encode_chunked=True)
+        assert conn.getresponse().status == 400
+    except ConnectionResetError:
+        # tornado's HTTP/1 closes at once on a chunked body past its cap, without draining
+        # what the client still sends: on a loaded machine the reset can overtake the 400
+        # (fasthttp half-closes and lingers, so there it must always be the 400)
+        if http_front != "tornado":
+            raise
     conn.close()
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
     assert client.is_server_live()
