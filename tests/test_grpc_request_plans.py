@@ -1,4 +1,4 @@
-"""gRPC ModelInfer's request plans (frontends/grpc.py ``_RequestPlans``): a message that
+"""gRPC ModelInfer's request plans (protocol/grpc_codec.py ``RequestPlans``): a message that
 repeats an earlier one's layout decodes without protobuf to what decode_grpc_request gives."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from jupyter_triton.frontends.grpc import _parse_infer_request, _RequestPlans
+from jupyter_triton.protocol.grpc_codec import RequestPlans, parse_infer_request
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.grpc_codec import decode_grpc_request
 
@@ -34,14 +34,14 @@ def _same(a, b) -> None:
         np.testing.assert_array_equal(x.data, y.data)
 
 
-def _check(plans: _RequestPlans, raw: bytes):
+def _check(plans: RequestPlans, raw: bytes):
     got = plans.decode(raw)
-    _same(got, decode_grpc_request(_parse_infer_request(raw)))
+    _same(got, decode_grpc_request(parse_infer_request(raw)))
     return got
 
 
 def test_a_repeated_layout_is_decoded_from_its_plan_with_its_own_values_and_dicts() -> None:
-    plans = _RequestPlans()
+    plans = RequestPlans()
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     first = _check(plans, _message(("X", "FP32", x), ("I", "INT64", np.arange(2)),
                                    params={"priority": 1}).SerializeToString())
@@ -55,7 +55,7 @@ def test_a_repeated_layout_is_decoded_from_its_plan_with_its_own_values_and_dict
 
 
 def test_a_message_of_the_same_size_but_another_head_or_split_is_decoded_anew() -> None:
-    plans = _RequestPlans()
+    plans = RequestPlans()
     a, b = np.zeros(4, np.int32), np.zeros(2, np.int64)
     _check(plans, _message(("A", "INT32", a), ("B", "INT64", b)).SerializeToString())
     _check(plans, _message(("C", "INT32", a), ("B", "INT64", b)).SerializeToString())
@@ -75,7 +75,7 @@ def test_a_message_of_the_same_size_but_another_head_or_split_is_decoded_anew() 
                                      ("BF16", np.zeros(2, np.uint16)),
                                      ("BYTES", np.frombuffer(b"\x01\0\0\0a", np.uint8))])
 def test_inputs_whose_bytes_are_checked_or_converted_are_not_planned(dt, arr) -> None:
-    plans = _RequestPlans()
+    plans = RequestPlans()
     m = pb.ModelInferRequest(model_name="m")
     m.inputs.add(name="X", datatype=dt, shape=[2] if dt != "BYTES" else [1])
     m.raw_input_contents.append(arr.tobytes())
@@ -89,7 +89,7 @@ def test_inputs_whose_bytes_are_checked_or_converted_are_not_planned(dt, arr) ->
 
 
 def test_plans_are_bounded() -> None:
-    plans = _RequestPlans()
+    plans = RequestPlans()
     for n in range(1, plans.MAX_PLANS + 10):
         _check(plans, _message(("X", "FP32", np.zeros(n, np.float32))).SerializeToString())
     assert plans._count <= plans.MAX_PLANS

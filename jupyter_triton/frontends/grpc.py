@@ -22,18 +22,15 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
-import numpy as np
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unsupported
-from ..protocol.types import InferRequest, InferTensor, RequestedOutput
-from ..protocol.grpc_codec import (check_model_version, decode_grpc_request, encode_grpc_response,
-                                   parameter_value)
+from ..protocol.grpc_codec import (RequestPlans, check_model_version, decode_grpc_request,
+                                   encode_grpc_response, parameter_value, parse_infer_request)
 from ..engine.trace import trace_context
 from . import grpc_health, observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
@@ -67,115 +64,6 @@ class _StreamFailure:
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         self.code, self.message = code, message
-
-
-def _parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
-    try:
-        return pb.ModelInferRequest.FromString(raw)
-    except DecodeError as err:
-        raise InvalidArgument(f"unable to parse the ModelInferRequest message: {err}") from None
-
-
-_SCALARS = frozenset((str, int, bool, float, type(None)))
-_RAW_INPUT_TAG = b"\x3a"       # ModelInferRequest.raw_input_contents: field 7, length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-class _RequestPlans:
-    """ModelInfer requests that differ from an earlier one only in their tensors' bytes,
-    decoded without protobuf: clients repeat one message layout (perf_analyzer, tritonclient
-    for one shape), and decoding its fields costs more than the rest of the call on the loop.
-
-    A plan is kept when a message ends with every input's ``raw_input_contents`` (protobuf
-    writes fields in number order: 7 comes last), every input is a fixed-size numeric tensor
-    (not BOOL nor BF16, whose bytes are checked or converted) and every parameter a scalar.
-    A message of the same size whose bytes before those contents are the same, and whose
-    contents have the same lengths, is the same request but for the tensor values: its
-    inputs are views of its bytes at the same offsets. Bounded: 64 plans of heads up to
-    4 KiB, forgotten all at once when full."""
-
-    MAX_PLANS = 64
-    MAX_HEAD = 4096
-
-    def __init__(self) -> None:
-        self._by_size: dict[int, list[tuple]] = {}
-        self._count = 0
-
-    def decode(self, raw: bytes, **decode_kwargs: Any) -> InferRequest:
-        if not isinstance(raw, bytes):
-            return decode_grpc_request(_parse_infer_request(raw), **decode_kwargs)
-        for plan in self._by_size.get(len(raw), ()):
-            request = _from_plan(plan, raw)
-            if request is not None:
-                return request
-        message = _parse_infer_request(raw)
-        request = decode_grpc_request(message, **decode_kwargs)
-        plan = _plan(raw, message, request, self.MAX_HEAD)
-        if plan is not None:
-            if self._count >= self.MAX_PLANS:
-                self._by_size.clear()
-                self._count = 0
-            self._by_size.setdefault(len(raw), []).append(plan)
-            self._count += 1
-        return request
-
-
-def _plan(raw: bytes, message: pb.ModelInferRequest, request: InferRequest,
-          max_head: int) -> tuple | None:
-    contents = message.raw_input_contents
-    inputs = request.inputs
-    if not contents or len(contents) != len(inputs) or not all(
-            type(v) in _SCALARS for v in request.parameters.values()):
-        return None
-    frames = [_RAW_INPUT_TAG + _varint(len(c)) for c in contents]
-    start = len(raw) - sum(len(f) + len(c) for f, c in zip(frames, contents))
-    if not 0 <= start <= max_head:
-        return None
-    specs, pos = [], start
-    for frame, content, tensor in zip(frames, contents, inputs):
-        arr = tensor.data
-        if (tensor.datatype in ("BOOL", "BF16") or type(arr) is not np.ndarray
-                or arr.dtype.kind not in "iuf" or arr.nbytes != len(content)
-                or not all(type(v) in _SCALARS for v in tensor.parameters.values())
-                or not raw.startswith(frame, pos)
-                or not raw.startswith(content, pos + len(frame))):
-            return None
-        specs.append((frame, pos + len(frame), tensor.name, tensor.datatype, tensor.shape,
-                      arr.dtype, arr.size, dict(tensor.parameters)))
-        pos += len(frame) + len(content)
-    outputs = None
-    if request.outputs is not None:
-        if not all(type(v) in _SCALARS for o in request.outputs for v in o.parameters.values()):
-            return None
-        outputs = [(o.name, dict(o.parameters)) for o in request.outputs]
-    return (raw[:start], specs, request.model_name, request.model_version, request.id,
-            dict(request.parameters), outputs)
-
-
-def _from_plan(plan: tuple, raw: bytes) -> InferRequest | None:
-    head, specs, model, version, request_id, parameters, outputs = plan
-    if not raw.startswith(head):
-        return None
-    for frame, offset, *_ in specs:
-        if not raw.startswith(frame, offset - len(frame)):
-            return None
-    inputs = [InferTensor(name, dt, shape,
-                          np.frombuffer(raw, dtype, count, offset).reshape(shape),
-                          dict(tparams) if tparams else {})
-              for _, offset, name, dt, shape, dtype, count, tparams in specs]
-    return InferRequest(model, version, request_id, inputs,
-                        None if outputs is None else
-                        [RequestedOutput(name, dict(params) if params else {})
-                         for name, params in outputs],
-                        dict(parameters) if parameters else {})
 
 
 def _internal_message(err: BaseException) -> str:
@@ -233,7 +121,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.access = access
         self.inflight = admission.budget if admission is not None else BodyBudget(max_inflight_bytes)
         self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
-        self._plans = _RequestPlans()
+        self._plans = RequestPlans()
 
     def _open(self, group: str) -> bool:
         # An open group with no header rule needs no look at the metadata (the infer path
@@ -362,7 +250,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         an error response on the stream, or (``grpc_error``) the status that ends it."""
         request = pb.ModelInferRequest()
         try:
-            request = _parse_infer_request(raw)
+            request = parse_infer_request(raw)
             infer_request = decode_grpc_request(request, **self._decode_kwargs)
             if carrier is not None:        # engine/trace.py: the stream's W3C trace context
                 infer_request.trace_context = carrier

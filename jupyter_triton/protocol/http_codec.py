@@ -19,7 +19,7 @@ import orjson
 from .datatypes import (count_bytes_elements, element_count, element_size, is_valid_datatype, round_to_bf16,
                         tensor_from_wire, tensor_wire_buffer, triton_to_numpy)
 from .errors import InvalidArgument
-from .types import InferRequest, InferResponse, InferTensor, RequestedOutput
+from .types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
 
 # Far past any real tensor, far below what a shape product can claim.
 DEFAULT_MAX_ELEMENTS = 1 << 32
@@ -510,13 +510,6 @@ def _decode_outputs(outputs: Any) -> list[RequestedOutput] | None:
 _PLANS: dict[tuple, tuple] = {}
 _PLANS_MAX = 256
 _PLAN_HEADER_MAX = 4096
-_SCALARS = frozenset((str, int, bool, float, type(None)))
-
-
-def _scalars(params: dict) -> bool:
-    return all(type(v) in _SCALARS for v in params.values())
-
-
 def _from_plan(plan: tuple, view: memoryview, model_name: str, model_version: str
                ) -> InferRequest:
     request_id, parameters, specs, outputs = plan
@@ -601,10 +594,10 @@ def decode_infer_request(body: bytes | memoryview, header_length: int | None, mo
         raise InvalidArgument(f"unexpected additional input data for model '{model_name}'")
 
     outputs = _decode_outputs(doc["outputs"]) if "outputs" in doc else None
-    if key is not None and _scalars(parameters) and all(
-            (span is not None or "shared_memory_region" in tparams) and _scalars(tparams)
+    if key is not None and scalar_values(parameters) and all(
+            (span is not None or "shared_memory_region" in tparams) and scalar_values(tparams)
             for _, _, _, tparams, _, span in specs) and all(
-            _scalars(o.parameters) for o in outputs or ()):
+            scalar_values(o.parameters) for o in outputs or ()):
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
         _PLANS[key] = (request_id, dict(parameters),

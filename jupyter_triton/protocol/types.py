@@ -59,3 +59,11 @@ class InferResponse:
     # An error response of a decoupled model (the stream goes on unless ``final``);
     # never set on the responses ``Engine.infer`` returns (it raises instead).
     error: Exception | None = None
+
+
+_SCALARS = frozenset((str, int, bool, float, type(None)))
+
+
+def scalar_values(params: dict) -> bool:
+    """Every value of ``params`` a scalar: what a codec's request plan may copy shallowly."""
+    return all(type(v) in _SCALARS for v in params.values())
