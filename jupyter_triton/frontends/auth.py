@@ -89,6 +89,11 @@ class AccessPolicy:
                 return groups
         return self.verify(credential) if self.verify is not None else None
 
+    def open_to_all(self, group: str) -> bool:
+        """``group`` needs no credential and no header rule: nothing of a request's headers
+        is to be checked (an open server's infer path pays this one set lookup)."""
+        return group in self.anonymous and not self.restrictions
+
     def check(self, group: str, headers: Mapping[str, str]) -> None:
         """Raise Unauthenticated / PermissionDenied unless ``headers`` may reach ``group``."""
         self.check_restrictions(group, headers)

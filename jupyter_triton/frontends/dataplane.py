@@ -188,8 +188,8 @@ class DataPlane:
                     f"Content-Type '{ctype}' is not accepted: send {JSON} or {OCTET}")
         access = self.access
         group = route.api_group
-        if group in access.anonymous and not access.restrictions:
-            credential = None       # open, no header rule: nothing to check (the usual server)
+        if access.open_to_all(group):
+            credential = None
         else:
             credential = access.unresolved(group, headers) if access.resolve else None
             if credential:

@@ -124,10 +124,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._plans = RequestPlans()
 
     def _open(self, group: str) -> bool:
-        # An open group with no header rule needs no look at the metadata (the infer path
-        # of an open server pays one set lookup).
-        access = self.access
-        return access is None or (group in access.anonymous and not access.restrictions)
+        return self.access is None or self.access.open_to_all(group)
 
     def authorize(self, group: str, context: grpc.aio.ServicerContext) -> None:
         """Raise Unauthenticated / PermissionDenied unless the caller may reach ``group``,
