@@ -51,6 +51,22 @@ def test_a_repeated_header_decodes_the_same_with_its_own_dicts() -> None:
         decode_infer_request(bad, length, "m", "")
 
 
+def test_plans_are_bounded_and_long_headers_not_kept() -> None:
+    """A client that never repeats a header (ids of its own) fills the plans to their bound
+    and no further; a header past 4 KiB is decoded, never kept."""
+    http_codec._PLANS.clear()
+    for i in range(http_codec._PLANS_MAX + 40):
+        body, length = _binary({**HEADER, "id": f"r{i}"}, np.zeros(4, np.float32),
+                               np.zeros(2, np.uint8))
+        assert decode_infer_request(body, length, "m", "").id == f"r{i}"
+        assert len(http_codec._PLANS) <= http_codec._PLANS_MAX
+    http_codec._PLANS.clear()
+    body, length = _binary({**HEADER, "id": "x" * 5000}, np.zeros(4, np.float32),
+                           np.zeros(2, np.uint8))
+    decode_infer_request(body, length, "m", "")
+    assert not http_codec._PLANS
+
+
 def test_a_header_is_not_kept_for_another_body_size_or_model() -> None:
     http_codec._PLANS.clear()
     body, length = _binary(HEADER, np.zeros(4, np.float32), np.zeros(2, np.uint8))

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 
 import pytest
 
-from conftest import INFER_KEY
+from conftest import INFER_KEY, W
 from hostile import (LEGIT_DEADLINE_S, MAX_GROWTH_MIB, ServerProcess, free_port, legit_http_infer,
                      legit_infer, probing, start_jupyter, start_standalone)
 
@@ -507,3 +507,47 @@ def test_pipelined_requests_waiting_for_answers_are_bounded():
     statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", out)]
     assert statuses == [200] * 100 + [503], statuses[-3:]
     assert closed
+
+
+# -- the fronts' caches (request plans, routes, header names) -----------------------------------
+def test_distinct_requests_churn_the_caches_without_growth(target):
+    """A client that never repeats itself: every inference carries a JSON header of its own
+    (a 3.5 kB parameter, so no two decode alike), every health check a path of its own. The
+    caches a repeated request is served from (decode plans, routes, header names) are bounded:
+    they are refilled past their size, answers stay right, memory stays flat."""
+    import http.client
+
+    import numpy as np
+
+    t = target
+    x = np.arange(16, dtype=np.float32).reshape(1, 16)
+
+    def churn() -> Outcome:
+        started = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", t.port, timeout=10)
+        try:
+            for i in range(600):
+                header = json.dumps({"parameters": {"pad": f"{i:06d}" + "x" * 3500},
+                                     "inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                                                 "parameters": {"binary_data_size": 64}}],
+                                     "outputs": [{"name": "OUTPUT0",
+                                                  "parameters": {"binary_data": False}}]}).encode()
+                conn.request("POST", "/v2/models/linear/infer", body=header + x.tobytes(),
+                             headers={**t.server.headers,
+                                      "Inference-Header-Content-Length": str(len(header))})
+                reply = conn.getresponse()
+                body = reply.read()
+                assert reply.status == 200, body[:300]
+                if i % 50 == 0:
+                    out = json.loads(body)["outputs"][0]["data"]
+                    np.testing.assert_allclose(out, (x @ W).ravel(), rtol=1e-5)
+            for i in range(1200):
+                conn.request("GET", f"/v2/models/absent{i}/ready", headers=dict(t.server.headers))
+                reply = conn.getresponse()
+                reply.read()
+                assert 400 <= reply.status < 500, reply.status
+        finally:
+            conn.close()
+        return Outcome(200, b"", True, 0, time.monotonic() - started)
+
+    run_twice(t, churn, lambda got: None)
