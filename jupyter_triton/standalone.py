@@ -143,30 +143,37 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
                           body_timeout=BODY_TIMEOUT_S, strict_content_type=strict_content_type)
     plane = state.plane
     quiet = {} if access_log else {"log_function": lambda handler: None}
-    if http_front == "fast":
-        front = HTTPFront(plane, body_timeout=BODY_TIMEOUT_S, idle_timeout=IDLE_TIMEOUT_S,
-                          access_log=access_log)
-        bound_http = await front.listen(host, http_port)
-        http = front
-    else:
-        app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
-        http, bound_http = _listen(app, host, http_port, options.max_input_size)
-    if check_host:
-        plane.allowed_hosts = _loopback_hosts(host, bound_http)
-    result = StandaloneServer(engine, host, bound_http, plane=plane, _servers=[http])
-    if metrics_port is not None:
-        registry = metrics_registry(engine)
-        sockets = netutil.bind_sockets(metrics_port, address=host)
-        result.metrics_port = sockets[0].getsockname()[1]
-        guard = {"registry": registry, "access": access,
-                 "allowed_hosts": _loopback_hosts(host, result.metrics_port) if check_host else None}
-        mapp = web.Application([(r"/metrics", _Metrics, guard)], **quiet)
-        result._servers.append(_serve_on(mapp, sockets, 1024 * 1024))
-    if grpc_port is not None:
-        from .frontends.grpc import start_grpc_server
-        result._grpc, result.grpc_port = await start_grpc_server(
-            engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access,
-            limits=grpc_limits, ssl=grpc_ssl, admission=plane.admission)
+    # HTTP listens last, as tritonserver starts gRPC before HTTP: a client that saw
+    # v2/health/ready over HTTP finds the other ports listening.
+    result = StandaloneServer(engine, host, 0, plane=plane)
+    try:
+        if grpc_port is not None:
+            from .frontends.grpc import start_grpc_server
+            result._grpc, result.grpc_port = await start_grpc_server(
+                engine, grpc_host if grpc_host is not None else host, grpc_port, access=grpc_access,
+                limits=grpc_limits, ssl=grpc_ssl, admission=plane.admission)
+        if metrics_port is not None:
+            registry = metrics_registry(engine)
+            sockets = netutil.bind_sockets(metrics_port, address=host)
+            result.metrics_port = sockets[0].getsockname()[1]
+            guard = {"registry": registry, "access": access,
+                     "allowed_hosts": _loopback_hosts(host, result.metrics_port) if check_host else None}
+            mapp = web.Application([(r"/metrics", _Metrics, guard)], **quiet)
+            result._servers.append(_serve_on(mapp, sockets, 1024 * 1024))
+        if http_front == "fast":
+            front = HTTPFront(plane, body_timeout=BODY_TIMEOUT_S, idle_timeout=IDLE_TIMEOUT_S,
+                              access_log=access_log)
+            result.http_port = await front.listen(host, http_port)
+            result._servers.append(front)
+        else:
+            app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
+            http, result.http_port = _listen(app, host, http_port, options.max_input_size)
+            result._servers.append(http)
+        if check_host:
+            plane.allowed_hosts = _loopback_hosts(host, result.http_port)
+    except BaseException:
+        await result.stop()     # a port taken: what did start does not outlive the error
+        raise
     log.info("serving %s (HTTP %s [%s], gRPC %s, metrics %s; event loop: %s)",
              options.model_repository, result.http_port, http_front, result.grpc_port,
              result.metrics_port, type(asyncio.get_running_loop()).__module__.partition(".")[0])

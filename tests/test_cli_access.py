@@ -118,6 +118,29 @@ def test_grpc_address_is_the_address_grpc_binds(model_repo: Path):
         stop(proc)
 
 
+@pytest.mark.parametrize("taken_one", ["http", "grpc"])
+def test_a_taken_port_fails_the_start_and_frees_the_others(model_repo: Path, taken_one: str):
+    """A start whose HTTP or gRPC port is taken fails with the bind's error, and the other
+    port is let go (the kernel fallback starts again in the same process)."""
+    import socket
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.standalone import start_in_thread
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = {"http": free_port(), "grpc": free_port(), taken_one: taken.getsockname()[1]}
+    try:
+        with pytest.raises(OSError):
+            start_in_thread(EngineOptions(model_repository=model_repo, model_control_mode="explicit"),
+                            http_port=ports["http"], metrics_port=None, grpc_port=ports["grpc"])
+        other = ports["grpc" if taken_one == "http" else "http"]
+        again = socket.socket()
+        again.bind(("127.0.0.1", other))          # raises while anything still holds it
+        again.close()
+    finally:
+        taken.close()
+
+
 def test_an_open_repository_api_on_a_public_address_is_announced(capsys):
     def warned(*argv: str) -> list[str]:
         args = build_parser().parse_args(["serve", "--model-repository", "/m", *argv])
