@@ -29,8 +29,9 @@ from tritonclient.grpc import service_pb2_grpc
 from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unsupported
-from ..protocol.grpc_codec import (RequestPlans, check_model_version, decode_grpc_request,
-                                   encode_grpc_response, parameter_value, parse_infer_request)
+from ..protocol.grpc_codec import (RequestPlans, ResponsePlans, check_model_version,
+                                   decode_grpc_request, encode_grpc_response, parameter_value,
+                                   parse_infer_request)
 from ..engine.trace import trace_context
 from . import grpc_health, observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
@@ -122,6 +123,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.inflight = admission.budget if admission is not None else BodyBudget(max_inflight_bytes)
         self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
         self._plans = RequestPlans()
+        self._responses = ResponsePlans()
 
     def _open(self, group: str) -> bool:
         return self.access is None or self.access.open_to_all(group)
@@ -199,7 +201,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ----------------------------------------------------------------------
     @_rpc(INFERENCE)
-    async def ModelInfer(self, raw: bytes, context) -> pb.ModelInferResponse:
+    async def ModelInfer(self, raw: bytes, context) -> bytes:
         # A Charged message (grpc_h2: larger than its connection's allowance) is on the budget
         # since its prefix arrived, until this call ends: not charged twice.
         size = 0 if type(raw) is Charged else len(raw)
@@ -212,7 +214,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 response = await self.engine.infer(infer_request)
             except DecoupledRefused as err:
                 raise decoupled_unsupported(err, "ModelInfer RPC") from None
-            return encode_grpc_response(response, infer_request)
+            return self._responses.encode(response, infer_request)     # serialised already
         finally:
             self.inflight.give(size)
 
@@ -446,6 +448,10 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return observability.grpc_log_settings(self.engine, request)
 
 
+def _serialized(response: bytes) -> bytes:
+    return response
+
+
 def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
     """Every RPC of Triton's service (from its descriptor) -> the handler over ``service``."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -455,7 +461,8 @@ def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHa
         raw = method.name in ("ModelInfer", "ModelStreamInfer")
         request_type = getattr(pb, method.input_type.name)
         deserializer = None if raw else request_type.FromString
-        serializer = getattr(pb, method.output_type.name).SerializeToString
+        serializer = _serialized if method.name == "ModelInfer" else \
+            getattr(pb, method.output_type.name).SerializeToString
         if method.client_streaming and method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 behaviour, request_deserializer=deserializer, response_serializer=serializer)

@@ -13,7 +13,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
-from .datatypes import DATATYPES, element_count, tensor_from_wire, tensor_to_wire
+from .datatypes import (DATATYPES, element_count, tensor_from_wire, tensor_to_wire,
+                        tensor_wire_buffer, wire_dtype)
 from .errors import InvalidArgument
 from .http_codec import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
@@ -361,3 +362,107 @@ def _from_plan(plan: tuple, raw: bytes) -> InferRequest | None:
                         [RequestedOutput(name, dict(params) if params else {})
                          for name, params in outputs],
                         dict(parameters) if parameters else {})
+
+
+_ID_TAG = b"\x1a"               # ModelInferResponse.id: field 3, length-delimited
+_RAW_OUTPUT_TAG = b"\x32"       # ModelInferResponse.raw_output_contents: field 6
+_PARAM_TYPES = frozenset((str, int, bool, float))
+
+
+def _params_key(params: dict) -> tuple | None:
+    """A parameter map as part of a plan's key (types too: True and 1 are two oneofs), or
+    None where a value is not one the plan can key (a plan is not made)."""
+    key = []
+    for name, value in params.items():
+        kind = type(value)
+        if kind not in _PARAM_TYPES or value != value:      # (NaN never equals its key)
+            return None
+        key.append((name, kind, value))
+    return tuple(key)
+
+
+class ResponsePlans:
+    """ModelInferResponse bytes written from a plan: responses of one model repeat one layout
+    (model, version, output names, datatypes, shapes, parameters) and differ in their id and
+    outputs' bytes; building and serialising a protobuf for each cost more than the rest of
+    the encode on the loop.
+
+    A plan is the message protobuf writes without ``id`` and ``raw_output_contents``, split
+    where the id goes (protobuf writes fields in number order: 1, 2 before id's 3; 4, 5 after;
+    6 last), and each output's length-delimited prefix. A response is the plan's pieces around
+    its own id and tensors' bytes: what SerializeToString writes for the same message. BYTES
+    outputs (their length varies) and outputs in shared memory are encoded by protobuf.
+    Bounded: 64 plans, forgotten all at once when full."""
+
+    MAX_PLANS = 64
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, tuple] = {}
+
+    def encode(self, resp: InferResponse, request: InferRequest) -> bytes:
+        key = self._key(resp)
+        if key is None:
+            return encode_grpc_response(resp, request).SerializeToString()
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _response_plan(resp)
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        head, tail, frames = plan
+        rid = resp.id or request.id
+        parts = [head]
+        if rid:
+            rid = rid.encode()
+            parts += (_ID_TAG, _varint(len(rid)), rid)
+        parts.append(tail)
+        for t, (frame, size, wire) in zip(resp.outputs, frames):
+            arr = t.data
+            # an array already in its wire layout is joined as it is (a buffer: no copy)
+            if wire is None or type(arr) is not np.ndarray or arr.dtype != wire or \
+                    not arr.flags.c_contiguous:
+                arr = tensor_wire_buffer(arr, t.datatype)
+            if arr.nbytes != size:      # (a shape that does not fit its data: protobuf's)
+                return encode_grpc_response(resp, request).SerializeToString()
+            parts += (frame, arr)
+        return b"".join(parts)
+
+    @staticmethod
+    def _key(resp: InferResponse) -> tuple | None:
+        layout = []
+        for t in resp.outputs:
+            if t.data is None or t.datatype == "BYTES" or t.datatype not in DATATYPES:
+                return None
+            if t.parameters:
+                params = _params_key(t.parameters)
+                if params is None:
+                    return None
+            else:
+                params = ()
+            layout.append((t.name, t.datatype, t.shape, params))
+        if resp.parameters:
+            params = _params_key(resp.parameters)
+            if params is None:
+                return None
+        else:
+            params = ()
+        return resp.model_name, str(resp.model_version), params, tuple(layout)
+
+
+def _response_plan(resp: InferResponse) -> tuple:
+    msg = encode_grpc_response(
+        InferResponse(resp.model_name, resp.model_version, "",
+                      [InferTensor(t.name, t.datatype, t.shape, None, t.parameters)
+                       for t in resp.outputs], resp.parameters),
+        InferRequest(resp.model_name))
+    del msg.raw_output_contents[:]
+    layout = msg.SerializeToString()
+    head = service_pb2.ModelInferResponse(
+        model_name=msg.model_name, model_version=msg.model_version).SerializeToString()
+    assert layout.startswith(head)      # fields in number order: model_name, model_version
+    frames = []
+    for t in resp.outputs:
+        size = element_count(t.shape) * DATATYPES[t.datatype].size
+        frames.append((_RAW_OUTPUT_TAG + _varint(size), size,     # BF16: narrowed first
+                       None if t.datatype == "BF16" else wire_dtype(t.datatype)))
+    return head, layout[len(head):], frames
