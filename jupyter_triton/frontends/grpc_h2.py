@@ -321,6 +321,8 @@ _EOF = object()
 class _Connection(asyncio.Protocol):
     def __init__(self, server: "H2GrpcServer") -> None:
         self.server = server
+        # held: asyncio.get_running_loop() costs a getpid() a call, several calls a request
+        self.loop = asyncio.get_running_loop()
         limits = self.limits = server.limits
         self.buf = bytearray()
         self.preface = False
@@ -384,7 +386,7 @@ class _Connection(asyncio.Protocol):
         self.out.append(data)
         if not self.flush_scheduled:
             self.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self.flush_scheduled = False
@@ -395,7 +397,7 @@ class _Connection(asyncio.Protocol):
     def _paced(self, size: int) -> None:
         """A large read: past READ_BURST this iteration, reading pauses until the next."""
         if not self.burst:
-            asyncio.get_running_loop().call_soon(self._next_burst)
+            self.loop.call_soon(self._next_burst)
         self.burst += size
         if self.burst > READ_BURST and self.transport is not None:
             self.transport.pause_reading()
@@ -409,7 +411,7 @@ class _Connection(asyncio.Protocol):
     # write back-pressure: a peer that does not read is not read either
     def pause_writing(self) -> None:
         self.write_paused = True
-        self.paused_at = asyncio.get_running_loop().time()
+        self.paused_at = self.loop.time()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
 
@@ -459,7 +461,7 @@ class _Connection(asyncio.Protocol):
         self.pending_total = self.held = self.reserved = 0
         self.transport = None
         if held >= TRIM_AFTER:
-            asyncio.get_running_loop().run_in_executor(None, _trim_heap)
+            self.loop.run_in_executor(None, _trim_heap)
 
     def _drop(self, st: _Stream) -> None:
         self._release(st)
@@ -489,7 +491,7 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is not None:
             transport.close()
-            asyncio.get_running_loop().call_later(2.0, transport.abort)
+            self.loop.call_later(2.0, transport.abort)
 
     # -- timers: one per connection ------------------------------------------------------
     def _tick_interval(self) -> float:
@@ -685,7 +687,7 @@ class _Connection(asyncio.Protocol):
         """grpc core's ping policing: pings closer together than the allowed interval while
         we sent no data are strikes; past ``max_ping_strikes``, GOAWAY "too_many_pings"."""
         limits = self.limits
-        now = asyncio.get_running_loop().time()
+        now = self.loop.time()
         if self.replies != self.ping_replies:       # we sent data since: a clean slate
             self.ping_replies = self.replies
             self.ping_strikes = 0
@@ -953,7 +955,7 @@ class _Connection(asyncio.Protocol):
                 return False
             st.charged += length
             st.paid = True
-            st.paid_at = asyncio.get_running_loop().time()
+            st.paid_at = self.loop.time()
         st.admitted = n
         return True
 
@@ -1004,7 +1006,7 @@ class _Connection(asyncio.Protocol):
         if st.queue is not None:
             st.queue.put_nowait(_EOF)
         elif st.task is None and st.trailers is None and st.handler is not None:
-            st.task = asyncio.get_running_loop().create_task(self._unary(st))
+            st.task = self.loop.create_task(self._unary(st))
 
     def _reset(self, st: _Stream, code: int) -> None:
         """A stream error: RST_STREAM(code); the stream and its handler are dropped."""
@@ -1041,7 +1043,7 @@ class _Connection(asyncio.Protocol):
             for m in st.messages:
                 st.queue.put_nowait(m)
             st.messages.clear()
-            st.task = asyncio.get_running_loop().create_task(self._streaming(st, handler))
+            st.task = self.loop.create_task(self._streaming(st, handler))
 
     async def _inflated(self, message: bytes) -> bytes:
         """A compressed message, inflated within the receive limit (off the loop if large)."""
@@ -1130,7 +1132,7 @@ class _Connection(asyncio.Protocol):
                         (st.pending and self.pending_total > self.limits.max_pending_bytes):
                     # A client that reads slower than the model answers holds the model back
                     # (through the handler's bounded queue), not this server's memory.
-                    st.writable = asyncio.get_running_loop().create_future()
+                    st.writable = self.loop.create_future()
                     await st.writable
             if failed:
                 raise failed[0]
