@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from .datatypes import (count_bytes_elements, element_count, element_size, is_valid_datatype, round_to_bf16,
-                        tensor_from_wire, tensor_wire_buffer, triton_to_numpy)
+                        tensor_from_wire, tensor_wire_buffer, triton_to_numpy, wire_dtype)
 from .errors import InvalidArgument
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
 
@@ -775,6 +775,88 @@ def encode_infer_response(response: InferResponse, request: InferRequest
     ``binary_data_output`` does. A BYTES output that is not UTF-8 cannot be JSON text and is
     sent binary whatever was asked: tritonclient reads either form.
     """
+    planned = _planned_response(response, request)
+    if planned is not None:
+        return planned
+    return _encode_response(response, request)
+
+
+# Binary responses whose layout repeats (model, version, each output's name, datatype and
+# shape, all binary, no parameters): (JSON header before the id, after it, each output's wire
+# size and dtype), or None for a layout no plan can write. Bounded: forgotten when full.
+_RESPONSE_PLANS: dict[tuple, tuple | None] = {}
+_RESPONSE_PLANS_MAX = 256
+
+
+def _planned_response(response: InferResponse, request: InferRequest
+                      ) -> tuple[bytes, int] | None:
+    """``_encode_response``'s bytes for a response whose outputs are all binary, from the
+    plan of its layout: the header is the same but for the id, the rest is the tensors'
+    bytes (an array already in its wire layout joined as it is). None: not planned."""
+    if response.parameters:
+        return None
+    params = request.parameters
+    default_binary = params.get("binary_data_output", False) if params else False
+    requested = {o.name: o.parameters for o in request.outputs} if request.outputs else None
+    layout = [response.model_name, response.model_version]
+    for t in response.outputs:
+        if t.parameters or t.datatype == "BYTES" or t.data is None:
+            return None
+        wanted = requested.get(t.name) if requested is not None else None
+        if not (wanted.get("binary_data", default_binary) if wanted else default_binary):
+            return None
+        layout.append((t.name, t.datatype, t.shape))
+    if len(layout) == 2:
+        return None             # no outputs: an all-JSON reply
+    key = tuple(layout)
+    plan = _RESPONSE_PLANS.get(key, False)
+    if plan is False:
+        plan = _response_plan(response)
+        if len(_RESPONSE_PLANS) >= _RESPONSE_PLANS_MAX:
+            _RESPONSE_PLANS.clear()
+        _RESPONSE_PLANS[key] = plan
+    if plan is None:
+        return None
+    head, tail, wires = plan
+    rid = response.id or request.id
+    if rid:
+        if type(rid) is not str:
+            return None
+        parts = [head, b',"id":', _encode_header(rid, True), tail]    # as the header spells it
+        length = len(head) + 6 + len(parts[2]) + len(tail)
+    else:
+        parts = [head, tail]
+        length = len(head) + len(tail)
+    for t, (size, wire) in zip(response.outputs, wires):
+        arr = t.data
+        if wire is None or type(arr) is not np.ndarray or arr.dtype != wire or \
+                not arr.flags.c_contiguous:
+            arr = tensor_wire_buffer(arr, t.datatype)
+        if arr.nbytes != size:      # data that does not fit its shape: the header says so
+            return None
+        parts.append(arr)
+    return b"".join(parts), length
+
+
+def _response_plan(response: InferResponse) -> tuple | None:
+    wires = []
+    for t in response.outputs:
+        size = element_count(t.shape) * element_size(t.datatype)
+        if memoryview(tensor_wire_buffer(t.data, t.datatype)).nbytes != size:
+            return None         # (its header would say another size)
+        wires.append((size, None if t.datatype == "BF16" else wire_dtype(t.datatype)))
+    body, length = _encode_response(
+        InferResponse(response.model_name, response.model_version, "", response.outputs),
+        InferRequest(response.model_name, parameters={"binary_data_output": True}))
+    head = _encode_header({"model_name": response.model_name,
+                           "model_version": str(response.model_version)}, True)[:-1]
+    if length is None or not body.startswith(head):
+        return None
+    return head, body[len(head):length], wires
+
+
+def _encode_response(response: InferResponse, request: InferRequest
+                     ) -> tuple[bytes, int | None]:
     requested = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
     default_binary = bool(request.parameters.get("binary_data_output", False))
     outputs = []
