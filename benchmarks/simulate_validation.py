@@ -52,7 +52,7 @@ from jupyter_triton.kernel.discovery import Connection  # noqa: E402
 from jupyter_triton.kernel import tune as tu  # noqa: E402
 from jupyter_triton.planning import Load, simulate  # noqa: E402
 from jupyter_triton.planning.capacity import CapacityPlan, _measure, parallel_ns  # noqa: E402
-from jupyter_triton.planning.service import calibrate_overhead  # noqa: E402
+from jupyter_triton.planning.service import _thread_cpu_ns, calibrate_overhead  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_PY = '''
@@ -113,9 +113,10 @@ def start_server(repo: Path) -> tuple[subprocess.Popen, Connection]:
 
 
 def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds: float,
-                 load_generator: str) -> list[dict]:
+                 load_generator: str, pid: int) -> list[dict]:
     """Every config under a temporary name, every concurrency, closed loop; per row the load
-    generator's figures and, from the statistics, the batches and their execution time."""
+    generator's figures and, from the statistics, the batches and their execution time, and
+    the server's event-loop CPU per request under that load (its main thread, /proc)."""
     client = TritonHTTP(conn)
     perf = tu.find_perf_analyzer() if load_generator in ("auto", "perf_analyzer") else None
     temp = "embedder__validation"
@@ -129,8 +130,10 @@ def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds:
                 shapes = tu._shapes(meta)
                 for c in CONCURRENCY:
                     [s0] = client.stats(temp, version)["model_stats"]
+                    cpu0 = _thread_cpu_ns(pid, pid)
                     run = (tu._run_perf_analyzer(perf, conn, temp, shapes, c, seconds) if perf
                            else tu._run_loadgen(conn, temp, shapes, c, seconds))
+                    cpu1 = _thread_cpu_ns(pid, pid)
                     [s1] = client.stats(temp, version)["model_stats"]
                     execs = int(s1["execution_count"]) - int(s0["execution_count"])
                     rows = int(s1["inference_count"]) - int(s0["inference_count"])
@@ -142,6 +145,7 @@ def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds:
                                 "throughput": run["throughput"], "p50_ms": run["p50_ms"],
                                 "p95_ms": run["p95_ms"], "p99_ms": run["p99_ms"],
                                 "mean_batch": rows / execs, "exec_ms": compute / execs / 1e6,
+                                "loop_us": (cpu1 - cpu0) / rows / 1e3 if cpu0 is not None else 0.0,
                                 "failures": run["failures"]})
     finally:
         client.unload(temp)
@@ -168,10 +172,15 @@ def run(seconds: float, load_generator: str) -> dict:
             service = _measure(client, conn, "embedder", base, max(SIZES), None, repeats=30,
                                server_pid=proc.pid, burst_s=BURST_S)
             sweep_s = time.perf_counter() - started
+            cpu0 = _thread_cpu_ns(proc.pid, proc.pid)
+            [s0] = client.stats("embedder")["model_stats"]
             calib = calibrate_overhead(conn, "embedder", service, seconds=seconds,
                                        load_generator=load_generator)
+            [s1] = client.stats("embedder")["model_stats"]
+            cpu1 = _thread_cpu_ns(proc.pid, proc.pid)
+            calib["loop_us"] = (cpu1 - cpu0) / max(1, int(s1["inference_count"]) - int(s0["inference_count"])) / 1e3
             started = time.perf_counter()
-            measured = measure_grid(conn, base, files, seconds, load_generator)
+            measured = measure_grid(conn, base, files, seconds, load_generator, proc.pid)
             tune_s = time.perf_counter() - started
             started = time.perf_counter()
             loop_us = service.loop_ns / 1e3
@@ -187,7 +196,7 @@ def run(seconds: float, load_generator: str) -> dict:
                                       [Load("concurrency", float(m["concurrency"]))],
                                       [(m["max_batch_size"], m["max_queue_delay_us"], 1)],
                                       overhead_ns=int(overhead_us * 1000)).results[0]
-                r.update(exec_ms=m["exec_ms"], exec_factor=factor,
+                r.update(exec_ms=m["exec_ms"], exec_factor=factor, measured_loop_us=m["loop_us"],
                          replayed_throughput=replay["throughput"], replayed_p50_ms=replay["p50_ms"],
                          replayed_p99_ms=replay["p99_ms"], replayed_mean_batch=replay["mean_batch"])
                 for k in ("throughput", "p50_ms", "p99_ms"):
@@ -205,8 +214,10 @@ def run(seconds: float, load_generator: str) -> dict:
             "load_average_before": load_before, "load_average_after": load_average(),
             "cpus": os.cpu_count(), "service": service.to_json(), "service_table": service.table(),
             "sweep_overhead_us": service.overhead_ns / 1e3, "calibration": calib,
-            "loop_us": loop_us, "overhead_us": overhead_us, "handoff_us": service.handoff_ns / 1e3,
-            "stall_rate": service.stall_rate,
+            "loop_us": loop_us, "loop_batch_us": service.loop_batch_ns / 1e3, "overhead_us": overhead_us, "handoff_us": service.handoff_ns / 1e3,
+            "stall_rate": service.stall_rate, "stall_chance": service.stall_chance,
+            "burst_qps": service.burst_qps, "burst_batch": service.burst_batch,
+            "burst_p99_ms": service.burst_p99_ns / 1e6, "stall_scale": service.stall_scale,
             "stall_p50_ms": service.stall_ns[len(service.stall_ns) // 2] / 1e6 if service.stall_ns else 0.0,
             "stall_max_ms": service.stall_ns[-1] / 1e6 if service.stall_ns else 0.0, "burst_s": BURST_S, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
 
@@ -224,9 +235,14 @@ def _tally(rows: list[dict]) -> str:
 
 
 def _stalls(run: dict) -> str:
-    if not run.get("stall_rate"):
+    if not run.get("stall_rate") and not run.get("stall_chance"):
         return "no stall"
-    return (f"{run['stall_rate']:.1f} stalls a second (median {run['stall_p50_ms']:.1f} ms, "
+    per = (f" and {run['stall_chance'] * 1000:.1f} a thousand requests (the c=8 burst: {run['burst_qps']:.0f} "
+           f"requests a second, mean batch {run['burst_batch']:.1f})" if "stall_chance" in run else "")
+    if "stall_scale" in run:
+        per += (f", each {run['stall_scale']:.2f} times the least hold it left (the scale whose simulated "
+                f"burst has the burst's p99, {run['burst_p99_ms']:.1f} ms)")
+    return (f"{run['stall_rate']:.1f} stalls a second{per} (median {run['stall_p50_ms']:.1f} ms, "
             f"longest {run['stall_max_ms']:.1f} ms)")
 
 
@@ -242,25 +258,35 @@ def render(runs: list[dict]) -> str:
            "What the simulation is given (all measured by `planning.measure` and the c=1",
            "calibration, nothing fitted to this table): the executions per batch size (c=1",
            "sweep); per batch, the instance's hand-off (a saturating burst's cycle less the",
-           "executions recorded); per request, the server's event-loop CPU, taken in turn, and",
-           "the rest of the c=1 overhead, spent side by side, drawn with the sweep's spread;",
-           "closed-loop clients start spread over one round trip; and the event loop stalls as",
-           "often while it works and as long as the burst saw requests held up beyond one",
-           "instance cycle.", "",
+           "executions recorded); the server's event-loop CPU, taken in turn, in two parts, one a",
+           "request and one a batch (beside its execution), from its CPU per request in two bursts,",
+           "one client (a request a batch) and eight (their mean batch); the rest of the c=1",
+           "overhead, spent side by side, drawn with the sweep's spread; closed-loop clients start",
+           "spread over one round trip; and event-loop stalls, some a second and some a request",
+           "(from the two bursts' stall rates at their two request rates: a lighter load meets",
+           "fewer a second), each as long as the least hold it left in the burst times the scale",
+           "whose simulated burst has the burst's own p99 (the rest of a hold is the backlog",
+           "behind the stall, which the simulation forms itself). `loop us meas` is the event",
+           "loop's CPU per request the server's main thread spent in that row (/proc).", "",
            "What it cannot know, and how the table shows it: how the machine's other tenants",
-           "load it during each 3 s row. The burst is 6 s at one moment; a row measured while a",
+           "load it during each 3 s row. The bursts are 6 s each at one moment; a row measured while a",
            "neighbour ran has its executions slowed (`exec x` above 1: the replayed columns take",
            "the executions recorded under that row's load and show how much of the miss that",
            "explains) and its tail lengthened or, in a quiet moment, shortened: a p99 rests on",
            "the few dozen slowest requests of a row, a few stalls more or less. Where a config",
            "sits between two batch patterns (max_batch_size 4, delay 1000 us, c=4: the real server",
-           "forms 2.0 to 2.6 from run to run), a row may land on either; the simulation takes",
+           "forms 2.0 to 2.8 from run to run), a row may land on either; the simulation takes",
            "the pattern its drawn delays lead to.", "",
            "Runs simulated with an earlier model say so in their heading.", ""]
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
-        model = "" if "handoff_us" in run else " (earlier model: a fixed overhead, the loop at its c=1 CPU)"
+        model = ("" if "stall_scale" in run else
+                 " (earlier model: each stall as long as the least hold it left)" if "loop_batch_us" in run else
+                 " (earlier model: stalls drawn a request only, each as long as the longest request it "
+                 "held; the loop's CPU all per request)" if "stall_chance" in run else
+                 " (earlier model: stalls drawn a second of work at every load)" if "handoff_us" in run else
+                 " (earlier model: a fixed overhead, the loop at its c=1 CPU)")
         out += [f"## Run {i}: {run['date']}, {run['load_generator']}, {run['seconds_per_row']:g} s a row{model}",
                 "",
                 f"load average before {run['load_average_before']}, after {run['load_average_after']} "
@@ -272,10 +298,14 @@ def render(runs: list[dict]) -> str:
                     for r in run["service_table"]) + ".",
                 f"Overhead at c=1: {cal['overhead_us']:.0f} us with {cal['load_generator']} "
                 f"(client p50 {cal['client_p50_ms']:.2f} ms - median execution of one row "
-                f"{cal['server_ms']:.2f} ms); "
+                f"{cal['server_ms']:.2f} ms"
+                + (f"; the server's event loop {cal['loop_us']:.0f} us of CPU a request" if "loop_us" in cal else "")
+                + "); "
                 f"the sweep's own client saw {run['sweep_overhead_us']:.0f} us. "
                 + (f"Burst at saturation: hand-off {run['handoff_us']:.0f} us a batch, the server's "
-                   f"event loop {run['loop_us']:.0f} us of CPU a request (taken in turn), "
+                   f"event loop {run['loop_us']:.0f} us of CPU a request (taken in turn)"
+                   + (f" and {run['loop_batch_us']:.0f} us a batch (beside its execution)"
+                      if "loop_batch_us" in run else "") + ", "
                    f"{_stalls(run)}; so {run['overhead_us']:.0f} us a request side by side, drawn "
                    f"with the sweep's spread."
                    if "handoff_us" in run else
@@ -287,8 +317,9 @@ def render(runs: list[dict]) -> str:
                 f"{sum(r['replayed_within_aim'] for r in run['rows'])} of {len(run['rows'])}.**", "",
                 f"Within each aim, predicted / replayed: {_tally(run['rows'])}.", "",
                 "| max_batch_size | delay us | c | thr meas | thr sim | err | p50 meas | p50 sim | err "
-                "| p99 meas | p99 sim | err | batch meas | batch sim | aim | exec x | replayed err thr / p50 / p99 | aim |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| p99 meas | p99 sim | err | batch meas | batch sim | aim | exec x | replayed err thr / p50 / p99 | aim "
+                "| loop us meas |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
             out.append(
                 f"| {r['max_batch_size']} | {r['max_queue_delay_us']} | {r['concurrency']} "
@@ -298,7 +329,8 @@ def render(runs: list[dict]) -> str:
                 f"| {r['measured_mean_batch']:.2f} | {r['simulated_mean_batch']:.2f} "
                 f"| {'yes' if r['within_aim'] else 'no'} | {r['exec_factor']:.2f} "
                 f"| {pct(r['replayed_error_throughput'])} / {pct(r['replayed_error_p50_ms'])} / "
-                f"{pct(r['replayed_error_p99_ms'])} | {'yes' if r['replayed_within_aim'] else 'no'} |")
+                f"{pct(r['replayed_error_p99_ms'])} | {'yes' if r['replayed_within_aim'] else 'no'} "
+                + (f"| {r['measured_loop_us']:.0f} |" if "measured_loop_us" in r else "|  |"))
         out.append("")
     return "\n".join(out) + "\n"
 

@@ -17,15 +17,19 @@ a delay requests spend side by side (client, network, wake-ups), each request's 
 ``loop_ns``, the server's own work on its one event loop (read, decode, validate; encode,
 write), which requests take in turn: under load it spreads their arrivals at the scheduler
 (and bounds throughput at 1 / ``loop_ns``), which is what makes the batches formed at high
-concurrency smaller than the concurrency. The drawn delays also keep closed-loop clients from
-moving in lockstep, as real ones do not; ``stagger_ns`` spreads their first sends.
+concurrency smaller than the concurrency. ``loop_batch_ns`` is the loop's work per batch
+(dispatching it, taking its results): taken in turn too, from the moment the batch leaves,
+so it runs beside the batch's execution and delays only what needs the loop meanwhile. The
+drawn delays also keep closed-loop clients from moving in lockstep, as real ones do not;
+``stagger_ns`` spreads their first sends.
 
-``stall_rate`` stalls a second while the server works (a Poisson stream; a stall that comes
-while every instance and the event loop are idle has nothing to hold), each holding the
-event loop for one of ``stall_ns``: the moments a busy machine gives the server's threads
-no core, as often as a saturated server met them. Unlike a request's own delay, a stall
-holds up every request waiting for the loop, and answers queue behind it: the correlated
-tail that a shared machine shows under load.
+Stalls hold the event loop for one of ``stall_ns``: the moments a busy machine gives the
+server's threads no core. They come ``stall_rate`` a second while the server works (a
+Poisson stream; a stall that comes while every instance and the event loop are idle has
+nothing to hold: neighbours' load) and with probability ``stall_chance`` at each request's
+turn on the loop (the load's own CPU competing for the cores: a lighter load meets fewer a
+second). Unlike a request's own delay, a stall holds up every request waiting for the
+loop, and answers queue behind it: the correlated tail that a shared machine shows under load.
 """
 from __future__ import annotations
 
@@ -106,6 +110,7 @@ class _SimPool:
         for i in self.instances:
             self._idle.put_nowait(i)
         self.on_release: Callable[[], object] | None = None
+        self.on_run: Callable[[], object] | None = None      # the server's loop dispatches it
         self.batches: list[tuple[int, int, int]] = []
 
     @property
@@ -144,6 +149,8 @@ class _SimPool:
             p.request.start_ns = now            # the Outcome (a stand-in keeps the same one)
             p.request.batch_rows = rows
         self.batches.append((now, rows, instance))
+        if self.on_run is not None:
+            self.on_run()
         took = max(0, int(self._service(rows, self._rng)))
         loop.call_at((now + took) / 1e9, self._ran, instance, live, done)
         return done
@@ -168,7 +175,8 @@ class _Simulation:
     def __init__(self, config: mc.ModelConfig, service: ServiceTime,
                  traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int,
                  loop_ns: int, jitter_ns: Sequence[int] = (), stagger_ns: int = 0,
-                 stall_ns: Sequence[int] = (), stall_rate: float = 0.0) -> None:
+                 stall_ns: Sequence[int] = (), stall_rate: float = 0.0, stall_chance: float = 0.0,
+                 loop_batch_ns: int = 0) -> None:
         self.loop = VirtualLoop()
         self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
         self.config = config
@@ -176,10 +184,14 @@ class _Simulation:
         self.jitter_ns = list(jitter_ns)
         self.stagger_ns = stagger_ns
         self.outside_rng = random.Random(f"outside/{seed}")    # apart: service draws stay the same
-        self.stall_ns = list(stall_ns) if stall_rate > 0 else []
+        self.stall_ns = list(stall_ns) if stall_rate > 0 or stall_chance > 0 else []
         self.stall_rate = stall_rate
+        self.stall_chance = stall_chance
         self.stall_rng = random.Random(f"stalls/{seed}")
-        self.loop_stage = bool(loop_ns or self.stall_ns)       # requests pass the loop in turn
+        self.loop_stage = bool(loop_ns or self.stall_ns or loop_batch_ns)   # requests pass the loop in turn
+        self.loop_batch_ns = loop_batch_ns
+        if loop_batch_ns:
+            self.pool.on_run = self._dispatched
         self.loop_in = loop_ns // 2
         self.loop_out = loop_ns - self.loop_in
         self.loop_free_ns = 0               # when the server's event loop is next free
@@ -222,7 +234,7 @@ class _Simulation:
         else:
             self.scheduler = DirectScheduler(self.pool, self.config)
         self.finished = self.loop.create_future()
-        if self.stall_ns:
+        if self.stall_ns and self.stall_rate:
             self._next_stall()
         if self.open_loop.arrivals:
             self._next_arrival()
@@ -232,6 +244,10 @@ class _Simulation:
                 self._send_at(client, start)
         await self.finished
         await self.scheduler.close()
+
+    def _dispatched(self) -> None:
+        """A batch left for its instance: the loop's work per batch (beside the execution)."""
+        self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_batch_ns
 
     def _next_stall(self) -> None:
         self.loop.call_at(self.loop.now / 1e9 + self.stall_rng.expovariate(self.stall_rate), self._stall)
@@ -271,6 +287,8 @@ class _Simulation:
             spec = client.spec
         if self.loop_stage:
             self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_in
+            if self.stall_ns and self.stall_chance and self.stall_rng.random() < self.stall_chance:
+                self.loop_free_ns += self.stall_rng.choice(self.stall_ns)
             self.loop.call_at(self.loop_free_ns / 1e9, self._submit, client, spec, sent_ns, after_ns)
         else:
             self._submit(client, spec, sent_ns, after_ns)
@@ -316,10 +334,13 @@ class _Simulation:
 
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
              seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0, jitter_ns: Sequence[int] = (),
-             stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_rate: float = 0.0) -> SimResult:
+             stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_rate: float = 0.0,
+             stall_chance: float = 0.0, loop_batch_ns: int = 0) -> SimResult:
     """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
-    if overhead_ns < 0 or loop_ns < 0 or stagger_ns < 0 or stall_rate < 0 or any(v < 0 for v in stall_ns):
-        raise ValueError(f"overhead_ns, loop_ns, stagger_ns, stall_rate and stalls must be 0 or more, "
-                         f"got {overhead_ns}, {loop_ns}, {stagger_ns}, {stall_rate}")
+    if min(overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate, stall_chance) < 0 or \
+            any(v < 0 for v in stall_ns) or stall_chance > 1:
+        raise ValueError(f"overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate and stalls must be "
+                         f"0 or more and stall_chance in [0, 1], got {overhead_ns}, {loop_ns}, "
+                         f"{loop_batch_ns}, {stagger_ns}, {stall_rate}, {stall_chance}")
     return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns, jitter_ns, stagger_ns,
-                       stall_ns, stall_rate).run()
+                       stall_ns, stall_rate, stall_chance, loop_batch_ns).run()

@@ -11,9 +11,11 @@ seeded simulation: a row of p50/p95/p99, throughput and mean batch. The same
 Latency here is what a client sees. What the service model measured (``service``) drives
 every stage: each batch occupies its instance for a drawn execution plus the measured
 hand-off; each request takes the server's event loop in turn for ``loop_ns`` (its measured
-CPU per request), and spends ``overhead_ns`` side by side with the others (the rest of the
-c=1 overhead: client, sockets, wake-ups), drawn per request with the spread the sweep saw
-(``jitter``); closed-loop clients start spread over one c=1 round trip.
+CPU per request) and each batch for ``loop_batch_ns`` beside its execution, and spends
+``overhead_ns`` side by side with the others (the rest of the c=1 overhead: client, sockets,
+wake-ups), drawn per request with the spread the sweep saw (``jitter``); closed-loop clients
+start spread over one c=1 round trip; the loop stalls as the machine stalled the server in
+``measure``'s bursts (some a second, some a request).
 """
 from __future__ import annotations
 
@@ -212,12 +214,16 @@ class CapacityPlan:
                                   self._base.get("name", self.model))
         service = self.service
         loop = {"loop_ns": self.loop_ns} if self.loop_ns else {}
+        if self.loop_ns and service.loop_batch_ns:
+            loop["loop_batch_ns"] = service.loop_batch_ns
         # one c=1 round trip: closed-loop clients start spread over it, not all at once
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
+        # stalls: some a second whatever the load, some a request (``measure`` splits them)
+        stalls = {"stall_rate": service.stall_rate, "stall_chance": service.stall_chance}
         result = sim.simulate(config, service, traffic, seed=self.seed, overhead_ns=self.overhead_ns,
                               jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
                               stall_ns=service.stall_ns if self.jitter and self.stalls else (),
-                              stall_rate=service.stall_rate, **loop)
+                              **stalls, **loop)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
                **summarize(result)}

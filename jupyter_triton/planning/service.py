@@ -17,27 +17,35 @@ slow samples (another process took the core) then widen the spread of every size
 bending the curve at the size they hit. Sweeps are kept per model, version, config
 fingerprint and server (``ServiceModel.cached``).
 
-After the sweep, a short saturating burst (``BURST_CLIENTS`` clients, one row a request, back to
-back) measures what the c=1 sweep cannot see:
+After the sweep, two short bursts (one row a request, back to back: ``BURST_CLIENTS`` clients,
+saturating, then one client) measure what the c=1 sweep cannot see:
 
 * ``handoff_ns``: how long an instance is occupied per batch beyond the execution the
-  statistics record (the hand-off to the instance's worker and back, the event loop
-  delivering the results and dispatching the next batch): at saturation the instance runs
-  batch after batch, so the burst's wall time less the recorded executions and the stalls
-  (below: the instance waited them out, and the simulation stalls apart), per execution,
-  is that cycle's remainder;
-* ``loop_ns``: the server's event loop's CPU per request over the burst (read, decode, submit;
-  encode, write): work that requests take in turn on its one thread. It needs the server's
-  process on this host (``server_thread``: the in-kernel server's thread, or the pid in a
-  Jupyter server's runtime file); 0 when it cannot be read, and then the simulation treats
-  the whole overhead as a delay requests spend in parallel;
-* ``stall_ns`` and ``stall_rate``: the moments the machine gave the server no core (other
-  processes, the clients themselves): a request whose latency exceeds the burst's median by
-  more than one instance cycle was stalled (its place in the queue varies by a cycle at
-  most), and the requests answered within a cycle of each other were held by one stall,
-  as long as the longest of them; so many a second. The simulation stalls its event loop
-  as often while the server works (a server left idle has nothing to hold up, so a lighter
-  load meets fewer), as long.
+  statistics record (the hand-off to the instance's worker and back): at saturation the
+  instance runs batch after batch, so the saturating burst's wall time less the recorded
+  executions and the stalls (below: the instance waited them out, and the simulation
+  stalls apart), per execution, is that cycle's remainder;
+* ``loop_ns`` and ``loop_batch_ns``: the server's event loop's CPU (read, decode, submit;
+  encode, write; dispatching a batch, taking its results), work that requests take in turn on
+  its one thread. Per request it falls with the batch (measured with perf_analyzer here: 580-710
+  us alone, 400-450 at batches of 2, 170-230 at 8), so it is two parts: one a request and one a
+  batch, shared by its requests. The bursts see it at one request a batch and at the
+  saturating burst's mean batch, which gives both (``_split_by_load``). The part a batch runs
+  while the batch executes (alone, a request's round trip is shorter than the loop's CPU for
+  it). It needs the server's process on this host (``server_thread``: the in-kernel server's
+  thread, or the pid in a Jupyter server's runtime file); 0 when it cannot be read, and then
+  the simulation treats the whole overhead as a delay requests spend in parallel;
+* ``stall_ns``, ``stall_rate`` and ``stall_chance``: the moments the machine gave the server no
+  core (other processes, the clients themselves). A request whose latency exceeds the burst's
+  median by more than one instance cycle was stalled (its place in the queue varies by a cycle
+  at most), and the requests answered within a cycle of each other were held by one stall
+  (every client at once: nothing completes during one). The stalls come partly whatever the
+  load (neighbours: ``stall_rate``, a second of work) and partly with the load's own CPU, the
+  clients' and the server's competing for the cores (``stall_chance``, a request): the two
+  bursts' rates at their two request rates give both, so a lighter load meets fewer a second.
+  How long: the least hold a stall left is about the stall, the rest the backlog behind it,
+  which the simulation forms itself; ``_fit_stalls`` scales those lengths until the
+  simulation of the saturating burst has the burst's own p99.
 
 The burst's clients run in a process of their own (in the kernel's they would take the GIL
 from an in-kernel server). What it measures is this machine at that moment: on a shared
@@ -74,6 +82,8 @@ _CACHE: dict[tuple[str, str, str, str], "ServiceModel"] = {}
 REQUEST_TIMEOUT_S = 30.0
 #: clients of the saturating burst: enough that the queue is never empty when a batch ends
 BURST_CLIENTS = 8
+#: the stalls' lengths are fitted within [0, this] times the shortest hold each left
+STALL_SCALE_MAX = 4.0
 #: the burst's clients (standard library only: it starts fast): argv host, port, clients;
 #: stdin a JSON line {path, headers, body}, then "measure" and "stop"; stdout "go" once all
 #: send, then {requests: [sent, latency] (ns) of those sent between measure and stop, errors}
@@ -139,8 +149,14 @@ class ServiceModel:
     fingerprint: str = ""
     handoff_ns: int = 0                        # per batch: instance occupied beyond the execution
     loop_ns: int = 0                           # per request: the server's event loop's CPU (0: unknown)
+    loop_batch_ns: int = 0                     # per batch: the loop's CPU shared by its requests
     stall_ns: list[int] = field(default_factory=list, repr=False)   # stalls seen by the burst
     stall_rate: float = 0.0                    # stalls a second of the (saturated) burst
+    stall_chance: float = 0.0                  # stalls a request of the burst (0: unknown)
+    burst_qps: float = 0.0                     # requests a second the burst was served
+    burst_batch: float = 0.0                   # the burst's mean batch (rows)
+    burst_p99_ns: int = 0                      # the burst's p99 (its own client's latency)
+    stall_scale: float = 1.0                   # the stalls' lengths as seen, times this (``_fit_stalls``)
 
     def __post_init__(self) -> None:
         self.samples = {int(k): sorted(int(v) for v in vs) for k, vs in self.samples.items() if vs}
@@ -213,8 +229,11 @@ class ServiceModel:
                             {b: [int(v * factor) for v in vs] for b, vs in self.samples.items()},
                             self.overhead_ns, self.overhead_samples,
                             method=self.method + f", scaled x{factor:.2f}", fingerprint=self.fingerprint,
-                            handoff_ns=self.handoff_ns, loop_ns=self.loop_ns,
-                            stall_ns=self.stall_ns, stall_rate=self.stall_rate)
+                            handoff_ns=self.handoff_ns, loop_ns=self.loop_ns, loop_batch_ns=self.loop_batch_ns,
+                            stall_ns=self.stall_ns, stall_rate=self.stall_rate,
+                            stall_chance=self.stall_chance, burst_qps=self.burst_qps,
+                            burst_batch=self.burst_batch, burst_p99_ns=self.burst_p99_ns,
+                            stall_scale=self.stall_scale)
 
     # -- showing ---------------------------------------------------------------------------
     def table(self) -> list[dict]:
@@ -265,7 +284,9 @@ class ServiceModel:
     def describe_overhead(self) -> str:
         return (f"overhead {self.overhead_ns / 1e6:.2f} ms a request at c=1 (event loop "
                 f"{self.loop_ns / 1e3:.0f} us in turn, parallel {self.parallel_ns / 1e3:.0f} us); "
-                f"hand-off {self.handoff_ns / 1e3:.0f} us a batch")
+                f"hand-off {self.handoff_ns / 1e3:.0f} us a batch, event loop {self.loop_batch_ns / 1e3:.0f} us "
+                f"a batch; stalls {self.stall_rate:.1f} a second and {self.stall_chance * 1000:.1f} a "
+                f"thousand requests")
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{r['batch_size']}: {r['mean_ms']:.2f} ms" for r in self.table())
@@ -276,7 +297,10 @@ class ServiceModel:
         return {"model": self.model, "version": self.version, "fingerprint": self.fingerprint,
                 "method": self.method, "overhead_ns": self.overhead_ns,
                 "overhead_samples": list(self.overhead_samples), "handoff_ns": self.handoff_ns,
-                "loop_ns": self.loop_ns, "stall_ns": list(self.stall_ns), "stall_rate": self.stall_rate,
+                "loop_ns": self.loop_ns, "loop_batch_ns": self.loop_batch_ns, "stall_ns": list(self.stall_ns), "stall_rate": self.stall_rate,
+                "stall_chance": self.stall_chance, "burst_qps": self.burst_qps,
+                "burst_batch": self.burst_batch, "burst_p99_ns": self.burst_p99_ns,
+                "stall_scale": self.stall_scale,
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
@@ -285,9 +309,14 @@ class ServiceModel:
                    int(obj.get("overhead_ns", 0)), [int(v) for v in obj.get("overhead_samples", [])],
                    method=obj.get("method", ""),
                    fingerprint=obj.get("fingerprint", ""), handoff_ns=int(obj.get("handoff_ns", 0)),
-                   loop_ns=int(obj.get("loop_ns", 0)),
+                   loop_ns=int(obj.get("loop_ns", 0)), loop_batch_ns=int(obj.get("loop_batch_ns", 0)),
                    stall_ns=[int(v) for v in obj.get("stall_ns", [])],
-                   stall_rate=float(obj.get("stall_rate", 0.0)))
+                   stall_rate=float(obj.get("stall_rate", 0.0)),
+                   stall_chance=float(obj.get("stall_chance", 0.0)),
+                   burst_qps=float(obj.get("burst_qps", 0.0)),
+                   burst_batch=float(obj.get("burst_batch", 0.0)),
+                   burst_p99_ns=int(obj.get("burst_p99_ns", 0)),
+                   stall_scale=float(obj.get("stall_scale", 1.0)))
 
     @staticmethod
     def cached(connection: Connection, model: str, version: str, config: dict) -> "ServiceModel | None":
@@ -405,16 +434,79 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
     result = ServiceModel(model, version, samples, int(statistics.median(overheads)), overheads,
                           fingerprint=key[3])
     if burst_s > 0:
-        seen = burst(connection, model, version, path, request_body(meta, 1), burst_s,
-                     server_thread(connection, server_pid))
+        thread = server_thread(connection, server_pid)
+        body = request_body(meta, 1)
+        seen = burst(connection, model, version, path, body, burst_s, thread)
+        alone = burst(connection, model, version, path, body, burst_s, thread, clients=1) \
+            if seen is not None else None
         if seen is not None:
             # the cycle at saturation less the executions the statistics recorded in it
             result.handoff_ns = max(0, seen.cycle_ns - seen.compute_ns)
             result.loop_ns = seen.loop_ns
             result.stall_ns, result.stall_rate = seen.stall_ns, seen.stall_rate
-            result.method += f"; hand-off, event loop and stalls from a {burst_s:g} s burst at c={BURST_CLIENTS}"
+            result.stall_chance, result.burst_qps = seen.stall_chance, seen.qps
+            result.burst_batch = seen.rows
+            result.method += f"; hand-off, event loop and stalls from {burst_s:g} s bursts at c={BURST_CLIENTS} and 1"
+            if alone is not None:
+                _split_by_load(result, seen, alone)
+            result.burst_p99_ns = seen.p99_ns
+            _fit_stalls(result, config, seen)
     _CACHE[key] = result
     return result
+
+
+def _split_by_load(result: ServiceModel, busy: "Burst", alone: "Burst") -> None:
+    """Two loads, two unknowns each. The event loop's CPU per request is a part per request and
+    a part per batch shared by its requests: alone (one request a batch) it costs both, at
+    saturation the batch's part divided by the burst's mean batch. The stalls are some a second
+    whatever the load (neighbours) and some a request (this load's own CPU, the clients' and the
+    server's, competing for the cores): the rates at the two request rates give both."""
+    if busy.loop_ns and alone.loop_ns and busy.rows > 1:
+        per_batch = max(0.0, (alone.loop_ns - busy.loop_ns) / (1 - 1 / busy.rows))
+        result.loop_batch_ns = int(per_batch)
+        result.loop_ns = int(max(0.0, busy.loop_ns - per_batch / busy.rows))
+    if busy.qps > alone.qps:
+        chance = (busy.stall_rate - alone.stall_rate) / (busy.qps - alone.qps)
+        chance = min(max(0.0, chance), busy.stall_rate / busy.qps)
+        result.stall_chance = chance
+        result.stall_rate = max(0.0, busy.stall_rate - chance * busy.qps)
+    result.stall_ns = sorted(busy.stall_ns + alone.stall_ns)
+
+
+def _fit_stalls(result: ServiceModel, config: dict, busy: "Burst") -> None:
+    """How long the stalls are, from the tail they left. A stall shows as requests held
+    beyond a cycle, but how much of that hold was the stall and how much the backlog behind
+    it the latencies cannot say (``_stalls`` takes the least held). So the burst is
+    simulated (its clients, config and load, the stalls as seen times a scale) and the scale
+    chosen whose simulated p99 is the burst's own: the stalls that, with the backlog the
+    simulation forms behind them, give the tail that was measured."""
+    from .capacity import CapacityPlan, Load
+    if not result.stall_ns or not busy.p99_ns or (not result.stall_rate and not result.stall_chance):
+        return
+    seen = list(result.stall_ns)
+    mbs = int(config.get("max_batch_size", 1) or 1)
+    delay = int((config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0) or 0)
+    instances = sum(int(g.get("count", 1) or 1) for g in config.get("instance_group") or [{}])
+    load = [Load("concurrency", float(BURST_CLIENTS))]
+    requests = min(3000, max(500, busy.requests))
+
+    def p99(scale: float) -> float:
+        result.stall_ns = [max(1, int(v * scale)) for v in seen]
+        plan = CapacityPlan(result.model, config, result, load, [(mbs, delay, instances)], requests=requests)
+        return plan.results[0]["p99_ms"] * 1e6
+
+    lo, hi = 0.0, STALL_SCALE_MAX
+    if p99(hi) <= busy.p99_ns:
+        lo = hi
+    else:
+        for _ in range(8):           # bisection: the scale within 1/256 of the range
+            mid = (lo + hi) / 2
+            if p99(mid) < busy.p99_ns:
+                lo = mid
+            else:
+                hi = mid
+    result.stall_scale = lo
+    result.stall_ns = [max(1, int(v * lo)) for v in seen]
 
 
 def server_thread(connection: Connection, pid: int | None = None) -> tuple[int, int] | None:
@@ -452,8 +544,8 @@ def _thread_cpu_ns(pid: int, tid: int) -> int | None:
 
 
 def burst(connection: Connection, model: str, version: str, path: str, body: bytes, seconds: float,
-          thread: tuple[int, int] | None) -> "Burst | None":
-    """``BURST_CLIENTS`` clients sending one-row requests back to back for ``seconds``; None
+          thread: tuple[int, int] | None, clients: int = BURST_CLIENTS) -> "Burst | None":
+    """``clients`` clients sending one-row requests back to back for ``seconds``; None
     when nothing was executed.
 
     At saturation an instance runs batch after batch: the wall time over the executions is
@@ -470,7 +562,7 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
     # The clients run in a process of their own: in this one they would take the GIL from an
     # in-kernel server's loop (and from the measurement), which no real client does.
     proc = subprocess.Popen([sys.executable, "-c", BURST_CLIENT, parts.hostname or "127.0.0.1",
-                             str(parts.port), str(BURST_CLIENTS)],
+                             str(parts.port), str(clients)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -513,20 +605,25 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
     stalls = _stalls(sent, cycle)
     # the instance waited out the stalls too: its cycle is the wall time without them
     cycle = max(0, (t1 - t0 - sum(stalls)) * instances // execs)
-    return Burst(cycle, rows / execs, compute // execs, int(loop), stalls, len(stalls) / seconds)
+    latencies = sorted(lat for _, lat in sent)
+    return Burst(cycle, rows / execs, compute // execs, int(loop), stalls, len(stalls) / seconds,
+                 len(stalls) / served, served / seconds, latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                 len(latencies))
 
 
 def _stalls(sent: list[tuple[int, int]], cycle_ns: int) -> list[int]:
     """Each stall's length, from the burst's (sent, latency) pairs: the
     requests held beyond the median latency by more than one cycle, those answered within a
-    cycle of each other one stall (it held all of them), as long as the longest it held."""
+    cycle of each other one stall (it held all of them), as long as the least it held. The
+    others waited longer behind the backlog it left (answers and batches queued), which the
+    simulation forms itself from the stall: taking the longest would count that twice."""
     median = statistics.median(lat for _, lat in sent)
     held = sorted((t + lat, lat - median) for t, lat in sent if lat - median > cycle_ns)
     stalls: list[int] = []
     last_end = None
     for end, excess in held:
         if last_end is not None and end - last_end <= cycle_ns:
-            stalls[-1] = max(stalls[-1], int(excess))
+            stalls[-1] = min(stalls[-1], int(excess))
         else:
             stalls.append(int(excess))
         last_end = end
@@ -542,6 +639,10 @@ class Burst:
     loop_ns: int           # the event loop's CPU per request (0: unread)
     stall_ns: list[int]
     stall_rate: float      # stalls a second
+    stall_chance: float    # stalls a request served
+    qps: float             # requests served a second
+    p99_ns: int = 0        # the burst's p99 latency (its own client's)
+    requests: int = 0      # requests measured
 
 
 def calibrate_overhead(connection: Connection, model: str, service: ServiceModel,
