@@ -157,3 +157,36 @@ def test_tritonclient_reads_planned_replies_binary_json_and_mixed(tmp_path: Path
         client.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("dt, shape", [("FP32", (1, 256)), ("INT64", (3,)), ("FP16", (2, 2)),
+                                       ("UINT16", (5,)), ("FP64", ()), ("INT8", (0, 4)),
+                                       ("BOOL", (4,)), ("BF16", (3,))])
+def test_a_planned_request_decodes_its_own_bytes_as_the_first_did(dt, shape) -> None:
+    """The decode plan's inputs are views of each body at the plan's offsets (a dtype and a
+    shape straight onto the bytes where nothing is to be checked or widened)."""
+    import json
+    from jupyter_triton.protocol.datatypes import tensor_from_wire, tensor_wire_buffer
+    from jupyter_triton.protocol.http_codec import decode_infer_request
+    http_codec._PLANS.clear()
+    header = json.dumps({"inputs": [
+        {"name": "A", "datatype": dt, "shape": list(shape),
+         "parameters": {"binary_data_size": len(tensor_wire_buffer(_ARRAYS[dt](shape), dt))}},
+        {"name": "B", "datatype": "INT8", "shape": [3], "parameters": {"binary_data_size": 3}}]}
+    ).encode()
+    for i in range(3):
+        a, b = _ARRAYS[dt](shape), np.array([i, -i, 7], np.int8)
+        body = header + bytes(tensor_wire_buffer(a, dt)) + b.tobytes()
+        request = decode_infer_request(body, len(header), "m", "")
+        got_a, got_b = (t.data for t in request.inputs)
+        assert got_a.shape == shape and got_b.shape == (3,)
+        wire = bytes(tensor_wire_buffer(a, dt))
+        np.testing.assert_array_equal(got_a, tensor_from_wire(wire, dt, shape, "A", "m"))
+        if dt != "BF16":        # (BF16 is rounded on the way)
+            np.testing.assert_array_equal(got_a, a)
+        np.testing.assert_array_equal(got_b, b)
+    assert len(http_codec._PLANS) == 1
+    if dt == "BOOL":            # a planned layout still checks a BOOL's bytes
+        from jupyter_triton.protocol.errors import InvalidArgument
+        with pytest.raises(InvalidArgument, match="BOOL"):
+            decode_infer_request(header + b"\x02" * 4 + b"\0" * 3, len(header), "m", "")

@@ -353,8 +353,7 @@ def _from_plan(plan: tuple, raw: bytes) -> InferRequest | None:
     for frame, offset, *_ in specs:
         if not raw.startswith(frame, offset - len(frame)):
             return None
-    inputs = [InferTensor(name, dt, shape,
-                          np.frombuffer(raw, dtype, count, offset).reshape(shape),
+    inputs = [InferTensor(name, dt, shape, np.ndarray(shape, dtype, raw, offset),
                           dict(tparams) if tparams else {})
               for _, offset, name, dt, shape, dtype, count, tparams in specs]
     return InferRequest(model, version, request_id, inputs,
