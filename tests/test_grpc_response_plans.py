@@ -202,3 +202,12 @@ def test_tritonclient_reads_planned_responses_of_every_shape_id_and_output_choic
         client.close()
     finally:
         server.close()
+
+
+def test_a_shape_given_as_a_list_keys_the_same_plan_as_its_tuple() -> None:
+    plans = ResponsePlans()
+    for shape in ([2, 3], (2, 3), [2, 3]):
+        resp = InferResponse("m", "1", "", [InferTensor("Y", "FP32", shape,
+                                                        np.ones((2, 3), np.float32))])
+        _same_bytes(plans, resp)
+    assert len(plans._plans) == 1

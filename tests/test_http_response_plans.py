@@ -190,3 +190,11 @@ def test_a_planned_request_decodes_its_own_bytes_as_the_first_did(dt, shape) -> 
         from jupyter_triton.protocol.errors import InvalidArgument
         with pytest.raises(InvalidArgument, match="BOOL"):
             decode_infer_request(header + b"\x02" * 4 + b"\0" * 3, len(header), "m", "")
+
+
+def test_a_shape_given_as_a_list_keys_the_same_plan_as_its_tuple() -> None:
+    request = InferRequest("m", parameters={"binary_data_output": True})
+    for shape in ([2, 3], (2, 3), [2, 3]):
+        _same(InferResponse("m", "1", "", [InferTensor("Y", "FP32", shape,
+                                                       np.ones((2, 3), np.float32))]), request)
+    assert len(http_codec._RESPONSE_PLANS) == 1

@@ -438,7 +438,9 @@ class ResponsePlans:
                     return None
             else:
                 params = ()
-            layout.append((t.name, t.datatype, t.shape, params))
+            shape = t.shape
+            layout.append((t.name, t.datatype, shape if type(shape) is tuple else tuple(shape),
+                           params))
         if resp.parameters:
             params = _params_key(resp.parameters)
             if params is None:

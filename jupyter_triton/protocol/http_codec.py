@@ -818,7 +818,8 @@ def _planned_response(response: InferResponse, request: InferRequest
         wanted = requested.get(t.name) if requested is not None else None
         if not (wanted.get("binary_data", default_binary) if wanted else default_binary):
             return None
-        layout.append((t.name, t.datatype, t.shape))
+        shape = t.shape
+        layout.append((t.name, t.datatype, shape if type(shape) is tuple else tuple(shape)))
     if len(layout) == 2:
         return None             # no outputs: an all-JSON reply
     key = tuple(layout)
