@@ -824,18 +824,21 @@ def _planned_response(response: InferResponse, request: InferRequest
         return None             # no outputs: an all-JSON reply
     key = tuple(layout)
     plan = _RESPONSE_PLANS.get(key, False)
-    if plan is False:
-        plan = _response_plan(response)
-        if len(_RESPONSE_PLANS) >= _RESPONSE_PLANS_MAX:
-            _RESPONSE_PLANS.clear()
-        _RESPONSE_PLANS[key] = plan
+    rid = response.id or request.id
+    if rid and type(rid) is not str:
+        return None
+    if plan is False:           # encoded in full, and what it wrote is the plan
+        encoded = _encode_response(response, request)
+        plan = _response_plan(response, rid, *encoded)
+        if plan is not False:
+            if len(_RESPONSE_PLANS) >= _RESPONSE_PLANS_MAX:
+                _RESPONSE_PLANS.clear()
+            _RESPONSE_PLANS[key] = plan
+        return encoded
     if plan is None:
         return None
     head, tail, wires = plan
-    rid = response.id or request.id
     if rid:
-        if type(rid) is not str:
-            return None
         parts = [head, b',"id":', _encode_header(rid, True), tail]    # as the header spells it
         length = len(head) + 6 + len(parts[2]) + len(tail)
     else:
@@ -852,21 +855,23 @@ def _planned_response(response: InferResponse, request: InferRequest
     return b"".join(parts), length
 
 
-def _response_plan(response: InferResponse) -> tuple | None:
+def _response_plan(response: InferResponse, rid: str, body: bytes, length: int | None
+                   ) -> tuple | None | bool:
+    """The plan of ``response``'s layout from its full encoding (``body``, ``length``); None:
+    a layout no plan writes; False: nothing to learn from this one (its data does not fit
+    its shapes, so its header is not the layout's)."""
     wires = []
     for t in response.outputs:
         size = element_count(t.shape) * element_size(t.datatype)
         if memoryview(tensor_wire_buffer(t.data, t.datatype)).nbytes != size:
-            return None         # (its header would say another size)
+            return False
         wires.append((size, None if t.datatype == "BF16" else wire_dtype(t.datatype)))
-    body, length = _encode_response(
-        InferResponse(response.model_name, response.model_version, "", response.outputs),
-        InferRequest(response.model_name, parameters={"binary_data_output": True}))
     head = _encode_header({"model_name": response.model_name,
                            "model_version": str(response.model_version)}, True)[:-1]
-    if length is None or not body.startswith(head):
+    start = head + b',"id":' + _encode_header(rid, True) if rid else head
+    if length is None or not body.startswith(start):
         return None
-    return head, body[len(head):length], wires
+    return head, body[len(start):length], wires
 
 
 def _encode_response(response: InferResponse, request: InferRequest
