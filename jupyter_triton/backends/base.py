@@ -2,14 +2,16 @@
 
 A backend instance is one model instance (one ``instance_group`` slot): it is created,
 loaded, executed and unloaded by the engine, always off the event loop, one batch at a
-time (the engine never calls ``execute`` concurrently on the same instance).
+time (the engine never calls ``execute`` concurrently on the same instance). A runtime whose
+work runs in another process may also take a batch on the loop without blocking it
+(``start_on_loop``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -112,6 +114,22 @@ class Backend:
         """``infer_requests``: the InferRequest of each entry (ids, parameters, requested
         outputs), for runtimes that show them to the model (the python backend)."""
         raise NotImplementedError
+
+    #: True where ``start_on_loop`` usually takes a batch
+    executes_on_loop: ClassVar[bool] = False
+
+    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None],
+                      delay_s: float = 0.0) -> Any:
+        """``execute`` with no thread waiting, for a runtime whose work runs elsewhere (a
+        worker process). Called on the event loop: returns a handle whose ``send(requests,
+        infer_requests)`` (from any thread, within ``delay_s``) starts the batch without
+        blocking, or ``cancel()`` (on the loop) if it is never sent; ``done(responses,
+        None)`` then comes on the loop with what ``execute`` would return, or ``done(None,
+        finish)`` where the outcome needs blocking work first (a dead worker to restart): the
+        engine runs ``finish()`` on the instance's thread and its return or raise is the
+        outcome. ``io_ns`` is set before ``done``. None: the engine calls ``execute`` on the
+        instance's thread."""
+        return None
 
     def execute_decoupled(self, requests: list[Tensors], infer_requests: list,
                           senders: list[ResponseSender]) -> None:

@@ -200,6 +200,8 @@ class InstanceThread(Executor):
                         if batch is None:
                             continue                # taken back by the loop
                         result, error = fn(batch), None
+                        if result is QUIET:
+                            continue        # sent: the loop reads its answer itself
                     else:
                         result, error = fn(*args), None
                 except BaseException as err:
@@ -260,6 +262,8 @@ class InstancePool:
         # A decoupled model's batches run execute_decoupled with each request's stream as its
         # sender (engine/streaming.py); the futures then only say when execute returned.
         self.decoupled = False
+        # Backends whose answers the loop reads itself (start_on_loop): no thread waits for them.
+        self._on_loop = all(i.backend.executes_on_loop for i in instances) and bool(instances)
         for inst in instances:
             self._idle.put_nowait(inst)
 
@@ -321,11 +325,26 @@ class InstancePool:
                 self.release(instance)
                 done.set_result(None)
                 return done
-            instance.thread.post(loop, finished, *self._job(instance, live))
+            if not self._start_on_loop(loop, instance, live, finished):
+                instance.thread.post(loop, finished, *self._job(instance, live))
         except BaseException as err:
             self.release(instance)
             done.set_exception(err)
         return done
+
+    def _start_on_loop(self, loop: asyncio.AbstractEventLoop, instance: Instance, live: list["Pending"],
+                       finished: Callable[[Any, BaseException | None], None]) -> bool:
+        """Send ``live`` from the loop where the backend lets the loop read the answer
+        (``start_on_loop``: its work runs in another process); ``finished`` then comes on the
+        loop as the thread's would, with no thread involved."""
+        if self.decoupled or not self._on_loop:
+            return False
+        split = instance.backend.start_on_loop(
+            _on_loop_done(loop, instance, time.monotonic_ns(), len(live), finished))
+        if split is None:
+            return False
+        split.send([p.inputs for p in live], [p.request for p in live])
+        return True
 
     def launch(self, instance: Instance, batch: list["Pending"]) -> asyncio.Future:
         """``run`` on ``instance`` (the name engine/sequence.py calls)."""
@@ -349,15 +368,31 @@ class InstancePool:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         deferred = Deferred(batch, deadline_ns, done, functools.partial(self.release, instance))
+        ran = functools.partial(self._deferred_ran, instance, deferred, claimed, done)
+        split = None
         try:
-            instance.thread.post_deferred(
-                loop, functools.partial(self._deferred_ran, instance, deferred, claimed, done),
-                functools.partial(_run_batch, instance.backend), deferred)
+            if self._on_loop:
+                # The thread sends the batch at its deadline; the loop reads the answer.
+                split = instance.backend.start_on_loop(
+                    _on_loop_done(loop, instance, deferred, len(batch), ran),
+                    max(0, deadline_ns - time.monotonic_ns()) / 1e9)
+            if split is not None:
+                deferred._release = functools.partial(self._retracted, instance, split)
+                instance.thread.post_deferred(loop, ran, functools.partial(_send_held, split), deferred)
+            else:
+                instance.thread.post_deferred(loop, ran, functools.partial(_run_batch, instance.backend),
+                                              deferred)
         except BaseException:
+            if split is not None:
+                split.cancel()
             self.release(instance)
             raise
         self._check_later(loop, deferred, claimed)
         return deferred
+
+    def _retracted(self, instance: Instance, split: Any) -> None:
+        split.cancel()
+        self.release(instance)
 
     def _check_later(self, loop: asyncio.AbstractEventLoop, deferred: Deferred,
                      claimed: Callable[[Deferred], Any]) -> None:
@@ -519,6 +554,57 @@ def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[
                        f"for {len(inputs)} requests")
     ci, co = backend.io_ns
     return results, (ci, max(0, t1 - t0 - ci - co), co)
+
+
+#: what a held batch's job returns once it has sent the batch (``_send_held``): no call back
+QUIET = object()
+
+
+def _send_held(split: Any, batch: list["Pending"]) -> object:
+    split.send([p.inputs for p in batch], [p.request for p in batch])
+    return QUIET
+
+
+def _on_loop_done(loop: asyncio.AbstractEventLoop, instance: Instance, started: "int | Deferred",
+                  count: int, finished: Callable[[Any, BaseException | None], None]) -> Callable:
+    """The ``done`` of ``Backend.start_on_loop``: the backend's outcome as the instance
+    thread's job would give it to ``finished`` (results and timing, or the error), with the
+    blocking part of a failure (``finish``) run on the instance's thread. ``started``: when
+    the batch started (ns), or the held batch whose claim says it."""
+    backend = instance.backend
+
+    def outcome(responses: list) -> tuple[list, tuple[int, int, int]]:
+        if len(responses) != (count if type(started) is int else len(started.batch)):
+            raise Internal(f"{backend.instance.name}: backend returned {len(responses)} "
+                           f"responses for {count} requests")
+        t0 = started if type(started) is int else started.start_ns
+        ci, co = backend.io_ns
+        return responses, (ci, max(0, time.monotonic_ns() - t0 - ci - co), co)
+
+    def finish_on_thread(finish: Callable[[], list]) -> tuple[list, tuple[int, int, int]]:
+        try:
+            responses = finish()
+        except BaseException as err:
+            t0 = started if type(started) is int else started.start_ns
+            err.compute_ns = (0, time.monotonic_ns() - t0, 0)  # type: ignore[attr-defined]
+            raise
+        return outcome(responses)
+
+    def done(responses: list | None, finish: Callable[[], list] | None) -> None:
+        if finish is not None:
+            try:
+                instance.thread.post(loop, finished, finish_on_thread, finish)
+                return
+            except RuntimeError:        # the instance is closing: finish here
+                pass
+        try:
+            result = outcome(responses) if finish is None else finish_on_thread(finish)
+            error = None
+        except BaseException as err:
+            result, error = None, err
+        finished(result, error)
+
+    return done
 
 
 def _run_batch(backend: Backend, batch: list["Pending"]) -> tuple[list, tuple[int, int, int]]:

@@ -85,8 +85,10 @@ from __future__ import annotations
 
 
 import ast
+import asyncio
 import collections
 import concurrent.futures
+import functools
 import json
 import logging
 import threading
@@ -113,7 +115,8 @@ from .stub import ModelStub, OrphanCloser, RequestData, bls_response, bls_spec, 
 from . import messages
 from .envs import EXECUTION_ENV_PATH, packed_env
 from .shm import SharedMemoryFull
-from .worker import WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker, describe_exit
+from .worker import (LoopWatch, NeedsThread, WorkerDied, WorkerProcess, WorkerTimeout, auto_complete_in_worker,
+                     describe_exit)
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +291,41 @@ class _Sink:
             log.debug("%s: response not delivered: %s", self.backend._who, err)
         if final:
             self.backend._thread_sinks.discard(self)
+
+
+class _LoopBatch:
+    """One batch of a worker-process instance whose answer the event loop reads
+    (``PythonBackend.start_on_loop``)."""
+
+    __slots__ = ("backend", "read", "data", "inputs", "requests")
+
+    def __init__(self, backend: "PythonBackend") -> None:
+        self.backend = backend
+        self.read: LoopWatch | None = None
+        self.data: list[RequestData] = []
+        self.inputs: list[Tensors] = []
+        self.requests: list = []
+
+    def send(self, requests: list[Tensors], infer_requests: list) -> None:
+        """From any thread (the loop, or the instance's thread at a held batch's deadline);
+        never raises: what goes wrong ends the batch on the loop."""
+        backend = self.backend
+        self.inputs, self.requests = requests, infer_requests
+        t0 = time.monotonic_ns()
+        try:
+            self.data = [backend._request_data(inputs, infer_requests[i] if infer_requests else None)
+                         for i, inputs in enumerate(requests)]
+        except Exception as err:
+            self.read._end_soon(None, err)
+            return
+        backend.io_ns = (time.monotonic_ns() - t0, 0)     # Triton's compute_input
+        backend._batch_requests = infer_requests            # BLS calls of this batch take their depth
+        self.read.send(self.data, backend._all_outputs)
+
+    def cancel(self) -> None:
+        """On the loop, for a batch never sent (a held batch taken back)."""
+        self.read.cancel()
+        self.backend._lock.release()
 
 
 class _ThreadHost:
@@ -539,6 +577,67 @@ class PythonBackend(Backend):
             self.io_ns = (self.io_ns[0], time.monotonic_ns() - t2)
             return responses
 
+    @property
+    def executes_on_loop(self) -> bool:   # type: ignore[override]
+        return self.mode == "process" and not self.decoupled
+
+    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None],
+                      delay_s: float = 0.0) -> "_LoopBatch | None":
+        """The next batch of this instance, split in two (``WorkerProcess.watch``): the loop
+        waits for its answer with no thread blocked, ``send`` (any thread, within
+        ``delay_s``) sends it. None where the worker is not ready (a restart still
+        initializing), the instance busy or unloading: ``execute`` on the thread then."""
+        worker = self._worker
+        if (not self.executes_on_loop or worker is None or not worker.ready or self._closing
+                or self._dead is not None or not self._lock.acquire(blocking=False)):
+            return None
+        batch = _LoopBatch(self)
+        timeout = self.execute_timeout_s and self.execute_timeout_s + delay_s
+        try:
+            batch.read = worker.watch(asyncio.get_running_loop(),
+                                      functools.partial(self._executed_on_loop, batch, done), timeout)
+        finally:
+            if batch.read is None:
+                self._lock.release()
+        return batch if batch.read is not None else None
+
+    def _executed_on_loop(self, batch: "_LoopBatch", done: Callable[..., None],
+                          results: list | None, error: BaseException | None) -> None:
+        self._batch_requests = None
+        data = batch.data
+        if error is None:
+            t2 = time.monotonic_ns()
+            try:
+                responses = [self._response(r, d) for r, d in zip(results, data)]
+            except Exception as err:       # a bug here must fail the batch, not strand it
+                log.error("%s: reading the results failed", self._who, exc_info=err)
+                responses = [Internal(f"{self._who}: {type(err).__name__}: {err}")] * len(data)
+            finally:
+                self._lock.release()
+            self.io_ns = (self.io_ns[0], time.monotonic_ns() - t2)
+            done(responses, None)
+            return
+        if isinstance(error, (StubError, SharedMemoryFull)) or (
+                self._closing and isinstance(error, WorkerDied)):
+            failed = self._worker_error(error, len(data))
+            self._lock.release()
+            done([failed] * len(data), None)
+            return
+
+        def finish() -> list:
+            # blocking: a worker to restart (death, timeout) or a region to set up first
+            if isinstance(error, NeedsThread):
+                self._lock.release()
+                return self.execute(batch.inputs, batch.requests)
+            try:
+                if not isinstance(error, (WorkerDied, WorkerTimeout)):
+                    log.error("%s: execute failed", self._who, exc_info=error)
+                    return [Internal(f"{self._who}: {type(error).__name__}: {error}")] * len(data)
+                return [self._worker_error(error, len(data))] * len(data)
+            finally:
+                self._lock.release()
+        done(None, finish)
+
     def execute_decoupled(self, requests: list[Tensors], infer_requests: list,
                           senders: list[ResponseSender]) -> None:
         """A decoupled model's batch: returns when its execute has returned; request ``i``'s
@@ -738,19 +837,26 @@ class PythonBackend(Backend):
             if sinks is not None:
                 return worker.execute_decoupled(data, sinks, self.execute_timeout_s, self._all_outputs)
             return worker.execute(data, self.execute_timeout_s, self._all_outputs)
-        except StubError as err:
+        except (StubError, SharedMemoryFull, WorkerTimeout, WorkerDied) as err:
+            return self._worker_error(err, len(data))
+
+    def _worker_error(self, err: Exception, count: int) -> TritonError:
+        """What a batch of ``count`` requests failed with; a worker that timed out or died is
+        restarted (blocking: not on the event loop), or given up on (``BackendDead``)."""
+        if isinstance(err, StubError):
             return self._execute_error(err)
-        except SharedMemoryFull as err:
-            return Unavailable(f"{self._who}: {err}; the batch of {len(data)} request(s) was not run "
+        if isinstance(err, SharedMemoryFull):
+            return Unavailable(f"{self._who}: {err}; the batch of {count} request(s) was not run "
                                "(enlarge /dev/shm, e.g. docker run --shm-size, or send smaller batches)")
-        except WorkerTimeout as err:
-            return self._on_timeout(err, len(data))
-        except WorkerDied as err:
+        if isinstance(err, WorkerTimeout):
+            return self._on_timeout(err, count)
+        if isinstance(err, WorkerDied):
             if self._closing:
-                return Unavailable(f"{self._who} was unloaded while executing {len(data)} request(s)")
+                return Unavailable(f"{self._who} was unloaded while executing {count} request(s)")
             return self._on_death(
                 f"python worker for {self._who} died ({describe_exit(err.exitcode)}) while "
-                f"executing {len(data)} request(s)")
+                f"executing {count} request(s)")
+        raise err
 
     def _on_timeout(self, err: WorkerTimeout, count: int) -> DeadlineExceeded:
         """A stuck execute: the worker is already killed; restart it, not counted as a death

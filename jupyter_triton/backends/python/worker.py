@@ -16,6 +16,7 @@ returned.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import json
@@ -130,6 +131,7 @@ class WorkerProcess:
         # regions lent for tensors that travel with a message (BLS, decoupled responses)
         self._loans: dict[str, ShmRegion] = {}
         self._closed = False
+        self._watch: LoopWatch | None = None    # the event loop reading it (watch)
 
     @property
     def pid(self) -> int | None:
@@ -164,6 +166,16 @@ class WorkerProcess:
             self._reader.start()
 
     def _stage_inputs(self, requests: list[RequestData], all_outputs: list[str] | None) -> list:
+        staged, end, metas = self._plan_inputs(requests, all_outputs)
+        if staged and (self._in is None or self._in.size < end):
+            self._grow("_in", end)
+        if staged:
+            self._in.write(staged)
+        return metas
+
+    @staticmethod
+    def _plan_inputs(requests: list[RequestData], all_outputs: list[str] | None) -> tuple[list, int, list]:
+        """(tensors to stage, bytes they need in the input region, each request's meta)."""
         staged: list = []
         end, metas = 0, []
         for req in requests:
@@ -175,11 +187,7 @@ class WorkerProcess:
                 metas.append(refs)
             else:
                 metas.append((refs, req.request_id, req.correlation_id, req.parameters, names, req.flags))
-        if staged and (self._in is None or self._in.size < end):
-            self._grow("_in", end)
-        if staged:
-            self._in.write(staged)
-        return metas
+        return staged, end, metas
 
     def execute(self, requests: list[RequestData], timeout: float | None = None,
                 all_outputs: list[str] | None = None) -> list[dict | ResponseError]:
@@ -193,20 +201,66 @@ class WorkerProcess:
         self._send(Execute(self._in.name if self._in is not None else "", self._out.name, metas))
         msg = self._recv("execute", timeout, deadline)
         if type(msg) is Grow:
-            self._out.close()   # its content is not needed: free its pages before asking for more
-            self._out = None
-            try:
-                self._out = ShmRegion.create(msg.nbytes)
-            except SharedMemoryFull:
-                self._send(OutputRegion(None))
-                raise
-            self._send(OutputRegion(self._out.name))
+            self._grow_output(msg.nbytes)
             msg = self._recv("execute", timeout, deadline)
+        return self._results(msg)
+
+    def _grow_output(self, nbytes: int) -> None:
+        """Answer ``Grow``: a bigger output region, or ``SharedMemoryFull`` (the worker is told
+        there is no room and fails nothing more: the batch is the server's to fail)."""
+        self._out.close()   # its content is not needed: free its pages before asking for more
+        self._out = None
+        try:
+            self._out = ShmRegion.create(nbytes)
+        except SharedMemoryFull:
+            self._send(OutputRegion(None))
+            raise
+        self._send(OutputRegion(self._out.name))
+
+    def _results(self, msg: Any) -> list[dict | ResponseError]:
         if type(msg) is not Results:
             raise _unexpected(msg)
         items = msg.items
         tensors = iter(self._out.read_many([item for item in items if type(item) is list]))
         return [next(tensors) if type(item) is list else ResponseError(*item) for item in items]
+
+    def watch(self, loop: asyncio.AbstractEventLoop, done: Callable[[Any, BaseException | None], None],
+              timeout: float | None = None) -> "LoopWatch | None":
+        """``execute`` in two halves, neither of which blocks: ``loop`` reads this worker's
+        socket and pidfd itself (``LoopWatch``, kept between batches), and ``LoopWatch.send``
+        (from any thread) sends the batch whose answer ``done(outputs, error)`` then brings
+        on ``loop``: what ``execute`` returns or raises (``NeedsThread``: nothing was sent,
+        ``execute`` on a thread must do it). Call on ``loop``'s thread. None where the loop
+        cannot read (not ready yet, a decoupled worker's reader owns the socket, closed)."""
+        if not self.ready or self._reader is not None or self._closed or self._process is None:
+            return None
+        watch = self._watch
+        if watch is None or watch.loop is not loop:
+            if watch is not None:
+                watch.detach()
+            watch = self._watch = LoopWatch(self, loop)
+        elif not watch.attached:
+            if not self._process.is_alive():
+                return None
+            watch.attach()
+        watch.begin(done, timeout)
+        return watch
+
+    def _unwatch(self) -> None:
+        """Stop the loop reading this worker before a thread does (unload, close)."""
+        watch = self._watch
+        if watch is None or not watch.attached:
+            return
+        loop = watch.loop
+        if threading.get_ident() == watch.thread or not loop.is_running():
+            watch.detach()
+            return
+        detached = threading.Event()
+        try:
+            loop.call_soon_threadsafe(lambda: (watch.detach(), detached.set()))
+        except RuntimeError:
+            return                  # the loop has closed: its readers went with it
+        detached.wait(2.0)
 
     def execute_decoupled(self, requests: list[RequestData], sinks: list[Any],
                           timeout: float | None = None, all_outputs: list[str] | None = None) -> None:
@@ -458,6 +512,7 @@ class WorkerProcess:
         """Run ``finalize`` (bounded by ``timeout``), then end the process and free its regions."""
         error = None
         grace = 2.0
+        self._unwatch()
         if self.end_reason is None:
             self.end_reason = ("closed", "the model instance was unloaded")
         try:
@@ -479,6 +534,7 @@ class WorkerProcess:
     def close(self, grace: float = 2.0) -> None:
         """End the process (end-of-file, then SIGKILL after ``grace`` s) and unlink both
         regions. Idempotent."""
+        self._unwatch()
         self.hang_up()
         if self._process is not None:
             if grace > 0:
@@ -507,6 +563,187 @@ class WorkerProcess:
         while self._loans:
             self._loans.popitem()[1].close()
         _LIVE.discard(self)
+
+
+def _ready_now(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class NeedsThread(Exception):
+    """The batch needs a round trip with the worker before it can be sent (a region to
+    create, or to replace while /dev/shm is full): ``execute`` on a thread does that."""
+
+
+class LoopWatch:
+    """A worker's socket and pidfd read on the event loop (``WorkerProcess.watch``): what
+    ``_recv`` does on a thread, as callbacks, registered once and kept between batches (a
+    reader added and removed per batch costs the loop ~50 us). Side messages are answered as
+    they come (a BLS call goes to its pool, never runs here); ``Grow`` gets its region; the
+    pidfd says the worker died; one timer, re-armed only when it fires, kills a worker past
+    its bound. A batch's ``done`` is called once, on the loop. The batch may be sent from
+    another thread (``send``): until it is, a death is left for ``send`` to find (a batch
+    may also never be sent: ``cancel``). After a failure the loop lets go of the worker
+    (``detach``): a thread restarts it or runs the batch."""
+
+    __slots__ = ("worker", "loop", "thread", "attached", "done", "timeout", "deadline", "timer",
+                 "expired", "fds", "_lock", "_sent", "_early")
+
+    def __init__(self, worker: WorkerProcess, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        self.thread = threading.get_ident()
+        self.done: Callable[[Any, BaseException | None], None] | None = None
+        self.timeout: float | None = None
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
+        self._lock = threading.Lock()
+        self._sent = False
+        self._early = False         # the pidfd fired before the batch was sent
+        self.fds = (worker._chan.fd, worker._process.sentinel)
+        self.attached = False
+        self.attach()
+
+    def attach(self) -> None:
+        self.loop.add_reader(self.fds[0], self._readable)
+        self.loop.add_reader(self.fds[1], self._exited)
+        self.attached = True
+
+    def detach(self) -> None:
+        if self.attached:
+            self.attached = False
+            for fd in self.fds:
+                self.loop.remove_reader(fd)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def begin(self, done: Callable[[Any, BaseException | None], None], timeout: float | None) -> None:
+        """On the loop: the next batch's answer goes to ``done``."""
+        self.done = done
+        self._sent = self._early = self.expired = False
+        self.timeout = timeout
+        if timeout:
+            self.deadline = time.monotonic() + timeout
+            if self.timer is None:
+                self.timer = self.loop.call_later(timeout, self._check_deadline)
+
+    def send(self, requests: list[RequestData], all_outputs: list[str] | None) -> None:
+        """Stage the batch and send it, from any thread; never waits for the worker and
+        never raises: what goes wrong ends the batch on the loop."""
+        worker = self.worker
+        try:
+            if worker._out is None:
+                raise NeedsThread("no output region yet")
+            staged, end, metas = worker._plan_inputs(requests, all_outputs)
+            if staged:
+                if worker._in is None or worker._in.size < end:
+                    raise NeedsThread("the input region must grow")
+                worker._in.write(staged)
+            msg = Execute(worker._in.name if worker._in is not None else "", worker._out.name, metas)
+            with self._lock:
+                early = self._early
+                self._sent = not early
+            if early:
+                raise WorkerDied(worker._reap())
+        except Exception as err:
+            self._end_soon(None, err)
+            return
+        try:
+            worker._send(msg)
+        except WorkerDied:
+            pass                    # its pidfd, watched, ends the batch
+
+    def cancel(self) -> None:
+        """On the loop: the batch begun will not be sent."""
+        self.done = None
+
+    def _end_soon(self, outputs: Any, error: BaseException | None) -> None:
+        if threading.get_ident() == self.thread:
+            self._end(outputs, error)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._end, outputs, error)
+        except RuntimeError:
+            pass                    # the loop has closed: nobody waits any more
+
+    def _readable(self) -> None:
+        try:
+            if not self.worker._chan.fill():
+                # end-of-file: the worker is going; its pidfd says when it has gone
+                self.loop.remove_reader(self.fds[0])
+                return
+        except OSError:
+            self.loop.remove_reader(self.fds[0])
+            return
+        self._take()
+
+    def _take(self) -> bool:
+        """Handle every whole message read; True once the batch has ended."""
+        worker = self.worker
+        chan = worker._chan
+        try:
+            while True:
+                msg = chan.take()
+                if msg is None:
+                    return False
+                kind = type(msg)
+                if kind in SIDE:
+                    worker._side_message(msg)
+                elif self.done is None:
+                    log.error("python worker %s: %s while no batch runs", worker.label, kind.__name__)
+                elif kind is Grow:
+                    worker._grow_output(msg.nbytes)
+                else:
+                    self._end(worker._results(msg), None)
+                    return True
+        except Exception as err:     # StubError (Failed), SharedMemoryFull, a confused worker
+            self._end(None, err)
+        return True
+
+    def _exited(self) -> None:
+        with self._lock:
+            if self.done is not None and not self._sent:
+                self._early = True  # send finds the worker dead and ends the batch
+                self.loop.remove_reader(self.fds[1])
+                return
+        worker = self.worker
+        # the answer may have come just before the end (a model that exits after returning)
+        try:
+            while self.done is not None and _ready_now(self.fds[0]) and worker._chan.fill():
+                if self._take():
+                    return
+        except OSError:
+            pass
+        if self.done is None:       # died between batches: the next one finds out on a thread
+            self.detach()
+            return
+        exitcode = worker._reap()
+        if self.expired:
+            self._end(None, WorkerTimeout("execute", self.timeout or 0))
+        else:
+            self._end(None, WorkerDied(exitcode))
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        if self.done is None or not self.timeout:
+            return                  # armed again by the next batch
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            self.timer = self.loop.call_later(left, self._check_deadline)
+            return
+        self.expired = True
+        self.worker.kill()          # its pidfd fires next: _exited reports the timeout
+
+    def _end(self, outputs: Any, error: BaseException | None) -> None:
+        done, self.done = self.done, None
+        if done is None:
+            return
+        if error is not None and not isinstance(error, (StubError, SharedMemoryFull)):
+            self.detach()           # a thread takes the worker over (restart, region set-up)
+        done(outputs, error)
 
 
 _WORKER_LOG_LINE = re.compile(r"^\S+ \S+ \[python backend worker \d+\] (INFO|WARNING|ERROR|DEBUG|CRITICAL) ")
