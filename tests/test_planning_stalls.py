@@ -14,8 +14,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from jupyter_triton.engine.simulation import Arrival, ClosedLoop, simulate
 from jupyter_triton.planning import ServiceModel
 from jupyter_triton.planning.capacity import CapacityPlan, Load
-from jupyter_triton.planning.service import (BURST_CLIENTS, Burst, _fit_stalls, _split_by_load,
-                                             _stalls)
+from jupyter_triton.planning.service import (BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls,
+                                             _split_by_load, _stalls)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -136,7 +136,7 @@ def test_the_stalls_are_scaled_until_the_simulated_burst_has_the_bursts_p99():
 
     def simulated_p99(s: ServiceModel) -> float:
         plan = CapacityPlan("m", base, s, [Load("concurrency", float(BURST_CLIENTS))], [(16, 0, 1)],
-                            requests=2000)
+                            requests=FIT_REQUESTS)
         return plan.results[0]["p99_ms"] * MS
 
     for target_ms in (15, 25):

@@ -184,7 +184,7 @@ class _Simulation:
         self.jitter_ns = list(jitter_ns)
         self.stagger_ns = stagger_ns
         self.outside_rng = random.Random(f"outside/{seed}")    # apart: service draws stay the same
-        self.stall_ns = list(stall_ns) if stall_rate > 0 or stall_chance > 0 else []
+        self.stall_ns = list(stall_ns) if max(stall_rate, stall_chance) > 0 else []
         self.stall_rate = stall_rate
         self.stall_chance = stall_chance
         self.stall_rng = random.Random(f"stalls/{seed}")
@@ -247,7 +247,15 @@ class _Simulation:
 
     def _dispatched(self) -> None:
         """A batch left for its instance: the loop's work per batch (beside the execution)."""
-        self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_batch_ns
+        self._take_loop(self.loop_batch_ns)
+
+    def _take_loop(self, work_ns: int, request: bool = False) -> int:
+        """The loop does ``work_ns`` in its turn (a stall may come with it); when it is done."""
+        end = max(self.loop.now, self.loop_free_ns) + work_ns
+        if request and self.stall_ns and self.stall_chance and self.stall_rng.random() < self.stall_chance:
+            end += self.stall_rng.choice(self.stall_ns)
+        self.loop_free_ns = end
+        return end
 
     def _next_stall(self) -> None:
         self.loop.call_at(self.loop.now / 1e9 + self.stall_rng.expovariate(self.stall_rate), self._stall)
@@ -286,10 +294,8 @@ class _Simulation:
         else:
             spec = client.spec
         if self.loop_stage:
-            self.loop_free_ns = max(self.loop.now, self.loop_free_ns) + self.loop_in
-            if self.stall_ns and self.stall_chance and self.stall_rng.random() < self.stall_chance:
-                self.loop_free_ns += self.stall_rng.choice(self.stall_ns)
-            self.loop.call_at(self.loop_free_ns / 1e9, self._submit, client, spec, sent_ns, after_ns)
+            ready = self._take_loop(self.loop_in, request=True)
+            self.loop.call_at(ready / 1e9, self._submit, client, spec, sent_ns, after_ns)
         else:
             self._submit(client, spec, sent_ns, after_ns)
 
@@ -322,7 +328,7 @@ class _Simulation:
     def _answered(self, client: _Client, outcome: Outcome, after_ns: int) -> None:
         now = self.loop.now
         if self.loop_stage:                 # the loop writes the answer in its turn
-            now = self.loop_free_ns = max(now, self.loop_free_ns) + self.loop_out
+            now = self._take_loop(self.loop_out)
         outcome.end_ns = end = now + after_ns
         self.end_ns = max(self.end_ns, end)
         self.open -= 1
