@@ -7,6 +7,12 @@ future with its outputs or its error and frees the instance. ``hold`` hands a fr
 thread a batch before its queue delay has ended; the thread starts it at the deadline
 (``Deferred``), so the hop from the loop to the thread happens during the wait. Schedulers
 see only these (``scheduler.Pool``); instances, threads and hand-offs stay here.
+
+A backend whose work runs in another process (the python backend's workers) may let the
+loop wait for it (``Backend.start_on_loop``): ``run`` then sends the batch from the loop, a
+held batch is sent by its thread at the deadline, and either way the loop itself reads the
+answer and delivers it (``_on_loop_done``): no thread waits, nothing hops back. Only the
+blocking part of a failure (restarting a worker) still runs on the instance's thread.
 """
 from __future__ import annotations
 

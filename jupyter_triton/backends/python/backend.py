@@ -592,10 +592,10 @@ class PythonBackend(Backend):
                 or self._dead is not None or not self._lock.acquire(blocking=False)):
             return None
         batch = _LoopBatch(self)
-        timeout = self.execute_timeout_s and self.execute_timeout_s + delay_s
         try:
             batch.read = worker.watch(asyncio.get_running_loop(),
-                                      functools.partial(self._executed_on_loop, batch, done), timeout)
+                                      functools.partial(self._executed_on_loop, batch, done),
+                                      self.execute_timeout_s, delay_s)
         finally:
             if batch.read is None:
                 self._lock.release()

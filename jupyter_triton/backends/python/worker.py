@@ -9,10 +9,14 @@ and nothing polls: the server blocks in ``poll`` on the socket and the process's
 together, so a worker that dies (segfault, ``os._exit``, the OOM killer) is noticed at once,
 and a worker past its deadline is killed.
 
-On the server, the thread that runs a batch reads until the batch is done and hands side
-messages on (the non-decoupled path: no thread hand-off per batch); a decoupled model's
-worker has a reader thread of its own, because its responses come after execute has
-returned.
+On the server, a non-decoupled batch is usually split in two (``watch``): it is sent from
+the event loop (or from the instance thread, at a held batch's deadline) and the event loop
+reads the answer itself (``LoopWatch``: readers on the socket and the pidfd, registered once
+per worker), so no thread waits for the worker and nothing hops back to the loop. Where that
+cannot be done without waiting (a restart's ``initialize``, a region to replace, unload), a
+thread runs ``execute``: it reads until the batch is done and hands side messages on. A
+decoupled model's worker has a reader thread of its own, because its responses come after
+execute has returned.
 """
 from __future__ import annotations
 
@@ -225,12 +229,13 @@ class WorkerProcess:
         return [next(tensors) if type(item) is list else ResponseError(*item) for item in items]
 
     def watch(self, loop: asyncio.AbstractEventLoop, done: Callable[[Any, BaseException | None], None],
-              timeout: float | None = None) -> "LoopWatch | None":
+              timeout: float | None = None, delay: float = 0.0) -> "LoopWatch | None":
         """``execute`` in two halves, neither of which blocks: ``loop`` reads this worker's
         socket and pidfd itself (``LoopWatch``, kept between batches), and ``LoopWatch.send``
         (from any thread) sends the batch whose answer ``done(outputs, error)`` then brings
         on ``loop``: what ``execute`` returns or raises (``NeedsThread``: nothing was sent,
-        ``execute`` on a thread must do it). Call on ``loop``'s thread. None where the loop
+        ``execute`` on a thread must do it). ``timeout`` counts from ``delay`` seconds on
+        (when the batch is to be sent). Call on ``loop``'s thread. None where the loop
         cannot read (not ready yet, a decoupled worker's reader owns the socket, closed)."""
         if not self.ready or self._reader is not None or self._closed or self._process is None:
             return None
@@ -243,7 +248,7 @@ class WorkerProcess:
             if not self._process.is_alive():
                 return None
             watch.attach()
-        watch.begin(done, timeout)
+        watch.begin(done, timeout, delay)
         return watch
 
     def _unwatch(self) -> None:
@@ -620,15 +625,16 @@ class LoopWatch:
             self.timer.cancel()
             self.timer = None
 
-    def begin(self, done: Callable[[Any, BaseException | None], None], timeout: float | None) -> None:
-        """On the loop: the next batch's answer goes to ``done``."""
+    def begin(self, done: Callable[[Any, BaseException | None], None], timeout: float | None,
+              delay: float = 0.0) -> None:
+        """On the loop: the next batch's answer goes to ``done``; it is sent within ``delay`` s."""
         self.done = done
         self._sent = self._early = self.expired = False
         self.timeout = timeout
         if timeout:
-            self.deadline = time.monotonic() + timeout
+            self.deadline = time.monotonic() + delay + timeout
             if self.timer is None:
-                self.timer = self.loop.call_later(timeout, self._check_deadline)
+                self.timer = self.loop.call_later(delay + timeout, self._check_deadline)
 
     def send(self, requests: list[RequestData], all_outputs: list[str] | None) -> None:
         """Stage the batch and send it, from any thread; never waits for the worker and
@@ -636,10 +642,13 @@ class LoopWatch:
         worker = self.worker
         try:
             if worker._out is None:
-                raise NeedsThread("no output region yet")
+                worker._grow("_out", 0)     # a first region: created, no round trip
             staged, end, metas = worker._plan_inputs(requests, all_outputs)
             if staged:
-                if worker._in is None or worker._in.size < end:
+                if worker._in is None:
+                    worker._grow("_in", end)
+                elif worker._in.size < end:
+                    # replacing it may need the worker to let go of the old one first
                     raise NeedsThread("the input region must grow")
                 worker._in.write(staged)
             msg = Execute(worker._in.name if worker._in is not None else "", worker._out.name, metas)
