@@ -222,6 +222,7 @@ def run(seconds: float, load_generator: str) -> dict:
             "stall_rate": service.stall_rate, "stall_chance": service.stall_chance,
             "burst_qps": service.burst_qps, "burst_batch": service.burst_batch,
             "burst_p99_ms": service.burst_p99_ns / 1e6, "stall_scale": service.stall_scale,
+            "sim_requests": SIM_REQUESTS, "spread_without_stalls": True,
             "stall_p50_ms": service.stall_ns[len(service.stall_ns) // 2] / 1e6 if service.stall_ns else 0.0,
             "stall_max_ms": service.stall_ns[-1] / 1e6 if service.stall_ns else 0.0, "burst_s": BURST_S, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
 
@@ -285,7 +286,9 @@ def render(runs: list[dict]) -> str:
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
-        model = ("" if "stall_scale" in run else
+        model = ("" if "spread_without_stalls" in run else
+                 " (earlier model: a sweep's stalled sample drawn as a request's spread)" if "sim_requests" in run else
+                 " (earlier model: 2000 requests a simulated burst and row)" if "stall_scale" in run else
                  " (earlier model: each stall as long as the least hold it left)" if "loop_batch_us" in run else
                  " (earlier model: stalls drawn a request only, each as long as the longest request it "
                  "held; the loop's CPU all per request)" if "stall_chance" in run else
