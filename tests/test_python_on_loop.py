@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
-from jupyter_triton.engine import instances
+from jupyter_triton.engine import on_loop
 from jupyter_triton.model_logs import model_logs
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,7 +102,7 @@ def write_models(root: Path) -> Path:
 class ThreadUse:
     """What a model's instance threads are given: ``blocking`` counts batches run there the
     old way (execute, then a hand-back to the loop) and clean-ups after a failure; ``held``
-    the jobs of batches held to their deadline, which only send (``_send_held``) on the new
+    the jobs of batches held to their deadline, which only send (``on_loop.send_held``) on the new
     path."""
 
     def __init__(self, server, model: str) -> None:
@@ -129,7 +129,7 @@ class ThreadUse:
 
     def assert_on_loop(self) -> None:
         assert self.blocking == 0, f"{self.blocking} batch(es) ran on the instance thread"
-        assert all(fn is instances._send_held for fn in self.held), self.held
+        assert all(fn is on_loop.send_held for fn in self.held), self.held
 
 
 def x_rows(i: int, rows: int = 1) -> np.ndarray:

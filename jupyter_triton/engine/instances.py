@@ -11,7 +11,7 @@ see only these (``scheduler.Pool``); instances, threads and hand-offs stay here.
 A backend whose work runs in another process (the python backend's workers) may let the
 loop wait for it (``Backend.start_on_loop``): ``run`` then sends the batch from the loop, a
 held batch is sent by its thread at the deadline, and either way the loop itself reads the
-answer and delivers it (``_on_loop_done``): no thread waits, nothing hops back. Only the
+answer and delivers it (``on_loop.on_loop_done``): no thread waits, nothing hops back. Only the
 blocking part of a failure (restarting a worker) still runs on the instance's thread.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ..backends.base import Backend
 from ..protocol.errors import Internal, TritonError
 
 from .bls import executing
+from .on_loop import QUIET, on_loop_done, send_held
 from .statistics import mark_failure
 from .timer import precise_thread_sleep
 
@@ -346,7 +347,7 @@ class InstancePool:
         if self.decoupled or not self._on_loop:
             return False
         split = instance.backend.start_on_loop(
-            _on_loop_done(loop, instance, time.monotonic_ns(), len(live), finished))
+            on_loop_done(loop, instance, time.monotonic_ns(), len(live), finished))
         if split is None:
             return False
         split.send([p.inputs for p in live], [p.request for p in live])
@@ -380,11 +381,11 @@ class InstancePool:
             if self._on_loop:
                 # The thread sends the batch at its deadline; the loop reads the answer.
                 split = instance.backend.start_on_loop(
-                    _on_loop_done(loop, instance, deferred, len(batch), ran),
+                    on_loop_done(loop, instance, deferred, len(batch), ran),
                     max(0, deadline_ns - time.monotonic_ns()) / 1e9)
             if split is not None:
                 deferred._release = functools.partial(self._retracted, instance, split)
-                instance.thread.post_deferred(loop, ran, functools.partial(_send_held, split), deferred)
+                instance.thread.post_deferred(loop, ran, functools.partial(send_held, split), deferred)
             else:
                 instance.thread.post_deferred(loop, ran, functools.partial(_run_batch, instance.backend),
                                               deferred)
@@ -560,57 +561,6 @@ def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[
                        f"for {len(inputs)} requests")
     ci, co = backend.io_ns
     return results, (ci, max(0, t1 - t0 - ci - co), co)
-
-
-#: what a held batch's job returns once it has sent the batch (``_send_held``): no call back
-QUIET = object()
-
-
-def _send_held(split: Any, batch: list["Pending"]) -> object:
-    split.send([p.inputs for p in batch], [p.request for p in batch])
-    return QUIET
-
-
-def _on_loop_done(loop: asyncio.AbstractEventLoop, instance: Instance, started: "int | Deferred",
-                  count: int, finished: Callable[[Any, BaseException | None], None]) -> Callable:
-    """The ``done`` of ``Backend.start_on_loop``: the backend's outcome as the instance
-    thread's job would give it to ``finished`` (results and timing, or the error), with the
-    blocking part of a failure (``finish``) run on the instance's thread. ``started``: when
-    the batch started (ns), or the held batch whose claim says it."""
-    backend = instance.backend
-
-    def outcome(responses: list) -> tuple[list, tuple[int, int, int]]:
-        if len(responses) != (count if type(started) is int else len(started.batch)):
-            raise Internal(f"{backend.instance.name}: backend returned {len(responses)} "
-                           f"responses for {count} requests")
-        t0 = started if type(started) is int else started.start_ns
-        ci, co = backend.io_ns
-        return responses, (ci, max(0, time.monotonic_ns() - t0 - ci - co), co)
-
-    def finish_on_thread(finish: Callable[[], list]) -> tuple[list, tuple[int, int, int]]:
-        try:
-            responses = finish()
-        except BaseException as err:
-            t0 = started if type(started) is int else started.start_ns
-            err.compute_ns = (0, time.monotonic_ns() - t0, 0)  # type: ignore[attr-defined]
-            raise
-        return outcome(responses)
-
-    def done(responses: list | None, finish: Callable[[], list] | None) -> None:
-        if finish is not None:
-            try:
-                instance.thread.post(loop, finished, finish_on_thread, finish)
-                return
-            except RuntimeError:        # the instance is closing: finish here
-                pass
-        try:
-            result = outcome(responses) if finish is None else finish_on_thread(finish)
-            error = None
-        except BaseException as err:
-            result, error = None, err
-        finished(result, error)
-
-    return done
 
 
 def _run_batch(backend: Backend, batch: list["Pending"]) -> tuple[list, tuple[int, int, int]]:
