@@ -529,12 +529,14 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     ``overhead_us``: what your client sees at c=1 beyond one execution (default: what the
     sweep's client saw; ``calibrate_overhead`` measures it for another load generator); of
     it, ``loop_us`` (default: the server's event-loop CPU per request, measured by the
-    sweep's burst) is work requests take in turn on the server's one event loop, which
-    spreads a batch's answers and bounds throughput, and the instance's hand-off per batch is
-    occupation of the instance; the rest is a delay requests spend side by side.
-    ``stalls``: the event loop stalls as often as ``measure``'s burst saw this machine stall
-    the server (the default: the tail a shared machine gives); False plans for a host of the
-    server's own, where no neighbour takes its cores.
+    sweep's bursts; its part per batch, run beside the batch's execution, is the service
+    model's ``loop_batch_ns``) is work requests take in turn on the server's one event loop,
+    which spreads a batch's answers and bounds throughput, and the instance's hand-off per
+    batch is occupation of the instance; the rest is a delay requests spend side by side.
+    ``stalls``: the event loop stalls as often and as long as ``measure``'s bursts saw this
+    machine stall the server (some a second, some a request: a lighter load meets fewer; the
+    default: the tail a shared machine gives); False plans for a host of the server's own,
+    where no neighbour takes its cores.
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
