@@ -11,9 +11,10 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from jupyter_triton.config.formats import config_from_json
 from jupyter_triton.engine.simulation import Arrival, ClosedLoop, simulate
 from jupyter_triton.planning import ServiceModel
-from jupyter_triton.planning.capacity import CapacityPlan, Load
+from jupyter_triton.planning.capacity import CapacityPlan, Load, summarize
 from jupyter_triton.planning.service import (BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls,
                                              _split_by_load, _stalls)
 
@@ -170,3 +171,31 @@ def test_a_stall_in_the_sweep_is_not_an_executions_spread():
     draws = [service(4, random.Random(i)) for i in range(400)]
     assert max(draws) < 6 * MS
     assert service.samples[4][-1] == 118_400_000        # kept: the table and plot show it
+
+
+def test_stalls_a_request_stop_growing_past_the_bursts_request_rate():
+    """The stalls a request were measured between one client and the saturating burst (here
+    500 requests a second). A load served faster (larger batches: less CPU a request) meets
+    them at most as often a second as the burst did; a load below it as measured."""
+    base = {"name": "m", "backend": "python", "max_batch_size": 16,
+            "dynamic_batching": {"max_queue_delay_microseconds": 0},
+            "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}],
+            "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4]}]}
+    service = ServiceModel("m", "1", {b: [int((3 + 0.25 * b) * MS)] * 5 for b in (1, 4, 16)},
+                           overhead_ns=300 * US, loop_ns=100 * US, stall_ns=[10 * MS],
+                           stall_chance=0.01, burst_qps=500.0)
+    plan = CapacityPlan("m", base, service, [Load("concurrency", 2.0), Load("concurrency", 32.0)],
+                        [(16, 0, 1)], requests=6000)
+    slow, fast = plan.results
+    assert slow["throughput"] < 500 < fast["throughput"]
+
+    def uncapped(concurrency: int) -> dict:
+        r = simulate(config_from_json(plan.config(16, 0, 1), "m"), service,
+                     [ClosedLoop(concurrency, 6000)], overhead_ns=plan.overhead_ns,
+                     jitter_ns=service.jitter_ns(), loop_ns=100 * US, stall_ns=[10 * MS],
+                     stall_chance=0.01,
+                     stagger_ns=plan.overhead_ns + 100 * US + int(service.median_ns(1)))
+        return summarize(r)
+    assert uncapped(2)["p99_ms"] == slow["p99_ms"]
+    raw = uncapped(32)
+    assert fast["p99_ms"] < raw["p99_ms"] and fast["throughput"] > raw["throughput"]

@@ -218,12 +218,22 @@ class CapacityPlan:
             loop["loop_batch_ns"] = service.loop_batch_ns
         # one c=1 round trip: closed-loop clients start spread over it, not all at once
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
-        # stalls: some a second whatever the load, some a request (``measure`` splits them)
-        stalls = {"stall_rate": service.stall_rate, "stall_chance": service.stall_chance}
-        result = sim.simulate(config, service, traffic, seed=self.seed, overhead_ns=self.overhead_ns,
-                              jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
-                              stall_ns=service.stall_ns if self.jitter and self.stalls else (),
-                              **stalls, **loop)
+        stalled = self.jitter and self.stalls and bool(service.stall_ns)
+
+        def run(chance: float) -> sim.SimResult:
+            return sim.simulate(config, service, traffic, seed=self.seed, overhead_ns=self.overhead_ns,
+                                jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
+                                stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
+                                stall_chance=chance, **loop)
+        # stalls: some a second whatever the load, some a request (``measure`` splits them).
+        # Those a request were seen to grow up to the saturating burst's request rate, which
+        # saturated the cores; a load served faster (larger batches: less CPU a request) is
+        # not extrapolated past it: there they are as many a second as in the burst.
+        result = run(service.stall_chance)
+        if stalled and service.stall_chance and service.burst_qps:
+            served = sum(o.status == "ok" for o in result.requests) / (result.duration_ns / 1e9 or 1e-9)
+            if served > service.burst_qps:
+                result = run(service.stall_chance * service.burst_qps / served)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
                **summarize(result)}

@@ -42,7 +42,9 @@ saturating, then one client) measure what the c=1 sweep cannot see:
   (every client at once: nothing completes during one). The stalls come partly whatever the
   load (neighbours: ``stall_rate``, a second of work) and partly with the load's own CPU, the
   clients' and the server's competing for the cores (``stall_chance``, a request): the two
-  bursts' rates at their two request rates give both, so a lighter load meets fewer a second.
+  bursts' rates at their two request rates give both, so a lighter load meets fewer a second
+  (and a load served faster than the saturating burst, with less CPU a request, no more a
+  second than the burst: ``CapacityPlan.run`` does not extrapolate past ``burst_qps``).
   How long: the least hold a stall left is about the stall, the rest the backlog behind it,
   which the simulation forms itself; ``_fit_stalls`` scales those lengths until the
   simulation of the saturating burst has the burst's own p99.
