@@ -147,7 +147,9 @@ class DynamicBatcher(Scheduler):
             self._pump()        # alone in the queue: its batch (or its alarm) at once
         elif self._pump_soon is None:
             # Several requests arrive in one loop iteration: one pass over the queue for all.
-            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
+            # the future's loop is the one running (asyncio.get_running_loop() is a getpid()
+            # syscall a call on Python 3.11), virtual in engine/simulation.py
+            self._pump_soon = pending.future.get_loop().call_soon(self._pump)
 
     def _check_queue_size(self, level: _Level) -> None:
         if level.policy.max_queue_size:
@@ -193,7 +195,7 @@ class DynamicBatcher(Scheduler):
             self._unqueue(p, level)
             if self._deferred is not None and self._pump_soon is None and not self._closed:
                 # a thread may hold it in a batch for later: that batch is formed again
-                self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
+                self._pump_soon = p.future.get_loop().call_soon(self._pump)
 
     def _unqueue(self, p: Pending, level: _Level) -> None:
         level.remove(p)
@@ -388,7 +390,7 @@ class DynamicBatcher(Scheduler):
 
     def _in_order(self, p: Pending) -> Pending:
         """A stand-in whose result is handed to ``p`` only after every earlier request's."""
-        inner = asyncio.get_running_loop().create_future()
+        inner = p.future.get_loop().create_future()
         self._order.append((p, inner))
         inner.add_done_callback(self._deliver_in_order)
         p.future.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)

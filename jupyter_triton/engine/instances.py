@@ -320,7 +320,8 @@ class InstancePool:
             instance = self._idle.get_nowait()
         if self.rate_limiter is not None and instance.resources:
             return asyncio.ensure_future(self.execute(instance, batch))
-        loop = asyncio.get_running_loop()
+        # the requests' loop is the running one, without get_running_loop()'s getpid()
+        loop = batch[0].future.get_loop() if batch else asyncio.get_running_loop()
         done = loop.create_future()
 
         def finished(result: Any, error: BaseException | None) -> None:
@@ -372,7 +373,7 @@ class InstancePool:
         (``_deferred_started``); once it has run, every request's future is resolved, the
         instance released and ``deferred.done`` ends."""
         instance = self._idle.get_nowait()
-        loop = asyncio.get_running_loop()
+        loop = batch[0].future.get_loop()
         done = loop.create_future()
         deferred = Deferred(batch, deadline_ns, done, functools.partial(self.release, instance))
         ran = functools.partial(self._deferred_ran, instance, deferred, claimed, done)
@@ -487,7 +488,7 @@ class InstancePool:
         live = self._begin(batch)
         if not live:
             return
-        job = instance.thread.call(asyncio.get_running_loop(), *self._job(instance, live))
+        job = instance.thread.call(live[0].future.get_loop(), *self._job(instance, live))
         try:
             await asyncio.shield(job)
         finally:

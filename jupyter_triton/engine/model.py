@@ -100,6 +100,7 @@ class ModelVersion:
         self.load_seconds = 0.0
         self._inflight = 0
         self._futures: set[asyncio.Future] = set()     # unload fails what a hung model holds
+        self._loop: asyncio.AbstractEventLoop | None = None    # the loop that serves it (infer)
         self._streams: set[ResponseStream] = set()     # ... and ends the streams still open
         self._idle = asyncio.Event()
         self._idle.set()
@@ -219,7 +220,12 @@ class ModelVersion:
         except TritonError as err:          # Triton counts refused requests too (reason OTHER)
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
             raise
-        future = asyncio.get_running_loop().create_future()
+        # its engine's one loop, held (get_running_loop() is a getpid() syscall a call on
+        # Python 3.11)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future = loop.create_future()
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
         self._inflight += 1
         self._futures.add(future)

@@ -592,8 +592,13 @@ class PythonBackend(Backend):
                 or self._dead is not None or not self._lock.acquire(blocking=False)):
             return None
         batch = _LoopBatch(self)
+        # The loop that watches the worker, where it runs on this thread (only one loop runs
+        # on a thread at a time): asyncio.get_running_loop() is a getpid() syscall on 3.11.
+        watch = worker._watch
+        loop = watch.loop if watch is not None and watch.thread == threading.get_ident() \
+            and watch.loop.is_running() else asyncio.get_running_loop()
         try:
-            batch.read = worker.watch(asyncio.get_running_loop(),
+            batch.read = worker.watch(loop,
                                       functools.partial(self._executed_on_loop, batch, done),
                                       self.execute_timeout_s, delay_s)
         finally:
