@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from ..protocol.datatypes import element_size
 from ..protocol.errors import InvalidArgument, Unavailable
 from ..kernel.client import TritonHTTP
 from ..kernel.discovery import IN_KERNEL, Connection, runtime_files
@@ -369,6 +370,26 @@ def request_body(metadata: dict, rows: int) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
+def binary_request(metadata: dict, rows: int) -> tuple[bytes, dict[str, str]]:
+    """``request_body``'s request in the binary tensor extension (what perf_analyzer and
+    tritonclient send; answers asked binary too), with its headers: the server's loop does
+    less a request than for JSON, and the bursts measure its CPU with the clients' encoding."""
+    inputs, data = [], []
+    for inp in metadata["inputs"]:
+        shape = [rows] + [1 if int(d) < 0 else int(d) for d in inp["shape"][1:]]
+        n = 1
+        for d in shape:
+            n *= d
+        raw = (b"\x01\x00\x00\x000" * n if inp["datatype"] == "BYTES"
+               else bytes(n * (element_size(inp["datatype"]) or 1)))
+        inputs.append({"name": inp["name"], "shape": shape, "datatype": inp["datatype"],
+                       "parameters": {"binary_data_size": len(raw)}})
+        data.append(raw)
+    head = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    return head + b"".join(data), {"Content-Type": "application/octet-stream",
+                                   "Inference-Header-Content-Length": str(len(head))}
+
+
 def _stats(client: TritonHTTP, model: str, version: str) -> dict:
     [s] = client.stats(model, version)["model_stats"]
     return s
@@ -385,16 +406,19 @@ def _executions(s: dict) -> tuple[int, dict[int, int]]:
 def measure(connection: Connection, model: str, sizes: list[int] | None = None, repeats: int = 15,
             warmup: int = 3, version: str = "", refresh: bool = False,
             time_limit_s: float = 60.0, burst_s: float = 3.0,
-            server_pid: int | None = None) -> ServiceModel:
+            server_pid: int | None = None, binary: bool = False) -> ServiceModel:
     """Sweep ``sizes`` (default 1, 2, 4, ... up to the model's max_batch_size) ``repeats``
     times each at c=1, then a saturating burst of ``burst_s`` (0: none); see the module
     docstring. ``server_pid``: the server's process when ``server_thread`` cannot find it
-    (a standalone server started elsewhere on this host). Cached unless ``refresh``."""
+    (a standalone server started elsewhere on this host). ``binary``: the bursts send the
+    binary tensor extension, as perf_analyzer and tritonclient do (default JSON, as tune's
+    load does): the loop's CPU a request is the clients' encoding's. Cached unless ``refresh``."""
     client = TritonHTTP(connection)
     meta = client.metadata(model, version)
     version = version or str(max(int(v) for v in meta["versions"]))
     config = client.config(model, version)
-    key = (connection.url, model, version, fingerprint(config))
+    # the bursts' encoding is part of what was measured (the loop's CPU a request)
+    key = (connection.url, model, version, fingerprint(config) + (" binary" if binary else ""))
     if not refresh and sizes is None and key in _CACHE:
         return _CACHE[key]
     mbs = int(config.get("max_batch_size", 0) or 0)
@@ -447,12 +471,12 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
     if not any(samples.values()):
         raise Unavailable(f"simulate '{model}': no clean sample (is another client using it?)")
     result = ServiceModel(model, version, samples, int(statistics.median(overheads)), overheads,
-                          fingerprint=key[3])
+                          fingerprint=fingerprint(config))
     if burst_s > 0:
         thread = server_thread(connection, server_pid)
-        body = request_body(meta, 1)
-        seen = burst(connection, model, version, path, body, burst_s, thread)
-        alone = burst(connection, model, version, path, body, burst_s, thread, clients=1) \
+        body, kind = binary_request(meta, 1) if binary else (request_body(meta, 1), None)
+        seen = burst(connection, model, version, path, body, burst_s, thread, content=kind)
+        alone = burst(connection, model, version, path, body, burst_s, thread, clients=1, content=kind) \
             if seen is not None else None
         if seen is not None:
             # the cycle at saturation less the executions the statistics recorded in it
@@ -559,7 +583,8 @@ def _thread_cpu_ns(pid: int, tid: int) -> int | None:
 
 
 def burst(connection: Connection, model: str, version: str, path: str, body: bytes, seconds: float,
-          thread: tuple[int, int] | None, clients: int = BURST_CLIENTS) -> "Burst | None":
+          thread: tuple[int, int] | None, clients: int = BURST_CLIENTS,
+          content: dict[str, str] | None = None) -> "Burst | None":
     """``clients`` clients sending one-row requests back to back for ``seconds``; None
     when nothing was executed.
 
@@ -571,7 +596,7 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
     stall holds up the requests in flight with it (``_stalls``)."""
     client = TritonHTTP(connection)
     parts = urlsplit(connection.url)
-    headers = {"Content-Type": "application/json", **connection.headers}
+    headers = {**(content or {"Content-Type": "application/json"}), **connection.headers}
     instances = sum(int(g.get("count", 1) or 1)
                     for g in client.config(model, version).get("instance_group") or [{}])
     # The clients run in a process of their own: in this one they would take the GIL from an
