@@ -26,7 +26,7 @@ drawn delays also keep closed-loop clients from moving in lockstep, as real ones
 Stalls hold the event loop for one of ``stall_ns``: the moments a busy machine gives the
 server's threads no core. They come ``stall_rate`` a second while the server works (a
 Poisson stream; a stall that comes while every instance and the event loop are idle has
-nothing to hold: neighbours' load) and with probability ``stall_chance`` at each request's
+nothing to hold: neighbours' load; stalls that overlap hold it for their union) and with probability ``stall_chance`` at each request's
 turn on the loop (the load's own CPU competing for the cores: a lighter load meets fewer a
 second). Unlike a request's own delay, a stall holds up every request waiting for the
 loop, and answers queue behind it: the correlated tail that a shared machine shows under load.
@@ -195,6 +195,7 @@ class _Simulation:
         self.loop_in = loop_ns // 2
         self.loop_out = loop_ns - self.loop_in
         self.loop_free_ns = 0               # when the server's event loop is next free
+        self.stalled_until_ns = 0           # when the latest stall a second ends
         self.outcomes: list[Outcome] = []
         self.end_ns = 0
         self.open = 0
@@ -265,7 +266,14 @@ class _Simulation:
             return
         now = self.loop.now
         if self.pool.idle_count() < self.pool.size or self.loop_free_ns > now:    # at work
-            self.loop_free_ns = max(now, self.loop_free_ns) + self.stall_rng.choice(self.stall_ns)
+            # Stalls that overlap hold the loop once, as their union: two neighbours taking the
+            # cores at once do not take them twice as long (added up, a rate times a length past
+            # one second a second would hold the loop for ever and the run would never end).
+            end = now + self.stall_rng.choice(self.stall_ns)
+            extra = end - max(now, self.stalled_until_ns)
+            if extra > 0:
+                self.loop_free_ns = max(now, self.loop_free_ns) + extra
+                self.stalled_until_ns = end
         self._next_stall()
 
     def _outside(self) -> tuple[int, int]:
