@@ -224,7 +224,7 @@ def run(seconds: float, load_generator: str) -> dict:
             "stall_rate": service.stall_rate, "stall_chance": service.stall_chance,
             "burst_qps": service.burst_qps, "burst_batch": service.burst_batch,
             "burst_p99_ms": service.burst_p99_ns / 1e6, "stall_scale": service.stall_scale,
-            "sim_requests": SIM_REQUESTS, "binary_bursts": binary, "spread_without_stalls": True, "stalls_held_past_burst": True,
+            "sim_requests": SIM_REQUESTS, "binary_bursts": binary, "stalls_union": True, "spread_without_stalls": True, "stalls_held_past_burst": True,
             "stall_p50_ms": service.stall_ns[len(service.stall_ns) // 2] / 1e6 if service.stall_ns else 0.0,
             "stall_max_ms": service.stall_ns[-1] / 1e6 if service.stall_ns else 0.0, "burst_s": BURST_S, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
 
@@ -312,7 +312,13 @@ def render(runs: list[dict]) -> str:
            "309 us (JSON, runs 14 to 17) to 191 and 192 (runs 18, 19, loaded), the row 16/4000/16",
            "came within its aims (+4 %, -8 % of throughput against -11 to -18 %), but a fit over",
            "each run's own rows still puts the part a request at 111 to 170 us: the c=8 burst's",
-           "eight Python clients cost the loop more a request than perf_analyzer's do.", "",
+           "eight Python clients cost the loop more a request than perf_analyzer's do. From run 20",
+           "stalls a second that overlap hold the loop for their union, not their sum (summed, a",
+           "rate times a length past one second a second never let a simulation end); on runs 16",
+           "to 19's measurements it puts 48 of 64 rows within the aim against 49. Run 20 (load",
+           "1.8 to 1.5): throughput and p50 within their aims in 16 of 16 rows, p99 in 11: the five",
+           "misses are c=4 rows over-predicted by 35 to 66 %, the c=8 burst having met 4.9 stalls",
+           "a thousand requests, the rows fewer (the moment's neighbours, as in runs 10 and 13).", "",
            "Why c=4 forms 2.7 to 3.5 in some runs: without stalls, or without the drawn spread, the",
            "simulation forms exactly 2.00 at c=4 and delays 500 and 1000 us (run 16's model, 4000",
            "requests). A stall bunches the two groups of two; the merged four come back within",
@@ -326,7 +332,9 @@ def render(runs: list[dict]) -> str:
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
-        model = ("" if "binary_bursts" in run else
+        model = ("" if "stalls_union" in run else
+                 " (earlier model: stalls that overlapped held the loop for their sum)"
+                 if "binary_bursts" in run else
                  " (earlier model: the bursts sent JSON, perf_analyzer binary tensors)"
                  if "stalls_held_past_burst" in run else
                  " (earlier model: the stalls a request extrapolated past the burst's request rate)"
