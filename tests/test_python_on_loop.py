@@ -1,5 +1,5 @@
 """A python model's batches with no thread waiting for its worker: the event loop sends a
-batch (or the instance thread sends a batch it held to its deadline) and reads the worker's
+batch (at its deadline, from its alarm: no batch is held on a thread) and reads the worker's
 answer itself (backends/python/worker.py ``LoopWatch``). Real servers, real worker
 processes, tritonclient over HTTP and gRPC; each test also checks that the path was taken:
 no batch of a healthy model is run on its instance thread's blocking path."""
@@ -20,7 +20,6 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
-from jupyter_triton.engine import on_loop
 from jupyter_triton.model_logs import model_logs
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,8 +101,8 @@ def write_models(root: Path) -> Path:
 class ThreadUse:
     """What a model's instance threads are given: ``blocking`` counts batches run there the
     old way (execute, then a hand-back to the loop) and clean-ups after a failure; ``held``
-    the jobs of batches held to their deadline, which only send (``on_loop.send_held``) on the new
-    path."""
+    the batches handed to a thread to hold to their deadline (none: the loop's alarm sends
+    them)."""
 
     def __init__(self, server, model: str) -> None:
         self.blocking = 0
@@ -129,7 +128,7 @@ class ThreadUse:
 
     def assert_on_loop(self) -> None:
         assert self.blocking == 0, f"{self.blocking} batch(es) ran on the instance thread"
-        assert all(fn is on_loop.send_held for fn in self.held), self.held
+        assert self.held == [], self.held   # no batch handed to a thread to hold
 
 
 def x_rows(i: int, rows: int = 1) -> np.ndarray:
@@ -194,7 +193,9 @@ def test_concurrent_batches_answer_right_with_no_thread_waiting(tmp_path, protoc
         srv.close()
 
 
-def test_one_client_at_a_time_is_sent_by_the_thread_at_its_deadline_and_read_by_the_loop(server):
+def test_one_client_at_a_time_is_sent_by_the_loop_at_its_deadline(server):
+    # The loop's alarm sends a batch of one at its deadline: no instance thread is handed it
+    # (a held batch would cost the thread two wake-ups for nothing the loop cannot do).
     use = ThreadUse(server, "scale")
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
     for i in range(20):
@@ -203,9 +204,10 @@ def test_one_client_at_a_time_is_sent_by_the_thread_at_its_deadline_and_read_by_
         inp.set_data_from_numpy(x)
         np.testing.assert_array_equal(client.infer("scale", [inp]).as_numpy("Y"), 2 * x)
     use.assert_on_loop()
-    assert len(use.held) >= 10     # one request at a time: held to the 2 ms queue delay
+    assert use.held == []
     queue = client.get_inference_statistics("scale")["model_stats"][0]["inference_stats"]["queue"]
-    assert queue["ns"] / queue["count"] >= 1_500_000   # each waited out its delay
+    assert queue["count"] == 20
+    assert queue["ns"] / queue["count"] >= 1_500_000   # each waited out its 2 ms delay
 
 
 def _infer(client, value: float, model: str = "scale", output: str = "Y") -> np.ndarray:

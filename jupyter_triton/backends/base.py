@@ -118,11 +118,10 @@ class Backend:
     #: True where ``start_on_loop`` usually takes a batch
     executes_on_loop: ClassVar[bool] = False
 
-    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None],
-                      delay_s: float = 0.0) -> Any:
+    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None]) -> Any:
         """``execute`` with no thread waiting, for a runtime whose work runs elsewhere (a
         worker process). Called on the event loop: returns a handle whose ``send(requests,
-        infer_requests)`` (from any thread, within ``delay_s``) starts the batch without
+        infer_requests)`` starts the batch without
         blocking, or ``cancel()`` (on the loop) if it is never sent; ``done(responses,
         None)`` then comes on the loop with what ``execute`` would return, or ``done(None,
         finish)`` where the outcome needs blocking work first (a dead worker to restart): the

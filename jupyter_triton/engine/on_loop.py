@@ -11,41 +11,29 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..protocol.errors import Internal
 
 if TYPE_CHECKING:
-    from .instances import Deferred, Instance
-    from .pending import Pending
+    from .instances import Instance
 
 
-#: what a held batch's job returns once it has sent the batch (``send_held``): no call back
-QUIET = object()
-
-
-def send_held(split: Any, batch: list["Pending"]) -> object:
-    split.send([p.inputs for p in batch], [p.request for p in batch])
-    return QUIET
-
-
-def on_loop_done(loop: asyncio.AbstractEventLoop, instance: "Instance", started: "int | Deferred",
+def on_loop_done(loop: asyncio.AbstractEventLoop, instance: "Instance", started_ns: int,
                  count: int, finished: Callable[[Any, BaseException | None], None]) -> Callable:
     """The ``done`` of ``Backend.start_on_loop``: the backend's outcome as the instance
     thread's job would give it to ``finished`` (results and timing, or the error), with the
-    blocking part of a failure (``finish``) run on the instance's thread. ``started``: when
-    the batch started (ns), or the held batch whose claim says it."""
+    blocking part of a failure (``finish``) run on the instance's thread. ``started_ns``: when
+    the batch started."""
     backend = instance.backend
 
     def outcome(responses: list) -> tuple[list, tuple[int, int, int]]:
-        if len(responses) != (count if type(started) is int else len(started.batch)):
+        if len(responses) != count:
             raise Internal(f"{backend.instance.name}: backend returned {len(responses)} "
                            f"responses for {count} requests")
-        t0 = started if type(started) is int else started.start_ns
         ci, co = backend.io_ns
-        return responses, (ci, max(0, time.monotonic_ns() - t0 - ci - co), co)
+        return responses, (ci, max(0, time.monotonic_ns() - started_ns - ci - co), co)
 
     def finish_on_thread(finish: Callable[[], list]) -> tuple[list, tuple[int, int, int]]:
         try:
             responses = finish()
         except BaseException as err:
-            t0 = started if type(started) is int else started.start_ns
-            err.compute_ns = (0, time.monotonic_ns() - t0, 0)  # type: ignore[attr-defined]
+            err.compute_ns = (0, time.monotonic_ns() - started_ns, 0)  # type: ignore[attr-defined]
             raise
         return outcome(responses)
 

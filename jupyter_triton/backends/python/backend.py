@@ -581,11 +581,10 @@ class PythonBackend(Backend):
     def executes_on_loop(self) -> bool:   # type: ignore[override]
         return self.mode == "process" and not self.decoupled
 
-    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None],
-                      delay_s: float = 0.0) -> "_LoopBatch | None":
+    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None]
+                      ) -> "_LoopBatch | None":
         """The next batch of this instance, split in two (``WorkerProcess.watch``): the loop
-        waits for its answer with no thread blocked, ``send`` (any thread, within
-        ``delay_s``) sends it. None where the worker is not ready (a restart still
+        waits for its answer with no thread blocked, ``send`` sends it. None where the worker is not ready (a restart still
         initializing), the instance busy or unloading: ``execute`` on the thread then."""
         worker = self._worker
         if (not self.executes_on_loop or worker is None or not worker.ready or self._closing
@@ -600,7 +599,7 @@ class PythonBackend(Backend):
         try:
             batch.read = worker.watch(loop,
                                       functools.partial(self._executed_on_loop, batch, done),
-                                      self.execute_timeout_s, delay_s)
+                                      self.execute_timeout_s)
         finally:
             if batch.read is None:
                 self._lock.release()

@@ -229,13 +229,12 @@ class WorkerProcess:
         return [next(tensors) if type(item) is list else ResponseError(*item) for item in items]
 
     def watch(self, loop: asyncio.AbstractEventLoop, done: Callable[[Any, BaseException | None], None],
-              timeout: float | None = None, delay: float = 0.0) -> "LoopWatch | None":
+              timeout: float | None = None) -> "LoopWatch | None":
         """``execute`` in two halves, neither of which blocks: ``loop`` reads this worker's
         socket and pidfd itself (``LoopWatch``, kept between batches), and ``LoopWatch.send``
         (from any thread) sends the batch whose answer ``done(outputs, error)`` then brings
         on ``loop``: what ``execute`` returns or raises (``NeedsThread``: nothing was sent,
-        ``execute`` on a thread must do it). ``timeout`` counts from ``delay`` seconds on
-        (when the batch is to be sent). Call on ``loop``'s thread. None where the loop
+        ``execute`` on a thread must do it). ``timeout`` counts from now. Call on ``loop``'s thread. None where the loop
         cannot read (not ready yet, a decoupled worker's reader owns the socket, closed)."""
         if not self.ready or self._reader is not None or self._closed or self._process is None:
             return None
@@ -248,7 +247,7 @@ class WorkerProcess:
             if not self._process.is_alive():
                 return None
             watch.attach()
-        watch.begin(done, timeout, delay)
+        watch.begin(done, timeout)
         return watch
 
     def _unwatch(self) -> None:
@@ -625,16 +624,15 @@ class LoopWatch:
             self.timer.cancel()
             self.timer = None
 
-    def begin(self, done: Callable[[Any, BaseException | None], None], timeout: float | None,
-              delay: float = 0.0) -> None:
-        """On the loop: the next batch's answer goes to ``done``; it is sent within ``delay`` s."""
+    def begin(self, done: Callable[[Any, BaseException | None], None], timeout: float | None) -> None:
+        """On the loop: the next batch's answer goes to ``done``."""
         self.done = done
         self._sent = self._early = self.expired = False
         self.timeout = timeout
         if timeout:
-            self.deadline = time.monotonic() + delay + timeout
+            self.deadline = time.monotonic() + timeout
             if self.timer is None:
-                self.timer = self.loop.call_later(delay + timeout, self._check_deadline)
+                self.timer = self.loop.call_later(timeout, self._check_deadline)
 
     def send(self, requests: list[RequestData], all_outputs: list[str] | None) -> None:
         """Stage the batch and send it, from any thread; never waits for the worker and
