@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -15,10 +14,10 @@ import pytest
 import tritonclient.http as httpclient
 
 import jupyter_triton as jt
-from jupyter_triton.kernel import api, discovery
 from jupyter_triton.kernel.client import TritonHTTP
 from jupyter_triton.planning import measure
 from jupyter_triton.planning.service import binary_request, request_body
+from test_capacity_planning import kernel_server  # noqa: F401 -- the fixture: a server in this process
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -33,16 +32,6 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor(
             "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2 + 1)]) for r in requests]
 '''
-
-
-@pytest.fixture
-def kernel_server(tmp_path: Path):
-    discovery.reset()
-    conn = discovery.start_in_kernel(tmp_path / "repo")
-    yield conn
-    discovery.stop_in_kernel()
-    discovery.reset()
-    api.uploaded.clear()
 
 
 def post(conn, body: bytes, headers: dict) -> tuple[int, dict, bytes]:

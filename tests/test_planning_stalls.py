@@ -8,8 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.config.formats import config_from_json
 from jupyter_triton.engine.simulation import Arrival, ClosedLoop, simulate
@@ -17,20 +15,10 @@ from jupyter_triton.planning import ServiceModel
 from jupyter_triton.planning.capacity import CapacityPlan, Load, summarize
 from jupyter_triton.planning.service import (BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls,
                                              _split_by_load, _stalls)
+from test_simulation import MS, US, config, fixed
 
 pytestmark = pytest.mark.timeout(90)
 
-MS = 1_000_000
-US = 1_000
-
-
-def config(text: str) -> mc.ModelConfig:
-    return text_format.Parse(f'name: "m" input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }} ] {text}',
-                             mc.ModelConfig())
-
-
-def fixed(ns: int):
-    return lambda rows, rng: ns
 
 
 def p(result, q: float) -> int:
