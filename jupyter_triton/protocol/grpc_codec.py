@@ -432,21 +432,15 @@ class ResponsePlans:
         for t in resp.outputs:
             if t.data is None or t.datatype == "BYTES" or t.datatype not in DATATYPES:
                 return None
-            if t.parameters:
-                params = _params_key(t.parameters)
-                if params is None:
-                    return None
-            else:
-                params = ()
+            params = _params_key(t.parameters) if t.parameters else ()
+            if params is None:
+                return None
             shape = t.shape
             layout.append((t.name, t.datatype, shape if type(shape) is tuple else tuple(shape),
                            params))
-        if resp.parameters:
-            params = _params_key(resp.parameters)
-            if params is None:
-                return None
-        else:
-            params = ()
+        params = _params_key(resp.parameters) if resp.parameters else ()
+        if params is None:
+            return None
         return resp.model_name, str(resp.model_version), params, tuple(layout)
 
 
