@@ -651,6 +651,21 @@ def measure(pa: str, target: Target, row: Row, rnd: int, interval_ms: int) -> Me
     return m
 
 
+def measure_once_more_on_failure(pa: str, target: Target, row: Row, rnd: int,
+                                 interval_ms: int) -> Measurement:
+    """A failed measurement is taken again once before the round moves on: a perf_analyzer that
+    timed out once (it did on tritonserver's HTTP c=32 row) would otherwise leave that row with
+    one round, and its ratio resting on one moment of a shared machine."""
+    m = Measurement(round=rnd)
+    for attempt in (1, 2):
+        try:
+            return measure(pa, target, row, rnd, interval_ms)
+        except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as e:
+            m = Measurement(round=rnd, error=f"attempt {attempt}: {str(e)[:480]}")
+            log(f"  {row.key}: FAILED ({m.error})" + (", measuring it again" if attempt == 1 else ""))
+    return m
+
+
 def summarize(row: Row) -> None:
     good = [m for m in row.rounds if not m.error]
     if good:
@@ -806,12 +821,8 @@ def main(argv: list[str] | None = None) -> int:
                             row.skipped = (f"{target.label} does not advertise the system_shared_memory "
                                            "extension: no --shared-memory system row")
                             continue
-                        try:
-                            m = measure(pa, target, row, rnd, interval_ms)
-                        except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as e:
-                            m = Measurement(round=rnd, error=str(e)[:500])
-                            log(f"  {row.key}: FAILED: {m.error}")
-                        else:
+                        m = measure_once_more_on_failure(pa, target, row, rnd, interval_ms)
+                        if not m.error:
                             log(f"  {row.key:40s} {m.throughput:7.0f} infer/s  p50 {m.p50_us / 1e3:6.2f} ms  "
                                 f"p99 {m.p99_us / 1e3:6.2f} ms  CPU {m.cpu_us_per_inference:6.0f} us/inf  "
                                 f"queue {m.queue_us:5.0f} us  batch {m.mean_batch:4.1f}  "
