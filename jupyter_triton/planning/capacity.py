@@ -3,10 +3,16 @@ have yet, answered in seconds by the engine's own dynamic batcher on a virtual c
 (``engine.simulation``) fed with the model's measured execution times (``service``).
 
 For every ``max_batch_size`` x ``max_queue_delay_us`` x ``instances`` of the grid and every
-load (open-loop Poisson ``qps``, closed-loop ``concurrency``, or named ``traffic``), one
-seeded simulation: a row of p50/p95/p99, throughput and mean batch. The same
-(config, load) always gives the same row, and every answer (``best``, ``instances_for``,
-``bulk_effect``) is computed from such rows, so answers and table agree.
+load (open-loop Poisson ``qps``, closed-loop ``concurrency``, or named ``traffic``), a few
+seeded simulations (``replicas``, the requests shared between them) pooled into a row of
+p50/p95/p99, throughput and mean batch. The same (config, load) always gives the same row,
+and every answer (``best``, ``instances_for``, ``bulk_effect``) is computed from such rows, so
+answers and table agree. Some configs have two states that each last, and chance decides
+which one a run stays in (closed loop at c=4 with a delay shorter than an execution: four
+clients in one batch, or two groups whose requests each arrive while the other's batch runs
+and leave alone when it ends); a row whose replicas disagree on its mean batch or throughput
+says so (``metastable``) and gives their range in its table, plot and answers: a
+measurement there may show either state, or a mix.
 
 Latency here is what a client sees. What the service model measured (``service``) drives
 every stage: each batch occupies its instance for a drawn execution plus the measured
@@ -25,6 +31,7 @@ import dataclasses
 import html
 import inspect
 import json
+import math
 import statistics as stats_
 import time
 from dataclasses import dataclass, field
@@ -40,15 +47,29 @@ from .service import ServiceModel, measure
 from ..kernel.tune import png_bytes
 
 COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
-           "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts")
+           "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts", "metastable")
 COMPARE_COLUMNS = ("max_batch_size", "max_queue_delay_us", "concurrency", "measured_throughput",
                    "simulated_throughput", "measured_p50_ms", "simulated_p50_ms", "measured_p99_ms",
-                   "simulated_p99_ms", "measured_mean_batch", "simulated_mean_batch")
+                   "simulated_p99_ms", "measured_mean_batch", "simulated_mean_batch", "simulated_range")
 TEMP_SUFFIX = "__sim"
 #: an open-loop load is kept up with when this share of it is served (the rest: queue growth)
 KEPT_UP = 0.95
 #: whether engine.simulation models the server's event loop as a stage requests take in turn
 LOOP_MODELLED = "loop_ns" in inspect.signature(sim.simulate).parameters
+#: independent simulations a row pools, the requests shared between them. A config can have two
+#: states that each last (closed loop at c=4 with a delay shorter than an execution: the four
+#: clients in one batch, or in two groups, each arriving while the other's batch runs), and
+#: which one a run stays in, and how long, is chance: one run would show one of them as if it
+#: were the answer, replicas that disagree show that it is not
+REPLICAS = 3
+#: replicas disagree materially where a figure's range (max - min) over the pooled figure
+#: exceeds this, or 3 / sqrt(n) for replicas of n requests if more (what the draws alone move a
+#: figure of n requests: a stable row's mean batch and throughput spread 2 to 8 % at 1600
+#: requests a replica, up to 12 % at 333 near saturation), well short of the two states at c=4
+#: (2.0 against 3 to 4 rows a batch, a third more throughput)
+METASTABLE = {"mean_batch": 0.15, "throughput": 0.15}
+#: each replica's figures kept in its row
+REPLICA_FIGURES = ("throughput", "p50_ms", "p99_ms", "mean_batch")
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,39 @@ def summarize(result: sim.SimResult) -> dict:
     return row
 
 
+def _pooled(results: Sequence[sim.SimResult]) -> sim.SimResult:
+    """Replicas as one run: their requests and batches together, their durations end to end."""
+    return sim.SimResult([o for r in results for o in r.requests], [b for r in results for b in r.batches],
+                         sum(r.duration_ns for r in results))
+
+
+def replica_range(row: dict, figure: str) -> tuple[float, float]:
+    """The least and the most of ``figure`` over a row's replicas (the pooled figure when the
+    row has none)."""
+    values = [r[figure] for r in row.get("replicas") or [row]]
+    return min(values), max(values)
+
+
+def metastable(row: dict) -> bool:
+    """Whether a row's replicas disagree materially (``METASTABLE``) on mean batch or throughput."""
+    replicas = row.get("replicas") or [row]
+    noise = 3 / math.sqrt(max(1.0, row["requests"] / len(replicas)))
+    for figure, share in METASTABLE.items():
+        lo, hi = replica_range(row, figure)
+        if row[figure] and (hi - lo) / row[figure] > max(share, noise):
+            return True
+    return False
+
+
+def describe_range(row: dict) -> str:
+    """A metastable row's replica ranges in words; "" for a stable one."""
+    if not row.get("metastable"):
+        return ""
+    (b0, b1), (t0, t1), (p0, p1) = (replica_range(row, f) for f in ("mean_batch", "throughput", "p99_ms"))
+    return (f"metastable: replicas form batches of {b0:.2f} to {b1:.2f}, serve {t0:.0f} to {t1:.0f} "
+            f"infer/s, p99 {p0:.2f} to {p1:.2f} ms")
+
+
 class CapacityPlan:
     """The simulated grid: ``results`` (one dict per config and load), the answers
     (``best``, ``instances_for``, ``bulk_effect``), a table and plots (``_repr_html_``),
@@ -130,7 +184,7 @@ class CapacityPlan:
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
                  connection: Connection | None = None, loop_ns: int | None = None, jitter: bool = True,
-                 stalls: bool = True, measured: Any = None) -> None:
+                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -140,6 +194,9 @@ class CapacityPlan:
         self.slo_p99_ms = slo_p99_ms
         self.requests = requests
         self.seed = seed
+        if replicas < 1:
+            raise InvalidArgument("simulate: replicas must be 1 or more")
+        self.replicas = replicas          # simulations a row pools (``run``)
         # overhead_ns: the parallel delay alone (the c=1 overhead less the stages modelled)
         self.overhead_ns = service.parallel_ns if overhead_ns is None else int(overhead_ns)
         self.loop_ns = service.loop_ns if loop_ns is None else int(loop_ns)
@@ -185,7 +242,7 @@ class CapacityPlan:
                                      "count": int(instances)}]
         return config
 
-    def _traffic(self, load: Load, extra: Sequence[tr.TrafficClass]) -> list:
+    def _traffic(self, load: Load, extra: Sequence[tr.TrafficClass], seed: int, requests: int) -> list:
         if load.kind == "traffic":
             main = list(self.traffic[load.label])
         elif load.kind == "qps":
@@ -195,21 +252,39 @@ class CapacityPlan:
         if load.kind == "traffic":
             span = max((a.t_ns for a in main if isinstance(a, sim.Arrival)), default=0) / 1e9
             others = [a for i, c in enumerate(extra)
-                      for a in c.traffic(self.seed + 1 + i, self.requests, span or None)]
+                      for a in c.traffic(seed + 1 + i, requests, span or None)]
             arrivals = sorted((a for a in main + others if isinstance(a, sim.Arrival)),
                               key=lambda a: a.t_ns)
             return arrivals + [a for a in main + others if not isinstance(a, sim.Arrival)]
-        return tr.mix(main + list(extra), self.seed, self.requests)
+        return tr.mix(main + list(extra), seed, requests)
+
+    def _replicas(self, load: Load, extra: Sequence[tr.TrafficClass]) -> list[tuple[int, list]]:
+        """(seed, traffic) of each replica: the requests (and a class's own count) shared
+        between them, so that a row costs what one simulation of them all would. Named traffic
+        is one replica: its arrivals are the one realisation given."""
+        if load.kind == "traffic" or self.replicas == 1:
+            return [(self.seed, self._traffic(load, extra, self.seed, self.requests))]
+        count = min(self.replicas, self.requests)
+        out = []
+        for i in range(count):
+            share = self.requests // count + (i < self.requests % count)
+            own = [dataclasses.replace(c, requests=max(1, round(c.requests / count))) if c.requests else c
+                   for c in extra]
+            seed = self.seed * self.replicas + i
+            out.append((seed, self._traffic(load, own, seed, share)))
+        return out
 
     def run(self, max_batch_size: int, max_queue_delay_us: int, instances: int, load: Load,
             extra: Sequence[tr.TrafficClass] | None = None) -> dict:
-        """One simulation's row (memoized: the same arguments give the same row)."""
+        """One row (memoized: the same arguments give the same row): ``replicas`` seeded
+        simulations pooled, each one's figures in ``row["replicas"]``, and
+        ``row["metastable"]`` where they disagree (``metastable``)."""
         extra = self.extra if extra is None else list(extra)
         key = (max_batch_size, max_queue_delay_us, instances, load, tuple(extra))
         if key in self._memo:
             return self._memo[key]
-        traffic = self._traffic(load, extra)
-        levels = max([getattr(a, "priority", 0) for a in traffic] + [0])
+        replicas = self._replicas(load, extra)
+        levels = max([getattr(a, "priority", 0) for _, traffic in replicas for a in traffic] + [0])
         config = config_from_json(self.config(max_batch_size, max_queue_delay_us, instances, levels),
                                   self._base.get("name", self.model))
         service = self.service
@@ -220,23 +295,27 @@ class CapacityPlan:
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         stalled = self.jitter and self.stalls and bool(service.stall_ns)
 
-        def run(chance: float) -> sim.SimResult:
-            return sim.simulate(config, service, traffic, seed=self.seed, overhead_ns=self.overhead_ns,
-                                jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
-                                stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
-                                stall_chance=chance, **loop)
+        def run(chance: float) -> list[sim.SimResult]:
+            return [sim.simulate(config, service, traffic, seed=seed, overhead_ns=self.overhead_ns,
+                                 jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
+                                 stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
+                                 stall_chance=chance, **loop)
+                    for seed, traffic in replicas]
         # stalls: some a second whatever the load, some a request (``measure`` splits them).
         # Those a request were seen to grow up to the saturating burst's request rate, which
         # saturated the cores; a load served faster (larger batches: less CPU a request) is
         # not extrapolated past it: there they are as many a second as in the burst.
-        result = run(service.stall_chance)
+        results = run(service.stall_chance)
         if stalled and service.stall_chance and service.burst_qps:
-            served = sum(o.status == "ok" for o in result.requests) / (result.duration_ns / 1e9 or 1e-9)
+            pooled = _pooled(results)
+            served = sum(o.status == "ok" for o in pooled.requests) / (pooled.duration_ns / 1e9 or 1e-9)
             if served > service.burst_qps:
-                result = run(service.stall_chance * service.burst_qps / served)
+                results = run(service.stall_chance * service.burst_qps / served)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
-               **summarize(result)}
+               **summarize(_pooled(results))}
+        row["replicas"] = [{k: summarize(r)[k] for k in REPLICA_FIGURES} for r in results]
+        row["metastable"] = metastable(row)
         self._memo[key] = row
         return row
 
@@ -269,6 +348,8 @@ class CapacityPlan:
                if slo is not None else
                f"the most throughput: {row['throughput']:.0f} infer/s at {row['load']}, "
                f"p99 {row['p99_ms']:.2f} ms")
+        if row.get("metastable"):
+            why += f" ({describe_range(row)})"
         return Answer(_config_of(row), row, why)
 
     def instances_for(self, qps: float, slo_p99_ms: float | None = None,
@@ -346,7 +427,8 @@ class CapacityPlan:
     # ---- measured beside simulated -----------------------------------------------------
     def compare(self, measured: Any) -> list[dict]:
         """For each row ``tune()`` measured (a TuneResult or its ``results``), the same config
-        simulated closed loop at the same concurrency, side by side, with the ratios."""
+        simulated closed loop at the same concurrency, side by side, with the ratios; where the
+        simulated row is metastable, its replicas' figures and their range in words."""
         rows = measured.results if hasattr(measured, "results") else measured
         inst = self.results[0]["instances"] if self.results else 1
         out = []
@@ -361,12 +443,16 @@ class CapacityPlan:
                 row[f"measured_{k}"] = float(m[k])
                 row[f"simulated_{k}"] = float(s[k])
                 row[f"error_{k}"] = (s[k] - float(m[k])) / float(m[k]) if float(m[k]) else float("nan")
+            row["simulated_metastable"] = s["metastable"]
+            row["simulated_replicas"] = s["replicas"]
+            row["simulated_range"] = describe_range(s)
             out.append(row)
         return out
 
     # ---- showing -------------------------------------------------------------------------
     def plot_png(self) -> bytes:
-        """Left: p99 (solid) and p50 (dotted) against load, one colour per config. Right: the
+        """Left: p99 (solid) and p50 (dotted) against load, one colour per config, a metastable
+        row's replicas' range as a cross (throughput across, closed loop; p99 up). Right: the
         batch sizes formed at the highest load, one step histogram per config."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -382,6 +468,12 @@ class CapacityPlan:
             label = f"b{mbs} d{delay}us x{inst}"
             ax.plot(x, [r["p99_ms"] for r in rows], "o-", color=colour, label=label)
             ax.plot(x, [r["p50_ms"] for r in rows], ":", color=colour)
+            for xi, r in zip(x, rows):
+                if r["metastable"]:
+                    t0, t1 = replica_range(r, "throughput") if r["kind"] != "qps" else (xi, xi)
+                    p0, p1 = replica_range(r, "p99_ms")
+                    ax.errorbar([xi], [r["p99_ms"]], xerr=[[xi - t0], [t1 - xi]],
+                                yerr=[[r["p99_ms"] - p0], [p1 - r["p99_ms"]]], color=colour, capsize=3)
             if top is not None:
                 hist = self.run(mbs, delay, inst, top)["batch_histogram"]
                 sizes = sorted(hist)
@@ -392,7 +484,9 @@ class CapacityPlan:
         kinds = {l.kind for l in self.loads}
         ax.set_xlabel("offered load (qps)" if kinds == {"qps"} else "load (qps offered / infer/s served)")
         ax.set_ylabel("latency (ms): p99 solid, p50 dotted")
-        ax.set_title(f"{self.model}: simulated latency against load")
+        ax.set_title(f"{self.model}: simulated latency against load"
+                     + (" (crosses: metastable, the replicas' range)"
+                        if any(r["metastable"] for r in self.results) else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
         hx.set_xlabel("batch size (rows)")
@@ -408,7 +502,7 @@ class CapacityPlan:
         body = []
         for r in rows:
             style = ' style="font-weight:bold"' if r is best else ""
-            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in columns)
+            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(_show(r, c))}</td>" for c in columns)
                         + "</tr>")
         return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -429,7 +523,7 @@ class CapacityPlan:
     def __repr__(self) -> str:
         lines = [f"CapacityPlan({self.model}: {len(self.results)} simulations in {self.seconds:.2f} s)",
                  "  ".join(f"{c:>18}" for c in COLUMNS)]
-        lines += ["  ".join(f"{_cell(r[c]):>18}" for c in COLUMNS) for r in self.results]
+        lines += ["  ".join(f"{_show(r, c):>18}" for c in COLUMNS).rstrip() for r in self.results]
         lines.append(f"best: {self.best()!r}")
         return "\n".join(lines)
 
@@ -494,6 +588,13 @@ class BulkEffect:
                          f"bulk {r['bulk_throughput']:.0f} infer/s" for r in self.rows)
 
 
+def _show(row: dict, column: str) -> str:
+    """A table's cell: a metastable row's replica ranges in words under ``metastable``."""
+    if column == "metastable":
+        return describe_range(row)
+    return _cell(row.get(column))
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
@@ -525,7 +626,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
              service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
              seed: int = 0, overhead_us: float | None = None, loop_us: float | None = None,
-             measured: Any = None, repeats: int = 15, stalls: bool = True,
+             measured: Any = None, repeats: int = 15, stalls: bool = True, replicas: int = REPLICAS,
              files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
     """Simulate every config of the grid at every load; see the module docstring.
 
@@ -546,7 +647,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     ``stalls``: the event loop stalls as often and as long as ``measure``'s bursts saw this
     machine stall the server (some a second, some a request: a lighter load meets fewer; the
     default: the tail a shared machine gives); False plans for a host of the server's own,
-    where no neighbour takes its cores.
+    where no neighbour takes its cores. ``replicas``: independent simulations a row pools,
+    ``requests`` shared between them (a row marked metastable where they disagree).
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
@@ -585,7 +687,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
                         parallel_ns(service, overhead_us, loop_us),
                         bulk=bulk, files=files, connection=conn,
                         loop_ns=None if loop_us is None else int(loop_us * 1000), stalls=stalls,
-                        measured=measured)
+                        measured=measured, replicas=replicas)
 
 
 def parallel_ns(service: ServiceModel, overhead_us: float, loop_us: float | None = None) -> int:
