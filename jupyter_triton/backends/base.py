@@ -121,9 +121,8 @@ class Backend:
     def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None]) -> Any:
         """``execute`` with no thread waiting, for a runtime whose work runs elsewhere (a
         worker process). Called on the event loop: returns a handle whose ``send(requests,
-        infer_requests)`` starts the batch without
-        blocking, or ``cancel()`` (on the loop) if it is never sent; ``done(responses,
-        None)`` then comes on the loop with what ``execute`` would return, or ``done(None,
+        infer_requests)``, called next on the loop, starts the batch without blocking;
+        ``done(responses, None)`` then comes on the loop with what ``execute`` would return, or ``done(None,
         finish)`` where the outcome needs blocking work first (a dead worker to restart): the
         engine runs ``finish()`` on the instance's thread and its return or raise is the
         outcome. ``io_ns`` is set before ``done``. None: the engine calls ``execute`` on the

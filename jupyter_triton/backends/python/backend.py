@@ -307,8 +307,7 @@ class _LoopBatch:
         self.requests: list = []
 
     def send(self, requests: list[Tensors], infer_requests: list) -> None:
-        """From any thread (the loop, or the instance's thread at a held batch's deadline);
-        never raises: what goes wrong ends the batch on the loop."""
+        """On the loop; never raises: what goes wrong ends the batch."""
         backend = self.backend
         self.inputs, self.requests = requests, infer_requests
         t0 = time.monotonic_ns()
@@ -316,16 +315,11 @@ class _LoopBatch:
             self.data = [backend._request_data(inputs, infer_requests[i] if infer_requests else None)
                          for i, inputs in enumerate(requests)]
         except Exception as err:
-            self.read._end_soon(None, err)
+            self.read._end(None, err)
             return
         backend.io_ns = (time.monotonic_ns() - t0, 0)     # Triton's compute_input
         backend._batch_requests = infer_requests            # BLS calls of this batch take their depth
         self.read.send(self.data, backend._all_outputs)
-
-    def cancel(self) -> None:
-        """On the loop, for a batch never sent (a held batch taken back)."""
-        self.read.cancel()
-        self.backend._lock.release()
 
 
 class _ThreadHost:

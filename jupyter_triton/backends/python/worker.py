@@ -9,9 +9,8 @@ and nothing polls: the server blocks in ``poll`` on the socket and the process's
 together, so a worker that dies (segfault, ``os._exit``, the OOM killer) is noticed at once,
 and a worker past its deadline is killed.
 
-On the server, a non-decoupled batch is usually split in two (``watch``): it is sent from
-the event loop (or from the instance thread, at a held batch's deadline) and the event loop
-reads the answer itself (``LoopWatch``: readers on the socket and the pidfd, registered once
+On the server, a non-decoupled batch is usually split in two (``watch``): the event loop
+sends it and reads the answer itself (``LoopWatch``: readers on the socket and the pidfd, registered once
 per worker), so no thread waits for the worker and nothing hops back to the loop. Where that
 cannot be done without waiting (a restart's ``initialize``, a region to replace, unload), a
 thread runs ``execute``: it reads until the batch is done and hands side messages on. A
@@ -232,10 +231,11 @@ class WorkerProcess:
               timeout: float | None = None) -> "LoopWatch | None":
         """``execute`` in two halves, neither of which blocks: ``loop`` reads this worker's
         socket and pidfd itself (``LoopWatch``, kept between batches), and ``LoopWatch.send``
-        (from any thread) sends the batch whose answer ``done(outputs, error)`` then brings
-        on ``loop``: what ``execute`` returns or raises (``NeedsThread``: nothing was sent,
-        ``execute`` on a thread must do it). ``timeout`` counts from now. Call on ``loop``'s thread. None where the loop
-        cannot read (not ready yet, a decoupled worker's reader owns the socket, closed)."""
+        sends the batch whose answer ``done(outputs, error)`` then brings on ``loop``: what
+        ``execute`` returns or raises (``NeedsThread``: nothing was sent, ``execute`` on a
+        thread must do it). ``timeout`` counts from now. Call on ``loop``'s thread. None where
+        the loop cannot read (not ready yet, a decoupled worker's reader owns the socket,
+        closed)."""
         if not self.ready or self._reader is not None or self._closed or self._process is None:
             return None
         watch = self._watch
@@ -586,13 +586,12 @@ class LoopWatch:
     reader added and removed per batch costs the loop ~50 us). Side messages are answered as
     they come (a BLS call goes to its pool, never runs here); ``Grow`` gets its region; the
     pidfd says the worker died; one timer, re-armed only when it fires, kills a worker past
-    its bound. A batch's ``done`` is called once, on the loop. The batch may be sent from
-    another thread (``send``): until it is, a death is left for ``send`` to find (a batch
-    may also never be sent: ``cancel``). After a failure the loop lets go of the worker
-    (``detach``): a thread restarts it or runs the batch."""
+    its bound. A batch's ``done`` is called once, on the loop, which also sends the batch
+    (``send``, right after ``begin``: no death can come between them). After a failure the
+    loop lets go of the worker (``detach``): a thread restarts it or runs the batch."""
 
     __slots__ = ("worker", "loop", "thread", "attached", "done", "timeout", "deadline", "timer",
-                 "expired", "fds", "_lock", "_sent", "_early")
+                 "expired", "fds")
 
     def __init__(self, worker: WorkerProcess, loop: asyncio.AbstractEventLoop) -> None:
         self.worker = worker
@@ -603,9 +602,6 @@ class LoopWatch:
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.expired = False
-        self._lock = threading.Lock()
-        self._sent = False
-        self._early = False         # the pidfd fired before the batch was sent
         self.fds = (worker._chan.fd, worker._process.sentinel)
         self.attached = False
         self.attach()
@@ -627,7 +623,7 @@ class LoopWatch:
     def begin(self, done: Callable[[Any, BaseException | None], None], timeout: float | None) -> None:
         """On the loop: the next batch's answer goes to ``done``."""
         self.done = done
-        self._sent = self._early = self.expired = False
+        self.expired = False
         self.timeout = timeout
         if timeout:
             self.deadline = time.monotonic() + timeout
@@ -635,8 +631,8 @@ class LoopWatch:
                 self.timer = self.loop.call_later(timeout, self._check_deadline)
 
     def send(self, requests: list[RequestData], all_outputs: list[str] | None) -> None:
-        """Stage the batch and send it, from any thread; never waits for the worker and
-        never raises: what goes wrong ends the batch on the loop."""
+        """Stage the batch and send it; never waits for the worker and never raises: what
+        goes wrong ends the batch."""
         worker = self.worker
         try:
             if worker._out is None:
@@ -650,31 +646,13 @@ class LoopWatch:
                     raise NeedsThread("the input region must grow")
                 worker._in.write(staged)
             msg = Execute(worker._in.name if worker._in is not None else "", worker._out.name, metas)
-            with self._lock:
-                early = self._early
-                self._sent = not early
-            if early:
-                raise WorkerDied(worker._reap())
         except Exception as err:
-            self._end_soon(None, err)
+            self._end(None, err)
             return
         try:
             worker._send(msg)
         except WorkerDied:
             pass                    # its pidfd, watched, ends the batch
-
-    def cancel(self) -> None:
-        """On the loop: the batch begun will not be sent."""
-        self.done = None
-
-    def _end_soon(self, outputs: Any, error: BaseException | None) -> None:
-        if threading.get_ident() == self.thread:
-            self._end(outputs, error)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._end, outputs, error)
-        except RuntimeError:
-            pass                    # the loop has closed: nobody waits any more
 
     def _readable(self) -> None:
         try:
@@ -711,11 +689,6 @@ class LoopWatch:
         return True
 
     def _exited(self) -> None:
-        with self._lock:
-            if self.done is not None and not self._sent:
-                self._early = True  # send finds the worker dead and ends the batch
-                self.loop.remove_reader(self.fds[1])
-                return
         worker = self.worker
         # the answer may have come just before the end (a model that exits after returning)
         try:
