@@ -176,6 +176,11 @@ class _Connection(asyncio.Protocol):
         self.framing = 0                          # bytes since, in reads with no body bytes
         self.stall: asyncio.TimerHandle | None = None  # watching a peer that does not read
         self.unsent = 0
+        self.begun = 0                            # requests whose head began (counted)
+        self.last: _Message | None = None         # the request completed last
+        # The last head read with its whole body in one read, and what it parsed to (a
+        # plain request: Content-Length, keep-alive, nothing refused): see ``_repeat``.
+        self.known: tuple | None = None
 
     # -- connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -222,7 +227,12 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return              # lingering after a refusal: drained, never parsed
         before = self.message
+        known = self.known
+        if before is None and known is not None and len(data) == known[1] and \
+                data.startswith(known[0]) and self._repeat(known, data):
+            return
         self.guarded = before is not None or len(data) > self.small
+        begun, self.last = self.begun, None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as err:
@@ -241,6 +251,42 @@ class _Connection(asyncio.Protocol):
             return
         if self.message is not None:
             self._unfinished(self.message, before, len(data))
+        elif before is None and self.begun == begun + 1:
+            self._learn(self.last, data)
+
+    def _learn(self, m: _Message, data: bytes) -> None:
+        """Keep the head of ``m``, a request that was the whole of ``data``, head and body,
+        when it is plain: a Content-Length body, keep-alive, admitted, no Expect, no repeated
+        header. (A head fed apart from its body, as shared_port.py feeds them, is not kept.)"""
+        length = m.length
+        if length and m.size == length and m.refused is None and m.keep_alive and \
+                m.repeated is None and "expect" not in m.headers and \
+                "transfer-encoding" not in m.headers:
+            self.known = (data[:len(data) - length], len(data), m.method, m.url, m.path,
+                          m.route, m.params, m.headers, length)
+
+    def _repeat(self, known: tuple, data: bytes) -> bool:
+        """A read that is the known head byte for byte and a body of its length is that
+        request again: a client repeats its head (perf_analyzer, tritonclient, a notebook's
+        loop), and llhttp reads no byte of a Content-Length body, so the parser would find
+        what it found before. Its ten callbacks are skipped; admission runs as for any head.
+        False: refused, so left to the parser, where refusals are answered."""
+        head, _, method, url, path, route, params, headers, length = known
+        try:
+            ticket = self.plane.admit(route, method, headers, length)
+        except Exception:
+            return False
+        m = _Message()
+        m.method, m.url, m.path, m.route, m.params = method, url, path, route, params
+        m.headers = headers             # read only, as the parameters are
+        m.head, m.length, m.size, m.ticket = -1, length, length, ticket
+        m.chunks.append(data[len(head):])
+        self._disarm()
+        try:
+            self._complete(m)
+        except _Refused:
+            pass                        # refused and answered: nothing else in the read
+        return True
 
     def _unfinished(self, m: _Message, before: _Message | None, received: int) -> None:
         """A request still incomplete after a read (not the fast path: a whole request
@@ -324,6 +370,7 @@ class _Connection(asyncio.Protocol):
     # -- parser callbacks ---------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.message = _Message()
+        self.begun += 1
 
     def on_url(self, url: bytes) -> None:
         m = self.message
@@ -457,6 +504,11 @@ class _Connection(asyncio.Protocol):
         self._disarm()
         if m is None:
             return
+        self.last = m
+        self._complete(m)
+
+    def _complete(self, m: _Message) -> None:
+        """A whole request: queued to be answered in its turn."""
         if self.closing:            # stopping: a request that arrives now is not served
             if m.ticket is not None:
                 m.ticket.release()
