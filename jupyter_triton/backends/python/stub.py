@@ -187,6 +187,7 @@ class ModelStub:
         # back through a context variable set around each execute.
         self.bls_host = bls_host
         self.model_name = args["model_name"]
+        self.model_version = int(args.get("model_version") or -1)
         cls = import_model_class(
             model_py, module_name(args["model_name"], args["model_version"], args["model_instance_name"]))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -212,8 +213,7 @@ class ModelStub:
         return result
 
     def _pb_requests(self, requests: list[RequestData]) -> list[pb_utils.InferenceRequest]:
-        version = int(self.args.get("model_version") or -1)
-        name, request, tensor = self.model_name, pb_utils.InferenceRequest._of, pb_utils.Tensor._of
+        name, version, request, tensor = self.model_name, self.model_version, pb_utils.InferenceRequest._of, pb_utils.Tensor
         return [request(name, [tensor(n, a) for n, a in r.inputs.items()], r.requested_output_names,
                         r.request_id, r.correlation_id, version, r.flags, r.parameters)
                 for r in requests]
@@ -222,7 +222,9 @@ class ModelStub:
         pb_requests = self._pb_requests(requests)
         token = pb_utils._BLS_HOST.set(self.bls_host) if self.bls_host is not None else None
         try:
-            responses = self._await(self.model.execute(pb_requests))
+            responses = self.model.execute(pb_requests)
+            if type(responses) is not list:   # a list, the usual answer, is not awaitable
+                responses = self._await(responses)
         except BaseException as err:
             raise StubError.from_exception("execute", err) from None
         finally:

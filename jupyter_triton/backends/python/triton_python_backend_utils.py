@@ -98,7 +98,19 @@ class TritonModelException(Exception):
 class Tensor:
     """A named input or output tensor backed by a numpy array (CPU memory)."""
 
+    # Slots, as Triton's own (pybind11) objects have no attribute dict either: every request
+    # and response of every batch makes some.
+    __slots__ = ("_name", "_triton_dtype", "_numpy_array", "__weakref__")
+
     def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None) -> None:
+        # An ndarray of a Triton numeric type (what a model usually returns) needs no conversion.
+        if triton_dtype is None and type(numpy_array) is np.ndarray:
+            triton_dtype = _NUMPY_TO_TRITON_ENUM.get(numpy_array.dtype)
+            if triton_dtype is not None:
+                self._name = name
+                self._triton_dtype = triton_dtype
+                self._numpy_array = numpy_array
+                return
         array = np.asarray(numpy_array)
         if array.dtype.kind == "U":
             # Triton refuses numpy unicode arrays: BYTES tensors are object arrays of bytes.
@@ -120,20 +132,6 @@ class Tensor:
         self._name = name
         self._triton_dtype = triton_dtype
         self._numpy_array = array
-
-    @classmethod
-    def _of(cls, name: str, array: Any) -> "Tensor":
-        """The backend's own tensors (a request's inputs): an ndarray of a Triton numeric
-        type is taken as it is, without the checks a model's arguments need (every request
-        of every batch builds them); anything else goes through ``__init__``."""
-        code = _NUMPY_TO_TRITON_ENUM.get(array.dtype) if type(array) is np.ndarray else None
-        if code is None:
-            return cls(name, array)
-        tensor = cls.__new__(cls)
-        tensor._name = name
-        tensor._triton_dtype = code
-        tensor._numpy_array = array
-        return tensor
 
     def name(self) -> str:
         return self._name
@@ -170,6 +168,10 @@ class Tensor:
 class InferenceRequest:
     """One request of a batch handed to ``execute``, or one a model builds to call another
     model (BLS: ``exec`` / ``async_exec``)."""
+
+    __slots__ = ("_model_name", "_preferred_memory", "_inputs", "_requested_output_names", "_request_id",
+                 "_correlation_id", "_model_version", "_flags", "_timeout", "_parameters",
+                 "_response_sender", "__weakref__")
 
     def __init__(self, model_name: str = "", inputs: Iterable[Tensor] = (),
                  requested_output_names: Iterable[str] = (), request_id: str = "",
@@ -362,6 +364,8 @@ _default_bls_host: Any = None
 
 
 class InferenceResponse:
+    __slots__ = ("_output_tensors", "_err", "_parameters", "__weakref__")
+
     def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
                  parameters: str | dict = "{}") -> None:
         if output_tensors is None:
