@@ -237,9 +237,10 @@ class Channel:
 
     def send(self, msg: Any) -> None:
         data = pickle.dumps(tuple(msg), protocol=5)
-        frame = memoryview(_HEAD.pack(len(data) + 1, msg.KIND) + data)
-        while frame:
-            frame = frame[os.write(self.fd, frame):]
+        frame = _HEAD.pack(len(data) + 1, msg.KIND) + data
+        sent = os.write(self.fd, frame)
+        while sent < len(frame):   # a full socket buffer: the rest, as it drains
+            sent += os.write(self.fd, memoryview(frame)[sent:])
 
     def take(self) -> Any:
         """The next whole message already read, or ``None``; ``KeyError`` for a kind

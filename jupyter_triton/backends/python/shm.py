@@ -77,6 +77,17 @@ def _dtype(spelling: str) -> np.dtype:
     return dtype
 
 
+#: numpy dtype -> its spelling on the wire (``dtype.str`` builds a new string at each call)
+_SPELLINGS: dict[np.dtype, str] = {}
+
+
+def _spelling(dtype: np.dtype) -> str:
+    spelling = _SPELLINGS.get(dtype)
+    if spelling is None:
+        spelling = _SPELLINGS[dtype] = dtype.str
+    return spelling
+
+
 def stage(tensors: dict[str, np.ndarray], offset: int = 0) -> tuple[list[Staged], int]:
     """Lay ``tensors`` out back to back (aligned) from ``offset``; returns the layout and the
     offset where the next tensor may start."""
@@ -96,7 +107,7 @@ def stage_into(staged: list[Staged], tensors: dict[str, np.ndarray], offset: int
             payload: np.ndarray | bytes = _serialize_bytes(array)
             dtype, nbytes = BYTES, len(payload)
         else:
-            payload, dtype, nbytes = array, array.dtype.str, array.nbytes
+            payload, dtype, nbytes = array, _spelling(array.dtype), array.nbytes
         ref = (name, dtype, array.shape, offset, nbytes)
         refs.append(ref)
         staged.append((ref, payload))
@@ -228,6 +239,10 @@ class ShmRegion:
     def __init__(self, shm: shared_memory.SharedMemory, owner: bool) -> None:
         self._shm = shm
         self.owner = owner
+        # plain attributes: SharedMemory's properties cost a Python call at every batch
+        self.name: str = shm.name
+        self.size: int = shm.size
+        self._buf = shm.buf
 
     @classmethod
     def create(cls, nbytes: int) -> "ShmRegion":
@@ -261,17 +276,9 @@ class ShmRegion:
     def attach(cls, name: str) -> "ShmRegion":
         return cls(shared_memory.SharedMemory(name=name), owner=False)
 
-    @property
-    def name(self) -> str:
-        return self._shm.name
-
-    @property
-    def size(self) -> int:
-        return self._shm.size
-
     def write(self, staged: list[Staged]) -> list[Ref]:
         """Copies in; returns the layout (what crosses the wire)."""
-        buf = self._shm.buf
+        buf = self._buf
         for ref, payload in staged:
             nbytes = ref[4]
             if nbytes == 0:
@@ -301,7 +308,7 @@ class ShmRegion:
             for ref in refs:
                 if ref[3] + ref[4] > end:
                     end = ref[3] + ref[4]
-        buf = self._shm.buf
+        buf = self._buf
         if end <= SNAPSHOT_BYTES:
             chunk = bytearray(buf[:end])
             return [_arrays(chunk, refs, False) for refs in groups]

@@ -156,7 +156,9 @@ class _Demux:
 
     def __init__(self, chan: Channel) -> None:
         self.chan = chan
-        self._cond = threading.Condition()
+        # a plain lock: ``with`` on it is one C call, where a Condition's own is a Python method
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._reading = False
         self._eof = False
         self._commands: collections.deque = collections.deque()
@@ -180,7 +182,7 @@ class _Demux:
 
     def abandon(self, call_id: int) -> None:
         """A BLS stream the model stopped reading: drop what came and what comes."""
-        with self._cond:
+        with self._lock:
             self.abandoned.add(call_id)
             for key in [k for k in self._replies if type(k) is tuple and k[0] == call_id]:
                 msg = self._replies.pop(key)
@@ -195,7 +197,7 @@ class _Demux:
 
     def _wait(self, ready: Callable[[], Any]) -> None:
         cond = self._cond
-        with cond:
+        with self._lock:
             while not ready():
                 if self._eof:
                     raise EOFError
