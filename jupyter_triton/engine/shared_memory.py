@@ -235,8 +235,14 @@ class SharedMemoryRegistry:
 # -- requests ------------------------------------------------------------------------------
 
 def uses_shared_memory(request: InferRequest) -> bool:
-    return any(REGION in t.parameters for t in request.inputs) or \
-        any(REGION in o.parameters for o in request.outputs or ())
+    # (loops, not any() over generators: asked of every request, mostly of empty dicts)
+    for t in request.inputs:
+        if REGION in t.parameters:
+            return True
+    for o in request.outputs or ():
+        if REGION in o.parameters:
+            return True
+    return False
 
 
 def _placement(params: dict[str, Any], what: str) -> tuple[str, int, int]:

@@ -454,8 +454,13 @@ def decoupled_unsupported(err: DecoupledRefused, end_point: str) -> DecoupledUns
 
 def _output_bytes(response: InferResponse) -> int:
     # BYTES outputs are object arrays (8 bytes a pointer): count them as 16 bytes an element.
-    return sum(t.data.nbytes if t.data.dtype.kind != "O" else 16 * t.data.size
-               for t in response.outputs if t.data is not None)
+    # (A loop, not sum() over a generator: asked of every response.)
+    total = 0
+    for t in response.outputs:
+        data = t.data
+        if data is not None:
+            total += data.nbytes if data.dtype.kind != "O" else 16 * data.size
+    return total
 
 
 # Events as they come: not cached, and not held back by a buffering proxy (nginx in front of
