@@ -237,6 +237,8 @@ def test_refusals(kernel_server, tmp_path):
         simulate("embedder", qps=[0])
     with pytest.raises(InvalidArgument, match="instances"):
         simulate("embedder", qps=[10], instances=[0])
+    with pytest.raises(InvalidArgument, match="replicas"):
+        simulate("embedder", qps=[10], replicas=0)
     from jupyter_triton.kernel import simulate as kernel_simulate     # the notebook API's names
     with pytest.raises(InvalidArgument, match="qps"):
         kernel_simulate("embedder", qps=[-5])

@@ -314,7 +314,7 @@ class CapacityPlan:
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
                **summarize(_pooled(results))}
-        row["replicas"] = [{k: summarize(r)[k] for k in REPLICA_FIGURES} for r in results]
+        row["replicas"] = [{k: figures[k] for k in REPLICA_FIGURES} for figures in map(summarize, results)]
         row["metastable"] = metastable(row)
         self._memo[key] = row
         return row
@@ -348,7 +348,7 @@ class CapacityPlan:
                if slo is not None else
                f"the most throughput: {row['throughput']:.0f} infer/s at {row['load']}, "
                f"p99 {row['p99_ms']:.2f} ms")
-        if row.get("metastable"):
+        if row["metastable"]:
             why += f" ({describe_range(row)})"
         return Answer(_config_of(row), row, why)
 
@@ -668,6 +668,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
         raise InvalidArgument("simulate: max_batch_size >= 1 and instances in [1, 64]")
     if not 1 <= requests <= 100_000:
         raise InvalidArgument("simulate: requests must be in [1, 100000]")
+    if replicas < 1:
+        raise InvalidArgument("simulate: replicas must be 1 or more")
     loads = [Load("qps", float(q)) for q in ([qps] if isinstance(qps, (int, float)) else qps or [])]
     loads += [Load("concurrency", float(c)) for c in
               ([concurrency] if isinstance(concurrency, int) else concurrency or [])]
