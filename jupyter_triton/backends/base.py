@@ -8,6 +8,7 @@ work runs in another process may also take a batch on the loop without blocking 
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,9 +119,10 @@ class Backend:
     #: True where ``start_on_loop`` usually takes a batch
     executes_on_loop: ClassVar[bool] = False
 
-    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None]) -> Any:
+    def start_on_loop(self, loop: asyncio.AbstractEventLoop,
+                      done: Callable[[list | None, Callable[[], list] | None], None]) -> Any:
         """``execute`` with no thread waiting, for a runtime whose work runs elsewhere (a
-        worker process). Called on the event loop: returns a handle whose ``send(requests,
+        worker process). Called on the event loop ``loop``: returns a handle whose ``send(requests,
         infer_requests)``, called next on the loop, starts the batch without blocking;
         ``done(responses, None)`` then comes on the loop with what ``execute`` would return, or ``done(None,
         finish)`` where the outcome needs blocking work first (a dead worker to restart): the

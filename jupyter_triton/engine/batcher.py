@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections import deque
 from itertools import chain
@@ -71,6 +72,8 @@ class _Level:
     def __init__(self, level: int, policy: mc.ModelQueuePolicy) -> None:
         self.level = level
         self.policy = policy
+        # read once: a protobuf field costs an attribute lookup a request
+        self.default_timeout_ns = policy.default_timeout_microseconds * 1000
         self.queue: deque[Pending] = deque()
         self.delayed: deque[Pending] = deque()
 
@@ -135,14 +138,15 @@ class DynamicBatcher(Scheduler):
             raise mark_failure(Unavailable(
                 f"model '{self.model}' is unloading: its scheduler has stopped accepting new "
                 f"inference requests"), "REJECTED")
-        level = self._levels[self._resolve_priority(pending)]
-        pending.timeout_ns = self._resolve_timeout(pending, level.policy)
+        level = self._levels[self._resolve_priority(pending) if self.priority_levels else 0]
+        # a level whose default is 0 has no timeouts (see _resolve_timeout)
+        pending.timeout_ns = self._resolve_timeout(pending, level) if level.default_timeout_ns else 0
         self._check_queue_size(level)
         level.queue.append(pending)
         self._where[pending] = level
         if pending.timeout_ns:
             self._timed += 1
-        pending.future.add_done_callback(lambda _, p=pending: self._forget(p))
+        pending.future.add_done_callback(functools.partial(self._forget, pending))
         if len(self._where) == 1:
             self._pump()        # alone in the queue: its batch (or its alarm) at once
         elif self._pump_soon is None:
@@ -164,11 +168,10 @@ class DynamicBatcher(Scheduler):
                 f"requests{where} ({name} {bound})"), "REJECTED")
 
     def _resolve_priority(self, p: Pending) -> int:
-        """Triton's level for ``p.priority`` (the request's 'priority' parameter, 0 if absent):
-        0 and anything above ``priority_levels`` mean the default level, as in Triton's
+        """Triton's level for ``p.priority`` (the request's 'priority' parameter, 0 if absent)
+        where there are ``priority_levels`` (without, like Triton, priority means nothing: level
+        0): 0 and anything above them mean the default level, as in Triton's
         ``InferenceRequest::SetPriority``."""
-        if not self.priority_levels:
-            return 0                      # like Triton: priority means nothing without levels
         if p.priority < 0:
             raise InvalidArgument(
                 f"inference request to model '{self.model}' has priority {p.priority}: a "
@@ -177,18 +180,18 @@ class DynamicBatcher(Scheduler):
             p.priority = self.default_priority_level
         return p.priority
 
-    def _resolve_timeout(self, p: Pending, policy: mc.ModelQueuePolicy) -> int:
+    def _resolve_timeout(self, p: Pending, level: _Level) -> int:
         """Queue timeout in ns (0: none) from ``p.timeout_ns`` (the request's 'timeout'
-        parameter): the policy's default, which a request may only lower, and only when
+        parameter): the level's default, which a request may only lower, and only when
         allow_timeout_override is set. As in Triton's ``PolicyQueue::Enqueue``, a level
         whose default is 0 has no timeouts: a request's own is ignored there."""
-        default_ns = policy.default_timeout_microseconds * 1000
+        default_ns = level.default_timeout_ns
         asked = p.timeout_ns
-        if policy.allow_timeout_override and 0 < asked < default_ns:
+        if level.policy.allow_timeout_override and 0 < asked < default_ns:
             return asked
         return default_ns
 
-    def _forget(self, p: Pending) -> None:
+    def _forget(self, p: Pending, _: asyncio.Future) -> None:
         """``p``'s future ended; if still queued (the client went away), drop it."""
         level = self._where.get(p)
         if level is not None:
@@ -218,9 +221,10 @@ class DynamicBatcher(Scheduler):
         try:
             while self._where:
                 now = self._now()
-                self._expire(now)
-                if not self._where:
-                    break
+                if self._timed:
+                    self._expire(now)
+                    if not self._where:
+                        break
                 deferred = self._deferred
                 if deferred is not None and self._timed:
                     # timeouts are the alarm's: the batch comes back to the loop
@@ -229,9 +233,8 @@ class DynamicBatcher(Scheduler):
                     deferred = None
                 if deferred is None and not self.pool.idle_count():
                     # every instance busy: a release pumps again; meanwhile only timeouts wake
-                    next_timeout = self._next_timeout_ns()
-                    if next_timeout is not None:
-                        self._alarm.set(next_timeout)
+                    if self._timed:
+                        self._alarm.set(self._next_timeout_ns())
                     elif self._alarm.deadline_ns is not None:
                         self._alarm.cancel()
                     return
@@ -253,9 +256,8 @@ class DynamicBatcher(Scheduler):
                         self._hold(taken, now + wait_ns)
                         break
                     deadline = now + wait_ns
-                    next_timeout = self._next_timeout_ns()
-                    if next_timeout is not None:
-                        deadline = min(deadline, next_timeout)
+                    if self._timed:
+                        deadline = min(deadline, self._next_timeout_ns())
                     # Usually the deadline already set (oldest request + delay): then a no-op.
                     self._alarm.set(deadline)
                     return
@@ -277,7 +279,7 @@ class DynamicBatcher(Scheduler):
         deferred = self.pool.hold(taken, deadline_ns, self._claimed)
         self._deferred = deferred
         self._inflight.add(deferred.done)
-        deferred.done.add_done_callback(lambda t: self._finished(t, deferred.batch))
+        deferred.done.add_done_callback(lambda t: self._finished(deferred.batch, t))
 
     def _take_back(self, deferred: Deferred) -> bool:
         """Retract the batch a thread holds for later (True: it will never run, its instance
@@ -342,9 +344,8 @@ class DynamicBatcher(Scheduler):
         return [], self.delay_ns - waited, taken
 
     def _expire(self, now_ns: int) -> None:
-        """Apply each level's timeout_action to requests whose queue timeout has passed."""
-        if not self._timed:
-            return
+        """Apply each level's timeout_action to requests whose queue timeout has passed
+        (where some are ``_timed``)."""
         for level in self._levels.values():
             expired = [p for p in level.queue if p.timeout_ns and now_ns >= p.enqueue_ns + p.timeout_ns]
             for p in expired:
@@ -362,9 +363,8 @@ class DynamicBatcher(Scheduler):
                             f"the queue longer than its timeout of {p.timeout_ns // 1000} us"),
                             "REJECTED"))
 
-    def _next_timeout_ns(self) -> int | None:
-        if not self._timed:
-            return None
+    def _next_timeout_ns(self) -> int:
+        """The earliest queue timeout (where some are ``_timed``)."""
         return min(p.enqueue_ns + p.timeout_ns for p in self._where if p.timeout_ns)
 
     # -- running batches ---------------------------------------------------------------
@@ -375,9 +375,9 @@ class DynamicBatcher(Scheduler):
             batch = [self._in_order(p) for p in batch]
         task = self.pool.run(batch)         # no task per batch (unless rate-limited)
         self._inflight.add(task)
-        task.add_done_callback(lambda t: self._finished(t, batch))
+        task.add_done_callback(functools.partial(self._finished, batch))
 
-    def _finished(self, task: asyncio.Future, batch: list[Pending]) -> None:
+    def _finished(self, batch: list[Pending], task: asyncio.Future) -> None:
         self._inflight.discard(task)
         if task.cancelled() or task.exception() is None:
             return

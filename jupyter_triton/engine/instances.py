@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,7 +31,7 @@ from ..backends.base import Backend
 from ..protocol.errors import Internal, TritonError
 
 from .bls import executing
-from .on_loop import on_loop_done
+from .on_loop import OnLoopBatch
 from .statistics import mark_failure
 from .timer import precise_thread_sleep
 
@@ -262,7 +263,10 @@ class InstancePool:
         self.instances = instances
         self.stats = stats
         self.rate_limiter = rate_limiter
-        self._idle: asyncio.Queue[Instance] = asyncio.Queue()
+        # Free instances, and acquire()s waiting for one, each woken in turn by a release (as
+        # asyncio.Queue's getters, whose few calls a batch add up on the loop).
+        self._idle: deque[Instance] = deque(instances)
+        self._waiters: deque[asyncio.Future] = deque()
         # The dynamic batcher's hook: called (synchronously) whenever an instance is free again.
         self.on_release: Callable[[], Any] | None = None
         # A decoupled model's batches run execute_decoupled with each request's stream as its
@@ -270,30 +274,43 @@ class InstancePool:
         self.decoupled = False
         # Backends whose answers the loop reads itself (start_on_loop): no thread waits for them.
         self._on_loop = all(i.backend.executes_on_loop for i in instances) and bool(instances)
-        for inst in instances:
-            self._idle.put_nowait(inst)
 
     @property
     def size(self) -> int:
         return len(self.instances)
 
     def idle_count(self) -> int:
-        return self._idle.qsize()
+        return len(self._idle)
 
     async def acquire(self) -> Instance:
-        return await self._idle.get()
+        while not self._idle:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()        # woken, then cancelled: the next waiter takes it
+                raise
+        return self._idle.popleft()
 
     def try_acquire(self) -> Instance | None:
         """A free instance now, or None (the batcher's fast path: no task, no wait)."""
-        try:
-            return self._idle.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
+        return self._idle.popleft() if self._idle else None
 
     def release(self, instance: Instance) -> None:
-        self._idle.put_nowait(instance)
+        self._idle.append(instance)
+        if self._waiters:
+            self._wake()
         if self.on_release is not None:
             self.on_release()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():       # not cancelled meanwhile
+                waiter.set_result(None)
+                return
 
     async def execute(self, instance: Instance, batch: list["Pending"]) -> None:
         """Run ``batch`` on ``instance`` and resolve every future; always releases it."""
@@ -316,42 +333,45 @@ class InstancePool:
         delivered by one callback when the thread is done (no task). The returned future ends
         when every request's future is resolved and the instance released."""
         if instance is None:
-            instance = self._idle.get_nowait()
+            instance = self._idle.popleft()
         if self.rate_limiter is not None and instance.resources:
             return asyncio.ensure_future(self.execute(instance, batch))
         # the requests' loop is the running one, without get_running_loop()'s getpid()
         loop = batch[0].future.get_loop() if batch else asyncio.get_running_loop()
         done = loop.create_future()
-
-        def finished(result: Any, error: BaseException | None) -> None:
-            self._settle(done, instance, self._deliver, instance, live, result, error)
-
         try:
             live = self._begin(batch)
             if not live:
                 self.release(instance)
                 done.set_result(None)
                 return done
-            if not self._start_on_loop(loop, instance, live, finished):
-                instance.thread.post(loop, finished, *self._job(instance, live))
+            if not self._start_on_loop(loop, instance, live, done):
+                instance.thread.post(loop, functools.partial(self.ran, done, instance, live),
+                                     *self._job(instance, live))
         except BaseException as err:
             self.release(instance)
             done.set_exception(err)
         return done
 
     def _start_on_loop(self, loop: asyncio.AbstractEventLoop, instance: Instance, live: list["Pending"],
-                       finished: Callable[[Any, BaseException | None], None]) -> bool:
+                       done: asyncio.Future) -> bool:
         """Send ``live`` from the loop where the backend lets the loop read the answer
-        (``start_on_loop``: its work runs in another process); ``finished`` then comes on the
-        loop as the thread's would, with no thread involved."""
+        (``start_on_loop``: its work runs in another process); its outcome then comes to
+        ``ran`` on the loop as the thread's would, with no thread involved."""
         if self.decoupled or not self._on_loop:
             return False
         split = instance.backend.start_on_loop(
-            on_loop_done(loop, instance, time.monotonic_ns(), len(live), finished))
+            loop, OnLoopBatch(self, loop, instance, live, done, time.monotonic_ns()))
         if split is None:
             return False
         split.send([p.inputs for p in live], [p.request for p in live])
         return True
+
+    def ran(self, done: asyncio.Future, instance: Instance, live: list["Pending"], result: Any,
+            error: BaseException | None) -> None:
+        """A batch's outcome (results and timing, or the error) from its instance: each
+        request's future resolved, then ``done`` ended and the instance free."""
+        self._settle(done, instance, self._deliver, instance, live, result, error)
 
     def launch(self, instance: Instance, batch: list["Pending"]) -> asyncio.Future:
         """``run`` on ``instance`` (the name engine/sequence.py calls)."""
@@ -364,7 +384,7 @@ class InstancePool:
         sends it with no hop to hand over, while a held batch costs its thread two wake-ups
         (the hand-over, taken while the loop holds the GIL, and the deadline): at c=1 that
         was 10 % of the python model's throughput and 18 % of its CPU."""
-        return (not self.decoupled and not self._on_loop and self._idle.qsize() > 0
+        return (not self.decoupled and not self._on_loop and bool(self._idle)
                 and (self.rate_limiter is None or not any(i.resources for i in self.instances)))
 
     def hold(self, batch: list["Pending"], deadline_ns: int,
@@ -375,7 +395,7 @@ class InstancePool:
         claimed requests) and their queue time and pending count end
         (``_deferred_started``); once it has run, every request's future is resolved, the
         instance released and ``deferred.done`` ends."""
-        instance = self._idle.get_nowait()
+        instance = self._idle.popleft()
         loop = batch[0].future.get_loop()
         done = loop.create_future()
         deferred = Deferred(batch, deadline_ns, done, functools.partial(self.release, instance))
@@ -460,14 +480,16 @@ class InstancePool:
         if not live:
             return live
         start_ns = start_ns or time.monotonic_ns()
-        stats = self.stats
-        stats.record_queues([start_ns - p.enqueue_ns for p in live])
+        queued = []
         for p in live:
             # Triton's pending count ends when a backend is about to execute the request.
             p.started = True
             p.start_ns = start_ns
+            queued.append(start_ns - p.enqueue_ns)
             if p.request.trace is not None:         # engine/trace.py
                 p.request.trace.compute_start(p.enqueue_ns, start_ns, p.batch_size)
+        stats = self.stats
+        stats.record_queues(queued)
         stats.pending -= len(live)
         return live
 
@@ -504,8 +526,9 @@ class InstancePool:
             timing = getattr(err, "compute_ns", None)
         else:
             raise err
-        failed = failed_rows = failed_queue_ns = 0
+        rows = failed = failed_rows = failed_queue_ns = 0
         for p, result in zip(live, results):
+            rows += p.batch_size
             if p.request.trace is not None:         # engine/trace.py
                 p.request.trace.compute_end(timing)
             if isinstance(result, BaseException):
@@ -518,7 +541,7 @@ class InstancePool:
                 p.future.set_result(result)
         if timing is not None:
             # Triton: a failed request counts in execution_count, not in inference_count
-            self.stats.record_execution(sum(p.batch_size for p in live), len(live), *timing,
+            self.stats.record_execution(rows, len(live), *timing,
                                         failed_rows, failed, failed_queue_ns)
 
     def close(self) -> None:

@@ -75,14 +75,23 @@ def _settime_function():
 _settime_c = _settime_function()
 
 
-def _settime(fd: int, deadline_ns: int, spec: _Itimerspec | None = None) -> None:
-    """Arm ``fd`` for the absolute monotonic ``deadline_ns`` (0 disarms it). ``spec``: a
-    structure of the caller's to fill in place (building one costs more than the call)."""
-    if spec is None:
-        spec = _Itimerspec()
-    value = spec.it_value
+class _Setting:
+    """One timerfd's ``timerfd_settime`` argument, built once: a structure, its ``it_value``
+    field (reading a nested field builds a new view object each time) and the pointer to it."""
+
+    __slots__ = ("spec", "value", "ref")
+
+    def __init__(self) -> None:
+        self.spec = _Itimerspec()
+        self.value = self.spec.it_value
+        self.ref = ctypes.byref(self.spec)
+
+
+def _settime(fd: int, deadline_ns: int, setting: _Setting) -> None:
+    """Arm ``fd`` for the absolute monotonic ``deadline_ns`` (0 disarms it)."""
+    value = setting.value
     value.tv_sec, value.tv_nsec = divmod(deadline_ns, 1_000_000_000)
-    if _settime_c(fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
+    if _settime_c(fd, _TFD_TIMER_ABSTIME, setting.ref, None) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -112,7 +121,7 @@ class Alarm:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._handle: asyncio.TimerHandle | None = None
-        self._spec = _Itimerspec()
+        self._setting = _Setting()
 
     def set(self, deadline_ns: int) -> None:
         if deadline_ns == self.deadline_ns:
@@ -122,7 +131,7 @@ class Alarm:
         self.deadline_ns = deadline_ns
         if self._fd is not None:
             # A deadline already past still fires (at once): 0 is the only "disarm" value.
-            _settime(self._fd, max(deadline_ns, 1), self._spec)
+            _settime(self._fd, max(deadline_ns, 1), self._setting)
             return
         if self._handle is not None:
             self._handle.cancel()
@@ -132,7 +141,7 @@ class Alarm:
     def cancel(self) -> None:
         self.deadline_ns = None
         if self._fd is not None:
-            _settime(self._fd, 0, self._spec)
+            _settime(self._fd, 0, self._setting)
         elif self._handle is not None:
             self._handle.cancel()
             self._handle = None

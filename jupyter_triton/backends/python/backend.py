@@ -88,7 +88,6 @@ import ast
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import json
 import logging
 import threading
@@ -297,10 +296,11 @@ class _LoopBatch:
     """One batch of a worker-process instance whose answer the event loop reads
     (``PythonBackend.start_on_loop``)."""
 
-    __slots__ = ("backend", "read", "data", "inputs", "requests")
+    __slots__ = ("backend", "done", "read", "data", "inputs", "requests")
 
-    def __init__(self, backend: "PythonBackend") -> None:
+    def __init__(self, backend: "PythonBackend", done: Callable[..., None]) -> None:
         self.backend = backend
+        self.done = done                # the engine's: (responses, None) or (None, finish)
         self.read: LoopWatch | None = None
         self.data: list[RequestData] = []
         self.inputs: list[Tensors] = []
@@ -312,14 +312,18 @@ class _LoopBatch:
         self.inputs, self.requests = requests, infer_requests
         t0 = time.monotonic_ns()
         try:
-            self.data = [backend._request_data(inputs, infer_requests[i] if infer_requests else None)
-                         for i, inputs in enumerate(requests)]
+            self.data = [backend._request_data(inputs, request)
+                         for inputs, request in zip(requests, infer_requests)]
         except Exception as err:
             self.read._end(None, err)
             return
         backend.io_ns = (time.monotonic_ns() - t0, 0)     # Triton's compute_input
         backend._batch_requests = infer_requests            # BLS calls of this batch take their depth
         self.read.send(self.data, backend._all_outputs)
+
+    def ended(self, results: list | None, error: BaseException | None) -> None:
+        """The worker's answer (``LoopWatch``'s ``done``), on the loop."""
+        self.backend._executed_on_loop(self, results, error)
 
 
 class _ThreadHost:
@@ -575,34 +579,30 @@ class PythonBackend(Backend):
     def executes_on_loop(self) -> bool:   # type: ignore[override]
         return self.mode == "process" and not self.decoupled
 
-    def start_on_loop(self, done: Callable[[list | None, Callable[[], list] | None], None]
+    def start_on_loop(self, loop: asyncio.AbstractEventLoop,
+                      done: Callable[[list | None, Callable[[], list] | None], None]
                       ) -> "_LoopBatch | None":
         """The next batch of this instance, split in two (``WorkerProcess.watch``): the loop
-        waits for its answer with no thread blocked, ``send`` sends it. None where the worker is not ready (a restart still
-        initializing), the instance busy or unloading: ``execute`` on the thread then."""
+        waits for its answer with no thread blocked, ``send`` sends it. None where the worker
+        is not ready (a restart still initializing), the instance busy or unloading:
+        ``execute`` on the thread then."""
         worker = self._worker
         if (not self.executes_on_loop or worker is None or not worker.ready or self._closing
                 or self._dead is not None or not self._lock.acquire(blocking=False)):
             return None
-        batch = _LoopBatch(self)
-        # The loop that watches the worker, where it runs on this thread (only one loop runs
-        # on a thread at a time): asyncio.get_running_loop() is a getpid() syscall on 3.11.
-        watch = worker._watch
-        loop = watch.loop if watch is not None and watch.thread == threading.get_ident() \
-            and watch.loop.is_running() else asyncio.get_running_loop()
+        batch = _LoopBatch(self, done)
         try:
-            batch.read = worker.watch(loop,
-                                      functools.partial(self._executed_on_loop, batch, done),
-                                      self.execute_timeout_s)
+            batch.read = worker.watch(loop, batch.ended, self.execute_timeout_s)
         finally:
             if batch.read is None:
                 self._lock.release()
         return batch if batch.read is not None else None
 
-    def _executed_on_loop(self, batch: "_LoopBatch", done: Callable[..., None],
-                          results: list | None, error: BaseException | None) -> None:
+    def _executed_on_loop(self, batch: "_LoopBatch", results: list | None,
+                          error: BaseException | None) -> None:
         self._batch_requests = None
         data = batch.data
+        done = batch.done
         if error is None:
             t2 = time.monotonic_ns()
             try:

@@ -224,8 +224,12 @@ class WorkerProcess:
         if type(msg) is not Results:
             raise _unexpected(msg)
         items = msg.items
-        tensors = iter(self._out.read_many([item for item in items if type(item) is list]))
-        return [next(tensors) if type(item) is list else ResponseError(*item) for item in items]
+        groups = [item for item in items if type(item) is list]
+        tensors = self._out.read_many(groups)
+        if len(groups) == len(items):   # the usual case: no request failed
+            return tensors
+        taken = iter(tensors)
+        return [next(taken) if type(item) is list else ResponseError(*item) for item in items]
 
     def watch(self, loop: asyncio.AbstractEventLoop, done: Callable[[Any, BaseException | None], None],
               timeout: float | None = None) -> "LoopWatch | None":
