@@ -118,3 +118,21 @@ def test_a_repeat_meets_the_host_check_again(server):
     status, _, body = read_response(sock, buffer)
     assert status == 403 and "Host '127.0.0.1" in json.loads(body)["error"]
     sock.close()
+
+
+def test_only_the_last_request_of_a_small_head_is_known(server):
+    """A repeat is of the request the parser read last (whose HTTP version a streamed reply
+    asks of it), and a head past a real client's size is not kept."""
+    x = np.ones((1, 16), np.float32)
+    a = binary_request(x, server.http_port)
+    b = a.replace(b"Host:", b"X-Twice: 1\r\nX-Twice: 2\r\nHost:")     # not kept: a repeated name
+    padded = a.replace(b"Host:", b"X-Pad: " + b"p" * 5000 + b"\r\nHost:")
+    sock = connect(server)
+    buffer = bytearray()
+    for request in (a, a, b, a, padded, padded):
+        sock.sendall(request)
+        np.testing.assert_allclose(answer(sock, buffer), x @ W, rtol=1e-5)
+        time.sleep(0.05)        # (each its own read)
+    sock.close()
+    if isinstance(server._servers[0], fasthttp.HTTPFront):
+        assert server.repeats == [len(a)]

@@ -43,6 +43,8 @@ _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\nDate: " % (code, reason)
 _HEADER_LINES: dict[tuple[str, str], bytes] = {}
 # Header names as received -> lower-case text, for the few names clients send (bounded).
 _HEADER_NAMES: dict[bytes, str] = {}
+# The longest request head a connection keeps to recognise its repeats (``_repeat``).
+_KNOWN_HEAD_MAX = 4096
 
 
 class _Refused(Exception):
@@ -177,9 +179,10 @@ class _Connection(asyncio.Protocol):
         self.stall: asyncio.TimerHandle | None = None  # watching a peer that does not read
         self.unsent = 0
         self.begun = 0                            # requests whose head began (counted)
-        self.last: _Message | None = None         # the request completed last
-        # The last head read with its whole body in one read, and what it parsed to (a
-        # plain request: Content-Length, keep-alive, nothing refused): see ``_repeat``.
+        self.last: _Message | None = None         # the request completed in this read
+        # The head of the parser's last request, read with its whole body in one read, and
+        # what it parsed to (a plain request: Content-Length, keep-alive, nothing refused):
+        # see ``_repeat``.
         self.known: tuple | None = None
 
     # -- connection ---------------------------------------------------------------------
@@ -232,7 +235,10 @@ class _Connection(asyncio.Protocol):
                 data.startswith(known[0]) and self._repeat(known, data):
             return
         self.guarded = before is not None or len(data) > self.small
-        begun, self.last = self.begun, None
+        begun = self.begun
+        # From here on the parser's last request is not the known one (its version, asked of
+        # the parser for a streamed reply, is that request's), unless it is learned below.
+        self.known = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as err:
@@ -253,15 +259,17 @@ class _Connection(asyncio.Protocol):
             self._unfinished(self.message, before, len(data))
         elif before is None and self.begun == begun + 1:
             self._learn(self.last, data)
+        self.last = None
 
     def _learn(self, m: _Message, data: bytes) -> None:
         """Keep the head of ``m``, a request that was the whole of ``data``, head and body,
         when it is plain: a Content-Length body, keep-alive, admitted, no Expect, no repeated
-        header. (A head fed apart from its body, as shared_port.py feeds them, is not kept.)"""
+        header, a head of a real client's size (what is kept lasts as long as the connection).
+        (A head fed apart from its body, as shared_port.py feeds them, is not kept.)"""
         length = m.length
-        if length and m.size == length and m.refused is None and m.keep_alive and \
-                m.repeated is None and "expect" not in m.headers and \
-                "transfer-encoding" not in m.headers:
+        if length and m.size == length and len(data) - length <= _KNOWN_HEAD_MAX and \
+                m.refused is None and m.keep_alive and m.repeated is None and \
+                "expect" not in m.headers and "transfer-encoding" not in m.headers:
             self.known = (data[:len(data) - length], len(data), m.method, m.url, m.path,
                           m.route, m.params, m.headers, length)
 
