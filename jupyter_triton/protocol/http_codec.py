@@ -28,6 +28,7 @@ MAX_RANK = 64
 
 _INT_TYPES = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 _FLOAT_TYPES = {"FP16", "FP32", "FP64", "BF16"}
+_FINITE_MAX = {"FP16": float(np.finfo(np.float16).max), "FP32": float(np.finfo(np.float32).max)}
 
 
 def _json_type(v: Any) -> str:
@@ -155,13 +156,13 @@ def _check_shape(shape: Any, name: str, max_elements: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _flatten(data: list, count: int) -> list:
+def _flatten(data: list, count: int, types: set[type]) -> list:
     """Row-major leaves of ``data``, however it is nested: Triton 2.51 takes any nesting
     whose element count matches the shape ([[1, 2], [3, 4]] for [1, 4] as for [2, 2]).
     One pass over the nodes, stopping once past ``count`` leaves (a huge body costs no more
-    than its elements; JSON's own depth limit bounds the stack)."""
-    # The distinct element types, at C speed: a flat list (the common case) is returned as is.
-    if not any(issubclass(t, list) for t in set(map(type, data))):
+    than its elements; JSON's own depth limit bounds the stack). ``types``: the distinct
+    types of ``data``'s elements; a flat list (the common case) is returned as is."""
+    if not any(issubclass(t, list) for t in types):
         return data
     leaves: list = []
     stack = [iter(data)]
@@ -204,11 +205,12 @@ def json_data_to_array(data: Any, dt: str, shape: tuple[int, ...], name: str) ->
         raise InvalidArgument(
             f"unable to parse 'data' of input '{name}': expected an array, got {_json_type(data)}")
     count = element_count(shape)
-    values = _flatten(data, count)
+    types = set(map(type, data))        # every element's type at C speed (3x a generator)
+    values = _flatten(data, count, types)
     if len(values) != count:
         got = len(values) if values is data or len(values) < count else f"more than {count}"
         raise InvalidArgument(_count_message(name, shape, count, got))
-    return _values_to_array(values, dt, name, 0).reshape(shape)
+    return _values_to_array(values, dt, name, 0, types if values is data else None).reshape(shape)
 
 
 def _count_message(name: str, shape: tuple[int, ...], count: int, got: int | str) -> str:
@@ -216,11 +218,13 @@ def _count_message(name: str, shape: tuple[int, ...], count: int, got: int | str
             f"elements, got {got}")
 
 
-def _values_to_array(values: list, dt: str, name: str, first: int) -> np.ndarray:
+def _values_to_array(values: list, dt: str, name: str, first: int,
+                     types: set[type] | None = None) -> np.ndarray:
     """A flat list of JSON values as an array of ``dt``; ``first`` is the index of
-    ``values[0]`` in the whole tensor (so that errors name the element the client sent)."""
+    ``values[0]`` in the whole tensor (so that errors name the element the client sent);
+    ``types``: the distinct types of ``values``, when known."""
     try:
-        return _convert(values, dt, name)
+        return _convert(values, dt, name, set(map(type, values)) if types is None else types)
     except _BadElement as bad:
         raise InvalidArgument(
             f"unable to parse 'data' of input '{name}': element {first + bad.index} is "
@@ -249,10 +253,8 @@ def _first_bad(values: list, ok, want: str) -> NoReturn:
     raise _BadElement(0, values[0] if values else None, want)  # pragma: no cover
 
 
-def _convert(values: list, dt: str, name: str) -> np.ndarray:
-    # set(map(type, ...)) checks every element at C speed (3x a generator); bool is its own
-    # type, so True is not taken for an integer nor a number.
-    types = set(map(type, values))
+def _convert(values: list, dt: str, name: str, types: set[type]) -> np.ndarray:
+    # bool is its own type, so True is not taken for an integer nor a number.
     if dt == "BOOL":
         if not types <= {bool}:
             _first_bad(values, lambda v: type(v) is bool, "a boolean")
@@ -272,6 +274,10 @@ def _convert(values: list, dt: str, name: str) -> np.ndarray:
             wide = np.array(values, dtype=np.float64)
         except OverflowError:
             _first_bad(values, _fits_fp64, "a number within the range of FP64")
+        if dt == "FP64":
+            return wide
+        if dt != "BF16" and np.abs(wide).max(initial=0) <= _FINITE_MAX[dt]:
+            return wide.astype(triton_to_numpy(dt))     # no value overflows: nothing to check
         with np.errstate(over="ignore"):
             arr = wide.astype(triton_to_numpy(dt))
             if dt == "BF16":
@@ -714,14 +720,24 @@ def _json_numbers(tensor: InferTensor) -> list[bytes] | None:
     if tensor.datatype == "BF16":
         arr = round_to_bf16(arr.astype(np.float32))
     flat = np.asarray(arr, dtype=triton_to_numpy(tensor.datatype)).ravel()
+    respell = False
     if flat.dtype.kind == "f":
         if not np.isfinite(flat).all():
             return None
         flat = flat.astype(np.float64)
+        # Searching the text costs ~1 ns a byte, the test on the values a few ns an element.
+        magnitude = np.abs(flat)
+        respell = bool(((magnitude >= _RESPELLED[0]) & (magnitude < _RESPELLED[1])).any())
     step = _SLICED_ELEMENTS // 16
-    return [_python_float_text(orjson.dumps(np.ascontiguousarray(flat[i:i + step]),
-                                            option=orjson.OPT_SERIALIZE_NUMPY)[1:-1])
-            for i in range(0, flat.size, step)]
+    texts = [orjson.dumps(np.ascontiguousarray(flat[i:i + step]),
+                          option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+             for i in range(0, flat.size, step)]
+    return [_python_float_text(text) for text in texts] if respell else texts
+
+
+# The magnitudes orjson spells otherwise than Python: exponents -9..-5 (below: both e-10 on;
+# above: both positional up to e+15, then e+16 on).
+_RESPELLED = (1e-9, 1e-4)
 
 
 _ONE_DIGIT_EXPONENT = re.compile(rb"e([+-])(\d)(?![0-9])")
@@ -730,8 +746,7 @@ _ONE_DIGIT_EXPONENT = re.compile(rb"e([+-])(\d)(?![0-9])")
 def _python_float_text(text: bytes) -> bytes:
     """orjson's numbers spelled as Python's repr (json.dumps), byte for byte: the same
     shortest digits, but Python writes an exponent of at least two digits (1.5e-07, not
-    1.5e-7) and 1e-05..9.9e-05 in exponent form (orjson: 0.00001). Both are rare in real
-    data, and found with a C-speed search before anything is rewritten."""
+    1.5e-7) and 1e-05..9.9e-05 in exponent form (orjson: 0.00001)."""
     if b"e" in text:
         text = _ONE_DIGIT_EXPONENT.sub(rb"e\g<1>0\2", text)
     at = text.find(b"0.0000")

@@ -1,0 +1,59 @@
+"""The JSON tensor path's shortcuts (issue 18) give what the full path gave: float outputs are
+respelled as Python writes them only where orjson spells them otherwise (a test on the values
+decides), and float inputs skip the overflow check only where no value can overflow."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jupyter_triton.protocol.errors import InvalidArgument
+from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
+
+
+def _encoded(x: np.ndarray, datatype: str) -> bytes:
+    body, _ = encode_infer_response(
+        InferResponse("m", "1", outputs=[InferTensor("O", datatype, x.shape, x)]), InferRequest("m"))
+    return body
+
+
+def _data_text(x: np.ndarray) -> bytes:
+    return json.dumps(x.ravel().tolist(), separators=(",", ":")).encode()
+
+
+# Each side of both ends of the magnitudes orjson spells otherwise (1e-9 <= |v| < 1e-4).
+_EDGES = [1e-9, np.nextafter(1e-9, 0), 1e-4, np.nextafter(1e-4, 0), 1e-5, np.nextafter(1e-5, 0),
+          -1e-9, -np.nextafter(1e-4, 0), 1e-10, 2.5e-7, 0.0, 1e16]
+
+
+@pytest.mark.parametrize("value", _EDGES)
+def test_each_value_at_the_edges_of_the_respelled_magnitudes_reads_as_python_writes_it(value):
+    for x in (np.array([value]), np.array([3.0, value, 5e20, value])):
+        assert _data_text(x) in _encoded(x, "FP64"), x
+
+
+def _request(data: list, datatype: str) -> bytes:
+    return json.dumps({"inputs": [{"name": "X", "datatype": datatype, "shape": [len(data)],
+                                   "data": data}]}).encode()
+
+
+def _decoded(data: list, datatype: str) -> np.ndarray:
+    return decode_infer_request(_request(data, datatype), None, "m", "").inputs[0].data
+
+
+def test_float_inputs_at_the_edge_of_their_range():
+    top32, top16 = float(np.finfo(np.float32).max), float(np.finfo(np.float16).max)
+    # Past the largest finite value, yet rounding down to it: accepted, as before.
+    below = np.nextafter(top32, np.inf)
+    got = _decoded([1.5, below, -top32], "FP32")
+    assert got.dtype == np.float32 and got.tolist() == [1.5, top32, -top32]
+    assert _decoded([top16, 65519.0], "FP16").tolist() == [top16, top16]
+    with pytest.raises(InvalidArgument, match=r"element 1 \(3\.5e\+38\) is out of the range of datatype FP32"):
+        _decoded([1.0, 3.5e38], "FP32")
+    with pytest.raises(InvalidArgument, match=r"element 0 \(70000\) is out of the range of datatype FP16"):
+        _decoded([70000, 1.0], "FP16")
+    wide = _decoded([1e300, -2.5, 5e-324], "FP64")
+    assert wide.dtype == np.float64 and wide.tolist() == [1e300, -2.5, 5e-324]
+
