@@ -1,6 +1,7 @@
 """The JSON tensor path's shortcuts (issue 18) give what the full path gave: float outputs are
 respelled as Python writes them only where orjson spells them otherwise (a test on the values
-decides), and float inputs skip the overflow check only where no value can overflow."""
+decides), float inputs skip the overflow check only where no value can overflow, and a request
+read by orjson without a scan for integers past 64 bits is what json read wherever one shows."""
 from __future__ import annotations
 
 import json
@@ -57,3 +58,48 @@ def test_float_inputs_at_the_edge_of_their_range():
     wide = _decoded([1e300, -2.5, 5e-324], "FP64")
     assert wide.dtype == np.float64 and wide.tolist() == [1e300, -2.5, 5e-324]
 
+
+
+# orjson reads the document first, without the scan for integers past 64 bits (it reads them
+# as floats); where that could show, the codec reads the document again as json reads it.
+_BIG = 2 ** 70 + 1
+
+
+def _big_request(**fields) -> bytes:
+    doc = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [2], "data": [1.5, 2]}]}
+    for path, value in fields.items():
+        if path == "request":
+            doc["parameters"] = value
+        elif path == "input":
+            doc["inputs"][0]["parameters"] = value
+        elif path == "output":
+            doc["outputs"] = [{"name": "Y", "parameters": value}]
+        else:
+            doc["inputs"][0][path] = value
+    return json.dumps(doc).encode()
+
+
+def test_an_integer_past_64_bits_in_a_parameter_reaches_the_model_as_sent():
+    for where in ("request", "input", "output"):
+        for value in (_BIG, -_BIG, [1, _BIG], {"k": _BIG}):
+            request = decode_infer_request(_big_request(**{where: {"u": value}}), None, "m", "")
+            params = {"request": request.parameters, "input": request.inputs[0].parameters,
+                      "output": request.outputs[0].parameters if request.outputs else {}}[where]
+            assert params["u"] == value and type(params["u"]) is type(value), (where, value)
+    # floats that large are floats still
+    request = decode_infer_request(_big_request(request={"u": 1e30}), None, "m", "")
+    assert request.parameters["u"] == 1e30 and type(request.parameters["u"]) is float
+
+
+def test_an_integer_past_64_bits_in_float_data_is_its_double_and_errors_name_it_as_sent():
+    got = decode_infer_request(_big_request(data=[_BIG, -3 * _BIG], datatype="FP64"), None, "m", "")
+    assert got.inputs[0].data.tolist() == [float(_BIG), float(-3 * _BIG)]
+    with pytest.raises(InvalidArgument, match=rf"element 1 \({10 ** 20}\) is out of the range of datatype FP16"):
+        decode_infer_request(_big_request(data=[1, 10 ** 20], datatype="FP16"), None, "m", "")
+    with pytest.raises(InvalidArgument, match=rf"element 1 is an integer \({_BIG}\), expected an integer in"):
+        decode_infer_request(_big_request(data=[1, _BIG], datatype="INT64"), None, "m", "")
+    with pytest.raises(InvalidArgument, match=rf"shape \[{_BIG}\] with {_BIG} elements"):
+        decode_infer_request(_big_request(shape=[_BIG]), None, "m", "")
+    # json takes a priority past 64 bits as an unsigned integer (orjson's float would be refused)
+    request = decode_infer_request(_big_request(request={"priority": _BIG}), None, "m", "")
+    assert request.parameters["priority"] == _BIG

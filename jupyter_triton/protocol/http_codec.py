@@ -561,7 +561,62 @@ def decode_infer_request(body: bytes | memoryview, header_length: int | None, mo
         plan = _PLANS.get(key)
         if plan is not None:
             return _from_plan(plan, view, model_name, model_version)
-    doc = _parse_large_json(text) if header_length >= SLICED_MIN else _parse_json(text)
+    if header_length >= SLICED_MIN:
+        return _decode_document(_parse_large_json(text), view, header_length, model_name,
+                                model_version, max_elements, key)
+    # orjson first, without _parse_json's scan for integers past 64 bits (which it reads as
+    # floats): a float where json read an integer shows only in an error's words or in a
+    # parameter, passed on as sent (a float value is the same either way), so only then is
+    # the document read as json reads it, when it may hold such an integer.
+    doc, loose = _read_json(text)
+    if not loose:
+        return _decode_document(doc, view, header_length, model_name, model_version,
+                                max_elements, key)
+    try:
+        request = _decode_document(doc, view, header_length, model_name, model_version,
+                                   max_elements, key)
+    except InvalidArgument:
+        if not _may_hold_big_integer(text):
+            raise
+    else:
+        if all(map(_read_as_sent, _parameter_maps(request))) or not _may_hold_big_integer(text):
+            return request
+    if key is not None:
+        _PLANS.pop(key, None)
+    return _decode_document(_parse_json(text), view, header_length, model_name, model_version,
+                            max_elements, key)
+
+
+def _read_json(raw: bytes) -> tuple[Any, bool]:
+    """The document, and whether orjson read it (``_parse_json`` without its scan first)."""
+    try:
+        return orjson.loads(raw), True
+    except orjson.JSONDecodeError:
+        return _parse_json(raw), False
+
+
+def _parameter_maps(request: InferRequest):
+    yield request.parameters
+    for t in request.inputs:
+        yield t.parameters
+    for o in request.outputs or ():
+        yield o.parameters
+
+
+# What orjson reads as json does: no float of 2**63 or more (an integer past 64 bits is one).
+_AS_SENT = frozenset((str, int, bool, type(None)))
+
+
+def _read_as_sent(params: dict) -> bool:
+    for v in params.values():
+        if type(v) not in _AS_SENT and not (type(v) is float and -2.0 ** 63 < v < 2.0 ** 63):
+            return False
+    return True
+
+
+def _decode_document(doc: Any, view: memoryview, header_length: int, model_name: str,
+                     model_version: str, max_elements: int, key: tuple | None) -> InferRequest:
+    total = len(view)
     if not isinstance(doc, dict):
         raise InvalidArgument(
             f"failed to parse the request JSON buffer: expected an object, got {_json_type(doc)}")
