@@ -1,7 +1,7 @@
-"""HTTP binary responses written from a plan (protocol/http_codec.py ``_planned_response``):
-a reply whose outputs are all binary and whose layout repeats is the cached JSON header
-around its own id, then its tensors' bytes: byte for byte what the full encoder writes; and
-over a real server, tritonclient reads them, binary, JSON and mixed."""
+"""HTTP responses written from a plan (protocol/http_codec.py ``_planned_response``): a reply
+whose layout repeats is the cached JSON header around its own id and its JSON outputs' values,
+then its binary outputs' bytes: byte for byte what the full encoder writes; and over a real
+server, tritonclient reads them, binary, JSON and mixed."""
 from __future__ import annotations
 
 import itertools
@@ -51,7 +51,7 @@ def _requests(outputs, rid: str):
     yield InferRequest("m", id=rid, outputs=[RequestedOutput(n, {"binary_data": True}) for n in names])
     yield InferRequest("m", id=rid, parameters={"binary_data_output": True},
                        outputs=[RequestedOutput(n, {}) for n in names])
-    # some or all outputs in JSON: the full encoder's (the data is in the header)
+    # some or all outputs in JSON (their values are in the header)
     yield InferRequest("m", id=rid, parameters={"binary_data_output": True},
                        outputs=[RequestedOutput(n, {"binary_data": i > 0}) for i, n in enumerate(names)])
     yield InferRequest("m", id=rid)
@@ -63,7 +63,8 @@ def test_every_layout_id_and_binary_choice_is_written_as_the_full_encoder_writes
             for _ in range(3):
                 _same(_response(rid, layout, version=version), request)
                 _same(_response("", layout, version=version), request)     # the request's id
-    assert 0 < len(http_codec._RESPONSE_PLANS) <= 2 * len(LAYOUTS)
+    # a plan for each layout, version and choice of binary outputs (all, all but the first, none)
+    assert 0 < len(http_codec._RESPONSE_PLANS) <= 3 * 2 * len(LAYOUTS)
 
 
 def test_names_that_json_escapes_and_other_shapes_are_their_own_plans() -> None:

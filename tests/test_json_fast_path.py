@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
-from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
+from jupyter_triton.protocol import http_codec
+from jupyter_triton.protocol.http_codec import _encode_response, decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 
 def _encoded(x: np.ndarray, datatype: str) -> bytes:
@@ -103,3 +104,30 @@ def test_an_integer_past_64_bits_in_float_data_is_its_double_and_errors_name_it_
     # json takes a priority past 64 bits as an unsigned integer (orjson's float would be refused)
     request = decode_infer_request(_big_request(request={"priority": _BIG}), None, "m", "")
     assert request.parameters["priority"] == _BIG
+
+
+def test_json_outputs_written_from_a_plan_are_what_the_full_encoder_writes():
+    """A JSON output's values go between the plan's pieces of header; one with a non-finite
+    float is json's (NaN) both before and after its layout has a plan."""
+    http_codec._RESPONSE_PLANS.clear()
+    rng = np.random.default_rng(3)
+    finite = lambda n: rng.standard_normal(n).astype(np.float32)       # noqa: E731
+    odd = np.array([np.nan, 1e-6, -np.inf], np.float32)
+    request = InferRequest("m", id="r", outputs=[RequestedOutput("A", {"binary_data": False}),
+                                                 RequestedOutput("B", {"binary_data": True}),
+                                                 RequestedOutput("C", {})])
+    big = 300_000                       # past _SLICED_ELEMENTS: written in slices
+    for a, c in [(odd, finite(4)), (finite(3), finite(4)), (odd, finite(4)), (finite(3), odd[:1].repeat(4)),
+                 (finite(3), np.arange(4, dtype=np.float32) * 1e-7)]:
+        for rid in ("", "x-é"):
+            resp = InferResponse("m", "1", rid, [
+                InferTensor("A", "FP32", (3,), a), InferTensor("B", "INT64", (2,), np.array([1, -2])),
+                InferTensor("C", "FP32", (2, 2), c.reshape(2, 2))])
+            assert encode_infer_response(resp, request) == _encode_response(resp, request)
+    assert len(http_codec._RESPONSE_PLANS) == 1
+    for data in (np.array([True, False]), rng.standard_normal(big)):
+        resp = InferResponse("m", "1", "", [InferTensor("Y", "BOOL" if data.dtype == bool else "FP64",
+                                                        data.shape, data)])
+        for _ in range(2):
+            got = encode_infer_response(resp, InferRequest("m"))
+            assert got == _encode_response(resp, InferRequest("m")) and got[1] is None

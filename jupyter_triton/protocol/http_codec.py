@@ -864,32 +864,34 @@ def encode_infer_response(response: InferResponse, request: InferRequest
     return _encode_response(response, request)
 
 
-# Binary responses whose layout repeats (model, version, each output's name, datatype and
-# shape, all binary, no parameters): (JSON header before the id, after it, each output's wire
-# size and dtype), or None for a layout no plan can write. Bounded: forgotten when full.
+# Responses whose layout repeats (model, version, each output's name, datatype, shape and
+# whether it goes binary, no parameters, no BYTES): (the JSON header before the id, its text
+# after the id cut where each JSON output's values go, each output's wire size and dtype or
+# None for a JSON one), or None for a layout no plan can write. Bounded: forgotten when full.
 _RESPONSE_PLANS: dict[tuple, tuple | None] = {}
 _RESPONSE_PLANS_MAX = 256
 
 
 def _planned_response(response: InferResponse, request: InferRequest
-                      ) -> tuple[bytes, int] | None:
-    """``_encode_response``'s bytes for a response whose outputs are all binary, from the
-    plan of its layout: the header is the same but for the id, the rest is the tensors'
-    bytes (an array already in its wire layout joined as it is). None: not planned."""
+                      ) -> tuple[bytes, int | None] | None:
+    """``_encode_response``'s bytes from the plan of the response's layout: the header is the
+    same but for the id and the JSON outputs' values, the rest is the binary outputs' bytes
+    (an array already in its wire layout joined as it is). None: not planned."""
     if response.parameters:
         return None
     params = request.parameters
     default_binary = params.get("binary_data_output", False) if params else False
     requested = {o.name: o.parameters for o in request.outputs} if request.outputs else None
     layout = [response.model_name, response.model_version]
+    binary = []
     for t in response.outputs:
         if t.parameters or t.datatype == "BYTES" or t.data is None:
             return None
         wanted = requested.get(t.name) if requested is not None else None
-        if not (wanted.get("binary_data", default_binary) if wanted else default_binary):
-            return None
+        binary.append(wanted.get("binary_data", default_binary) if wanted else default_binary)
         shape = t.shape
-        layout.append((t.name, t.datatype, shape if type(shape) is tuple else tuple(shape)))
+        layout.append((t.name, t.datatype, shape if type(shape) is tuple else tuple(shape),
+                       binary[-1]))
     if len(layout) == 2:
         return None             # no outputs: an all-JSON reply
     key = tuple(layout)
@@ -898,40 +900,52 @@ def _planned_response(response: InferResponse, request: InferRequest
     if rid and type(rid) is not str:
         return None
     if plan is False:           # encoded in full, and what it wrote is the plan
-        encoded = _encode_response(response, request)
-        plan = _response_plan(response, rid, *encoded)
+        header, spliced, buffers = _encode_parts(response, request)
+        plan = _response_plan(response, rid, binary, header, spliced)
         if plan is not False:
             if len(_RESPONSE_PLANS) >= _RESPONSE_PLANS_MAX:
                 _RESPONSE_PLANS.clear()
             _RESPONSE_PLANS[key] = plan
-        return encoded
+        return _joined(header, spliced, buffers)
     if plan is None:
         return None
-    head, tail, wires = plan
-    if rid:
-        parts = [head, b',"id":', _encode_header(rid, True), tail]    # as the header spells it
-        length = len(head) + 6 + len(parts[2]) + len(tail)
-    else:
-        parts = [head, tail]
-        length = len(head) + len(tail)
+    head, pieces, wires = plan
+    parts = [head, b',"id":', _encode_header(rid, True), pieces[0]] if rid else [head, pieces[0]]
+    buffers = []
+    after = iter(pieces[1:])
     for t, (size, wire) in zip(response.outputs, wires):
+        if size is None:                # a JSON output: its values between two pieces
+            numbers = _json_numbers(t)
+            if numbers is None:
+                return None
+            parts += (b"[", b",".join(numbers), b"]", next(after))
+            continue
         arr = t.data
         if wire is None or type(arr) is not np.ndarray or arr.dtype != wire or \
                 not arr.flags.c_contiguous:
             arr = tensor_wire_buffer(arr, t.datatype)
         if arr.nbytes != size:      # data that does not fit its shape: the header says so
             return None
-        parts.append(arr)
-    return b"".join(parts), length
+        buffers.append(arr)
+    if not buffers:
+        return b"".join(parts), None
+    header = b"".join(parts)
+    return b"".join([header, *buffers]), len(header)
 
 
-def _response_plan(response: InferResponse, rid: str, body: bytes, length: int | None
-                   ) -> tuple | None | bool:
-    """The plan of ``response``'s layout from its full encoding (``body``, ``length``); None:
-    a layout no plan writes; False: nothing to learn from this one (its data does not fit
-    its shapes, so its header is not the layout's)."""
+def _response_plan(response: InferResponse, rid: str, binary: list[bool], header: bytes,
+                   spliced: dict[int, tuple[bytes, list[bytes]]]) -> tuple | None | bool:
+    """The plan of ``response``'s layout (its outputs ``binary`` or not) from its full
+    encoding (``_encode_parts``'s ``header`` and ``spliced``); None: a layout no plan writes;
+    False: nothing to learn from this one (its data does not fit its shapes, or non-finite
+    floats of a JSON output were spelled by json, not written apart)."""
     wires = []
-    for t in response.outputs:
+    for i, t in enumerate(response.outputs):
+        if not binary[i]:
+            if i not in spliced:
+                return False
+            wires.append((None, None))
+            continue
         size = element_count(t.shape) * element_size(t.datatype)
         if memoryview(tensor_wire_buffer(t.data, t.datatype)).nbytes != size:
             return False
@@ -939,23 +953,34 @@ def _response_plan(response: InferResponse, rid: str, body: bytes, length: int |
     head = _encode_header({"model_name": response.model_name,
                            "model_version": str(response.model_version)}, True)[:-1]
     start = head + b',"id":' + _encode_header(rid, True) if rid else head
-    if length is None or not body.startswith(start):
+    if not header.startswith(start):
         return None
-    return head, body[len(start):length], wires
+    pieces, rest = [], header[len(start):]
+    for marker, _ in spliced.values():
+        before, _, rest = rest.partition(marker)
+        pieces.append(before)
+    return head, [*pieces, rest], wires
 
 
 def _encode_response(response: InferResponse, request: InferRequest
                      ) -> tuple[bytes, int | None]:
+    return _joined(*_encode_parts(response, request))
+
+
+def _encode_parts(response: InferResponse, request: InferRequest
+                  ) -> tuple[bytes, dict[int, tuple[bytes, list[bytes]]], list]:
+    """The JSON header with a marker string where each numeric JSON output's values go
+    (output index -> (marker, the values' text)), and the binary outputs' buffers."""
     requested = {o.name: o.parameters for o in request.outputs} if request.outputs else {}
     default_binary = bool(request.parameters.get("binary_data_output", False))
     outputs = []
     buffers: list[bytes | memoryview] = []
     # Numeric JSON outputs are written apart (by orjson, large ones slice by slice), then
     # spliced into the document where their marker string stands.
-    spliced: dict[bytes, list[bytes]] = {}
+    spliced: dict[int, tuple[bytes, list[bytes]]] = {}
     nonce = ""
     plain = not response.parameters or _plain(response.parameters)
-    for t in response.outputs:
+    for i, t in enumerate(response.outputs):
         wanted = requested.get(t.name)
         binary = wanted.get("binary_data", default_binary) if wanted else default_binary
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype,
@@ -965,7 +990,7 @@ def _encode_response(response: InferResponse, request: InferRequest
         if numbers is not None:
             nonce = nonce or secrets.token_hex(8)
             key = f"\x01data-{nonce}-{len(spliced)}"
-            spliced[json.dumps(key).encode()] = numbers
+            spliced[i] = (json.dumps(key).encode(), numbers)
             entry["data"] = key
             data: list | None = []
         else:
@@ -991,8 +1016,12 @@ def _encode_response(response: InferResponse, request: InferRequest
     if response.parameters:
         doc["parameters"] = response.parameters
     doc["outputs"] = outputs
-    header = _encode_header(doc, plain and (not rid or type(rid) is str))
-    for marker, slices in spliced.items():
+    return _encode_header(doc, plain and (not rid or type(rid) is str)), spliced, buffers
+
+
+def _joined(header: bytes, spliced: dict[int, tuple[bytes, list[bytes]]], buffers: list
+            ) -> tuple[bytes, int | None]:
+    for marker, slices in spliced.values():
         before, _, after = header.partition(marker)
         header = b"".join([before, b"[", b",".join(slices), b"]", after])
     if not buffers:
