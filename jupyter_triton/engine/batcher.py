@@ -146,7 +146,8 @@ class DynamicBatcher(Scheduler):
         self._where[pending] = level
         if pending.timeout_ns:
             self._timed += 1
-        pending.future.add_done_callback(functools.partial(self._forget, pending))
+        pending.forget = functools.partial(self._forget, pending)
+        pending.future.add_done_callback(pending.forget)
         if len(self._where) == 1:
             self._pump()        # alone in the queue: its batch (or its alarm) at once
         elif self._pump_soon is None:
@@ -203,6 +204,8 @@ class DynamicBatcher(Scheduler):
     def _unqueue(self, p: Pending, level: _Level) -> None:
         level.remove(p)
         del self._where[p]
+        p.future.remove_done_callback(p.forget)
+        p.forget = None         # (the partial holds ``p``: no cycle left for the collector)
         if p.timeout_ns:
             self._timed -= 1
 

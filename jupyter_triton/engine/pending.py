@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -30,12 +30,20 @@ class Pending:
     started: bool = False                 # set when an instance starts executing it
     start_ns: int = 0                     # when it did (its queue time ends there)
     _shape_key: tuple | None = field(default=None, repr=False)
+    # the scheduler's done callback while the request is queued: taken off as it leaves the
+    # queue, so that a request that ran costs no loop handle for it when its future ends
+    forget: "Callable[[asyncio.Future], None] | None" = field(default=None, repr=False)
 
     def shape_key(self) -> tuple:
         """Requests batch together only when every input agrees beyond the batch dim
         (computed once: the batcher asks on every pass over its queue)."""
         if self._shape_key is None:
-            self._shape_key = tuple((name, arr.dtype.str, arr.shape[1:])
-                                    for name, arr in sorted(self.inputs.items()))
+            inputs = self.inputs
+            if len(inputs) == 1:        # most models: no sort, no generator
+                for name, arr in inputs.items():
+                    self._shape_key = ((name, arr.dtype.str, arr.shape[1:]),)
+            else:
+                self._shape_key = tuple([(name, arr.dtype.str, arr.shape[1:])
+                                         for name, arr in sorted(inputs.items())])
         return self._shape_key
 

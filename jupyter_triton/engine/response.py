@@ -17,6 +17,7 @@ class OutputPlan:
 
     def __init__(self, config: mc.ModelConfig) -> None:
         self.config = config
+        self.model = config.name
         self.names = [o.name for o in config.output]
         self.by_name = {o.name: o for o in config.output}
         self.datatypes = {o.name: config_to_triton(mc.DataType.Name(o.data_type)) for o in config.output}
@@ -33,6 +34,7 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
     when the caller keeps one."""
     if plan is None:
         plan = OutputPlan(config)
+    model = plan.model
     wanted = request.outputs
     tensors = []
     total = 0
@@ -42,7 +44,7 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
         else:
             name, params = item.name, item.parameters
         if name not in outputs:
-            raise Internal(f"model '{config.name}' did not produce output '{name}'")
+            raise Internal(f"model '{model}' did not produce output '{name}'")
         datatype = plan.datatypes[name]
         value = outputs[name]
         if type(value) is not np.ndarray:
@@ -61,11 +63,11 @@ def build_response(config: mc.ModelConfig, version: int, model_dir: Path, reques
             total += _nbytes(value)
             if total > max_output_size:
                 raise Unavailable(
-                    f"model '{config.name}' returned outputs larger than the server's limit of "
+                    f"model '{model}' returned outputs larger than the server's limit of "
                     f"{max_output_size} bytes (at output '{name}'); the limit is the engine "
                     f"option max_output_size")
         tensors.append(InferTensor(name, datatype, value.shape, value))
-    return InferResponse(config.name, str(version), request.id, tensors)
+    return InferResponse(model, str(version), request.id, tensors)
 
 
 def _nbytes(value: np.ndarray) -> int:
