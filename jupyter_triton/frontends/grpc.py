@@ -30,7 +30,7 @@ from ..engine import Engine
 from ..engine.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unsupported
 from ..protocol.grpc_codec import (RequestPlans, ResponsePlans, check_model_version,
-                                   decode_grpc_request, encode_grpc_response, parameter_value,
+                                   decode_grpc_request, parameter_value,
                                    parse_infer_request)
 from ..engine.trace import trace_context
 from . import grpc_health, observability
@@ -219,7 +219,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.inflight.give(size)
 
     def _stream_error(self, request: pb.ModelInferRequest, err: BaseException,
-                      final: bool = True) -> pb.ModelStreamInferResponse:
+                      final: bool = True) -> bytes:
         """An error on the stream, as Triton writes it: ``error_message`` set, the request's
         model and id, and ``triton_final_response``; the stream itself goes on."""
         if isinstance(err, TritonError):
@@ -230,10 +230,11 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         response = pb.ModelInferResponse(model_name=request.model_name,
                                          model_version=request.model_version, id=request.id)
         response.parameters["triton_final_response"].bool_param = final
-        return pb.ModelStreamInferResponse(error_message=message, infer_response=response)
+        return pb.ModelStreamInferResponse(error_message=message,
+                                           infer_response=response).SerializeToString()
 
     def _failure(self, request: pb.ModelInferRequest, err: BaseException, final: bool,
-                 grpc_error: bool) -> "pb.ModelStreamInferResponse | _StreamFailure":
+                 grpc_error: bool) -> "bytes | _StreamFailure":
         if not grpc_error:
             return self._stream_error(request, err, final)
         if isinstance(err, TritonError):
@@ -266,12 +267,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if response.final and not response.outputs and not empty_final and \
                             self.engine.is_decoupled(request.model_name, request.model_version):
                         continue        # COMPLETE_FINAL without a response: not asked for
-                    message = encode_grpc_response(response, infer_request)
-                    if not message.model_name:          # an empty final response
-                        message.model_name = request.model_name
-                        message.model_version = request.model_version
-                    message.parameters["triton_final_response"].bool_param = response.final
-                    await put(pb.ModelStreamInferResponse(infer_response=message))
+                    await put(self._responses.encode_stream(response, infer_request))
             finally:
                 # Early exit (the stream ended, a put cancelled): the model sees is_cancelled().
                 await responses.aclose()
@@ -281,7 +277,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await put(self._failure(request, err, True, grpc_error))
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[bytes],
-                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+                               context) -> AsyncIterator[bytes]:
         """Each request's responses are written on the stream as soon as each is ready (so
         possibly interleaved across requests, as in Triton: clients match them by ``id``).
         A client that goes away cancels every request of the stream still running. With
@@ -323,7 +319,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                             self.inflight.take(len(raw))
                         except ResourceExhausted as err:
                             slots.release()
-                            await results.put(pb.ModelStreamInferResponse(error_message=str(err)))
+                            await results.put(pb.ModelStreamInferResponse(
+                                error_message=str(err)).SerializeToString())
                             continue
                     task = asyncio.create_task(
                         self._stream_one(raw, results.put, carrier, grpc_error))
@@ -457,11 +454,12 @@ def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHa
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         behaviour = getattr(service, method.name)
-        # the inference RPCs get bytes: sized before they are parsed
+        # the inference RPCs get bytes (sized before they are parsed) and answer bytes
+        # (serialised already: codec plans write them)
         raw = method.name in ("ModelInfer", "ModelStreamInfer")
         request_type = getattr(pb, method.input_type.name)
         deserializer = None if raw else request_type.FromString
-        serializer = _serialized if method.name == "ModelInfer" else \
+        serializer = _serialized if raw else \
             getattr(pb, method.output_type.name).SerializeToString
         if method.client_streaming and method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(

@@ -365,6 +365,7 @@ def _from_plan(plan: tuple, raw: bytes) -> InferRequest | None:
 
 _ID_TAG = b"\x1a"               # ModelInferResponse.id: field 3, length-delimited
 _RAW_OUTPUT_TAG = b"\x32"       # ModelInferResponse.raw_output_contents: field 6
+_INFER_RESPONSE_TAG = b"\x12"   # ModelStreamInferResponse.infer_response: field 2
 _PARAM_TYPES = frozenset((str, int, bool, float))
 
 
@@ -425,6 +426,18 @@ class ResponsePlans:
                 return encode_grpc_response(resp, request).SerializeToString()
             parts += (frame, arr)
         return b"".join(parts)
+
+    def encode_stream(self, resp: InferResponse, request: InferRequest) -> bytes:
+        """The ModelStreamInferResponse that carries ``resp`` on a stream, serialised: its
+        ModelInferResponse written as ``encode`` writes it, with Triton's
+        ``triton_final_response`` parameter (``resp.final``); an empty final response names
+        the request's model."""
+        named = resp.model_name
+        message = self.encode(InferResponse(
+            named or request.model_name, resp.model_version if named else request.model_version,
+            resp.id, resp.outputs, {**resp.parameters, "triton_final_response": resp.final}),
+            request)
+        return _INFER_RESPONSE_TAG + _varint(len(message)) + message
 
     @staticmethod
     def _key(resp: InferResponse) -> tuple | None:
