@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import numpy as np
 import orjson
@@ -595,7 +595,7 @@ def _read_json(raw: bytes) -> tuple[Any, bool]:
         return _parse_json(raw), False
 
 
-def _parameter_maps(request: InferRequest):
+def _parameter_maps(request: InferRequest) -> Iterator[dict]:
     yield request.parameters
     for t in request.inputs:
         yield t.parameters
@@ -603,7 +603,8 @@ def _parameter_maps(request: InferRequest):
         yield o.parameters
 
 
-# What orjson reads as json does: no float of 2**63 or more (an integer past 64 bits is one).
+# Parameter values orjson reads as json does: all but containers and floats of magnitude 2**63
+# or more (what an integer past 64 bits becomes).
 _AS_SENT = frozenset((str, int, bool, type(None)))
 
 
@@ -883,15 +884,13 @@ def _planned_response(response: InferResponse, request: InferRequest
     default_binary = params.get("binary_data_output", False) if params else False
     requested = {o.name: o.parameters for o in request.outputs} if request.outputs else None
     layout = [response.model_name, response.model_version]
-    binary = []
     for t in response.outputs:
         if t.parameters or t.datatype == "BYTES" or t.data is None:
             return None
         wanted = requested.get(t.name) if requested is not None else None
-        binary.append(wanted.get("binary_data", default_binary) if wanted else default_binary)
         shape = t.shape
         layout.append((t.name, t.datatype, shape if type(shape) is tuple else tuple(shape),
-                       binary[-1]))
+                       wanted.get("binary_data", default_binary) if wanted else default_binary))
     if len(layout) == 2:
         return None             # no outputs: an all-JSON reply
     key = tuple(layout)
@@ -901,7 +900,8 @@ def _planned_response(response: InferResponse, request: InferRequest
         return None
     if plan is False:           # encoded in full, and what it wrote is the plan
         header, spliced, buffers = _encode_parts(response, request)
-        plan = _response_plan(response, rid, binary, header, spliced)
+        plan = _response_plan(response, rid, [binary for *_, binary in layout[2:]], header,
+                              spliced)
         if plan is not False:
             if len(_RESPONSE_PLANS) >= _RESPONSE_PLANS_MAX:
                 _RESPONSE_PLANS.clear()
@@ -912,13 +912,14 @@ def _planned_response(response: InferResponse, request: InferRequest
     head, pieces, wires = plan
     parts = [head, b',"id":', _encode_header(rid, True), pieces[0]] if rid else [head, pieces[0]]
     buffers = []
-    after = iter(pieces[1:])
+    piece = 0
     for t, (size, wire) in zip(response.outputs, wires):
-        if size is None:                # a JSON output: its values between two pieces
+        if size is None:                # a JSON output: its values before the next piece
             numbers = _json_numbers(t)
             if numbers is None:
                 return None
-            parts += (b"[", b",".join(numbers), b"]", next(after))
+            piece += 1
+            parts += (b"[", b",".join(numbers), b"]", pieces[piece])
             continue
         arr = t.data
         if wire is None or type(arr) is not np.ndarray or arr.dtype != wire or \
@@ -929,8 +930,9 @@ def _planned_response(response: InferResponse, request: InferRequest
         buffers.append(arr)
     if not buffers:
         return b"".join(parts), None
-    header = b"".join(parts)
-    return b"".join([header, *buffers]), len(header)
+    length = sum(map(len, parts))
+    parts += buffers
+    return b"".join(parts), length
 
 
 def _response_plan(response: InferResponse, rid: str, binary: list[bool], header: bytes,
