@@ -463,7 +463,11 @@ def perf_analyzer_command(pa: str, target: Target, model: str, protocol: str, co
     port = target.http_port if protocol == "http" else target.grpc_port
     cmd = [pa, "-v", "-m", model, "-u", f"{HOST}:{port}", "-i", protocol, "-b", str(batch),
            "--concurrency-range", str(concurrency), "--stability-percentage", "10000",
-           "--max-trials", str(WINDOWS), "-f", str(report)]
+           "--max-trials", str(WINDOWS), "-f", str(report),
+           # A client thread per request in flight: with its default 16 threads at c=32,
+           # perf_analyzer stalled for 30-80 s against tritonserver's HTTP front (twice in one
+           # round of the bench, and in a probe on a quiet machine), never against ours.
+           "--max-threads", str(max(16, concurrency))]
     # A warm-up is a few requests counted, not timed: first-call work in the server
     # (allocations, a worker's first batch) stays out of the first row.
     cmd += (["--measurement-mode", "count_windows", "--measurement-request-count", "30"] if warmup
