@@ -23,6 +23,11 @@ from .triton_flags import add_ignored, log_ignored
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
 # wait is most of the latency (benchmarks/README.md has the figures).
 SWITCH_INTERVAL_S = 0.0005
+# engine/busy_poll.py: a standalone server polls this long after each request (the event loop
+# and its GIL are its own; a Jupyter server's and a kernel's are not, so they don't poll). A
+# millisecond covers the 500 us queue delay and a fast model's execution at one client, so
+# the loop does not sleep between a client's requests.
+BUSY_POLL_US = 1000
 # `serve` runs on uvloop where it is installed: the event loop's CPU per inference of the
 # python model is 0.91x asyncio's over HTTP and 0.81x over gRPC at c=32, 0.88x over HTTP at c=1
 # (benchmarks/loop_cpu.py). JUPYTER_TRITON_LOOP=asyncio keeps asyncio's loop (the one the
@@ -184,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loaded-models", type=_non_negative(int),
                        default=_DEFAULTS.max_loaded_models, metavar="<n>",
                        help="at most this many models loaded at once, as above (0: no bound)")
+    serve.add_argument("--busy-poll-us", type=_non_negative(int), default=BUSY_POLL_US,
+                       metavar="<microseconds>",
+                       help="after a request arrives the event loop, and a python model's worker "
+                            "after a batch of one, poll this long before sleeping: lower latency "
+                            "at light load for up to a core while requests come (0: off)")
     add_ignored(serve)
     export = sub.add_parser(
         "export", help="copy a repository into the form NVIDIA Triton and KServe serve as is")
@@ -283,6 +293,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         model_residency_bytes=args.model_residency_bytes,
         max_loaded_models=args.max_loaded_models, rate_limit=args.rate_limit,
         rate_limit_resources=list(args.rate_limit_resource), server_id=args.id,
+        busy_poll_us=args.busy_poll_us,
         auto_complete_config=not (args.disable_auto_complete_config or
                                   _bool((args.strict_model_config or ["false"])[-1])))
 

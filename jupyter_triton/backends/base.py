@@ -96,6 +96,14 @@ class Backend:
     #: compute_infer. A backend that can tell them apart sets it in ``execute``.
     io_ns: tuple[int, int] = (0, 0)
 
+    #: its batches execute in a process of its own (a python model's worker): while they
+    #: do, the event loop may poll (engine/busy_poll.py) without keeping a thread of this
+    #: process from the GIL
+    out_of_process: bool = False
+    #: the engine's busy polling, set before ``load``: how long such a process may poll for
+    #: its next batch (0: it sleeps at once)
+    busy_poll_us: int = 0
+
     def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
         self.config = config
         self.files = files

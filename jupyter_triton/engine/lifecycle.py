@@ -23,6 +23,7 @@ from ..backends.devices import resolve_kind
 from ..config import fill_defaults, validate_config
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..repository import PendingUpload, Repository
+from .busy_poll import BusyPoll
 from .cache import ResponseCache
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
 from .histograms import latency_histograms
@@ -100,6 +101,8 @@ class ModelLifecycle(OnDemand, Rollout):
         # strict readiness: the models the server was asked to serve (at start, or loaded
         # since); an explicit unload takes a model off the list
         self._wanted: set[str] = set()
+        # one loop, polled after any model's request (engine/busy_poll.py); None: off
+        self.busy_poll = BusyPoll(options.busy_poll_us) if options.busy_poll_us > 0 else None
         # Triton's rate limiter spans models: one per engine.
         self.rate_limiter = RateLimiter.from_options(options)
         # Triton's response cache spans models too (--cache-config local,size=<bytes>)
@@ -423,7 +426,7 @@ class ModelLifecycle(OnDemand, Rollout):
                           (_Composing(self._version), self.infer)
                           if backend == ENSEMBLE_BACKEND else None,
                           max_output_size=self.options.max_output_size,
-                          server_calls=self.server_calls)
+                          server_calls=self.server_calls, busy_poll=self.busy_poll)
         mv.stamp = stamp
         if (self.response_cache is not None and mv.config.response_cache.enable
                 and not mv.decoupled):

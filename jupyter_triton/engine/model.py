@@ -20,6 +20,7 @@ from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailabl
 from ..protocol.types import InferRequest, InferResponse, RequestedOutput
 from .batcher import DynamicBatcher
 from .bls import Bls
+from .busy_poll import BusyPoll
 from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .instances import Instance, InstancePool, run_in_daemon_thread
 from .memory import LoadProbe
@@ -76,7 +77,8 @@ class ModelVersion:
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,
                  ensemble: tuple[LookupConfig, InferFn] | None = None, *,
-                 max_output_size: int = 0, server_calls: Bls | None = None) -> None:
+                 max_output_size: int = 0, server_calls: Bls | None = None,
+                 busy_poll: BusyPoll | None = None) -> None:
         self.config = config
         # model_transaction_policy { decoupled: true }: zero or more responses per request,
         # only through infer_stream
@@ -85,6 +87,11 @@ class ModelVersion:
         self.max_buffered = DEFAULT_MAX_BUFFERED
         self.max_open_streams = DEFAULT_MAX_OPEN_STREAMS
         self.max_output_size = max_output_size
+        # the engine's (--busy-poll-us): a request's arrival keeps the loop polling. Only
+        # for models that execute in processes of their own (load), and not decoupled ones:
+        # their responses come through a thread of this process, which a polling loop
+        # would keep from the GIL.
+        self.busy_poll = busy_poll if not self.decoupled else None
         self.ensemble = ensemble      # an ensemble's ways to see and run its composing models
         self.name = config.name
         self.version = version
@@ -152,6 +159,8 @@ class ModelVersion:
         def make(spec: InstanceSpec, group: mc.ModelInstanceGroup | None) -> Instance:
             backend = cls(self.config, files, spec)
             backend.server_calls = calls
+            if self.busy_poll is not None:
+                backend.busy_poll_us = round(self.busy_poll.window * 1e6)
             backend.load()
             instance = Instance(backend)
             if (group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None
@@ -171,6 +180,8 @@ class ModelVersion:
             for inst in instances:
                 await loop.run_in_executor(None, inst.close)
             raise errors[0]
+        if not all(inst.backend.out_of_process for inst in instances):
+            self.busy_poll = None    # a polling loop would keep its instance threads from the GIL
         self.pool = InstancePool(instances, self.stats, self.rate_limiter)
         self.pool.decoupled = self.decoupled
         try:
@@ -225,6 +236,8 @@ class ModelVersion:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        if self.busy_poll is not None:
+            self.busy_poll.touch(loop)
         future = loop.create_future()
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
         self._inflight += 1

@@ -56,3 +56,7 @@ class EngineOptions:
     auto_complete_config: bool = True
     # tritonserver's --id: the name server metadata answers
     server_id: str = "triton"
+    # engine/busy_poll.py: after a request arrives, the event loop (and a python model's
+    # worker, after a batch of one) polls this long before sleeping. 0: off (a Jupyter
+    # server's and a kernel's default); `jupyter-triton serve` polls by default.
+    busy_poll_us: int = 0

@@ -425,6 +425,7 @@ class PythonBackend(Backend):
     def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
         super().__init__(config, files, instance)
         self.mode = execution_mode(config)
+        self.out_of_process = self.mode == "process"
         self.model_py = model_py_path(config, files)
         self.execute_timeout_s = timeout_parameter(config, EXECUTE_TIMEOUT)
         self.initialize_timeout_s = timeout_parameter(config, INITIALIZE_TIMEOUT)
@@ -701,7 +702,8 @@ class PythonBackend(Backend):
     def _spawn(self) -> WorkerProcess:
         return WorkerProcess(str(self.model_py), self.triton_args(), self.instance.name,
                              decoupled=self.decoupled, side=self._side_message,
-                             blas_threads=self.blas_threads, env=self.env).start()
+                             blas_threads=self.blas_threads, env=self.env,
+                             poll_us=self.busy_poll_us).start()
 
     def _side_message(self, worker: WorkerProcess, msg: Any) -> None:
         """A worker's message that is not an answer: BLS calls, custom metrics. Never blocks:

@@ -297,7 +297,7 @@ def _prestart() -> None:
 
 
 def start(job: str, model_py: str, payload: Any, blas_threads: int = 0,
-          env: PackedEnv | None = None) -> tuple[socket.socket, int, int, Any]:
+          env: PackedEnv | None = None, poll_us: int = 0) -> tuple[socket.socket, int, int, Any]:
     """A worker process for ``job``: forked from the template, or run by a packed
     environment's python. Returns its socket, the read ends of its stdout and stderr, and
     its handle; its first message (the job, the environment now) is already sent."""
@@ -324,7 +324,8 @@ def start(job: str, model_py: str, payload: Any, blas_threads: int = 0,
         os.close(out_w)
         os.close(err_w)
     try:
-        Channel(ours.fileno()).send(Start(job, model_py, payload, blas_threads, environ, os.getcwd()))
+        Channel(ours.fileno()).send(Start(job, model_py, payload, blas_threads, environ, os.getcwd(),
+                                     poll_us))
     except OSError:
         pass   # it died at once: the caller sees end-of-file and its exit
     return ours, out_r, err_r, process

@@ -104,11 +104,13 @@ class WorkerProcess:
 
     def __init__(self, model_py: str, args: dict[str, str], label: str, decoupled: bool = False,
                  side: Callable[["WorkerProcess", Any], None] | None = None, blas_threads: int = 0,
-                 env: PackedEnv | None = None) -> None:
+                 env: PackedEnv | None = None, poll_us: int = 0) -> None:
         self.model_py = model_py
         self.args = args
         self.label = label
         self.blas_threads = blas_threads
+        #: how long the worker polls for its next batch after a batch of one (busy polling)
+        self.poll_us = poll_us
         #: the model's packed environment (EXECUTION_ENV_PATH), else forked from the template
         self.env = env
         self.ready = False
@@ -144,7 +146,7 @@ class WorkerProcess:
         """Start the process; ``wait_ready`` waits for ``initialize`` to finish."""
         sweep_once()
         self._sock, out_r, err_r, self._process = launch.start(
-            "serve", self.model_py, self.args, self.blas_threads, self.env)
+            "serve", self.model_py, self.args, self.blas_threads, self.env, self.poll_us)
         self._logs = threading.Thread(
             target=_read_output, args=(self.label, self.args.get("model_name", ""),
                                        self.args.get("model_version", ""), out_r, err_r),

@@ -39,6 +39,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -88,7 +89,7 @@ def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
         return
     if type(start) is not Start:
         return
-    job, model_py, payload, blas_threads, environ, cwd = start
+    job, model_py, payload, blas_threads, environ, cwd, poll_us = start
     os.environ.clear()
     os.environ.update(environ)
     try:
@@ -120,7 +121,7 @@ def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
     demux.send(Ready(os.getpid()))
     regions: dict[str, ShmRegion] = {}
     try:
-        _serve(demux, host, stub, regions, _output_names(payload))
+        _serve(demux, host, stub, regions, _output_names(payload), poll_us / 1e6)
     finally:
         for region in regions.values():
             region.close()
@@ -156,6 +157,8 @@ class _Demux:
 
     def __init__(self, chan: Channel) -> None:
         self.chan = chan
+        # the main loop's next wait polls until then (time.monotonic(); 0: it sleeps at once)
+        self.poll_until = 0.0
         # a plain lock: ``with`` on it is one C call, where a Condition's own is a Python method
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -209,9 +212,10 @@ class _Demux:
                         self._waiters -= 1
                     continue
                 self._reading = True
+                poll_until, self.poll_until = self.poll_until, 0.0
                 cond.release()
                 try:
-                    msg = self.chan.recv()
+                    msg = self.chan.recv(poll_until)
                 except (EOFError, OSError, KeyError):
                     msg = None
                 finally:
@@ -384,7 +388,7 @@ class _BlsStream:
 
 
 def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[str, ShmRegion],
-           all_outputs: list[str]) -> None:
+           all_outputs: list[str], poll_s: float = 0.0) -> None:
     while True:
         try:
             msg = demux.command()
@@ -403,6 +407,13 @@ def _serve(demux: "_Demux", host: "_WorkerHost", stub: ModelStub, regions: dict[
             finally:
                 host.server_reading = False
             _send_results(demux, regions, out_name, results)
+            # Busy polling: after a batch of one (a server waiting on few clients, where a
+            # wake-up is a good part of each request's time) the next batch is polled for.
+            # Not after bigger batches: under load the cores are the server's and the
+            # clients', and batches wait their queue delay anyway. Not beside the model's
+            # own threads either: they would wait for the GIL.
+            if poll_s and len(metas) == 1 and threading.active_count() == 1:
+                demux.poll_until = time.monotonic() + poll_s
         elif kind is ExecuteDecoupled:
             in_name, metas, keys = msg
             requests = _requests(regions, in_name, "", metas, all_outputs)

@@ -1,0 +1,152 @@
+"""Busy polling (`jupyter-triton serve --busy-poll-us`, engine/busy_poll.py): after a request
+the server's event loop, and a python model's worker after a batch of one, keep polling for
+the window instead of sleeping; once requests stop, the server sleeps again. Read as an
+operator would: the CPU the server's processes spend, from /proc."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import W
+from onnx_models import linear
+from python_models import THREAD_MODE, request, sleepy_model
+from test_cli_options import one_row, serve, stop
+
+from jupyter_triton.engine.busy_poll import BusyPoll
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+WINDOW_S = 0.4      # long beside a request (~1 ms), short beside the test
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def descendants(pid: int) -> list[int]:
+    """The server's worker processes (forked by its template, a child of the server)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, ()))
+    return found
+
+
+def spent(pids: list[int], seconds: float) -> list[float]:
+    """CPU seconds each of ``pids`` spends over the next ``seconds``."""
+    before = [cpu_seconds(p) for p in pids]
+    time.sleep(seconds)
+    return [cpu_seconds(p) - b for p, b in zip(pids, before)]
+
+
+def process_model(root: Path, name: str, extra: str = "") -> Path:
+    """The sleepy model in its own worker process (python_models writes thread mode)."""
+    model_dir = sleepy_model(root, name, extra=extra)
+    config = model_dir / "config.pbtxt"
+    config.write_text(config.read_text().replace(THREAD_MODE, ""))
+    return model_dir
+
+
+def test_the_loop_polls_for_the_window_then_sleeps():
+    async def main() -> tuple[float, float, bool, bool]:
+        poll = BusyPoll(int(WINDOW_S * 1e6))
+        start = time.thread_time()
+        poll.touch(asyncio.get_running_loop())
+        await asyncio.sleep(WINDOW_S / 2)
+        polling, busy = poll.polling, time.thread_time() - start
+        await asyncio.sleep(WINDOW_S)           # past the window: it stopped
+        start = time.thread_time()
+        await asyncio.sleep(WINDOW_S / 2)
+        return busy, time.thread_time() - start, polling, poll.polling
+
+    busy, idle, polling_then, polling_after = asyncio.run(main())
+    assert polling_then and not polling_after
+    assert busy > WINDOW_S / 8, f"the loop slept through its window ({busy:.3f} s of CPU)"
+    assert idle < WINDOW_S / 20, f"the loop kept polling past its window ({idle:.3f} s of CPU)"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    process_model(root, "single")
+    # a batch of two requests: the worker's busy polling is for batches of one
+    process_model(root, "paired", extra="dynamic_batching { preferred_batch_size: [ 2 ] "
+                                         "max_queue_delay_microseconds: 2000000 }")
+    (root / "onnx_linear" / "1").mkdir(parents=True)
+    (root / "onnx_linear" / "config.pbtxt").write_text(
+        'name: "onnx_linear" backend: "onnxruntime" max_batch_size: 8')
+    linear(W, root / "onnx_linear" / "1" / "model.onnx")
+    return root
+
+
+def load(client: httpclient.InferenceServerClient, server: int, model: str) -> int:
+    """Load ``model``; the pid of the worker process it started."""
+    before = set(descendants(server))
+    client.load_model(model)
+    (worker,) = set(descendants(server)) - before
+    return worker
+
+
+def test_serve_polls_after_a_request_and_sleeps_when_quiet(repo: Path):
+    proc, url = serve(repo, "--busy-poll-us", str(int(WINDOW_S * 1e6)))
+    client = httpclient.InferenceServerClient(url, concurrency=2, network_timeout=60)
+    try:
+        single = load(client, proc.pid, "single")
+        paired = load(client, proc.pid, "paired")
+        client.load_model("onnx_linear")
+        client.infer("single", request(0.0))    # a first request's imports, done
+        time.sleep(WINDOW_S * 2)
+        client.infer("single", request(1.0))
+        loop_s, worker_s = spent([proc.pid, single], WINDOW_S / 2)
+        assert loop_s > WINDOW_S / 10, f"the server slept after a request ({loop_s:.3f} s of CPU)"
+        assert worker_s > WINDOW_S / 10, f"the worker slept after a batch of one ({worker_s:.3f} s)"
+
+        time.sleep(WINDOW_S)                    # requests stopped: the whole server sleeps
+        assert max(spent([proc.pid, *descendants(proc.pid)], WINDOW_S)) < WINDOW_S / 10
+
+        # two requests in one batch: the loop polls after them, their worker does not
+        results = [client.async_infer("paired", request(float(i))) for i in range(2)]
+        for r in results:
+            r.get_result(timeout=30)
+        loop_s, worker_s = spent([proc.pid, paired], WINDOW_S / 2)
+        assert loop_s > WINDOW_S / 10
+        assert worker_s < WINDOW_S / 20, f"the worker polled after a batch of two ({worker_s:.3f} s)"
+
+        # ONNX runs on a thread of the server: a polling loop would keep it from the GIL
+        time.sleep(WINDOW_S)
+        client.infer("onnx_linear", one_row())
+        (loop_s,) = spent([proc.pid], WINDOW_S / 2)
+        assert loop_s < WINDOW_S / 20, f"the loop polled for a model on its own threads ({loop_s:.3f} s)"
+    finally:
+        client.close()
+        stop(proc)
+
+
+def test_busy_poll_off(repo: Path):
+    proc, url = serve(repo, "--busy-poll-us", "0")
+    client = httpclient.InferenceServerClient(url, network_timeout=60)
+    try:
+        single = load(client, proc.pid, "single")
+        client.infer("single", request(1.0))    # a first request's imports, done
+        time.sleep(WINDOW_S / 2)
+        client.infer("single", request(2.0))
+        assert max(spent([proc.pid, single], WINDOW_S / 2)) < WINDOW_S / 20
+    finally:
+        client.close()
+        stop(proc)
