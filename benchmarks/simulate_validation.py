@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,7 @@ from jupyter_triton.kernel.discovery import Connection  # noqa: E402
 from jupyter_triton.kernel import tune as tu  # noqa: E402
 from jupyter_triton.planning import Load, simulate  # noqa: E402
 from jupyter_triton.planning.capacity import CapacityPlan, _measure, parallel_ns  # noqa: E402
-from jupyter_triton.planning.service import _thread_cpu_ns, calibrate_overhead  # noqa: E402
+from jupyter_triton.planning.service import ServiceModel, _thread_cpu_ns, calibrate_overhead  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_PY = '''
@@ -107,7 +108,8 @@ def start_server(repo: Path) -> tuple[subprocess.Popen, Connection]:
     proc = subprocess.Popen(
         [str(ROOT / ".venv" / "bin" / "jupyter-triton"), "serve", "--model-repository", str(repo),
          "--model-control-mode", "explicit", "--load-model", "embedder", "--http-address", "127.0.0.1",
-         "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false"],
+         "--http-port", str(port), "--allow-grpc", "false", "--allow-metrics", "false",
+         "--busy-poll-us", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     conn = Connection(f"http://127.0.0.1:{port}/", mode="standalone")
     client = TritonHTTP(conn)
@@ -494,12 +496,69 @@ def render(runs: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+#: the validation model's config as the server returns it (JSON), for re-simulating stored runs
+BASE = {"name": "embedder", "backend": "python", "max_batch_size": 16, "dynamic_batching": {},
+        "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}],
+        "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4]}],
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+
+
+def resimulate(run: dict, jitter: str = "burst", short_stalls: bool = True) -> list[dict]:
+    """A stored run's rows predicted again from its stored service model (the model of this
+    checkout); ``jitter`` "sweep": the spread drawn from the sweep's overhead samples even
+    where the run kept the c=1 burst's round trips."""
+    service = ServiceModel.from_json(run["service"])
+    if jitter == "sweep":
+        service.round_trip_ns = []
+    plan = CapacityPlan("embedder", BASE, service, [Load("concurrency", float(c)) for c in CONCURRENCY],
+                        [(m, d, 1) for m in SIZES for d in DELAYS],
+                        overhead_ns=parallel_ns(service, run["calibration"]["overhead_us"]),
+                        requests=SIM_REQUESTS, replicas=SIM_REPLICAS, short_stalls=short_stalls)
+    measured = [{"max_batch_size": r["max_batch_size"], "max_queue_delay_us": r["max_queue_delay_us"],
+                 "concurrency": r["concurrency"],
+                 **{k: r[f"measured_{k}"] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch")}}
+                for r in run["rows"]]
+    return plan.compare(measured)
+
+
+def report_resimulated(runs: list[dict], which: list[int], jitter: str, short_stalls: bool) -> None:
+    """Rows within the aim per run, and the median |error| of p50 and p99 over all rows."""
+    errors: dict[str, list[float]] = {"p50_ms": [], "p99_ms": []}
+    total = 0
+    for i in which:
+        rows = resimulate(runs[i - 1], jitter, short_stalls)
+        ok = [r for r in rows if all(within(r, k, "simulated") for k in AIM)]
+        total += len(ok)
+        for k in errors:
+            errors[k] += [abs(r[f"error_{k}"]) for r in rows]
+        misses = [f"{r['max_batch_size']}/{r['max_queue_delay_us']}/{r['concurrency']}"
+                  for r in rows if r not in ok]
+        print(f"run {i}: {len(ok)} of {len(rows)} within the aim; misses {', '.join(misses) or 'none'}",
+              flush=True)
+    print(f"jitter {jitter}, short stalls {short_stalls}: {total} rows within the aim; median |error| p50 "
+          f"{statistics.median(errors['p50_ms']) * 100:.1f} %, p99 {statistics.median(errors['p99_ms']) * 100:.1f} %")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="measurement per row")
     parser.add_argument("--load-generator", default="auto", choices=["auto", "perf_analyzer", "loadgen"])
     parser.add_argument("--append", action="store_true", help="keep the runs already in the json")
+    parser.add_argument("--resimulate", metavar="RUNS",
+                        help="no measurement: predict the stored runs RUNS (1-based, comma-separated) "
+                             "again with this checkout's model and count the rows within the aim")
+    parser.add_argument("--jitter", default="burst", choices=["burst", "sweep"],
+                        help="with --resimulate: the spread drawn from the c=1 burst's round trips "
+                             "(where the run kept them) or from the sweep's overhead samples")
+    parser.add_argument("--no-short-stalls", action="store_true",
+                        help="with --resimulate: the c=1 round trips' short stalls drawn as each "
+                             "request's own delay, not held on the loop")
     args = parser.parse_args()
+    if args.resimulate:
+        report_resimulated(json.loads((RESULTS / "simulate_validation.json").read_text()),
+                           [int(i) for i in args.resimulate.split(",")], args.jitter,
+                           not args.no_short_stalls)
+        return
     result = run(args.seconds, args.load_generator)
     path = RESULTS / "simulate_validation.json"
     runs = json.loads(path.read_text()) if args.append and path.exists() else []

@@ -184,7 +184,8 @@ class CapacityPlan:
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
                  connection: Connection | None = None, loop_ns: int | None = None, jitter: bool = True,
-                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS) -> None:
+                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS,
+                 short_stalls: bool = True) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -202,6 +203,7 @@ class CapacityPlan:
         self.loop_ns = service.loop_ns if loop_ns is None else int(loop_ns)
         self.jitter = jitter              # False: no drawn delays nor stalls, fixed figures only
         self.stalls = stalls              # False: the machine's stalls left out (a dedicated host)
+        self.short_stalls = short_stalls  # the c=1 round trips' short stalls held on the loop
         self.measured = measured          # a TuneResult (or its results): shown side by side
         if self.loop_ns and not LOOP_MODELLED:
             raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
@@ -294,12 +296,15 @@ class CapacityPlan:
         # one c=1 round trip: closed-loop clients start spread over it, not all at once
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         stalled = self.jitter and self.stalls and bool(service.stall_ns)
+        short = self.jitter and self.stalls and self.short_stalls
+        short_ns, short_chance = service.short_stalls() if short else ([], 0.0)
 
         def run(chance: float) -> list[sim.SimResult]:
             return [sim.simulate(config, service, traffic, seed=seed, overhead_ns=self.overhead_ns,
-                                 jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
+                                 jitter_ns=service.jitter_ns(short) if self.jitter else (), stagger_ns=stagger,
                                  stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
-                                 stall_chance=chance, **loop)
+                                 stall_chance=chance, short_stall_ns=short_ns, short_stall_chance=short_chance,
+                                 **loop)
                     for seed, traffic in replicas]
         # stalls: some a second whatever the load, some a request (``measure`` splits them).
         # Those a request were seen to grow up to the saturating burst's request rate, which

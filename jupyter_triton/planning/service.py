@@ -163,6 +163,7 @@ class ServiceModel:
     burst_batch: float = 0.0                   # the burst's mean batch (rows)
     burst_p99_ns: int = 0                      # the burst's p99 (its own client's latency)
     stall_scale: float = 1.0                   # the stalls' lengths as seen, times this (``_fit_stalls``)
+    round_trip_ns: list[int] = field(default_factory=list, repr=False)  # the c=1 burst's latencies
 
     def __post_init__(self) -> None:
         self.samples = {int(k): sorted(int(v) for v in vs) for k, vs in self.samples.items() if vs}
@@ -210,17 +211,46 @@ class ServiceModel:
         slope = (med[hi] - med[lo]) / (hi - lo)
         return max(1.0, med[lo] + slope * (rows - lo))
 
-    def jitter_ns(self) -> list[int]:
-        """The c=1 overhead samples less their median: how much a request's path outside
-        the server (client, front end, wake-ups) varies, drawn per request. A sample beyond the
-        median by more than one c=1 round trip was a stall, not this request's own path (the
-        bursts' criterion): stalls hold every request at once and are drawn apart; drawn per
-        request, one stall among a sweep's 24 samples would put 4 % of all requests that late."""
-        if not self.overhead_samples:
+    def jitter_ns(self, short_stalls: bool = False) -> list[int]:
+        """How much a request's round trip varies beyond its execution (client, front end,
+        wake-ups), drawn per request: the c=1 burst's round trips less their median (some
+        1,500: their tail is the tail a p99 rests on), or, without a burst, the sweep's
+        overhead samples less theirs (some 150). A sample beyond the median by more than one
+        c=1 round trip was a stall, not this request's own path (the bursts' criterion):
+        stalls hold every request at once and are drawn apart; drawn per request, one stall
+        among a sweep's 24 samples would put 4 % of all requests that late. ``short_stalls``:
+        the round trips' short stalls (``short_stalls``) left out too, drawn apart as well."""
+        excess = self._excess()
+        if short_stalls and self.round_trip_ns:
+            fence = self._fence(excess)
+            return [v for v in excess if v <= fence]
+        return excess
+
+    def short_stalls(self) -> tuple[list[int], float]:
+        """(lengths, chance a request) of the c=1 burst's short stalls: round trips held past
+        the median by less than a cycle (the bursts' stalls) but further than the round trips'
+        own spread reaches (Tukey's far-out fence: the upper quartile plus three interquartile
+        ranges). One client cannot tell a stall of the server's loop from one of its own; the
+        simulation holds the loop at the request's turn, and with it whatever waits behind."""
+        if not self.round_trip_ns:
+            return [], 0.0
+        excess = self._excess()
+        fence = self._fence(excess)
+        lengths = [v for v in excess if v > fence]
+        return lengths, len(lengths) / len(excess)
+
+    def _excess(self) -> list[int]:
+        samples = self.round_trip_ns or self.overhead_samples
+        if not samples:
             return []
-        median = statistics.median(self.overhead_samples)
-        cycle = self.median_ns(1) + median
-        return sorted(int(v - median) for v in self.overhead_samples if v - median <= cycle)
+        median = statistics.median(samples)
+        cycle = self.median_ns(1) + statistics.median(self.overhead_samples or [0])
+        return sorted(int(v - median) for v in samples if v - median <= cycle)
+
+    @staticmethod
+    def _fence(excess: list[int]) -> float:
+        q1, q3 = _q(excess, 0.25), _q(excess, 0.75)
+        return q3 + 3 * (q3 - q1)
 
     def mean_ns(self, rows: int) -> float:
         """The mean of what ``__call__`` draws for ``rows``."""
@@ -249,7 +279,7 @@ class ServiceModel:
                             stall_ns=self.stall_ns, stall_rate=self.stall_rate,
                             stall_chance=self.stall_chance, burst_qps=self.burst_qps,
                             burst_batch=self.burst_batch, burst_p99_ns=self.burst_p99_ns,
-                            stall_scale=self.stall_scale)
+                            stall_scale=self.stall_scale, round_trip_ns=self.round_trip_ns)
 
     # -- showing ---------------------------------------------------------------------------
     def table(self) -> list[dict]:
@@ -316,7 +346,7 @@ class ServiceModel:
                 "loop_ns": self.loop_ns, "loop_batch_ns": self.loop_batch_ns, "stall_ns": list(self.stall_ns), "stall_rate": self.stall_rate,
                 "stall_chance": self.stall_chance, "burst_qps": self.burst_qps,
                 "burst_batch": self.burst_batch, "burst_p99_ns": self.burst_p99_ns,
-                "stall_scale": self.stall_scale,
+"stall_scale": self.stall_scale, "round_trip_ns": list(self.round_trip_ns),
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
@@ -332,7 +362,8 @@ class ServiceModel:
                    burst_qps=float(obj.get("burst_qps", 0.0)),
                    burst_batch=float(obj.get("burst_batch", 0.0)),
                    burst_p99_ns=int(obj.get("burst_p99_ns", 0)),
-                   stall_scale=float(obj.get("stall_scale", 1.0)))
+                   stall_scale=float(obj.get("stall_scale", 1.0)),
+                   round_trip_ns=[int(v) for v in obj.get("round_trip_ns", [])])
 
     @staticmethod
     def cached(connection: Connection, model: str, version: str, config: dict) -> "ServiceModel | None":
@@ -488,6 +519,7 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
             result.method += f"; hand-off, event loop and stalls from {burst_s:g} s bursts at c={BURST_CLIENTS} and 1"
             if alone is not None:
                 _split_by_load(result, seen, alone)
+                result.round_trip_ns = alone.latencies_ns
             result.burst_p99_ns = seen.p99_ns
             _fit_stalls(result, config, seen)
     _CACHE[key] = result
@@ -648,7 +680,7 @@ def burst(connection: Connection, model: str, version: str, path: str, body: byt
     latencies = sorted(lat for _, lat in sent)
     return Burst(cycle, rows / execs, compute // execs, int(loop), stalls, len(stalls) / seconds,
                  len(stalls) / served, served / seconds, latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-                 len(latencies))
+                 len(latencies), latencies)
 
 
 def _stalls(sent: list[tuple[int, int]], cycle_ns: int) -> list[int]:
@@ -683,6 +715,7 @@ class Burst:
     qps: float             # requests served a second
     p99_ns: int = 0        # the burst's p99 latency (its own client's)
     requests: int = 0      # requests measured
+    latencies_ns: list[int] = field(default_factory=list)   # each one's, sorted
 
 
 def calibrate_overhead(connection: Connection, model: str, service: ServiceModel,
