@@ -54,7 +54,11 @@ class Checkout(Ours):
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         cmd, env = super().command()
-        return ([sys.executable, "-m", "jupyter_triton.cli", *cmd[cmd.index("serve"):]],
+        # CPU spent on work, not on busy polling (engine/busy_poll.py), which fills what
+        # the cores leave idle and would hide a change's cost at low concurrency
+        polls = "--busy-poll-us" in (self.source / "jupyter_triton" / "cli.py").read_text()
+        return ([sys.executable, "-m", "jupyter_triton.cli", *cmd[cmd.index("serve"):],
+                 *(["--busy-poll-us", "0"] if polls else [])],
                 dict(env, PYTHONPATH=str(self.source)))
 
 
