@@ -3,8 +3,8 @@
 One model (models.py: y = x·W, 256x256 fp32, one row per request, max_batch_size 64, dynamic
 batching with a 0.5 ms queue delay, one CPU instance), served by
 
-* ours, standalone: `jupyter-triton serve` (the ONNX model and a python-backend model.py),
-  over HTTP and gRPC, plus a `--shared-memory system` row where the server advertises the
+* ours, standalone: `jupyter-triton serve` with its defaults (the ONNX model and a
+  python-backend model.py; busy polling on, as tritonserver polls), over HTTP and gRPC, plus a `--shared-memory system` row where the server advertises the
   system_shared_memory extension;
 * the peer that matters: NVIDIA's tritonserver 2.51 (the binary nvidia-pytriton ships) with
   its python backend running the same model.py, over HTTP and gRPC;
@@ -1028,7 +1028,10 @@ def markdown(p: dict, rows: list[Row]) -> str:
         f"same model.py, and PyTriton {m.get('pytriton', '(not run)')} (tritonserver + a @batch function). "
         f"JSON rows: tensors sent and returned as JSON lists. The many-models row: {len(MANY_MODELS)} copies "
         f"of the python model in one server, one perf_analyzer per model at c={MANY_CONCURRENCY}, all at "
-        "once (infer/s: their sum; p50: the median model's; p99: the worst model's).",
+        "once (infer/s: their sum; p50: the median model's; p99: the worst model's). Every server runs "
+        "with its defaults: ours standalone busy-polls after a python model's requests "
+        "(--busy-poll-us 1000), tritonserver polls on its own (see its CPU per inference at c=1); "
+        "the Jupyter server's routes never poll.",
         "",
         "| server | model | protocol | c | infer/s | p50 ms | p99 ms | server CPU us/inf | "
         "queue us/inf | mean batch | peak RSS MiB |",
