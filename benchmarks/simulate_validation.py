@@ -3,7 +3,10 @@ generator measures? (issue 21)
 
 One standalone server (``jupyter-triton serve``, its own process, 127.0.0.1) serves
 "embedder", a Python-backend model that sleeps 3 ms + 0.25 ms a row per execution (so the
-compute is the model's, not a CPU race). Then:
+compute is the model's, not a CPU race). It serves with ``--busy-poll-us 0``: the servers
+``simulate`` plans for are a Jupyter server's and a kernel's, which never busy-poll (the
+standalone default polls 1 ms after each request, engine/busy_poll.py), and a polling loop's
+CPU a request, which ``measure`` reads as the loop's work, would count its polling. Then:
 
 1. the service model: ``planning.measure`` on a copy with the grid's largest
    max_batch_size: a sweep over batch sizes at c=1 (statistics deltas), then a six-second
@@ -14,8 +17,8 @@ compute is the model's, not a CPU race). Then:
 2. the overhead a client of the load generator sees beyond one execution, calibrated at
    c=1 with that generator (``planning.service.calibrate_overhead``); the simulation takes
    the event loop's turn and the hand-off out of it and spends the rest side by side, drawn
-   per request with the spread the sweep's round trips showed, and stalls its event loop
-   as often and as long as the burst saw;
+   per request with the spread of the one-client burst's round trips, holds its event loop
+   for their far-out tail (short stalls) and stalls it as often and as long as the bursts saw;
 3. measured: each of 8 configs (max_batch_size x max_queue_delay_us) served under a
    temporary name and driven closed loop at two concurrencies by tune's load generator
    (perf_analyzer when installed, else tune's loadgen), the server's statistics read around
@@ -36,6 +39,11 @@ range (some figure between the least and the most of the replicas' and the poole
 the aim): a measured row there is one run too, and may show either state.
 
     .venv/bin/python benchmarks/simulate_validation.py [--seconds 3] [--append]
+
+``--resimulate 30,31`` measures nothing: it predicts stored runs again from their stored
+service models with this checkout's simulation (``--jitter sweep``: the spread from the
+sweep's samples; ``--no-short-stalls``: the round trips' tail drawn as each request's own
+delay) and counts the rows within the aim, to weigh a model change on the same measurements.
 """
 from __future__ import annotations
 
@@ -238,6 +246,7 @@ def run(seconds: float, load_generator: str) -> dict:
             "burst_qps": service.burst_qps, "burst_batch": service.burst_batch,
             "burst_p99_ms": service.burst_p99_ns / 1e6, "stall_scale": service.stall_scale,
             "sim_requests": SIM_REQUESTS, "sim_replicas": SIM_REPLICAS, "binary_bursts": binary, "stalls_union": True, "spread_without_stalls": True, "stalls_held_past_burst": True,
+            "busy_poll_us": 0, **_spread(service),
             "stall_p50_ms": service.stall_ns[len(service.stall_ns) // 2] / 1e6 if service.stall_ns else 0.0,
             "stall_max_ms": service.stall_ns[-1] / 1e6 if service.stall_ns else 0.0, "burst_s": BURST_S, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
 
@@ -289,6 +298,25 @@ def _tally(rows: list[dict]) -> str:
         counts = [sum(within(r, key, side) for r in rows) for side in ("simulated", "replayed")]
         parts.append(f"{name} {counts[0]} / {counts[1]}")
     return ", ".join(parts) + f" of {len(rows)}"
+
+
+def _spread(service: ServiceModel) -> dict:
+    """What the simulation draws a request's spread from: the c=1 burst's round trips, and
+    their far-out tail held on the loop as short stalls."""
+    lengths, chance = service.short_stalls()
+    return {"round_trips": len(service.round_trip_ns), "short_stall_chance": chance,
+            "short_stall_p50_us": statistics.median(lengths) / 1e3 if lengths else 0.0,
+            "short_stall_max_us": max(lengths) / 1e3 if lengths else 0.0}
+
+
+def _drawn(run: dict) -> str:
+    if "round_trips" not in run:
+        return "drawn with the sweep's spread."
+    if "short_stall_chance" not in run:
+        return f"drawn with the spread of the c=1 burst's {run['round_trips']} round trips."
+    return (f"drawn with the spread of the c=1 burst's {run['round_trips']} round trips, short stalls "
+            f"{run['short_stall_chance'] * 1000:.1f} a thousand requests (median "
+            f"{run['short_stall_p50_us']:.0f} us, longest {run['short_stall_max_us']:.0f} us).")
 
 
 def _stalls(run: dict) -> str:
@@ -430,7 +458,10 @@ def render(runs: list[dict]) -> str:
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
-        model = ("" if "sim_replicas" in run else
+        model = ("" if "short_stall_chance" in run else
+                 " (earlier model: no short stalls)" if "round_trips" in run else
+                 " (earlier model: the spread drawn from the sweep's 150 overhead samples, no short "
+                 "stalls)" if "sim_replicas" in run else
                  " (earlier model: one simulation a row, no replicas)" if "stalls_union" in run else
                  " (earlier model: stalls that overlapped held the loop for their sum)"
                  if "binary_bursts" in run else
@@ -467,8 +498,8 @@ def render(runs: list[dict]) -> str:
                    f"event loop {run['loop_us']:.0f} us of CPU a request (taken in turn)"
                    + (f" and {run['loop_batch_us']:.0f} us a batch (beside its execution)"
                       if "loop_batch_us" in run else "") + ", "
-                   f"{_stalls(run)}; so {run['overhead_us']:.0f} us a request side by side, drawn "
-                   f"with the sweep's spread."
+                   f"{_stalls(run)}; so {run['overhead_us']:.0f} us a request side by side, "
+                   + _drawn(run)
                    if "handoff_us" in run else
                    f"Simulated with overhead_us={run.get('overhead_us', cal['overhead_us']):.0f} "
                    f"(a fixed delay) and loop_us={run.get('loop_us', 0):.0f} (the server's event "

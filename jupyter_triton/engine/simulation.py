@@ -30,6 +30,9 @@ nothing to hold: neighbours' load; stalls that overlap hold it for their union) 
 turn on the loop (the load's own CPU competing for the cores: a lighter load meets fewer a
 second). Unlike a request's own delay, a stall holds up every request waiting for the
 loop, and answers queue behind it: the correlated tail that a shared machine shows under load.
+Short stalls (``short_stall_ns``, with probability ``short_stall_chance`` at each request's turn
+on the loop, drawn apart from the others) are the same hold, shorter than a cycle: alone a
+request meets one as its own delay, under load the requests behind it on the loop meet it too.
 """
 from __future__ import annotations
 

@@ -19,9 +19,10 @@ every stage: each batch occupies its instance for a drawn execution plus the mea
 hand-off; each request takes the server's event loop in turn for ``loop_ns`` (its measured
 CPU per request) and each batch for ``loop_batch_ns`` beside its execution, and spends
 ``overhead_ns`` side by side with the others (the rest of the c=1 overhead: client, sockets,
-wake-ups), drawn per request with the spread the sweep saw (``jitter``); closed-loop clients
-start spread over one c=1 round trip; the loop stalls as the machine stalled the server in
-``measure``'s bursts (some a second, some a request).
+wake-ups), drawn per request with the spread of the one-client burst's round trips (``jitter``);
+closed-loop clients start spread over one c=1 round trip; the loop stalls as the machine stalled
+the server in ``measure``'s bursts (some a second, some a request), and for the round trips'
+far-out tail, short stalls, at a request's turn (``short_stalls``).
 """
 from __future__ import annotations
 

@@ -54,8 +54,13 @@ from an in-kernel server). What it measures is this machine at that moment: on a
 machine a later load finds other neighbours; measure again (``refresh=True``) to follow.
 
 The rest of the c=1 overhead (``overhead_ns - loop_ns - handoff_ns``: the client, sockets,
-wake-ups) is a delay per request that requests spend in parallel; its spread is the sweep's
-(``jitter_ns``), drawn per request by the simulation.
+wake-ups) is a delay per request that requests spend in parallel; its spread, drawn per request
+by the simulation, is the one-client burst's round trips less their median (``round_trip_ns``,
+some 1,500: the sweep's 150 overhead samples hold too few of the slow ones a p99 rests on;
+``jitter_ns``). Their far-out tail, held past the round trips' own spread but less than a
+cycle (the bursts' stalls are longer), is short stalls (``short_stalls``): the simulation holds
+the server's loop for them at the request's turn, so that at c > 1 the answers waiting behind
+come late together, as they do in the server's traces.
 """
 from __future__ import annotations
 
