@@ -47,32 +47,39 @@ def _json_type(v: Any) -> str:
     return "an object"
 
 
-# Digits as b"0", what continues a number past its integer part (. e E) as b".", the rest b"1".
-_NUMBER_CHARS = bytes(48 if 48 <= i <= 57 else 46 if i in b".eE" else 49 for i in range(256))
+# Digits as b"0", what continues a number past its integer part (. e E) as b".", a minus
+# sign as b"-", the rest b"1".
+_NUMBER_CHARS = bytes(48 if 48 <= i <= 57 else 46 if i in b".eE" else 45 if i == 45 else 49
+                      for i in range(256))
 _INTEGER_START = b"1" + b"0" * 20      # 2**64 has 20 digits
+_NEGATIVE_START = b"-" + b"0" * 19     # -2**63 has 19: orjson reads -2**63 - 1 as a float
 
 
 def _may_hold_big_integer(raw: bytes) -> bool:
-    """Whether ``raw`` has a run of 20 or more digits between two delimiters: an integer past
-    64 bits (or such digits inside a string). Found at C speed; a run that goes on into a
-    fraction or an exponent (rapidjson writes 4.4e20 as 440059843361160300000.0) is a float."""
+    """Whether ``raw`` has a run of 20 or more digits after a delimiter, or of 19 or more
+    after a minus sign, that ends at a delimiter: an integer past 64 bits, or below -2**63
+    (or such digits inside a string). Found at C speed; a run that goes on into a fraction
+    or an exponent (rapidjson writes 4.4e20 as 440059843361160300000.0) is a float."""
     text = raw.translate(_NUMBER_CHARS)
-    n, digits = len(text), _INTEGER_START[1:]
-    if text.startswith(digits):
-        start = 0
-    else:
-        start = text.find(_INTEGER_START) + 1       # the run's first digit; 0: none
-        if start == 0:
-            return False
-    while True:
-        end = start + len(digits)
-        while end < n and text[end] == 48:
-            end += 1
-        if end == n or text[end] == 49:
+    return (text.startswith(_INTEGER_START[1:]) and _ends_an_integer(text, 0, 20)
+            or _has_run(text, _INTEGER_START) or _has_run(text, _NEGATIVE_START))
+
+
+def _has_run(text: bytes, marker: bytes) -> bool:
+    start = text.find(marker) + 1       # the run's first digit; 0: none
+    while start:
+        if _ends_an_integer(text, start, len(marker) - 1):
             return True
-        start = text.find(_INTEGER_START, end) + 1
-        if start == 0:
-            return False
+        start = text.find(marker, start) + 1
+    return False
+
+
+def _ends_an_integer(text: bytes, start: int, digits: int) -> bool:
+    """Whether the run of at least ``digits`` digits at ``start`` ends the number."""
+    end, n = start + digits, len(text)
+    while end < n and text[end] == 48:
+        end += 1
+    return end == n or text[end] != 46
 
 
 def _parse_json(raw: bytes) -> Any:
