@@ -17,8 +17,8 @@ CPU a request, which ``measure`` reads as the loop's work, would count its polli
 2. the overhead a client of the load generator sees beyond one execution, calibrated at
    c=1 with that generator (``planning.service.calibrate_overhead``); the simulation takes
    the event loop's turn and the hand-off out of it and spends the rest side by side, drawn
-   per request with the spread of the one-client burst's round trips, holds its event loop
-   for their far-out tail (short stalls) and stalls it as often and as long as the bursts saw;
+   per request with the spread of the one-client burst's round trips, and stalls its event
+   loop as often and as long as the bursts saw;
 3. measured: each of 8 configs (max_batch_size x max_queue_delay_us) served under a
    temporary name and driven closed loop at two concurrencies by tune's load generator
    (perf_analyzer when installed, else tune's loadgen), the server's statistics read around
@@ -42,8 +42,8 @@ the aim): a measured row there is one run too, and may show either state.
 
 ``--resimulate 30,31`` measures nothing: it predicts stored runs again from their stored
 service models with this checkout's simulation (``--jitter sweep``: the spread from the
-sweep's samples; ``--no-short-stalls``: the round trips' tail drawn as each request's own
-delay) and counts the rows within the aim, to weigh a model change on the same measurements.
+sweep's samples) and counts the rows within the aim, to weigh a model change on the same
+measurements.
 """
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def run(seconds: float, load_generator: str) -> dict:
             "burst_qps": service.burst_qps, "burst_batch": service.burst_batch,
             "burst_p99_ms": service.burst_p99_ns / 1e6, "stall_scale": service.stall_scale,
             "sim_requests": SIM_REQUESTS, "sim_replicas": SIM_REPLICAS, "binary_bursts": binary, "stalls_union": True, "spread_without_stalls": True, "stalls_held_past_burst": True,
-            "busy_poll_us": 0, **_spread(service),
+            "busy_poll_us": 0, "round_trips": len(service.round_trip_ns),
             "stall_p50_ms": service.stall_ns[len(service.stall_ns) // 2] / 1e6 if service.stall_ns else 0.0,
             "stall_max_ms": service.stall_ns[-1] / 1e6 if service.stall_ns else 0.0, "burst_s": BURST_S, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
 
@@ -300,23 +300,10 @@ def _tally(rows: list[dict]) -> str:
     return ", ".join(parts) + f" of {len(rows)}"
 
 
-def _spread(service: ServiceModel) -> dict:
-    """What the simulation draws a request's spread from: the c=1 burst's round trips, and
-    their far-out tail held on the loop as short stalls."""
-    lengths, chance = service.short_stalls()
-    return {"round_trips": len(service.round_trip_ns), "short_stall_chance": chance,
-            "short_stall_p50_us": statistics.median(lengths) / 1e3 if lengths else 0.0,
-            "short_stall_max_us": max(lengths) / 1e3 if lengths else 0.0}
-
-
 def _drawn(run: dict) -> str:
     if "round_trips" not in run:
         return "drawn with the sweep's spread."
-    if "short_stall_chance" not in run:
-        return f"drawn with the spread of the c=1 burst's {run['round_trips']} round trips."
-    return (f"drawn with the spread of the c=1 burst's {run['round_trips']} round trips, short stalls "
-            f"{run['short_stall_chance'] * 1000:.1f} a thousand requests (median "
-            f"{run['short_stall_p50_us']:.0f} us, longest {run['short_stall_max_us']:.0f} us).")
+    return f"drawn with the spread of the c=1 burst's {run['round_trips']} round trips."
 
 
 def _stalls(run: dict) -> str:
@@ -458,10 +445,10 @@ def render(runs: list[dict]) -> str:
     for i, run in enumerate(runs, 1):
         ok = sum(r["within_aim"] for r in run["rows"])
         cal = run["calibration"]
-        model = ("" if "short_stall_chance" in run else
-                 " (earlier model: no short stalls)" if "round_trips" in run else
-                 " (earlier model: the spread drawn from the sweep's 150 overhead samples, no short "
-                 "stalls)" if "sim_replicas" in run else
+        model = (" (earlier model: the round trips' far-out tail held on the loop as short stalls)"
+                 if "short_stall_chance" in run else "" if "round_trips" in run else
+                 " (earlier model: the spread drawn from the sweep's 150 overhead samples)"
+                 if "sim_replicas" in run else
                  " (earlier model: one simulation a row, no replicas)" if "stalls_union" in run else
                  " (earlier model: stalls that overlapped held the loop for their sum)"
                  if "binary_bursts" in run else
@@ -534,7 +521,7 @@ BASE = {"name": "embedder", "backend": "python", "max_batch_size": 16, "dynamic_
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
 
 
-def resimulate(run: dict, jitter: str = "burst", short_stalls: bool = True) -> list[dict]:
+def resimulate(run: dict, jitter: str = "burst") -> list[dict]:
     """A stored run's rows predicted again from its stored service model (the model of this
     checkout); ``jitter`` "sweep": the spread drawn from the sweep's overhead samples even
     where the run kept the c=1 burst's round trips."""
@@ -544,7 +531,7 @@ def resimulate(run: dict, jitter: str = "burst", short_stalls: bool = True) -> l
     plan = CapacityPlan("embedder", BASE, service, [Load("concurrency", float(c)) for c in CONCURRENCY],
                         [(m, d, 1) for m in SIZES for d in DELAYS],
                         overhead_ns=parallel_ns(service, run["calibration"]["overhead_us"]),
-                        requests=SIM_REQUESTS, replicas=SIM_REPLICAS, short_stalls=short_stalls)
+                        requests=SIM_REQUESTS, replicas=SIM_REPLICAS)
     measured = [{"max_batch_size": r["max_batch_size"], "max_queue_delay_us": r["max_queue_delay_us"],
                  "concurrency": r["concurrency"],
                  **{k: r[f"measured_{k}"] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch")}}
@@ -552,12 +539,12 @@ def resimulate(run: dict, jitter: str = "burst", short_stalls: bool = True) -> l
     return plan.compare(measured)
 
 
-def report_resimulated(runs: list[dict], which: list[int], jitter: str, short_stalls: bool) -> None:
+def report_resimulated(runs: list[dict], which: list[int], jitter: str) -> None:
     """Rows within the aim per run, and the median |error| of p50 and p99 over all rows."""
     errors: dict[str, list[float]] = {"p50_ms": [], "p99_ms": []}
     total = 0
     for i in which:
-        rows = resimulate(runs[i - 1], jitter, short_stalls)
+        rows = resimulate(runs[i - 1], jitter)
         ok = [r for r in rows if all(within(r, k, "simulated") for k in AIM)]
         total += len(ok)
         for k in errors:
@@ -566,7 +553,7 @@ def report_resimulated(runs: list[dict], which: list[int], jitter: str, short_st
                   for r in rows if r not in ok]
         print(f"run {i}: {len(ok)} of {len(rows)} within the aim; misses {', '.join(misses) or 'none'}",
               flush=True)
-    print(f"jitter {jitter}, short stalls {short_stalls}: {total} rows within the aim; median |error| p50 "
+    print(f"jitter {jitter}: {total} rows within the aim; median |error| p50 "
           f"{statistics.median(errors['p50_ms']) * 100:.1f} %, p99 {statistics.median(errors['p99_ms']) * 100:.1f} %")
 
 
@@ -581,14 +568,10 @@ def main() -> None:
     parser.add_argument("--jitter", default="burst", choices=["burst", "sweep"],
                         help="with --resimulate: the spread drawn from the c=1 burst's round trips "
                              "(where the run kept them) or from the sweep's overhead samples")
-    parser.add_argument("--no-short-stalls", action="store_true",
-                        help="with --resimulate: the c=1 round trips' short stalls drawn as each "
-                             "request's own delay, not held on the loop")
     args = parser.parse_args()
     if args.resimulate:
         report_resimulated(json.loads((RESULTS / "simulate_validation.json").read_text()),
-                           [int(i) for i in args.resimulate.split(",")], args.jitter,
-                           not args.no_short_stalls)
+                           [int(i) for i in args.resimulate.split(",")], args.jitter)
         return
     result = run(args.seconds, args.load_generator)
     path = RESULTS / "simulate_validation.json"

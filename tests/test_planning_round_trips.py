@@ -54,7 +54,7 @@ def test_a_simulated_client_sees_the_bursts_quantiles():
     trips = round_trips()
     s = service(round_trip_ns=trips)
     plan = CapacityPlan("m", CONFIG, s, [Load("concurrency", 1.0)], [(4, 0, 1)], requests=20000,
-                        replicas=1, short_stalls=False)
+                        replicas=1)
     [row] = plan.results
     median = trips[len(trips) // 2]
     # (a p99 of 20,000 draws rests on the burst's 15 slowest: within 0.1 ms of theirs)
@@ -73,35 +73,3 @@ def test_a_stall_among_the_round_trips_is_drawn_apart():
     trips = round_trips() + [40 * MS]
     assert max(service(round_trip_ns=trips).jitter_ns()) < 4 * MS
 
-
-def test_short_stalls_are_the_round_trips_far_out_tail():
-    """Past Tukey's far-out fence (upper quartile + 3 interquartile ranges) and within a cycle:
-    a short stall, as likely a request as in the burst, and not a request's own delay."""
-    trips = round_trips()
-    s = service(round_trip_ns=trips)
-    lengths, chance = s.short_stalls()
-    excess = s.jitter_ns()
-    q1, q3 = quantile(excess, 0.25), quantile(excess, 0.75)
-    assert lengths == [v for v in excess if v > q3 + 3 * (q3 - q1)]
-    assert 0.02 * len(trips) < len(lengths) < 0.06 * len(trips)          # most of the 5 % drawn long
-    assert chance == len(lengths) / len(trips)
-    assert sorted(s.jitter_ns(short_stalls=True) + lengths) == excess
-    assert service().short_stalls() == ([], 0.0)                         # no burst, none known
-
-
-def test_short_stalls_add_to_the_tail_not_the_median():
-    """Held on the server's loop, a short stall holds the answers in flight together: at c=8
-    the tail grows against the same round trips without their far-out tail; the median does not."""
-    trips = round_trips()
-    fence = ServiceModel._fence(service(round_trip_ns=trips).jitter_ns())
-    median = trips[len(trips) // 2]
-    plain = [t for t in trips if t - median <= fence]
-
-    def row(round_trip_ns: list[int]) -> dict:
-        s = service(round_trip_ns=round_trip_ns, loop_ns=100 * US)
-        [r] = CapacityPlan("m", CONFIG, s, [Load("concurrency", 8.0)], [(4, 0, 1)], requests=8000,
-                           replicas=1).results
-        return r
-    with_stalls, without = row(trips), row(plain)
-    assert with_stalls["p50_ms"] == pytest.approx(without["p50_ms"], rel=0.03)
-    assert with_stalls["p99_ms"] > without["p99_ms"] + 0.3

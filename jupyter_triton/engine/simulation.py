@@ -30,9 +30,6 @@ nothing to hold: neighbours' load; stalls that overlap hold it for their union) 
 turn on the loop (the load's own CPU competing for the cores: a lighter load meets fewer a
 second). Unlike a request's own delay, a stall holds up every request waiting for the
 loop, and answers queue behind it: the correlated tail that a shared machine shows under load.
-Short stalls (``short_stall_ns``, with probability ``short_stall_chance`` at each request's turn
-on the loop, drawn apart from the others) are the same hold, shorter than a cycle: alone a
-request meets one as its own delay, under load the requests behind it on the loop meet it too.
 """
 from __future__ import annotations
 
@@ -179,8 +176,7 @@ class _Simulation:
                  traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int,
                  loop_ns: int, jitter_ns: Sequence[int] = (), stagger_ns: int = 0,
                  stall_ns: Sequence[int] = (), stall_rate: float = 0.0, stall_chance: float = 0.0,
-                 loop_batch_ns: int = 0, short_stall_ns: Sequence[int] = (),
-                 short_stall_chance: float = 0.0) -> None:
+                 loop_batch_ns: int = 0) -> None:
         self.loop = VirtualLoop()
         self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
         self.config = config
@@ -192,10 +188,7 @@ class _Simulation:
         self.stall_rate = stall_rate
         self.stall_chance = stall_chance
         self.stall_rng = random.Random(f"stalls/{seed}")
-        self.short_stall_ns = list(short_stall_ns) if short_stall_chance > 0 else []
-        self.short_stall_chance = short_stall_chance
-        self.short_stall_rng = random.Random(f"short stalls/{seed}")   # apart: the others' draws stay
-        self.loop_stage = bool(loop_ns or self.stall_ns or loop_batch_ns or self.short_stall_ns)
+        self.loop_stage = bool(loop_ns or self.stall_ns or loop_batch_ns)   # requests pass the loop in turn
         self.loop_batch_ns = loop_batch_ns
         if loop_batch_ns:
             self.pool.on_run = self._dispatched
@@ -262,8 +255,6 @@ class _Simulation:
         end = max(self.loop.now, self.loop_free_ns) + work_ns
         if request and self.stall_ns and self.stall_chance and self.stall_rng.random() < self.stall_chance:
             end += self.stall_rng.choice(self.stall_ns)
-        if request and self.short_stall_ns and self.short_stall_rng.random() < self.short_stall_chance:
-            end += self.short_stall_rng.choice(self.short_stall_ns)
         self.loop_free_ns = end
         return end
 
@@ -358,14 +349,12 @@ class _Simulation:
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
              seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0, jitter_ns: Sequence[int] = (),
              stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_rate: float = 0.0,
-             stall_chance: float = 0.0, loop_batch_ns: int = 0, short_stall_ns: Sequence[int] = (),
-             short_stall_chance: float = 0.0) -> SimResult:
+             stall_chance: float = 0.0, loop_batch_ns: int = 0) -> SimResult:
     """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
-    if min(overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate, stall_chance, short_stall_chance) < 0 \
-            or any(v < 0 for v in [*stall_ns, *short_stall_ns]) or max(stall_chance, short_stall_chance) > 1:
+    if min(overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate, stall_chance) < 0 or \
+            any(v < 0 for v in stall_ns) or stall_chance > 1:
         raise ValueError(f"overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate and stalls must be "
                          f"0 or more and stall_chance in [0, 1], got {overhead_ns}, {loop_ns}, "
                          f"{loop_batch_ns}, {stagger_ns}, {stall_rate}, {stall_chance}")
     return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns, jitter_ns, stagger_ns,
-                       stall_ns, stall_rate, stall_chance, loop_batch_ns, short_stall_ns,
-                       short_stall_chance).run()
+                       stall_ns, stall_rate, stall_chance, loop_batch_ns).run()

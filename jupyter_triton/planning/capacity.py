@@ -21,8 +21,7 @@ CPU per request) and each batch for ``loop_batch_ns`` beside its execution, and 
 ``overhead_ns`` side by side with the others (the rest of the c=1 overhead: client, sockets,
 wake-ups), drawn per request with the spread of the one-client burst's round trips (``jitter``);
 closed-loop clients start spread over one c=1 round trip; the loop stalls as the machine stalled
-the server in ``measure``'s bursts (some a second, some a request), and for the round trips'
-far-out tail, short stalls, at a request's turn (``short_stalls``).
+the server in ``measure``'s bursts (some a second, some a request).
 """
 from __future__ import annotations
 
@@ -185,8 +184,7 @@ class CapacityPlan:
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
                  connection: Connection | None = None, loop_ns: int | None = None, jitter: bool = True,
-                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS,
-                 short_stalls: bool = True) -> None:
+                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -204,7 +202,6 @@ class CapacityPlan:
         self.loop_ns = service.loop_ns if loop_ns is None else int(loop_ns)
         self.jitter = jitter              # False: no drawn delays nor stalls, fixed figures only
         self.stalls = stalls              # False: the machine's stalls left out (a dedicated host)
-        self.short_stalls = short_stalls  # the c=1 round trips' short stalls held on the loop
         self.measured = measured          # a TuneResult (or its results): shown side by side
         if self.loop_ns and not LOOP_MODELLED:
             raise InvalidArgument("simulate: this engine's simulation has no loop_ns (the server's "
@@ -297,15 +294,12 @@ class CapacityPlan:
         # one c=1 round trip: closed-loop clients start spread over it, not all at once
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         stalled = self.jitter and self.stalls and bool(service.stall_ns)
-        short = self.jitter and self.stalls and self.short_stalls
-        short_ns, short_chance = service.short_stalls() if short else ([], 0.0)
 
         def run(chance: float) -> list[sim.SimResult]:
             return [sim.simulate(config, service, traffic, seed=seed, overhead_ns=self.overhead_ns,
-                                 jitter_ns=service.jitter_ns(short) if self.jitter else (), stagger_ns=stagger,
+                                 jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
                                  stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
-                                 stall_chance=chance, short_stall_ns=short_ns, short_stall_chance=short_chance,
-                                 **loop)
+                                 stall_chance=chance, **loop)
                     for seed, traffic in replicas]
         # stalls: some a second whatever the load, some a request (``measure`` splits them).
         # Those a request were seen to grow up to the saturating burst's request rate, which

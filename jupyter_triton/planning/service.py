@@ -57,10 +57,7 @@ The rest of the c=1 overhead (``overhead_ns - loop_ns - handoff_ns``: the client
 wake-ups) is a delay per request that requests spend in parallel; its spread, drawn per request
 by the simulation, is the one-client burst's round trips less their median (``round_trip_ns``,
 some 1,500: the sweep's 150 overhead samples hold too few of the slow ones a p99 rests on;
-``jitter_ns``). Their far-out tail, held past the round trips' own spread but less than a
-cycle (the bursts' stalls are longer), is short stalls (``short_stalls``): the simulation holds
-the server's loop for them at the request's turn, so that at c > 1 the answers waiting behind
-come late together, as they do in the server's traces.
+``jitter_ns``).
 """
 from __future__ import annotations
 
@@ -216,46 +213,20 @@ class ServiceModel:
         slope = (med[hi] - med[lo]) / (hi - lo)
         return max(1.0, med[lo] + slope * (rows - lo))
 
-    def jitter_ns(self, short_stalls: bool = False) -> list[int]:
+    def jitter_ns(self) -> list[int]:
         """How much a request's round trip varies beyond its execution (client, front end,
         wake-ups), drawn per request: the c=1 burst's round trips less their median (some
         1,500: their tail is the tail a p99 rests on), or, without a burst, the sweep's
         overhead samples less theirs (some 150). A sample beyond the median by more than one
         c=1 round trip was a stall, not this request's own path (the bursts' criterion):
         stalls hold every request at once and are drawn apart; drawn per request, one stall
-        among a sweep's 24 samples would put 4 % of all requests that late. ``short_stalls``:
-        the round trips' short stalls (``short_stalls``) left out too, drawn apart as well."""
-        excess = self._excess()
-        if short_stalls and self.round_trip_ns:
-            fence = self._fence(excess)
-            return [v for v in excess if v <= fence]
-        return excess
-
-    def short_stalls(self) -> tuple[list[int], float]:
-        """(lengths, chance a request) of the c=1 burst's short stalls: round trips held past
-        the median by less than a cycle (the bursts' stalls) but further than the round trips'
-        own spread reaches (Tukey's far-out fence: the upper quartile plus three interquartile
-        ranges). One client cannot tell a stall of the server's loop from one of its own; the
-        simulation holds the loop at the request's turn, and with it whatever waits behind."""
-        if not self.round_trip_ns:
-            return [], 0.0
-        excess = self._excess()
-        fence = self._fence(excess)
-        lengths = [v for v in excess if v > fence]
-        return lengths, len(lengths) / len(excess)
-
-    def _excess(self) -> list[int]:
+        among a sweep's 24 samples would put 4 % of all requests that late."""
         samples = self.round_trip_ns or self.overhead_samples
         if not samples:
             return []
         median = statistics.median(samples)
         cycle = self.median_ns(1) + statistics.median(self.overhead_samples or [0])
         return sorted(int(v - median) for v in samples if v - median <= cycle)
-
-    @staticmethod
-    def _fence(excess: list[int]) -> float:
-        q1, q3 = _q(excess, 0.25), _q(excess, 0.75)
-        return q3 + 3 * (q3 - q1)
 
     def mean_ns(self, rows: int) -> float:
         """The mean of what ``__call__`` draws for ``rows``."""
