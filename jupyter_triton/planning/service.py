@@ -322,7 +322,7 @@ class ServiceModel:
                 "loop_ns": self.loop_ns, "loop_batch_ns": self.loop_batch_ns, "stall_ns": list(self.stall_ns), "stall_rate": self.stall_rate,
                 "stall_chance": self.stall_chance, "burst_qps": self.burst_qps,
                 "burst_batch": self.burst_batch, "burst_p99_ns": self.burst_p99_ns,
-"stall_scale": self.stall_scale, "round_trip_ns": list(self.round_trip_ns),
+                "stall_scale": self.stall_scale, "round_trip_ns": list(self.round_trip_ns),
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
