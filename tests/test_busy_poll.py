@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
@@ -92,7 +93,20 @@ def repo(tmp_path: Path) -> Path:
     (root / "onnx_linear" / "config.pbtxt").write_text(
         'name: "onnx_linear" backend: "onnxruntime" max_batch_size: 8')
     linear(W, root / "onnx_linear" / "1" / "model.onnx")
+    (root / "ensemble_of_onnx" / "1").mkdir(parents=True)
+    (root / "ensemble_of_onnx" / "config.pbtxt").write_text(ENSEMBLE_OF_ONNX)
     return root
+
+
+ENSEMBLE_OF_ONNX = '''
+name: "ensemble_of_onnx"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 16 ] } ]
+ensemble_scheduling { step [ { model_name: "onnx_linear" model_version: -1
+  input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT" } } ] }
+'''
 
 
 def load(client: httpclient.InferenceServerClient, server: int, model: str) -> int:
@@ -133,6 +147,14 @@ def test_serve_polls_after_a_request_and_sleeps_when_quiet(repo: Path):
         client.infer("onnx_linear", one_row())
         (loop_s,) = spent([proc.pid], WINDOW_S / 2)
         assert loop_s < WINDOW_S / 20, f"the loop polled for a model on its own threads ({loop_s:.3f} s)"
+        # ... and an ensemble of it: each step's model decides
+        client.load_model("ensemble_of_onnx")
+        time.sleep(WINDOW_S)
+        row = httpclient.InferInput("IN", [1, 16], "FP32")
+        row.set_data_from_numpy(np.ones((1, 16), np.float32))
+        client.infer("ensemble_of_onnx", [row])
+        (loop_s,) = spent([proc.pid], WINDOW_S / 2)
+        assert loop_s < WINDOW_S / 20, f"the loop polled for an ensemble of such a model ({loop_s:.3f} s)"
     finally:
         client.close()
         stop(proc)

@@ -133,6 +133,7 @@ class ModelVersion:
                 self.decoupled = True
                 self.config.model_transaction_policy.decoupled = True
             self.scheduler = EnsembleScheduler(self.config, steps, infer, self.stats)
+            self.busy_poll = None      # each step's model polls, or not, for its own requests
             self.status = VersionStatus(READY)
             return
         if self.config.HasField("sequence_batching"):
