@@ -410,6 +410,12 @@ class JupyterTriton(ExtensionApp):
                                   "server's own port, with the same credentials, Host check and answers; "
                                   "every other request is Jupyter's as before (False: all are)"
                        ).tag(config=True)
+    busy_poll_us = Int(0, help="after a request for a python model in process mode, the Jupyter server's "
+                               "event loop, and the model's worker after a batch of one, poll this long "
+                               "instead of sleeping (jupyter-triton serve's --busy-poll-us, which polls "
+                               "1000 us by default): lower latency at light load for up to a core while "
+                               "requests come. 0 (the default): the notebook's server never polls"
+                       ).tag(config=True)
     gil_switch_interval = Float(
         0.0005, allow_none=True,
         help="sys.setswitchinterval for the server process (None: leave Python's 5 ms). Instance "
@@ -426,7 +432,7 @@ class JupyterTriton(ExtensionApp):
         return proposal["value"]
 
     @validate("exit_timeout_secs", "unload_timeout_secs", "max_output_size", "keep_versions",
-              "body_timeout", "max_inflight_bytes", "response_cache_size")
+              "body_timeout", "max_inflight_bytes", "response_cache_size", "busy_poll_us")
     def _check_non_negative(self, proposal):
         value = proposal["value"]
         if value is not None and value < 0:
@@ -453,7 +459,7 @@ class JupyterTriton(ExtensionApp):
             histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config),
             response_cache_size=self.response_cache_size,
             model_residency_bytes=self.model_residency_bytes,
-            max_loaded_models=self.max_loaded_models))
+            max_loaded_models=self.max_loaded_models, busy_poll_us=self.busy_poll_us))
         self.server_token = secrets.token_urlsafe(32)
         # The server's one admission: the tornado routes, the fast lane, the data port and
         # gRPC share its bytes-in-flight budget; its credentials are set at start, once

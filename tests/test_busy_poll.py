@@ -5,6 +5,7 @@ operator would: the CPU the server's processes spend, from /proc."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from conftest import W
+from conftest import TOKEN, W
 from onnx_models import linear
 from python_models import THREAD_MODE, request, sleepy_model
 from test_cli_options import one_row, serve, stop
@@ -172,3 +173,38 @@ def test_busy_poll_off(repo: Path):
     finally:
         client.close()
         stop(proc)
+
+
+# -- the Jupyter server: off unless asked (its loop serves the notebook) --------------------
+
+AUTH = {"Authorization": f"token {TOKEN}"}
+BODY = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2],
+                               "data": [1.0, 0.0]}]})
+
+
+@pytest.fixture(params=[None, int(WINDOW_S * 1e6)], ids=["default", "asked"])
+def jp_server_config(jp_server_config, tmp_path: Path, request):
+    process_model(tmp_path / "jp_repo", "single")
+    traits = {**jp_server_config["JupyterTriton"], "model_repository": str(tmp_path / "jp_repo")}
+    if request.param is not None:
+        traits["busy_poll_us"] = request.param
+    return {**jp_server_config, "JupyterTriton": traits}
+
+
+async def test_a_jupyter_server_polls_only_when_asked(jp_triton, jp_fetch, jp_server_config):
+    asked = "busy_poll_us" in jp_server_config["JupyterTriton"]
+    for _ in range(2):      # a first request's imports, done
+        await jp_fetch("v2/models/single/infer", method="POST", body=BODY, headers=AUTH)
+    await asyncio.sleep(WINDOW_S * 1.5)
+    start = time.process_time()                 # this process is the Jupyter server
+    await asyncio.sleep(WINDOW_S / 2)
+    quiet = time.process_time() - start
+    await jp_fetch("v2/models/single/infer", method="POST", body=BODY, headers=AUTH)
+    start = time.process_time()
+    await asyncio.sleep(WINDOW_S / 2)
+    after = time.process_time() - start
+    assert quiet < WINDOW_S / 20
+    if asked:
+        assert after > WINDOW_S / 10, f"the Jupyter server slept after a request ({after:.3f} s of CPU)"
+    else:
+        assert after < WINDOW_S / 20, f"the Jupyter server polled unasked ({after:.3f} s of CPU)"
