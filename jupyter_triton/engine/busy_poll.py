@@ -27,9 +27,10 @@ import time
 class BusyPoll:
     """Keeps one event loop polling for ``window_us`` after each ``touch``."""
 
-    __slots__ = ("window", "until", "loop", "polling")
+    __slots__ = ("window_us", "window", "until", "loop", "polling")
 
     def __init__(self, window_us: int) -> None:
+        self.window_us = window_us      # what a model's worker is told (Backend.busy_poll_us)
         self.window = window_us / 1e6
         self.until = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None
