@@ -67,7 +67,8 @@ from jupyter_triton.kernel.discovery import Connection  # noqa: E402
 from jupyter_triton.kernel import tune as tu  # noqa: E402
 from jupyter_triton.planning import Load, simulate  # noqa: E402
 from jupyter_triton.planning.capacity import CapacityPlan, _measure, parallel_ns  # noqa: E402
-from jupyter_triton.planning.service import ServiceModel, _thread_cpu_ns, calibrate_overhead  # noqa: E402
+from jupyter_triton.planning.service import (Burst, ServiceModel, _fit_stalls, _thread_cpu_ns,  # noqa: E402
+                                             calibrate_overhead)
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_PY = '''
@@ -568,6 +569,17 @@ BASE = {"name": "embedder", "backend": "python", "max_batch_size": 16, "dynamic_
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
 
 
+def refit_stalls(service: ServiceModel) -> None:
+    """The stalls' lengths fitted again to the saturating burst's p99 with this checkout's
+    model (``planning.service._fit_stalls``, as ``measure`` does), from the lengths as the
+    burst saw them (the stored ones over their stored scale; not recoverable at scale 0)."""
+    if not service.stall_ns or service.stall_scale <= 0 or not service.burst_p99_ns:
+        return
+    service.stall_ns = [max(1, round(v / service.stall_scale)) for v in service.stall_ns]
+    _fit_stalls(service, {**BASE, "dynamic_batching": {"max_queue_delay_microseconds": 0}},
+                Burst(0, 0.0, 0, 0, service.stall_ns, 0.0, 0.0, 0.0, p99_ns=service.burst_p99_ns))
+
+
 def resimulate(run: dict, jitter: str = "burst") -> list[dict]:
     """A stored run's rows predicted again from its stored service model (the model of this
     checkout); ``jitter`` "sweep": the spread drawn from the sweep's overhead samples even
@@ -575,6 +587,7 @@ def resimulate(run: dict, jitter: str = "burst") -> list[dict]:
     service = ServiceModel.from_json(run["service"])
     if jitter == "sweep":
         service.round_trip_ns = []
+    refit_stalls(service)
     plan = CapacityPlan("embedder", BASE, service, [Load("concurrency", float(c)) for c in CONCURRENCY],
                         [(m, d, 1) for m in SIZES for d in DELAYS],
                         overhead_ns=parallel_ns(service, run["calibration"]["overhead_us"]),

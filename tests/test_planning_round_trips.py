@@ -4,6 +4,7 @@ overhead samples otherwise. No server: the burst's latencies are given."""
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 
@@ -38,11 +39,19 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def test_the_spread_is_the_bursts_round_trips_less_their_median():
+    """Their body is each request's own spread; their far tail (past the upper quartile plus
+    three interquartile ranges) is drawn as holds, which hold every answer due meanwhile."""
     trips = round_trips()
     with_burst, sweep_only = service(round_trip_ns=trips), service()
     median = trips[len(trips) // 2]
-    assert with_burst.jitter_ns() == [t - median for t in trips]       # all within one cycle here
-    assert sweep_only.jitter_ns() == [k * 10 * US for k in range(-5, 6)]
+    holds, rate = with_burst.holds()
+    body = with_burst.jitter_ns()
+    assert sorted(body + holds) == [t - median for t in trips]        # all within one cycle here
+    assert 30 < len(holds) < 75 and min(holds) > max(body) > 100 * US  # the 5 % held 600 us, mostly
+    # as often as makes the burst's share of requests held past the body: share / mean past it
+    assert rate == pytest.approx(len(holds) / len(trips) / statistics.fmean(h - max(body) for h in holds) * 1e9,
+                                 rel=0.05)
+    assert sweep_only.jitter_ns() == [k * 10 * US for k in range(-5, 6)] and sweep_only.holds() == ([], 0.0)
     # kept with the model, as the sweep is
     assert ServiceModel.from_json(with_burst.to_json()).round_trip_ns == trips
     assert with_burst.scaled(1.5).round_trip_ns == trips

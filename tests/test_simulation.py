@@ -4,6 +4,7 @@ instances, ordering), and agreement with a real server on the mean batch at one 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -239,6 +240,44 @@ def test_closed_loop_clients_start_apart_and_leave_lockstep():
     apart = simulate(cfg, service, [ClosedLoop(4, 400)], overhead_ns=500 * US, stagger_ns=5 * MS,
                      jitter_ns=[-300 * US, -100 * US, 100 * US, 300 * US], seed=1)
     assert len({rows for _, rows, _ in apart.batches}) > 1
+
+
+def test_a_hold_delivers_every_answer_due_in_it_at_its_end():
+    """Holds on the clients' side: alone, an answer due inside one waits what is left of it
+    (as often as the holds cover the time, half a hold on average); answers due together
+    are held together, never one of them alone."""
+    cfg = config("max_batch_size: 8 dynamic_batching { }")
+    r = simulate(cfg, fixed(2 * MS), [ClosedLoop(1, 4000)], hold_ns=[MS], hold_rate=50.0, seed=2)
+    latencies = [o.end_ns - o.arrival_ns for o in r.requests]
+    held = [v - 2 * MS for v in latencies if v > 2 * MS]
+    assert min(latencies) == 2 * MS and max(latencies) <= 3 * MS
+    assert 0.035 < len(held) / len(latencies) < 0.065                 # 50 a second of 1 ms: 5 %
+    assert 0.4 * MS < statistics.fmean(held) < 0.6 * MS
+    cfg = config("max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 4000 }")
+    r = simulate(cfg, fixed(3 * MS), [ClosedLoop(4, 4000)], overhead_ns=300 * US, hold_ns=[MS],
+                 hold_rate=50.0, seed=2)
+    ends: dict[int, set[int]] = {}
+    for o in r.requests:
+        ends.setdefault(o.start_ns, set()).add(o.end_ns)
+    assert len(ends) == 1000 and all(len(e) == 1 for e in ends.values())
+    assert sum(o.end_ns - o.start_ns > 3 * MS + 150 * US for o in r.requests) > 100
+
+
+def test_holds_regroup_closed_loop_clients_split_by_a_short_delay():
+    """Four clients, batches of up to 4, a delay shorter than an execution: split in two
+    groups, each waits out its delay behind the other's batch and they stay split. A group
+    held longer than the execution less the delay comes back as the other's batch ends and
+    the other group joins it: the merged state real servers show at times."""
+    cfg = config("max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 500 }")
+    jitter = [-100 * US, -50 * US, 0, 50 * US, 100 * US]
+
+    def mean_batch(rate: float) -> float:
+        r = simulate(cfg, fixed(3500 * US), [ClosedLoop(4, 8000)], overhead_ns=300 * US, stagger_ns=4 * MS,
+                     jitter_ns=jitter, hold_ns=[3 * MS, 4 * MS], hold_rate=rate, seed=0)
+        return sum(rows for _, rows, _ in r.batches) / len(r.batches)
+
+    assert mean_batch(0.0) == 2.0
+    assert mean_batch(10.0) > 3.0
 
 
 def test_stalls_hold_up_every_request_behind_them():

@@ -30,10 +30,20 @@ nothing to hold: neighbours' load; stalls that overlap hold it for their union) 
 turn on the loop (the load's own CPU competing for the cores: a lighter load meets fewer a
 second). Unlike a request's own delay, a stall holds up every request waiting for the
 loop, and answers queue behind it: the correlated tail that a shared machine shows under load.
+
+Holds are the clients' side of the same thing, shorter than a cycle: moments (``hold_rate``
+a second, a Poisson stream, each one of ``hold_ns`` long) when an answer written by the
+server does not reach its client; every answer due in one reaches it when the hold ends.
+A request's own drawn delay cannot do that: answered together, a group of clients is held
+together, comes back late together and may then find another group's clients returning
+within the queue delay (the regrouping that closed-loop clients show at a delay shorter
+than an execution). Alone (one client) a hold delays an answer due inside it by what is
+left of it.
 """
 from __future__ import annotations
 
 import asyncio
+import bisect
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -176,7 +186,7 @@ class _Simulation:
                  traffic: Sequence[Arrival | ClosedLoop], seed: int, overhead_ns: int,
                  loop_ns: int, jitter_ns: Sequence[int] = (), stagger_ns: int = 0,
                  stall_ns: Sequence[int] = (), stall_rate: float = 0.0, stall_chance: float = 0.0,
-                 loop_batch_ns: int = 0) -> None:
+                 loop_batch_ns: int = 0, hold_ns: Sequence[int] = (), hold_rate: float = 0.0) -> None:
         self.loop = VirtualLoop()
         self.pool = _SimPool(len(instance_specs(config)), self.loop, service, random.Random(seed))
         self.config = config
@@ -188,6 +198,12 @@ class _Simulation:
         self.stall_rate = stall_rate
         self.stall_chance = stall_chance
         self.stall_rng = random.Random(f"stalls/{seed}")
+        self.hold_ns = list(hold_ns) if hold_rate > 0 else []
+        self.hold_rate = hold_rate / 1e9    # a ns
+        self.hold_rng = random.Random(f"holds/{seed}")
+        self.hold_starts: list[int] = []    # the holds so far, overlapping ones as their union
+        self.hold_ends: list[int] = []
+        self.hold_next = int(self.hold_rng.expovariate(self.hold_rate)) if self.hold_ns else 0
         self.loop_stage = bool(loop_ns or self.stall_ns or loop_batch_ns)   # requests pass the loop in turn
         self.loop_batch_ns = loop_batch_ns
         if loop_batch_ns:
@@ -276,6 +292,20 @@ class _Simulation:
                 self.stalled_until_ns = end
         self._next_stall()
 
+    def _held(self, t: int) -> int:
+        """When an answer due at ``t`` reaches its client: at the end of the hold it falls in."""
+        starts, ends = self.hold_starts, self.hold_ends
+        while self.hold_next <= t:          # the Poisson stream drawn as far as ``t``
+            start, end = self.hold_next, self.hold_next + self.hold_rng.choice(self.hold_ns)
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+            self.hold_next = start + max(1, int(self.hold_rng.expovariate(self.hold_rate)))
+        i = bisect.bisect_right(starts, t) - 1
+        return ends[i] if i >= 0 and t < ends[i] else t
+
     def _outside(self) -> tuple[int, int]:
         """One request's delay outside the server: (before it, after it)."""
         delay = self.overhead_ns
@@ -337,7 +367,10 @@ class _Simulation:
         now = self.loop.now
         if self.loop_stage:                 # the loop writes the answer in its turn
             now = self._take_loop(self.loop_out)
-        outcome.end_ns = end = now + after_ns
+        end = now + after_ns
+        if self.hold_ns:
+            end = self._held(end)
+        outcome.end_ns = end
         self.end_ns = max(self.end_ns, end)
         self.open -= 1
         if client.spec is not None and client.left > 0:
@@ -349,12 +382,13 @@ class _Simulation:
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
              seed: int = 0, overhead_ns: int = 0, loop_ns: int = 0, jitter_ns: Sequence[int] = (),
              stagger_ns: int = 0, stall_ns: Sequence[int] = (), stall_rate: float = 0.0,
-             stall_chance: float = 0.0, loop_batch_ns: int = 0) -> SimResult:
+             stall_chance: float = 0.0, loop_batch_ns: int = 0, hold_ns: Sequence[int] = (),
+             hold_rate: float = 0.0) -> SimResult:
     """Run ``traffic`` through ``config``'s scheduler on virtual time (see the module)."""
-    if min(overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate, stall_chance) < 0 or \
-            any(v < 0 for v in stall_ns) or stall_chance > 1:
-        raise ValueError(f"overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate and stalls must be "
-                         f"0 or more and stall_chance in [0, 1], got {overhead_ns}, {loop_ns}, "
-                         f"{loop_batch_ns}, {stagger_ns}, {stall_rate}, {stall_chance}")
+    if min(overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate, stall_chance, hold_rate) < 0 or \
+            any(v < 0 for v in (*stall_ns, *hold_ns)) or stall_chance > 1:
+        raise ValueError(f"overhead_ns, loop_ns, loop_batch_ns, stagger_ns, stall_rate, hold_rate, stalls "
+                         f"and holds must be 0 or more and stall_chance in [0, 1], got {overhead_ns}, "
+                         f"{loop_ns}, {loop_batch_ns}, {stagger_ns}, {stall_rate}, {hold_rate}, {stall_chance}")
     return _Simulation(config, service, traffic, seed, overhead_ns, loop_ns, jitter_ns, stagger_ns,
-                       stall_ns, stall_rate, stall_chance, loop_batch_ns).run()
+                       stall_ns, stall_rate, stall_chance, loop_batch_ns, hold_ns, hold_rate).run()

@@ -294,12 +294,13 @@ class CapacityPlan:
         # one c=1 round trip: closed-loop clients start spread over it, not all at once
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         stalled = self.jitter and self.stalls and bool(service.stall_ns)
+        hold_ns, hold_rate = service.holds() if self.jitter else ([], 0.0)
 
         def run(chance: float) -> list[sim.SimResult]:
             return [sim.simulate(config, service, traffic, seed=seed, overhead_ns=self.overhead_ns,
                                  jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
                                  stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
-                                 stall_chance=chance, **loop)
+                                 stall_chance=chance, hold_ns=hold_ns, hold_rate=hold_rate, **loop)
                     for seed, traffic in replicas]
         # stalls: some a second whatever the load, some a request (``measure`` splits them).
         # Those a request were seen to grow up to the saturating burst's request rate, which

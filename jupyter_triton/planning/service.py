@@ -89,6 +89,9 @@ REQUEST_TIMEOUT_S = 30.0
 BURST_CLIENTS = 8
 #: the stalls' lengths are fitted within [0, this] times the shortest hold each left
 STALL_SCALE_MAX = 4.0
+#: a c=1 round trip past the median by more than the upper quartile plus this many
+#: interquartile ranges (and within a cycle) was held on its way: ``ServiceModel.holds``
+HOLD_IQR = 3.0
 #: requests of each simulated burst in the fit: a p99 of 2000 rests on 20 requests, a few
 #: stalls drawn more or less, and moved +-40 % from seed to seed; of 8000, on 80
 FIT_REQUESTS = 8000
@@ -213,20 +216,57 @@ class ServiceModel:
         slope = (med[hi] - med[lo]) / (hi - lo)
         return max(1.0, med[lo] + slope * (rows - lo))
 
+    def _cycle_ns(self) -> float:
+        """One c=1 round trip: a sample held past the median by more than this was a stall."""
+        return self.median_ns(1) + statistics.median(self.overhead_samples or [0])
+
+    def _round_trips(self) -> tuple[list[int], list[int], int]:
+        """The c=1 burst's round trips less their median, within a cycle: (the body, the tail
+        past the upper quartile plus ``HOLD_IQR`` interquartile ranges, that bound)."""
+        median = statistics.median(self.round_trip_ns)
+        cycle = self._cycle_ns()
+        within = sorted(int(v - median) for v in self.round_trip_ns if v - median <= cycle)
+        if len(within) < 4:
+            return within, [], 0
+        q1, _, q3 = statistics.quantiles(within, n=4)
+        bound = int(q3 + HOLD_IQR * (q3 - q1))
+        return [v for v in within if v <= bound], [v for v in within if v > bound], bound
+
     def jitter_ns(self) -> list[int]:
         """How much a request's round trip varies beyond its execution (client, front end,
-        wake-ups), drawn per request: the c=1 burst's round trips less their median (some
-        1,500: their tail is the tail a p99 rests on), or, without a burst, the sweep's
-        overhead samples less theirs (some 150). A sample beyond the median by more than one
-        c=1 round trip was a stall, not this request's own path (the bursts' criterion):
-        stalls hold every request at once and are drawn apart; drawn per request, one stall
-        among a sweep's 24 samples would put 4 % of all requests that late."""
-        samples = self.round_trip_ns or self.overhead_samples
-        if not samples:
+        wake-ups), drawn per request: the body of the c=1 burst's round trips less their
+        median (some 1,500; their far tail is drawn as holds, ``holds``), or, without a
+        burst, the sweep's overhead samples less theirs (some 150). A sample beyond the
+        median by more than one c=1 round trip was a stall, not this request's own path (the
+        bursts' criterion): stalls hold every request at once and are drawn apart; drawn per
+        request, one stall among a sweep's 24 samples would put 4 % of all requests that late."""
+        if self.round_trip_ns:
+            return self._round_trips()[0]
+        if not self.overhead_samples:
             return []
-        median = statistics.median(samples)
-        cycle = self.median_ns(1) + statistics.median(self.overhead_samples or [0])
-        return sorted(int(v - median) for v in samples if v - median <= cycle)
+        median = statistics.median(self.overhead_samples)
+        cycle = self._cycle_ns()
+        return sorted(int(v - median) for v in self.overhead_samples if v - median <= cycle)
+
+    def holds(self) -> tuple[list[int], float]:
+        """The c=1 burst's far tail as holds on the clients' side (``engine/simulation``):
+        (their lengths, ns, how many a second). A round trip that far out was held on its
+        way, and a hold holds every answer due meanwhile, not one request: at c=4 a group of
+        clients answered together comes back late together, as traced (late answer clumps 0.5
+        to 4 ms, 3.6 to 3.9 a second, 0.7 % of requests). Each is as long as a tail sample;
+        they come as often as makes the share of requests held past the bound the burst's
+        share: an answer due inside a hold waits what is left of it, past the bound by
+        ``length - bound`` on average over where in the hold it falls, so the rate is that
+        share over the lengths' mean past the bound (an exponential tail is then given back
+        exactly: what is left of an exponential hold is exponential)."""
+        if not self.round_trip_ns:
+            return [], 0.0
+        body, tail, bound = self._round_trips()
+        if not tail:
+            return [], 0.0
+        share = len(tail) / (len(body) + len(tail))
+        past = statistics.fmean(v - bound for v in tail)
+        return tail, share / past * 1e9
 
     def mean_ns(self, rows: int) -> float:
         """The mean of what ``__call__`` draws for ``rows``."""
