@@ -19,8 +19,10 @@ every stage: each batch occupies its instance for a drawn execution plus the mea
 hand-off; each request takes the server's event loop in turn for ``loop_ns`` (its measured
 CPU per request) and each batch for ``loop_batch_ns`` beside its execution, and spends
 ``overhead_ns`` side by side with the others (the rest of the c=1 overhead: client, sockets,
-wake-ups), drawn per request with the spread of the one-client burst's round trips (``jitter``);
-closed-loop clients start spread over one c=1 round trip; the loop stalls as the machine stalled
+wake-ups), drawn per request with the spread of the body of the one-client burst's round trips
+(``jitter``); their far tail is drawn as holds on the clients' side, which hold every answer due
+meanwhile (a group of clients answered together comes back late together: how closed-loop
+clients split by a short delay regroup; ``ServiceModel.holds``); closed-loop clients start spread over one c=1 round trip; the loop stalls as the machine stalled
 the server in ``measure``'s bursts (some a second, some a request).
 """
 from __future__ import annotations

@@ -55,9 +55,10 @@ machine a later load finds other neighbours; measure again (``refresh=True``) to
 
 The rest of the c=1 overhead (``overhead_ns - loop_ns - handoff_ns``: the client, sockets,
 wake-ups) is a delay per request that requests spend in parallel; its spread, drawn per request
-by the simulation, is the one-client burst's round trips less their median (``round_trip_ns``,
-some 1,500: the sweep's 150 overhead samples hold too few of the slow ones a p99 rests on;
-``jitter_ns``).
+by the simulation, is the body of the one-client burst's round trips less their median
+(``round_trip_ns``, some 1,500: the sweep's 150 overhead samples hold too few of the slow ones a
+p99 rests on; ``jitter_ns``), and their far tail is drawn as holds on the clients' side, which
+hold every answer due meanwhile (``holds``).
 """
 from __future__ import annotations
 
