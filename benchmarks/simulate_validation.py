@@ -166,6 +166,7 @@ def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds:
                         sum(int(b[k]["ns"]) for b in s0.get("batch_stats") or [] for k in
                             ("compute_input", "compute_infer", "compute_output"))
                     out.append({"max_batch_size": mbs, "max_queue_delay_us": delay, "concurrency": c,
+                                "batch_histogram": batch_histogram(s0, s1),
                                 "throughput": run["throughput"], "p50_ms": run["p50_ms"],
                                 "p95_ms": run["p95_ms"], "p99_ms": run["p99_ms"],
                                 "mean_batch": rows / execs, "exec_ms": compute / execs / 1e6,
@@ -174,6 +175,14 @@ def measure_grid(conn: Connection, base: dict, files: dict[str, bytes], seconds:
     finally:
         client.unload(temp)
     return out
+
+
+def batch_histogram(before: dict, after: dict) -> dict[int, int]:
+    """Batches executed between two statistics, by size (rows)."""
+    def counts(stats: dict) -> dict[int, int]:
+        return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats") or []}
+    c0, c1 = counts(before), counts(after)
+    return {k: c1[k] - c0.get(k, 0) for k in sorted(c1) if c1[k] > c0.get(k, 0)}
 
 
 def load_average() -> list[float]:
@@ -217,6 +226,9 @@ def run(seconds: float, load_generator: str) -> dict:
                             replicas=SIM_REPLICAS)
             rows = plan.compare(measured)
             for r, m in zip(rows, measured):
+                r["measured_batch_histogram"] = m["batch_histogram"]
+                r["simulated_batch_histogram"] = plan.run(m["max_batch_size"], m["max_queue_delay_us"], 1,
+                                                          Load("concurrency", float(m["concurrency"])))["batch_histogram"]
                 # the same row on the executions the server recorded under this load
                 factor = m["exec_ms"] * 1e6 / service.mean_ns(round(m["mean_batch"]))
                 replay = CapacityPlan("embedder", base, service.scaled(factor),
@@ -598,7 +610,21 @@ def render(runs: list[dict]) -> str:
                 f"{pct(r['replayed_error_p99_ms'])} | {_meta(r, 'replayed')} | {_aim(r, 'replayed')} "
                 + (f"| {r['measured_loop_us']:.0f} |" if "measured_loop_us" in r else "|  |"))
         out.append("")
+        if any("measured_batch_histogram" in r for r in run["rows"]):
+            out += ["Batches by size (share of the batches executed; sizes under 2 % left out), measured "
+                    "(the server's statistics) and simulated (the replicas pooled):", "",
+                    "| max_batch_size | delay us | c | measured | simulated |", "|---|---|---|---|---|"]
+            out += [f"| {r['max_batch_size']} | {r['max_queue_delay_us']} | {r['concurrency']} "
+                    f"| {_shares(r['measured_batch_histogram'])} | {_shares(r['simulated_batch_histogram'])} |"
+                    for r in run["rows"]]
+            out.append("")
     return "\n".join(out) + "\n"
+
+
+def _shares(histogram: dict) -> str:
+    counts = {int(k): v for k, v in histogram.items()}
+    total = sum(counts.values()) or 1
+    return ", ".join(f"{k}: {v / total * 100:.0f} %" for k, v in sorted(counts.items()) if v / total >= 0.02)
 
 
 #: the validation model's config as the server returns it (JSON), for re-simulating stored runs
