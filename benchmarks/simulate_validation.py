@@ -661,12 +661,29 @@ def resimulate(run: dict, jitter: str = "burst") -> list[dict]:
                  "concurrency": r["concurrency"],
                  **{k: r[f"measured_{k}"] for k in ("throughput", "p50_ms", "p99_ms", "mean_batch")}}
                 for r in run["rows"]]
-    return plan.compare(measured)
+    rows = plan.compare(measured)
+    for r, stored in zip(rows, run["rows"]):
+        if "measured_batch_histogram" in stored:
+            r["measured_batch_histogram"] = stored["measured_batch_histogram"]
+            r["simulated_batch_histogram"] = plan.run(r["max_batch_size"], r["max_queue_delay_us"], 1,
+                                                      Load("concurrency", float(r["concurrency"])))["batch_histogram"]
+    return rows
+
+
+def histogram_distance(a: dict, b: dict) -> float:
+    """Total variation distance between two batch-size histograms' shares (0: the same, 1:
+    no size in common)."""
+    a = {int(k): v for k, v in a.items()}
+    b = {int(k): v for k, v in b.items()}
+    ta, tb = sum(a.values()) or 1, sum(b.values()) or 1
+    return sum(abs(a.get(k, 0) / ta - b.get(k, 0) / tb) for k in set(a) | set(b)) / 2
 
 
 def report_resimulated(runs: list[dict], which: list[int], jitter: str) -> None:
-    """Rows within the aim per run, and the median |error| of p50 and p99 over all rows."""
+    """Rows within the aim per run, the median |error| of p50 and p99 over all rows, and, where
+    the runs kept the batches by size, their mean distance to the simulated (total variation)."""
     errors: dict[str, list[float]] = {"p50_ms": [], "p99_ms": []}
+    distances: list[float] = []
     total = 0
     for i in which:
         rows = resimulate(runs[i - 1], jitter)
@@ -674,12 +691,16 @@ def report_resimulated(runs: list[dict], which: list[int], jitter: str) -> None:
         total += len(ok)
         for k in errors:
             errors[k] += [abs(r[f"error_{k}"]) for r in rows]
+        distances += [histogram_distance(r["measured_batch_histogram"], r["simulated_batch_histogram"])
+                      for r in rows if "measured_batch_histogram" in r]
         misses = [f"{r['max_batch_size']}/{r['max_queue_delay_us']}/{r['concurrency']}"
                   for r in rows if r not in ok]
         print(f"run {i}: {len(ok)} of {len(rows)} within the aim; misses {', '.join(misses) or 'none'}",
               flush=True)
     print(f"jitter {jitter}: {total} rows within the aim; median |error| p50 "
-          f"{statistics.median(errors['p50_ms']) * 100:.1f} %, p99 {statistics.median(errors['p99_ms']) * 100:.1f} %")
+          f"{statistics.median(errors['p50_ms']) * 100:.1f} %, p99 {statistics.median(errors['p99_ms']) * 100:.1f} %"
+          + (f"; batches by size, mean distance to measured {statistics.fmean(distances):.3f} over "
+             f"{len(distances)} rows" if distances else ""))
 
 
 def main() -> None:
