@@ -260,7 +260,7 @@ def run(seconds: float, load_generator: str) -> dict:
             "burst_p99_ms": service.burst_p99_ns / 1e6, "stall_scale": service.stall_scale,
             "sim_requests": SIM_REQUESTS, "sim_replicas": SIM_REPLICAS, "binary_bursts": binary, "stalls_union": True, "spread_without_stalls": True, "stalls_held_past_burst": True,
             "busy_poll_us": 0, "round_trips": len(service.round_trip_ns),
-            "holds": len(service.holds()[0]), "hold_rate": service.holds()[1],
+            "holds": len(service.holds()[0]), "hold_rate": service.holds()[1], "hold_scale": service.hold_scale,
             "hold_mean_ms": statistics.fmean(service.holds()[0]) / 1e6 if service.holds()[0] else 0.0,
             "stall_p50_ms": service.stall_ns[len(service.stall_ns) // 2] / 1e6 if service.stall_ns else 0.0,
             "stall_max_ms": service.stall_ns[-1] / 1e6 if service.stall_ns else 0.0, "burst_s": BURST_S, "sweep_s": sweep_s, "tune_s": tune_s, "simulate_s": simulate_s, "rows": rows}
@@ -323,7 +323,9 @@ def _drawn(run: dict) -> str:
     source = run.get("round_trips_from", "the c=1 burst")
     return (f"drawn with the spread of the body of {run['round_trips']} round trips of {source}; "
             f"their far tail ({run['holds']}) as holds on the clients' side, {run['hold_rate']:.1f} a "
-            f"second, {run['hold_mean_ms']:.2f} ms on average.")
+            f"second, {run['hold_mean_ms']:.2f} ms on average"
+            + (f" ({run['hold_scale']:.2f} times as many a second at the burst's request rate: the scale whose "
+               f"simulated burst has the burst's p99)" if "hold_scale" in run else "") + ".")
 
 
 def _stalls(run: dict) -> str:
@@ -543,7 +545,8 @@ def render(runs: list[dict]) -> str:
         model = (" (earlier model: the round trips' far-out tail held on the loop as short stalls)"
                  if "short_stall_chance" in run else
                  " (a variant not kept: the spread and holds from perf_analyzer's c=1 round trips, the "
-                 "stalls refitted with them)" if "round_trips_from" in run else "" if "hold_rate" in run else
+                 "stalls refitted with them)" if "round_trips_from" in run else "" if "hold_scale" in run else
+                 " (earlier model: holds as many a second at every load)" if "hold_rate" in run else
                  " (earlier model: the round trips' far tail drawn as each request's own delay, no holds)"
                  if "round_trips" in run else
                  " (earlier model: the spread drawn from the sweep's 150 overhead samples)"

@@ -82,3 +82,40 @@ def test_a_stall_among_the_round_trips_is_drawn_apart():
     trips = round_trips() + [40 * MS]
     assert max(service(round_trip_ns=trips).jitter_ns()) < 4 * MS
 
+
+
+def test_a_load_meets_more_holds_up_to_the_bursts():
+    """Holds come one client's rate at one client's load and ``hold_scale`` times it at the
+    saturating burst's, linear between, no further past either; kept with the model."""
+    trips = round_trips()                               # a median of 4 ms: 250 requests a second
+    s = service(round_trip_ns=trips, burst_qps=750.0, hold_scale=3.0)
+    base = service(round_trip_ns=trips).holds()[1]
+    alone = 1e9 / statistics.median(trips)
+    for qps, factor in ((0.0, 1.0), (alone, 1.0), ((alone + 750) / 2, 2.0), (750.0, 3.0), (3000.0, 3.0)):
+        assert s.hold_load(qps) == pytest.approx(factor)
+        assert s.holds(qps)[1] == pytest.approx(base * factor)
+    assert ServiceModel.from_json(s.to_json()).hold_scale == 3.0 and s.scaled(2.0).hold_scale == 3.0
+
+
+def test_holds_fitted_to_the_bursts_tail_where_no_stall_gives_it():
+    """No stall seen, and the saturating burst's p99 longer than its simulation with one
+    client's holds: the holds come as often as gives that p99 at the burst's load (the clients'
+    and the server's CPU competing for the cores). A p99 the simulation already gives: as one
+    client's."""
+    from jupyter_triton.planning.service import BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls
+    trips = round_trips()
+
+    def burst_p99(s: ServiceModel) -> float:
+        plan = CapacityPlan("m", CONFIG, s, [Load("concurrency", float(BURST_CLIENTS))], [(4, 0, 1)],
+                            requests=FIT_REQUESTS)
+        return plan.results[0]["p99_ms"] * MS
+
+    plain = burst_p99(service(round_trip_ns=trips, burst_qps=1000.0))
+    target = plain + 1.5 * MS
+    s = service(round_trip_ns=trips, burst_qps=1000.0)
+    _fit_stalls(s, CONFIG, Burst(4 * MS, 4.0, 4 * MS, 0, [], 0.0, 0.0, 1000.0, int(target), 8000))
+    assert 1.5 < s.hold_scale < 8
+    assert burst_p99(s) == pytest.approx(target, rel=0.1)
+    short = service(round_trip_ns=trips, burst_qps=1000.0)
+    _fit_stalls(short, CONFIG, Burst(4 * MS, 4.0, 4 * MS, 0, [], 0.0, 0.0, 1000.0, int(plain - MS), 8000))
+    assert short.hold_scale == 1.0

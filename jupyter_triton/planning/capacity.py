@@ -296,24 +296,33 @@ class CapacityPlan:
         # one c=1 round trip: closed-loop clients start spread over it, not all at once
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         stalled = self.jitter and self.stalls and bool(service.stall_ns)
-        hold_ns, hold_rate = service.holds() if self.jitter else ([], 0.0)
+        hold_ns = service.holds()[0] if self.jitter else []
 
-        def run(chance: float) -> list[sim.SimResult]:
+        def run(chance: float, hold_rate: float) -> list[sim.SimResult]:
             return [sim.simulate(config, service, traffic, seed=seed, overhead_ns=self.overhead_ns,
                                  jitter_ns=service.jitter_ns() if self.jitter else (), stagger_ns=stagger,
                                  stall_ns=service.stall_ns if stalled else (), stall_rate=service.stall_rate,
                                  stall_chance=chance, hold_ns=hold_ns, hold_rate=hold_rate, **loop)
                     for seed, traffic in replicas]
-        # stalls: some a second whatever the load, some a request (``measure`` splits them).
+        # Both depend on the load, known once it is served: simulated once at one client's
+        # holds, then again where the served rate calls for others.
+        # Stalls: some a second whatever the load, some a request (``measure`` splits them).
         # Those a request were seen to grow up to the saturating burst's request rate, which
         # saturated the cores; a load served faster (larger batches: less CPU a request) is
         # not extrapolated past it: there they are as many a second as in the burst.
-        results = run(service.stall_chance)
-        if stalled and service.stall_chance and service.burst_qps:
+        # Holds: one client's as often a second, the burst's load's ``hold_scale`` times as
+        # often (``ServiceModel.hold_load``).
+        chance, hold_rate = service.stall_chance, service.holds()[1] if hold_ns else 0.0
+        results = run(chance, hold_rate)
+        if (stalled and service.stall_chance and service.burst_qps) or (hold_ns and service.hold_scale != 1):
             pooled = _pooled(results)
             served = sum(o.status == "ok" for o in pooled.requests) / (pooled.duration_ns / 1e9 or 1e-9)
-            if served > service.burst_qps:
-                results = run(service.stall_chance * service.burst_qps / served)
+            if stalled and service.stall_chance and served > service.burst_qps > 0:
+                chance = service.stall_chance * service.burst_qps / served
+            if hold_ns:
+                hold_rate = service.holds(served)[1]
+            if (chance, hold_rate) != (service.stall_chance, service.holds()[1] if hold_ns else 0.0):
+                results = run(chance, hold_rate)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
                **summarize(_pooled(results))}

@@ -47,7 +47,11 @@ saturating, then one client) measure what the c=1 sweep cannot see:
   second than the burst: ``CapacityPlan.run`` does not extrapolate past ``burst_qps``).
   How long: the least hold a stall left is about the stall, the rest the backlog behind it,
   which the simulation forms itself; ``_fit_stalls`` scales those lengths until the
-  simulation of the saturating burst has the burst's own p99.
+  simulation of the saturating burst has the burst's own p99. Where no scale of them gives it
+  (none seen, or the burst's tail longer than four times their lengths give: measured in 7 of 9
+  validation runs), that tail is holds shorter than a cycle (below), more a second under load
+  than one client met: ``hold_scale``, fitted the same way, is how many times as many at the
+  burst's request rate (``ServiceModel.hold_load``).
 
 The burst's clients run in a process of their own (in the kernel's they would take the GIL
 from an in-kernel server). What it measures is this machine at that moment: on a shared
@@ -90,6 +94,8 @@ REQUEST_TIMEOUT_S = 30.0
 BURST_CLIENTS = 8
 #: the stalls' lengths are fitted within [0, this] times the shortest hold each left
 STALL_SCALE_MAX = 4.0
+#: the holds a second at the saturating burst's load are fitted within [1, this] times one client's
+HOLD_SCALE_MAX = 8.0
 #: a c=1 round trip past the median by more than the upper quartile plus this many
 #: interquartile ranges (and within a cycle) was held on its way: ``ServiceModel.holds``
 HOLD_IQR = 3.0
@@ -170,6 +176,7 @@ class ServiceModel:
     burst_p99_ns: int = 0                      # the burst's p99 (its own client's latency)
     stall_scale: float = 1.0                   # the stalls' lengths as seen, times this (``_fit_stalls``)
     round_trip_ns: list[int] = field(default_factory=list, repr=False)  # the c=1 burst's latencies
+    hold_scale: float = 1.0                    # the holds a second at the burst's load over c=1's (``_fit_stalls``)
 
     def __post_init__(self) -> None:
         self.samples = {int(k): sorted(int(v) for v in vs) for k, vs in self.samples.items() if vs}
@@ -249,7 +256,7 @@ class ServiceModel:
         cycle = self._cycle_ns()
         return sorted(int(v - median) for v in self.overhead_samples if v - median <= cycle)
 
-    def holds(self) -> tuple[list[int], float]:
+    def holds(self, qps: float = 0.0) -> tuple[list[int], float]:
         """The c=1 burst's far tail as holds on the clients' side (``engine/simulation``):
         (their lengths, ns, how many a second). A round trip that far out was held on its
         way, and a hold holds every answer due meanwhile, not one request: at c=4 a group of
@@ -267,7 +274,20 @@ class ServiceModel:
             return [], 0.0
         share = len(tail) / (len(body) + len(tail))
         past = statistics.fmean(v - bound for v in tail)
-        return tail, share / past * 1e9
+        return tail, share / past * 1e9 * self.hold_load(qps)
+
+    def hold_load(self, qps: float) -> float:
+        """How many more holds a second a load of ``qps`` requests a second meets than one
+        client: ``hold_scale`` at the saturating burst's rate (the clients' and the server's
+        CPU competing for the cores hold answers more often), 1 at the one-client burst's,
+        linear between, and no further past either."""
+        if self.hold_scale == 1.0 or not self.burst_qps or not self.round_trip_ns:
+            return 1.0
+        alone = 1e9 / statistics.median(self.round_trip_ns)
+        if self.burst_qps <= alone:
+            return 1.0
+        share = min(1.0, max(0.0, (qps - alone) / (self.burst_qps - alone)))
+        return 1.0 + (self.hold_scale - 1.0) * share
 
     def mean_ns(self, rows: int) -> float:
         """The mean of what ``__call__`` draws for ``rows``."""
@@ -296,7 +316,8 @@ class ServiceModel:
                             stall_ns=self.stall_ns, stall_rate=self.stall_rate,
                             stall_chance=self.stall_chance, burst_qps=self.burst_qps,
                             burst_batch=self.burst_batch, burst_p99_ns=self.burst_p99_ns,
-                            stall_scale=self.stall_scale, round_trip_ns=self.round_trip_ns)
+                            stall_scale=self.stall_scale, round_trip_ns=self.round_trip_ns,
+                            hold_scale=self.hold_scale)
 
     # -- showing ---------------------------------------------------------------------------
     def table(self) -> list[dict]:
@@ -364,6 +385,7 @@ class ServiceModel:
                 "stall_chance": self.stall_chance, "burst_qps": self.burst_qps,
                 "burst_batch": self.burst_batch, "burst_p99_ns": self.burst_p99_ns,
                 "stall_scale": self.stall_scale, "round_trip_ns": list(self.round_trip_ns),
+                "hold_scale": self.hold_scale,
                 "samples": {str(b): v for b, v in self.samples.items()}}
 
     @classmethod
@@ -380,6 +402,7 @@ class ServiceModel:
                    burst_batch=float(obj.get("burst_batch", 0.0)),
                    burst_p99_ns=int(obj.get("burst_p99_ns", 0)),
                    stall_scale=float(obj.get("stall_scale", 1.0)),
+                   hold_scale=float(obj.get("hold_scale", 1.0)),
                    round_trip_ns=[int(v) for v in obj.get("round_trip_ns", [])])
 
     @staticmethod
@@ -567,34 +590,55 @@ def _fit_stalls(result: ServiceModel, config: dict, busy: "Burst", requests: int
     it the latencies cannot say (``_stalls`` takes the least held). So the burst is
     simulated (its clients, config and load, the stalls as seen times a scale) and the scale
     chosen whose simulated p99 is the burst's own: the stalls that, with the backlog the
-    simulation forms behind them, give the tail that was measured."""
+    simulation forms behind them, give the tail that was measured.
+
+    Where the stalls cannot give that tail (none seen, or the longest scale still short: the
+    burst's tail is made of holds shorter than a cycle, more of them under its load than one
+    client met), the holds come ``hold_scale`` times as often at the burst's load: the scale
+    whose simulated burst has the burst's p99 (``ServiceModel.hold_load``)."""
     from .capacity import CapacityPlan, Load
-    if not result.stall_ns or not busy.p99_ns or (not result.stall_rate and not result.stall_chance):
+    if not busy.p99_ns:
         return
-    seen = list(result.stall_ns)
     mbs = int(config.get("max_batch_size", 1) or 1)
     delay = int((config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0) or 0)
     instances = sum(int(g.get("count", 1) or 1) for g in config.get("instance_group") or [{}])
     load = [Load("concurrency", float(BURST_CLIENTS))]
     requests = requests or FIT_REQUESTS
 
-    def p99(scale: float) -> float:
-        result.stall_ns = [max(1, int(v * scale)) for v in seen]
+    def p99() -> float:
         plan = CapacityPlan(result.model, config, result, load, [(mbs, delay, instances)], requests=requests)
         return plan.results[0]["p99_ms"] * 1e6
 
-    lo, hi = 0.0, STALL_SCALE_MAX
-    if p99(hi) <= busy.p99_ns:
-        lo = hi
-    else:
-        for _ in range(7):           # bisection: the scale within 1/128 of the range
+    def bisect(apply, lo: float, hi: float) -> float:
+        """The largest value in [lo, hi] (within 1/128 of the range) whose simulated p99 is
+        at most the burst's."""
+        apply(hi)
+        if p99() <= busy.p99_ns:
+            return hi
+        for _ in range(7):
             mid = (lo + hi) / 2
-            if p99(mid) < busy.p99_ns:
+            apply(mid)
+            if p99() < busy.p99_ns:
                 lo = mid
             else:
                 hi = mid
-    result.stall_scale = lo
-    result.stall_ns = [max(1, int(v * lo)) for v in seen]
+        apply(lo)
+        return lo
+
+    result.hold_scale = 1.0
+    stalled = bool(result.stall_ns) and bool(result.stall_rate or result.stall_chance)
+    if stalled:
+        seen = list(result.stall_ns)
+
+        def stalls(scale: float) -> None:
+            result.stall_ns = [max(1, int(v * scale)) for v in seen]
+        result.stall_scale = bisect(stalls, 0.0, STALL_SCALE_MAX)
+        if result.stall_scale < STALL_SCALE_MAX:
+            return
+    if result.holds()[0]:
+        def holds(scale: float) -> None:
+            result.hold_scale = scale
+        bisect(holds, 1.0, HOLD_SCALE_MAX)
 
 
 def server_thread(connection: Connection, pid: int | None = None) -> tuple[int, int] | None:
