@@ -22,8 +22,9 @@ CPU per request) and each batch for ``loop_batch_ns`` beside its execution, and 
 wake-ups), drawn per request with the spread of the body of the one-client burst's round trips
 (``jitter``); their far tail is drawn as holds on the clients' side, which hold every answer due
 meanwhile (a group of clients answered together comes back late together: how closed-loop
-clients split by a short delay regroup; ``ServiceModel.holds``); closed-loop clients start spread over one c=1 round trip; the loop stalls as the machine stalled
-the server in ``measure``'s bursts (some a second, some a request).
+clients split by a short delay regroup; ``ServiceModel.holds``), more of them under load;
+closed-loop clients start spread over one c=1 round trip; the loop stalls as the machine
+stalled the server in ``measure``'s bursts (some a second, some a request).
 """
 from __future__ import annotations
 
@@ -312,16 +313,17 @@ class CapacityPlan:
         # not extrapolated past it: there they are as many a second as in the burst.
         # Holds: one client's as often a second, the burst's load's ``hold_scale`` times as
         # often (``ServiceModel.hold_load``).
-        chance, hold_rate = service.stall_chance, service.holds()[1] if hold_ns else 0.0
-        results = run(chance, hold_rate)
+        first = (service.stall_chance, service.holds()[1] if hold_ns else 0.0)
+        results = run(*first)
         if (stalled and service.stall_chance and service.burst_qps) or (hold_ns and service.hold_scale != 1):
             pooled = _pooled(results)
             served = sum(o.status == "ok" for o in pooled.requests) / (pooled.duration_ns / 1e9 or 1e-9)
+            chance, hold_rate = first
             if stalled and service.stall_chance and served > service.burst_qps > 0:
                 chance = service.stall_chance * service.burst_qps / served
             if hold_ns:
                 hold_rate = service.holds(served)[1]
-            if (chance, hold_rate) != (service.stall_chance, service.holds()[1] if hold_ns else 0.0):
+            if (chance, hold_rate) != first:
                 results = run(chance, hold_rate)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,

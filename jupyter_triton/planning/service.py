@@ -370,7 +370,8 @@ class ServiceModel:
                 f"{self.loop_ns / 1e3:.0f} us in turn, parallel {self.parallel_ns / 1e3:.0f} us); "
                 f"hand-off {self.handoff_ns / 1e3:.0f} us a batch, event loop {self.loop_batch_ns / 1e3:.0f} us "
                 f"a batch; stalls {self.stall_rate:.1f} a second and {self.stall_chance * 1000:.1f} a "
-                f"thousand requests")
+                f"thousand requests; holds {self.holds()[1]:.1f} a second at one client's load, "
+                f"{self.hold_scale:.1f} times as many at the burst's")
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{r['batch_size']}: {r['mean_ms']:.2f} ms" for r in self.table())
@@ -609,7 +610,7 @@ def _fit_stalls(result: ServiceModel, config: dict, busy: "Burst", requests: int
         plan = CapacityPlan(result.model, config, result, load, [(mbs, delay, instances)], requests=requests)
         return plan.results[0]["p99_ms"] * 1e6
 
-    def bisect(apply, lo: float, hi: float) -> float:
+    def largest_within(apply, lo: float, hi: float) -> float:
         """The largest value in [lo, hi] (within 1/128 of the range) whose simulated p99 is
         at most the burst's."""
         apply(hi)
@@ -632,13 +633,13 @@ def _fit_stalls(result: ServiceModel, config: dict, busy: "Burst", requests: int
 
         def stalls(scale: float) -> None:
             result.stall_ns = [max(1, int(v * scale)) for v in seen]
-        result.stall_scale = bisect(stalls, 0.0, STALL_SCALE_MAX)
+        result.stall_scale = largest_within(stalls, 0.0, STALL_SCALE_MAX)
         if result.stall_scale < STALL_SCALE_MAX:
             return
     if result.holds()[0]:
         def holds(scale: float) -> None:
             result.hold_scale = scale
-        bisect(holds, 1.0, HOLD_SCALE_MAX)
+        largest_within(holds, 1.0, HOLD_SCALE_MAX)
 
 
 def server_thread(connection: Connection, pid: int | None = None) -> tuple[int, int] | None:
