@@ -119,12 +119,19 @@ def test_kernel_poller_sees_statistics_change_after_requests(standalone):
         assert f.batch_sizes == {2: 1, 3: 3}
         assert f.failures == 0 and f.pending == 0
         assert dash.poller.running
-        # the reading that saw the requests arrive shows a rate; later idle readings fall back to 0
-        rates = []
-        dash.observe(lambda ch: rates.append(dash.figures_for("linear").inferences_per_s), "snapshot")
+        # the reading that sees the new request shows it in the histogram with a rate, and idle
+        # readings after it fall back to 0. The poller sets the figures before it pushes the trait, so
+        # the first push observed may still be the reading that saw the first 11: each reading is kept
+        # whole and the one with the new batch is looked for, not the first one to arrive.
+        readings = []
+        dash.observe(lambda ch: readings.append((lambda f: (f.inferences_per_s, f.batch_sizes))(
+            dash.figures_for("linear"))), "snapshot")
         infer_linear(standalone.url, 4)
-        wait_for(lambda: any(r > 0 for r in rates))
-        assert dash.figures_for("linear").batch_sizes == {2: 1, 3: 3, 4: 1}
+        new_batch = {2: 1, 3: 3, 4: 1}
+        wait_for(lambda: any(r > 0 and b == new_batch for r, b in readings))
+        seen = next(i for i, (r, b) in enumerate(readings) if b == new_batch)
+        assert readings[seen][0] > 0
+        wait_for(lambda: len(readings) > seen + 1 and readings[-1] == (0, new_batch))
     finally:
         dash.close()
     assert not dash.poller.running
