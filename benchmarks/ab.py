@@ -10,6 +10,8 @@ usage: .venv/bin/python benchmarks/ab.py --baseline /tmp/base [--protocols grpc]
        [--concurrency 1 32] [--interval-ms 3000] [--out benchmarks/results/ab.md]
        [--new /tmp/change]        (the new side from another checkout too; default: this one)
        [--tensor json] [--batch 64]   (JSON tensors, [64,256] requests: the JSON path)
+       [--busy-poll-us 200]       (both servers' polling window)
+       [--queue-delay-us 2000]    (the models' queue delay)
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.models import ONNX_MODEL, PYTHON_MODEL, build_repository  # noqa: E402
+from benchmarks.models import ONNX_MODEL, PYTHON_MODEL, QUEUE_DELAY_US, build_repository  # noqa: E402
 from benchmarks.run import (HOST, Measurement, Ours, Row, find_perf_analyzer, log,  # noqa: E402
                             measure, perf_analyzer, summarize)
 
@@ -40,11 +42,12 @@ class Baseline(Ours):
         self.source = source
         self.label = f"{name} ({source}), {self.label.rsplit(', ', 1)[-1]}"
         self.log_name = f"{name}-{model}"
+        self.flags: list[str] = []              # more `serve` flags, the same on both sides
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         cmd, env = super().command()
         env = dict(env, PYTHONPATH=str(self.source))
-        return [sys.executable, "-m", "jupyter_triton.cli", *cmd[cmd.index("serve"):]], env
+        return [sys.executable, "-m", "jupyter_triton.cli", *cmd[cmd.index("serve"):], *self.flags], env
 
 
 def main() -> int:
@@ -58,6 +61,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--interval-ms", type=int, default=3000)
+    ap.add_argument("--busy-poll-us", type=int, help="both servers' polling window (default: serve's)")
+    ap.add_argument("--queue-delay-us", type=int,
+                    help=f"the models' max_queue_delay_microseconds (default {QUEUE_DELAY_US})")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "ab.md")
     args = ap.parse_args()
     pa = find_perf_analyzer()
@@ -76,9 +82,16 @@ def main() -> int:
         for model in args.models:
             repository = workdir / f"repository-{model}"
             build_repository(repository, (model,))
-            new = (Baseline(workdir, repository, model, args.new.resolve(), name="ours") if args.new
-                   else Ours(workdir, repository, model))
+            if args.queue_delay_us is not None:
+                config = repository / model / "config.pbtxt"
+                config.write_text(config.read_text().replace(
+                    f"max_queue_delay_microseconds: {QUEUE_DELAY_US}",
+                    f"max_queue_delay_microseconds: {args.queue_delay_us}"))
+            # the new side from its own checkout too: the installed package may be another's
+            new = Baseline(workdir, repository, model, (args.new or HERE.parent).resolve(), name="ours")
             for target in (new, Baseline(workdir, repository, model, base)):
+                if args.busy_poll_us is not None:
+                    target.flags = ["--busy-poll-us", str(args.busy_poll_us)]
                 targets.append(target)
                 rows[(target.name, model)] = [Row(target.name, model, p, c, tensor=args.tensor, batch=args.batch)
                                               for c in args.concurrency for p in args.protocols]
@@ -105,7 +118,10 @@ def main() -> int:
                     target.stop()
     lines = [f"# ours ({args.new or 'this checkout'}, {ours_commit}) / baseline ({base}, {commit}): "
              f"{args.rounds} alternating rounds, medians, {args.interval_ms} ms windows, "
-             f"{args.tensor} tensors [{args.batch},256], load avg at end {os.getloadavg()[0]:.1f}", "",
+             f"{args.tensor} tensors [{args.batch},256], queue delay "
+             f"{QUEUE_DELAY_US if args.queue_delay_us is None else args.queue_delay_us} us, busy poll "
+             f"{'serve default' if args.busy_poll_us is None else f'{args.busy_poll_us} us'}, "
+             f"load avg at end {os.getloadavg()[0]:.1f}", "",
              "| model | protocol | c | new infer/s | base infer/s | ratio | new p50 ms | base p50 ms "
              "| new CPU us/inf | base CPU us/inf | CPU ratio |", "|" + "---|" * 11]
     for model in args.models:

@@ -12,6 +12,7 @@ moves; other load on the machine stretches wall time far more than it moves CPU 
 
     .venv/bin/python benchmarks/loop_cpu.py --a /tmp/change --b /tmp/base [--protocol http]
         [--concurrency 1] [--tensor json] [--batch 64] [--bursts 8] [--requests 400]
+        [--busy-poll-us 1000]      (the polling's CPU too, as `serve` runs by default)
 """
 from __future__ import annotations
 
@@ -51,14 +52,16 @@ class Checkout(Ours):
         self.source = source
         self.label = f"{name} ({source})"
         self.log_name = name
+        self.busy_poll_us = 0
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         cmd, env = super().command()
         # CPU spent on work, not on busy polling (engine/busy_poll.py), which fills what
-        # the cores leave idle and would hide a change's cost at low concurrency
+        # the cores leave idle and would hide a change's cost at low concurrency; unless
+        # what is measured is the polling itself (--busy-poll-us)
         polls = "--busy-poll-us" in (self.source / "jupyter_triton" / "cli.py").read_text()
         return ([sys.executable, "-m", "jupyter_triton.cli", *cmd[cmd.index("serve"):],
-                 *(["--busy-poll-us", "0"] if polls else [])],
+                 *(["--busy-poll-us", str(self.busy_poll_us)] if polls else [])],
                 dict(env, PYTHONPATH=str(self.source)))
 
 
@@ -92,6 +95,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=8)
     ap.add_argument("--requests", type=int, default=400, help="requests per perf_analyzer window")
+    ap.add_argument("--busy-poll-us", type=int, default=0,
+                    help="the servers' polling window (default 0: CPU on work only)")
     args = ap.parse_args()
     pa = find_perf_analyzer()
     if pa is None:
@@ -103,6 +108,8 @@ def main() -> int:
         build_repository(repository, (args.model,))
         servers = [Checkout(workdir, repository, args.model, args.a.resolve(), "a"),
                    Checkout(workdir, repository, args.model, args.b.resolve(), "b")]
+        for server in servers:
+            server.busy_poll_us = args.busy_poll_us
         results: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
         try:
             for server in servers:

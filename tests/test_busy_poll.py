@@ -23,6 +23,7 @@ from jupyter_triton.engine.busy_poll import BusyPoll
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WINDOW_S = 0.4      # long beside a request (~1 ms), short beside the test
+DELAY_S = 1.5 * WINDOW_S
 
 
 def cpu_seconds(pid: int) -> float:
@@ -90,6 +91,10 @@ def repo(tmp_path: Path) -> Path:
     # a batch of two requests: the worker's busy polling is for batches of one
     process_model(root, "paired", extra="dynamic_batching { preferred_batch_size: [ 2 ] "
                                          "max_queue_delay_microseconds: 2000000 }")
+    # one request waits out a queue delay longer than the window, or one within it
+    for name, delay_s in (("waiting", DELAY_S), ("brief", WINDOW_S / 2)):
+        process_model(root, name, extra="dynamic_batching { preferred_batch_size: [ 2 ] "
+                                        f"max_queue_delay_microseconds: {int(delay_s * 1e6)} }}")
     (root / "onnx_linear" / "1").mkdir(parents=True)
     (root / "onnx_linear" / "config.pbtxt").write_text(
         'name: "onnx_linear" backend: "onnxruntime" max_batch_size: 8')
@@ -156,6 +161,38 @@ def test_serve_polls_after_a_request_and_sleeps_when_quiet(repo: Path):
         client.infer("ensemble_of_onnx", [row])
         (loop_s,) = spent([proc.pid], WINDOW_S / 2)
         assert loop_s < WINDOW_S / 20, f"the loop polled for an ensemble of such a model ({loop_s:.3f} s)"
+    finally:
+        client.close()
+        stop(proc)
+
+
+def test_a_delay_past_the_window_is_slept_through_and_polled_at_its_end(repo: Path):
+    proc, url = serve(repo, "--busy-poll-us", str(int(WINDOW_S * 1e6)))
+    client = httpclient.InferenceServerClient(url, network_timeout=60)
+    try:
+        load(client, proc.pid, "waiting")
+        load(client, proc.pid, "brief")
+        client.infer("brief", request(0.0))
+        time.sleep(WINDOW_S * 2)
+        # a delay within the window: polled through, as any wait after a request
+        result = client.async_infer("brief", request(2.0))
+        time.sleep(WINDOW_S / 20)
+        (loop_s,) = spent([proc.pid], WINDOW_S / 4)
+        assert loop_s > WINDOW_S / 20, f"the server slept through a delay within its window ({loop_s:.3f} s)"
+        assert result.get_result(timeout=30).as_numpy("OUTPUT0")[0, 0] == 2.0
+        # a delay past it: nothing of the request's can happen before its deadline
+        client.infer("waiting", request(0.0))
+        time.sleep(WINDOW_S * 2)
+        sent = time.monotonic()
+        result = client.async_infer("waiting", request(1.0))
+        time.sleep(WINDOW_S / 8)                # arrived: its batch waits for the deadline
+        (loop_s,) = spent([proc.pid], WINDOW_S / 2)
+        assert loop_s < WINDOW_S / 20, f"the server polled while its one request waited ({loop_s:.3f} s)"
+        answer = result.get_result(timeout=30).as_numpy("OUTPUT0")
+        assert time.monotonic() - sent >= DELAY_S and answer[0, 0] == 1.0
+        # polling again from just before the deadline: for the answer, and the next request
+        (loop_s,) = spent([proc.pid], WINDOW_S / 2)
+        assert loop_s > WINDOW_S / 10, f"the server slept after the deadline ({loop_s:.3f} s of CPU)"
     finally:
         client.close()
         stop(proc)

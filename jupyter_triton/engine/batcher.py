@@ -48,7 +48,7 @@ import functools
 import logging
 from collections import deque
 from itertools import chain
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -126,6 +126,9 @@ class DynamicBatcher(Scheduler):
         self._defer_ok = not self.preserve_ordering
         # Whether the last batch held one request (see _pump: only then is a batch deferred).
         self._solo = True
+        # told of each wait for a deadline (the requests the batch holds so far, the deadline):
+        # the engine's BusyPoll.rest, where the model's loop polls for its requests
+        self.on_wait: Callable[[int, int], object] | None = None
         pool.on_release = self._pump
         self._inflight: set[asyncio.Future] = set()
         self._order: deque[tuple[Pending, asyncio.Future]] = deque()
@@ -255,12 +258,14 @@ class DynamicBatcher(Scheduler):
                         self._unqueue(p, self._where[p])
                     continue
                 if not batch:
-                    if self._defer_ok and self._solo and not self._timed and self.pool.can_hold():
-                        self._hold(taken, now + wait_ns)
-                        break
                     deadline = now + wait_ns
                     if self._timed:
                         deadline = min(deadline, self._next_timeout_ns())
+                    if self.on_wait is not None:
+                        self.on_wait(len(taken), deadline)
+                    if self._defer_ok and self._solo and not self._timed and self.pool.can_hold():
+                        self._hold(taken, deadline)
+                        break
                     # Usually the deadline already set (oldest request + delay): then a no-op.
                     self._alarm.set(deadline)
                     return

@@ -196,6 +196,8 @@ class ModelVersion:
         else:
             self.scheduler = (DynamicBatcher(self.config, self.pool, self.stats)
                               if self.config.HasField("dynamic_batching") else DirectScheduler(self.pool, self.config))
+            if self.busy_poll is not None and isinstance(self.scheduler, DynamicBatcher):
+                self.scheduler.on_wait = self.busy_poll.rest
         self.load_seconds = time.monotonic() - start
         self.stats.load_seconds = self.load_seconds
         self.status = VersionStatus(READY)
@@ -237,8 +239,9 @@ class ModelVersion:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        if self.busy_poll is not None:
-            self.busy_poll.touch(loop)
+        busy_poll = self.busy_poll
+        if busy_poll is not None:
+            busy_poll.touch(loop)
         future = loop.create_future()
         pending = Pending(request, inputs, rows, future, priority=priority, timeout_ns=timeout_ns)
         self._inflight += 1
@@ -260,6 +263,8 @@ class ModelVersion:
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
             raise
         finally:
+            if busy_poll is not None:
+                busy_poll.left()
             self._inflight -= 1
             self._futures.discard(future)
             if not pending.started:
