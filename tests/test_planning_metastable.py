@@ -54,3 +54,18 @@ def test_a_stable_config_is_not_flagged():
     assert replica_range(rows[(4000, "c=4")], "mean_batch") == pytest.approx((4.0, 4.0), abs=0.02)
     assert not any(r["metastable"] for r in p.results), [describe_range(r) for r in p.results]
     assert all(describe_range(r) == "" for r in p.results)
+
+
+def test_clients_started_together_stay_together_in_one_replica():
+    """Nothing here parts or bunches the groups (no late return, no stall): each state lasts
+    from the start. Spread over a round trip, four clients split into two groups; started
+    together (a row's first replica: perf_analyzer's clients often do), they stay one batch.
+    The row shows both."""
+    service = ServiceModel("m", "1", {b: [4 * MS] * 5 for b in (1, 2, 4)}, overhead_ns=300 * US,
+                           overhead_samples=[300 * US] * 51, loop_ns=100 * US)
+    p = CapacityPlan("m", CONFIG, service, [Load("concurrency", 4.0)], [(4, 1000, 1)], requests=4000, replicas=4)
+    [row] = p.results
+    batches = [r["mean_batch"] for r in row["replicas"]]
+    assert batches[0] == pytest.approx(4.0, abs=0.02), batches
+    assert batches[1:] == pytest.approx([2.0] * 3, abs=0.02), batches
+    assert row["metastable"]

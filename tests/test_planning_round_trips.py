@@ -100,8 +100,8 @@ def test_a_load_meets_more_holds_up_to_the_bursts():
 def test_holds_fitted_to_the_bursts_tail_where_no_stall_gives_it():
     """No stall seen, and the saturating burst's p99 longer than its simulation with one
     client's holds: the holds come as often as gives that p99 at the burst's load (the clients'
-    and the server's CPU competing for the cores). A p99 the simulation already gives: as one
-    client's."""
+    and the server's CPU competing for the cores). A p99 the simulation already gives, or one
+    that even the most holds do not give: as one client's."""
     from jupyter_triton.planning.service import BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls
     trips = round_trips()
 
@@ -119,3 +119,7 @@ def test_holds_fitted_to_the_bursts_tail_where_no_stall_gives_it():
     short = service(round_trip_ns=trips, burst_qps=1000.0)
     _fit_stalls(short, CONFIG, Burst(4 * MS, 4.0, 4 * MS, 0, [], 0.0, 0.0, 1000.0, int(plain - MS), 8000))
     assert short.hold_scale == 1.0
+    # a tail no number of these holds gives: not theirs, so as one client met them
+    beyond = service(round_trip_ns=trips, burst_qps=1000.0)
+    _fit_stalls(beyond, CONFIG, Burst(4 * MS, 4.0, 4 * MS, 0, [], 0.0, 0.0, 1000.0, int(plain + 50 * MS), 8000))
+    assert beyond.hold_scale == 1.0

@@ -51,7 +51,8 @@ saturating, then one client) measure what the c=1 sweep cannot see:
   (none seen, or the burst's tail longer than four times their lengths give: measured in 7 of 9
   validation runs), that tail is holds shorter than a cycle (below), more a second under load
   than one client met: ``hold_scale``, fitted the same way, is how many times as many at the
-  burst's request rate (``ServiceModel.hold_load``).
+  burst's request rate (``ServiceModel.hold_load``); where no scale up to ``HOLD_SCALE_MAX`` gives
+  it either, the holds stay as one client met them.
 
 The burst's clients run in a process of their own (in the kernel's they would take the GIL
 from an in-kernel server). What it measures is this machine at that moment: on a shared
@@ -596,7 +597,8 @@ def _fit_stalls(result: ServiceModel, config: dict, busy: "Burst", requests: int
     Where the stalls cannot give that tail (none seen, or the longest scale still short: the
     burst's tail is made of holds shorter than a cycle, more of them under its load than one
     client met), the holds come ``hold_scale`` times as often at the burst's load: the scale
-    whose simulated burst has the burst's p99 (``ServiceModel.hold_load``)."""
+    whose simulated burst has the burst's p99 (``ServiceModel.hold_load``); 1 where none up to
+    ``HOLD_SCALE_MAX`` gives it."""
     from .capacity import CapacityPlan, Load
     if not busy.p99_ns:
         return
@@ -639,7 +641,11 @@ def _fit_stalls(result: ServiceModel, config: dict, busy: "Burst", requests: int
     if result.holds()[0]:
         def holds(scale: float) -> None:
             result.hold_scale = scale
-        largest_within(holds, 1.0, HOLD_SCALE_MAX)
+        if largest_within(holds, 1.0, HOLD_SCALE_MAX) >= HOLD_SCALE_MAX:
+            # Not even the most holds give that tail: holds of these lengths are not what made
+            # it, and as many more of them would only part the groups of clients a batch
+            # answers together (the merged state at c=4), so they stay as one client met them.
+            result.hold_scale = 1.0
 
 
 def server_thread(connection: Connection, pid: int | None = None) -> tuple[int, int] | None:
