@@ -170,8 +170,8 @@ def test_a_delay_past_the_window_is_slept_through_and_polled_at_its_end(repo: Pa
     proc, url = serve(repo, "--busy-poll-us", str(int(WINDOW_S * 1e6)))
     client = httpclient.InferenceServerClient(url, network_timeout=60)
     try:
-        load(client, proc.pid, "waiting")
-        load(client, proc.pid, "brief")
+        waiting = load(client, proc.pid, "waiting")
+        brief = load(client, proc.pid, "brief")
         client.infer("brief", request(0.0))
         time.sleep(WINDOW_S * 2)
         # a delay within the window: polled through, as any wait after a request
@@ -180,6 +180,9 @@ def test_a_delay_past_the_window_is_slept_through_and_polled_at_its_end(repo: Pa
         (loop_s,) = spent([proc.pid], WINDOW_S / 4)
         assert loop_s > WINDOW_S / 20, f"the server slept through a delay within its window ({loop_s:.3f} s)"
         assert result.get_result(timeout=30).as_numpy("OUTPUT0")[0, 0] == 2.0
+        # ... and its worker polls after the batch: a next request's batch may come in the window
+        (worker_s,) = spent([brief], WINDOW_S / 4)
+        assert worker_s > WINDOW_S / 20, f"the worker slept after a batch of one ({worker_s:.3f} s)"
         # a delay past it: nothing of the request's can happen before its deadline
         client.infer("waiting", request(0.0))
         time.sleep(WINDOW_S * 2)
@@ -190,9 +193,11 @@ def test_a_delay_past_the_window_is_slept_through_and_polled_at_its_end(repo: Pa
         assert loop_s < WINDOW_S / 20, f"the server polled while its one request waited ({loop_s:.3f} s)"
         answer = result.get_result(timeout=30).as_numpy("OUTPUT0")
         assert time.monotonic() - sent >= DELAY_S and answer[0, 0] == 1.0
-        # polling again from just before the deadline: for the answer, and the next request
-        (loop_s,) = spent([proc.pid], WINDOW_S / 2)
+        # polling again from just before the deadline: for the answer, and the next request;
+        # not the worker: a next batch of one would wait out the delay too
+        loop_s, worker_s = spent([proc.pid, waiting], WINDOW_S / 2)
         assert loop_s > WINDOW_S / 10, f"the server slept after the deadline ({loop_s:.3f} s of CPU)"
+        assert worker_s < WINDOW_S / 20, f"the worker polled for a batch the delay holds ({worker_s:.3f} s)"
     finally:
         client.close()
         stop(proc)

@@ -161,7 +161,7 @@ class ModelVersion:
             backend = cls(self.config, files, spec)
             backend.server_calls = calls
             if self.busy_poll is not None:
-                backend.busy_poll_us = self.busy_poll.window_us
+                backend.busy_poll_us = self.busy_poll.worker_window_us(self.config)
             backend.load()
             instance = Instance(backend)
             if (group is not None and group.HasField("rate_limiter") and self.rate_limiter is not None
