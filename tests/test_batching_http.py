@@ -103,16 +103,36 @@ class Outcome:
 
 
 def run_calls(server, model: str, calls: list[Call]) -> list[Outcome]:
-    """Make ``calls`` concurrently, one thread and one client each; outcomes in call order."""
+    """Make ``calls`` concurrently, one thread and one client each; outcomes in call order.
+
+    A call is sent ``at`` seconds after the common start and not before every call with an
+    earlier ``at`` reached the model's scheduler: on a busy machine a thread can lose its
+    lead of a few hundred milliseconds, and the test would see another arrival order."""
     url = f"127.0.0.1:{server.http_port}"
     barrier = threading.Barrier(len(calls))
+    arrived = threading.Semaphore(0)
+    schedulers = [mv.scheduler for mv in server.engine.models() if mv.name == model]
+    assert schedulers, f"{model} is not loaded"
+
+    def counted(submit):
+        async def submit_and_count(pending):
+            try:
+                return await submit(pending)
+            finally:
+                arrived.release()          # queued, running or refused: it is there
+        return submit_and_count
 
     def one(call: Call) -> Outcome:
         client = httpclient.InferenceServerClient(url, network_timeout=30)
+        earlier = sum(c.at < call.at for c in calls)
         try:
             barrier.wait(timeout=30)
             start = time.monotonic()      # every thread leaves the barrier within a few ms
             time.sleep(call.at)
+            with seen_lock:
+                while seen[0] < earlier:
+                    assert arrived.acquire(timeout=10), "an earlier call never reached the server"
+                    seen[0] += 1
             sent = time.monotonic()
             try:
                 result = client.infer(model, request(call.ident, call.extra_sleep_s),
@@ -124,8 +144,15 @@ def run_calls(server, model: str, calls: list[Call]) -> list[Outcome]:
         finally:
             client.close()
 
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        return list(pool.map(one, calls, timeout=60))
+    seen, seen_lock = [0], threading.Lock()
+    for scheduler in schedulers:
+        scheduler.submit = counted(scheduler.submit)
+    try:
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return list(pool.map(one, calls, timeout=60))
+    finally:
+        for scheduler in schedulers:
+            del scheduler.submit           # the class's own again
 
 
 def model_stats(client, model: str) -> dict:
