@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -325,6 +325,22 @@ def assert_survived(server: ServerProcess, before_mib: float, max_growth: float 
         time.sleep(0.2)
     assert growth < max_growth, f"{server.name} RSS grew {growth:.0f} MiB"
     return growth
+
+
+def repeats_add_nothing(attack_and_measure: Callable[[], float], name: str,
+                        repeat_mib: float) -> list[float]:
+    """Run ``attack_and_measure`` (one attack; it returns the RSS growth since before the
+    first) twice: the repeat must add under ``repeat_mib``. Where it did add, a third attack
+    must not: malloc may keep what one attack freed (glibc raises its mmap threshold to the
+    largest block freed, so the next large buffers come from heaps it gives back only from
+    the top) and hand it to the next attack, while a leak of ``repeat_mib`` an attack grows
+    each time. Returns the growths."""
+    growths = [attack_and_measure(), attack_and_measure()]
+    if growths[1] >= max(growths[0], 0) + repeat_mib:
+        growths.append(attack_and_measure())
+    assert growths[-1] < max(growths[-2], 0) + repeat_mib, \
+        f"{name}: the repeat grew RSS again: {[round(g, 1) for g in growths]} MiB"
+    return growths
 
 
 # -- raw HTTP/2 ----------------------------------------------------------------------------

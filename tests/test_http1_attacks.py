@@ -27,7 +27,8 @@ import pytest
 
 from conftest import INFER_KEY, W
 from hostile import (LEGIT_DEADLINE_S, MAX_GROWTH_MIB, ServerProcess, free_port, legit_http_infer,
-                     legit_infer, probing, start_jupyter, start_standalone)
+                     legit_infer, probing, repeats_add_nothing, start_jupyter,
+                     start_standalone)
 
 MAX_INPUT = 4 * 1024 * 1024
 LIMITS = {"header_timeout": 1.0, "idle_timeout": 1.0, "max_connections": 48,
@@ -188,17 +189,18 @@ def run_twice(t: Target, hostile: Callable[[], Outcome], check: Callable[[Outcom
     """The attack twice under a legitimate client's eye; RSS and liveness after each."""
     server = t.server
     before = server.rss()
-    growth = []
-    for _ in range(2):
+
+    def once() -> float:
         with probing(server, http=http_probe):
             check(hostile())
         assert server.alive(), server.log_tail()
         assert legit_http_infer(server) < LEGIT_DEADLINE_S
         assert legit_infer(server) < LEGIT_DEADLINE_S
-        growth.append(settled_growth(server, before))
-    assert growth[0] < MAX_GROWTH_MIB, f"{t.name}: RSS grew {growth[0]:.0f} MiB"
-    assert growth[1] - growth[0] < REPEAT_GROWTH_MIB, \
-        f"{t.name}: the repeat added {growth[1] - growth[0]:.0f} MiB"
+        growth = settled_growth(server, before)
+        assert growth < MAX_GROWTH_MIB, f"{t.name}: RSS grew {growth:.0f} MiB"
+        return growth
+
+    repeats_add_nothing(once, t.name, REPEAT_GROWTH_MIB)
 
 
 def settled_growth(server: ServerProcess, before: float, settle_s: float = 2.0) -> float:
