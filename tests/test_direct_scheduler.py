@@ -7,7 +7,6 @@ import http.client
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,43 +51,14 @@ def client(server):
 
 
 def test_a_full_direct_queue_answers_503_at_once(server, client, repo):
-    # one runs (0.8 s), two wait (the bound is 2), the fourth finds the queue full. Each
-    # call is sent once the server holds the one before (not after a fixed sleep: a busy
-    # CI machine delayed the first past the others).
-    [served] = [mv for mv in server.engine.models() if mv.name == "direct_bounded"]
-    url = f"127.0.0.1:{server.http_port}"
-
-    def until(predicate) -> None:
-        deadline = time.monotonic() + 10
-        while not predicate():
-            assert time.monotonic() < deadline, "the server never got the request"
-            time.sleep(0.005)
-
-    def infer(ident: int):
-        c = httpclient.InferenceServerClient(url, network_timeout=30)
-        try:
-            return c.infer("direct_bounded", request(ident)).as_numpy("OUTPUT0")
-        finally:
-            c.close()
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        first = pool.submit(infer, 1)
-        until(lambda: served.pool.idle_count() == 0)
-        second = pool.submit(infer, 2)
-        until(lambda: served.pending_count == 1)
-        third = pool.submit(infer, 3)
-        until(lambda: served.pending_count == 2)
-        start = time.monotonic()
-        with pytest.raises(InferenceServerException) as refused:
-            client.infer("direct_bounded", request(4))
-        elapsed = time.monotonic() - start
-        assert first.result(timeout=30)[0, 0] == 1     # the first still ran when 4 came
-        answers = [second.result(timeout=30), third.result(timeout=30)]
-    assert refused.value.status() == "503"
-    assert "Exceeds maximum queue size" in refused.value.message()
-    assert "default_max_queue_size 2" in refused.value.message()
-    assert elapsed < 0.3
-    assert [a[0, 0] for a in answers] == [2, 3]
+    # one runs (0.8 s), two wait (the bound is 2), the fourth finds the queue full
+    calls = [Call(1), Call(2, at=0.2), Call(3, at=0.3), Call(4, at=0.45)]
+    first, second, third, refused = run_calls(server, "direct_bounded", calls)
+    assert refused.error is not None and refused.error.status() == "503"
+    assert "Exceeds maximum queue size" in refused.error.message()
+    assert "default_max_queue_size 2" in refused.error.message()
+    assert refused.elapsed < 0.3
+    assert all(o.error is None for o in (first, second, third))
     assert ids_in_execution_order(repo / "direct_bounded") == [1, 2, 3]   # arrival order
     assert model_stats(client, "direct_bounded")["inference_stats"]["fail"]["count"] == 1
     # the queue drained: the bound counts waiting requests, not past ones
