@@ -110,7 +110,8 @@ def run_calls(server, model: str, calls: list[Call]) -> list[Outcome]:
     lead of a few hundred milliseconds, and the test would see another arrival order."""
     url = f"127.0.0.1:{server.http_port}"
     barrier = threading.Barrier(len(calls))
-    arrived = threading.Semaphore(0)
+    arrivals = threading.Condition()
+    arrived = [0]                          # calls that reached the scheduler
     schedulers = [mv.scheduler for mv in server.engine.models() if mv.name == model]
     assert schedulers, f"{model} is not loaded"
 
@@ -119,7 +120,9 @@ def run_calls(server, model: str, calls: list[Call]) -> list[Outcome]:
             try:
                 return await submit(pending)
             finally:
-                arrived.release()          # queued, running or refused: it is there
+                with arrivals:             # queued, running or refused: it is there
+                    arrived[0] += 1
+                    arrivals.notify_all()
         return submit_and_count
 
     def one(call: Call) -> Outcome:
@@ -129,10 +132,9 @@ def run_calls(server, model: str, calls: list[Call]) -> list[Outcome]:
             barrier.wait(timeout=30)
             start = time.monotonic()      # every thread leaves the barrier within a few ms
             time.sleep(call.at)
-            with seen_lock:
-                while seen[0] < earlier:
-                    assert arrived.acquire(timeout=10), "an earlier call never reached the server"
-                    seen[0] += 1
+            with arrivals:
+                assert arrivals.wait_for(lambda: arrived[0] >= earlier, timeout=10), \
+                    "an earlier call never reached the server"
             sent = time.monotonic()
             try:
                 result = client.infer(model, request(call.ident, call.extra_sleep_s),
@@ -144,7 +146,6 @@ def run_calls(server, model: str, calls: list[Call]) -> list[Outcome]:
         finally:
             client.close()
 
-    seen, seen_lock = [0], threading.Lock()
     for scheduler in schedulers:
         scheduler.submit = counted(scheduler.submit)
     try:
