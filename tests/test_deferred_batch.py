@@ -63,7 +63,7 @@ def run(coro):
 
 def test_a_lone_request_waits_the_whole_delay_then_runs_on_the_instance_thread():
     async def main():
-        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 30000 }")
+        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 }")
         p = pending(7)
         await b.submit(p)
         assert b._deferred is not None          # held by the thread, not by the loop's alarm
@@ -76,16 +76,18 @@ def test_a_lone_request_waits_the_whole_delay_then_runs_on_the_instance_thread()
     [(ids, start_ns, thread)] = log
     assert ids == [7] and thread == "triton-m_0_0"
     waited = start_ns - p.enqueue_ns
-    assert 30_000_000 <= waited < 30_000_000 + 20_000_000
-    assert stats.queue.count == 1 and 30_000_000 <= stats.queue.ns <= waited
+    # the delay, then the thread's wake-up: not a second delay (a busy machine's wake-up may
+    # take tens of ms; the timers' precision is test_batching_http's median test)
+    assert 300_000_000 <= waited < 2 * 300_000_000
+    assert stats.queue.count == 1 and 300_000_000 <= stats.queue.ns <= waited
 
 
 def test_requests_that_arrive_while_a_batch_is_held_join_it_and_keep_the_first_deadline():
     async def main():
-        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 60000 }")
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 600000 }")
         ps = [pending(0)]
         await b.submit(ps[0])
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)        # half the delay: the thread's wake-up has the rest
         for i in (1, 2):
             ps.append(pending(i))
             await b.submit(ps[-1])
@@ -96,8 +98,8 @@ def test_requests_that_arrive_while_a_batch_is_held_join_it_and_keep_the_first_d
     ps, results, log = run(main())
     [(ids, start_ns, _)] = log
     assert ids == [0, 1, 2]
-    assert start_ns - ps[0].enqueue_ns >= 60_000_000      # the oldest request's delay, in full
-    assert start_ns - ps[2].enqueue_ns < 60_000_000       # not the newest one's
+    assert start_ns - ps[0].enqueue_ns >= 600_000_000     # the oldest request's delay, in full
+    assert start_ns - ps[2].enqueue_ns < 600_000_000      # not the newest one's
     assert [int(r["OUT"].flat[0]) for r in results] == [0, 2, 4]
 
 

@@ -221,8 +221,9 @@ def _quietly(fn) -> None:
         print("upload ended:", err)
 
 
-def test_loads_of_one_model_are_serialized(model_repo):
+def test_loads_of_one_model_are_serialized(model_repo, tmp_path):
     server, client = serve(model_repo, model_control_mode="explicit")
+    started = tmp_path / "slow_started"
     results: dict[str, object] = {}
 
     def load(tag: str, config: str, files: dict) -> None:
@@ -234,12 +235,16 @@ def test_loads_of_one_model_are_serialized(model_repo):
             results[tag] = err
 
     try:
-        # slow holds the model's lock; good and broken are uploaded while it loads
+        # slow holds the model's lock; good and broken are uploaded while it loads (whichever
+        # of them comes first, the broken one is set aside and good serves: only slow's
+        # start is waited for)
         threads = [threading.Thread(target=load, args=args) for args in (
-            ("slow", py_config("race", INIT_SLEEP=2, VALUE=5), py_files()),
+            ("slow", py_config("race", INIT_SLEEP=2, VALUE=5, STARTED=started), py_files()),
             ("good", py_config("race", VALUE=7), py_files()),
             ("broken", py_config("race", FAIL_INIT=1), py_files()))]
-        for t in threads:
+        threads[0].start()
+        assert wait_for(started.exists, 60), "slow's load did not start"
+        for t in threads[1:]:
             t.start()
             time.sleep(0.4)
         for t in threads:

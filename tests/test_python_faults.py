@@ -22,6 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
+from python_models import started, wait_for_start
 from jupyter_triton.backends.base import InstanceSpec, ModelFiles
 from jupyter_triton.backends.python import PythonBackend
 from jupyter_triton.protocol.errors import Unavailable
@@ -229,9 +230,10 @@ def test_unload_and_stop_with_a_request_stuck_in_execute_are_bounded(tmp_path):
 
     try:
         pid = infer_pid(client)
+        before = started(client, "faulty")
         thread = threading.Thread(target=stuck, daemon=True)
         thread.start()
-        time.sleep(1.0)
+        wait_for_start(client, "faulty", before)
         start = time.monotonic()
         client.unload_model("faulty")
         wait_until(lambda: gone(pid), 15, "the worker stuck in execute is killed at unload")
@@ -242,8 +244,9 @@ def test_unload_and_stop_with_a_request_stuck_in_execute_are_bounded(tmp_path):
         # and the server itself stops in bounded time with a model loaded again and stuck
         client.load_model("faulty")
         pid = infer_pid(client)
+        before = started(client, "faulty")
         threading.Thread(target=stuck, daemon=True).start()
-        time.sleep(1.0)
+        wait_for_start(client, "faulty", before)
     finally:
         start = time.monotonic()
         server.close()

@@ -20,6 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
+from python_models import started, wait_for_start
 from jupyter_triton.model_logs import model_logs
 
 pytestmark = pytest.mark.timeout(120)
@@ -336,10 +337,11 @@ def test_a_bls_calling_and_logging_model_still_works(server):
 def test_unload_while_a_batch_runs_answers_it_and_finishes(server):
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}",
                                               network_timeout=60)
+    before = started(client, "scale")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         stuck = pool.submit(_infer, httpclient.InferenceServerClient(
             f"127.0.0.1:{server.http_port}", network_timeout=60), -1)
-        time.sleep(0.5)
+        wait_for_start(client, "scale", before)
         start = time.monotonic()
         client.unload_model("scale")
         with pytest.raises(InferenceServerException) as err:

@@ -288,12 +288,16 @@ def test_backlog_waits_for_a_free_slot(repo: Path, server) -> None:
     assert answer["v"] == 40
 
 
+IDLE_US = 1_500_000
+
+
 def test_idle_sequence_loses_its_slot(repo: Path, server) -> None:
-    accumulator(repo, max_batch_size=0, idle_us=300_000)
+    # an idle past any stall between two live requests of a busy machine, and slept past
+    accumulator(repo, max_batch_size=0, idle_us=IDLE_US)
     client = load(server, "acc")
     assert send(client, "acc", 4, 8, start=True) == 4
     assert send(client, "acc", 4, 8) == 8
-    time.sleep(0.8)
+    time.sleep(IDLE_US / 1e6 + 0.5)
     with pytest.raises(InferenceServerException) as err:
         send(client, "acc", 1, 8)
     assert "must specify the START flag" in str(err.value)
@@ -304,7 +308,8 @@ def test_idle_sequence_loses_its_slot(repo: Path, server) -> None:
 def test_oldest_batches_the_oldest_sequences(repo: Path, server) -> None:
     model_dir = accumulator(repo, max_batch_size=4, strategy=(
         "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] "
-        "max_queue_delay_microseconds: 200000 }"), corrid_type="TYPE_STRING", sleep_s=0.01)
+        # a delay no stall of the four senders outlasts: the preferred size sends each batch
+        "max_queue_delay_microseconds: 3000000 }"), corrid_type="TYPE_STRING", sleep_s=0.01)
     load(server, "acc")
     ids = ["s1", "s2", "s3", "s4"]
     got: dict[str, list[int]] = {sid: [] for sid in ids}
@@ -343,10 +348,14 @@ def test_unload_fails_backlogged_requests(repo: Path, server) -> None:
         except InferenceServerException as err:
             outcome["err"] = err
 
+    (acc,) = [mv for mv in server.engine.models() if mv.name == "acc"]
     waiter = threading.Thread(target=waiting)
     waiter.start()
-    waiter.join(0.5)
-    assert waiter.is_alive()
+    # backlogged: the server has it (an unload before it came would answer 404, no model)
+    deadline = time.monotonic() + 10
+    while acc.pending_count < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waiter.is_alive() and acc.pending_count == 1
     client.unload_model("acc")
     waiter.join(30)
     assert not waiter.is_alive()
@@ -530,7 +539,7 @@ name: "stateful"
 backend: "python"
 max_batch_size: 2
 sequence_batching {
-  max_sequence_idle_microseconds: 300000
+  max_sequence_idle_microseconds: 1500000
   control_input [
     { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }
   ]
@@ -548,7 +557,7 @@ output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
     assert result.as_numpy("OUTPUT").item() == 10
     assert result.as_numpy("STATE_OUT") is None
     assert send(client, "stateful", 1, "a", end=True) == 9
-    time.sleep(0.8)                      # 'b' idles past 300 ms: its state is gone
+    time.sleep(IDLE_US / 1e6 + 0.5)      # 'b' idles past 1.5 s: its state is gone
     with pytest.raises(InferenceServerException) as err:
         send(client, "stateful", 1, "b")
     assert "must specify the START flag" in str(err.value)
