@@ -264,29 +264,25 @@ def test_a_priority_above_the_levels_is_the_default_level(server):
 
 
 def test_two_instances_run_side_by_side(server, repo):
-    start = time.monotonic()
     outcomes = run_calls(server, "parallel", [Call(1), Call(2)])
-    wall = time.monotonic() - start
     assert all(o.error is None for o in outcomes)
-    # each execution sleeps 0.5 s: one after the other would take 1 s
-    assert max(o.elapsed for o in outcomes) < 0.9
-    assert wall < 1.5
     runs = executions(repo / "parallel")
     assert {r["instance"] for r in runs} == {"parallel_0_0", "parallel_0_1"}
+    # each execution sleeps 0.5 s; their own clocks say they overlapped (a client's wall time
+    # would also count a busy machine's stalls)
     a, b = runs
-    assert a["start"] < b["end"] and b["start"] < a["end"]            # overlapping in time
+    assert a["start"] < b["end"] and b["start"] < a["end"]
 
 
 @pytest.mark.parametrize("model,in_order", [("ordered", True), ("unordered", False)])
 def test_preserve_ordering(server, repo, model, in_order):
-    # 1 runs for 0.6 s on one instance; 2 arrives after it and is done at once on the other
-    slow, fast = run_calls(server, model, [Call(1, extra_sleep_s=0.6), Call(2, at=0.1)])
+    # 1 runs for 1 s on one instance; 2 arrives after it and is done at once on the other.
+    # Its client sees it about when 1's (held back until the earlier response left) or about
+    # 0.9 s before: half of that apart splits them, whatever a busy machine's client threads add.
+    slow, fast = run_calls(server, model, [Call(1, extra_sleep_s=1.0), Call(2, at=0.1)])
     assert slow.error is None and fast.error is None
     assert {r["instance"] for r in executions(repo / model)} == {f"{model}_0_0", f"{model}_0_1"}
-    if in_order:
-        assert fast.done >= slow.done - 0.05      # held back until the earlier response left
-    else:
-        assert fast.done < slow.done - 0.3
+    assert (fast.done >= slow.done - 0.5) == in_order, (fast.done, slow.done)
 
 
 def test_warmup_runs_before_the_model_is_ready(server, client, repo):

@@ -63,8 +63,10 @@ def test_a_simulated_grid_answers_from_its_table(kernel_server):
     for rows, samples in service.samples.items():
         assert len(samples) == 6
         assert min(samples) >= (3 + 0.25 * rows) * 1e6
-    assert service.median_ns(8) > service.median_ns(1) + 1e6      # 7 rows more: 1.75 ms more
-    assert service.median_ns(2) <= service.median_ns(3) <= service.median_ns(4)   # interpolated
+    # 7 rows more: 1.75 ms more (the fastest samples: a stall only adds)
+    assert min(service.samples[8]) > min(service.samples[1]) + 1e6
+    m2, m4 = service.median_ns(2), service.median_ns(4)
+    assert min(m2, m4) <= service.median_ns(3) <= max(m2, m4)      # interpolated
     assert service.median_ns(32) > service.median_ns(8)                  # extrapolated
     assert service.overhead_ns > 0
     # the saturating burst: an instance's hand-off per batch, the in-kernel server's event

@@ -72,9 +72,16 @@ def _x() -> list[grpcclient.InferInput]:
 def _hold(served: Served, n: int) -> queue.Queue:
     """Start ``n`` inferences that the batcher holds for HOLD_S; their results arrive later."""
     done: queue.Queue = queue.Queue()
+    (slow,) = [mv for mv in served.engine.models() if mv.name == "slow"]
+    before = slow.pending_count
     for _ in range(n):
         served.client.async_infer("slow", _x(), callback=lambda result, error: done.put((result, error)))
-    time.sleep(HOLD_S / 3)      # accepted by the server long before the batch runs
+    # queued (the batch leaves at the end of the delay): waited for, as a busy machine may
+    # deliver them late
+    deadline = time.monotonic() + HOLD_S
+    while slow.pending_count < before + n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slow.pending_count == before + n, "the held requests did not reach the batcher"
     return done
 
 
@@ -138,8 +145,12 @@ def test_stream_requests_share_the_byte_bound(slow_repo):
     results: queue.Queue = queue.Queue()
     served.client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
+        (slow,) = [mv for mv in served.engine.models() if mv.name == "slow"]
         served.client.async_stream_infer("slow", _x(), request_id="held")
-        time.sleep(HOLD_S / 3)
+        deadline = time.monotonic() + HOLD_S
+        while slow.pending_count < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow.pending_count == 1, "the held request did not reach the batcher"
         served.client.async_stream_infer("slow", _x(), request_id="refused")
         result, error = results.get(timeout=10 * HOLD_S)
         assert result is None and "bytes of requests in flight" in error.message()

@@ -237,11 +237,18 @@ async def test_rerunning_a_serve_cell_under_load_fails_no_request(server_kernel,
 
     sender = threading.Thread(target=load, daemon=True)
     sender.start()
+
+    async def answers_past(count: int) -> None:
+        # waited for, not slept: the sender shares this process (and its GIL) with the server
+        deadline = time.monotonic() + 30
+        while len(seen) < count + 2 and not failures and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     try:
-        await asyncio.sleep(0.5)
+        await answers_past(0)
         second = await in_thread(kernel.ok, ONNX_CELL.format(name="rolling", scale=2.0))
         third = await in_thread(kernel.ok, ONNX_CELL.format(name="rolling", scale=3.0))
-        await asyncio.sleep(0.5)
+        await answers_past(len(seen))       # at least one call sent after v3 was ready
     finally:
         stop.set()
         await in_thread(sender.join, 30)

@@ -36,19 +36,21 @@ model_warmup [{ name: "zeros" batch_size: 1 inputs { key: "X" value: { data_type
 '''
 
 
-def python_workers() -> int:
+def python_workers() -> set[int]:
     """Worker processes of python models: the template's children (backends/python/launch.py
     forks each worker from one template process, so a worker's command line is the
-    template's), not the template itself nor the resource tracker."""
-    count = 0
+    template's), not the template itself nor the resource tracker. Pids, not a count: an
+    earlier test's worker may still be exiting."""
+    found = set()
     for p in psutil.Process().children(recursive=True):
         try:
             parent = p.parent()
-            if parent is not None and "boot.py template" in " ".join(parent.cmdline()):
-                count += p.status() != psutil.STATUS_ZOMBIE
+            if parent is not None and "boot.py template" in " ".join(parent.cmdline()) \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.add(p.pid)
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue            # exited (or not yet reaped) while we looked: not a live worker
-    return count
+    return found
 
 
 def test_failed_warmup_fails_the_load_and_frees_the_worker(tmp_path):
@@ -72,10 +74,10 @@ def test_failed_warmup_fails_the_load_and_frees_the_worker(tmp_path):
         index = {r["name"]: r for r in client.get_model_repository_index()}
         assert index["picky"]["state"] == "UNAVAILABLE"
         deadline = time.monotonic() + 10
-        while python_workers() > baseline and time.monotonic() < deadline:
+        while python_workers() - baseline and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert python_workers() <= baseline, [" ".join(p.cmdline())[:200] for p in psutil.Process().children(recursive=True)]
+        assert not python_workers() - baseline, [" ".join(p.cmdline())[:200] for p in psutil.Process().children(recursive=True)]
         client.load_model("fine")
-        assert python_workers() == baseline + 1
+        assert len(python_workers() - baseline) == 1
     finally:
         server.close()
