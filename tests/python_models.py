@@ -4,7 +4,6 @@ when) to ``<model dir>/executions.jsonl`` so a test can see what the batcher for
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -85,18 +84,3 @@ def request(ident: float, extra_sleep_s: float = 0.0, rows: int = 1) -> list[htt
     inp.set_data_from_numpy(x)
     return [inp]
 
-
-def started(client: httpclient.InferenceServerClient, model: str) -> int:
-    """Requests of ``model`` that left its queue for an instance (Triton counts a request's
-    queue time when its batch starts)."""
-    return client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]["queue"]["count"]
-
-
-def wait_for_start(client: httpclient.InferenceServerClient, model: str, before: int,
-                   seconds: float = 30) -> None:
-    """Until a request beyond the ``before`` counted is running: a test that unloads under a
-    running request waits for it rather than sleeping, which a busy machine can outlast."""
-    deadline = time.monotonic() + seconds
-    while started(client, model) <= before:
-        assert time.monotonic() < deadline, f"no request of {model} started within {seconds:g} s"
-        time.sleep(0.02)

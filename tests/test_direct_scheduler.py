@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
 from python_models import executions, request, sleepy_model
+from server_waits import served_model, wait_for_queued
 from test_batching_http import Call, ids_in_execution_order, model_stats, run_calls
 
 BOUND_2 = 'parameters { key: "default_max_queue_size" value: { string_value: "2" } }'
@@ -77,14 +78,12 @@ def test_a_request_queued_behind_a_hung_execute_is_answered_by_unload(server, cl
     # requests 0.3 s: both must be answered then, the waiting one too.
     calls = [Call(1), Call(2, at=0.2)]
     unloaded: list[float] = []
-    (hung,) = [mv for mv in server.engine.models() if mv.name == "direct_hung"]
+    hung = served_model(server.engine, "direct_hung")
 
     def unload_soon():
         # once the second waits behind the first (on a busy machine it may come late: an
         # unload before it would answer it 404, no model, rather than what is tested here)
-        deadline = time.monotonic() + 10
-        while hung.pending_count < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_queued(hung, 1)
         c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}", network_timeout=30)
         unloaded.append(time.monotonic())
         c.unload_model("direct_hung")

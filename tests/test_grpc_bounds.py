@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -19,6 +18,7 @@ from conftest import W
 from jupyter_triton.engine import Engine, EngineOptions
 from jupyter_triton.frontends.grpc import start_grpc_server
 from onnx_models import linear
+from server_waits import served_model, wait_for_queued
 
 HOLD_S = 1.5
 SLOW_CONFIG = f"""\
@@ -72,16 +72,13 @@ def _x() -> list[grpcclient.InferInput]:
 def _hold(served: Served, n: int) -> queue.Queue:
     """Start ``n`` inferences that the batcher holds for HOLD_S; their results arrive later."""
     done: queue.Queue = queue.Queue()
-    (slow,) = [mv for mv in served.engine.models() if mv.name == "slow"]
+    slow = served_model(served.engine, "slow")
     before = slow.pending_count
     for _ in range(n):
         served.client.async_infer("slow", _x(), callback=lambda result, error: done.put((result, error)))
     # queued (the batch leaves at the end of the delay): waited for, as a busy machine may
     # deliver them late
-    deadline = time.monotonic() + HOLD_S
-    while slow.pending_count < before + n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert slow.pending_count == before + n, "the held requests did not reach the batcher"
+    wait_for_queued(slow, before + n, HOLD_S)
     return done
 
 
@@ -145,12 +142,8 @@ def test_stream_requests_share_the_byte_bound(slow_repo):
     results: queue.Queue = queue.Queue()
     served.client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        (slow,) = [mv for mv in served.engine.models() if mv.name == "slow"]
         served.client.async_stream_infer("slow", _x(), request_id="held")
-        deadline = time.monotonic() + HOLD_S
-        while slow.pending_count < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert slow.pending_count == 1, "the held request did not reach the batcher"
+        wait_for_queued(served_model(served.engine, "slow"), 1, HOLD_S)
         served.client.async_stream_infer("slow", _x(), request_id="refused")
         result, error = results.get(timeout=10 * HOLD_S)
         assert result is None and "bytes of requests in flight" in error.message()

@@ -22,7 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
-from python_models import started, wait_for_start
+from server_waits import started, wait_for_start
 from jupyter_triton.backends.base import InstanceSpec, ModelFiles
 from jupyter_triton.backends.python import PythonBackend
 from jupyter_triton.protocol.errors import Unavailable

@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
-from python_models import started, wait_for_start
+from server_waits import started, wait_for_start
 from jupyter_triton.model_logs import model_logs
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
+from server_waits import served_model, wait_for_queued
 
 # Triton's docs/examples simple_sequence, served by a python model: OUTPUT = INPUT + START
 # while READY (what NVIDIA's sequence example clients expect of it).
@@ -348,14 +349,11 @@ def test_unload_fails_backlogged_requests(repo: Path, server) -> None:
         except InferenceServerException as err:
             outcome["err"] = err
 
-    (acc,) = [mv for mv in server.engine.models() if mv.name == "acc"]
     waiter = threading.Thread(target=waiting)
     waiter.start()
     # backlogged: the server has it (an unload before it came would answer 404, no model)
-    deadline = time.monotonic() + 10
-    while acc.pending_count < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert waiter.is_alive() and acc.pending_count == 1
+    wait_for_queued(served_model(server.engine, "acc"), 1)
+    assert waiter.is_alive()
     client.unload_model("acc")
     waiter.join(30)
     assert not waiter.is_alive()

@@ -1,0 +1,38 @@
+"""Waits for what a server shows, for tests that must act once a request reached it (queued,
+or running) rather than after a sleep, which a busy machine can outlast."""
+from __future__ import annotations
+
+import time
+
+import tritonclient.http as httpclient
+
+
+def started(client: httpclient.InferenceServerClient, model: str) -> int:
+    """Requests of ``model`` that left its queue for an instance (Triton counts a request's
+    queue time when its batch starts)."""
+    return client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]["queue"]["count"]
+
+
+def wait_for_start(client: httpclient.InferenceServerClient, model: str, before: int,
+                   seconds: float = 30) -> None:
+    """Until a request beyond the ``before`` counted is running."""
+    deadline = time.monotonic() + seconds
+    while started(client, model) <= before:
+        assert time.monotonic() < deadline, f"no request of {model} started within {seconds:g} s"
+        time.sleep(0.02)
+
+
+def served_model(engine, model: str):
+    """The in-process engine's loaded version of ``model``."""
+    (found,) = [mv for mv in engine.models() if mv.name == model]
+    return found
+
+
+def wait_for_queued(model_version, count: int, seconds: float = 10) -> None:
+    """Until ``count`` requests of an in-process model wait in its queue (or sequence
+    backlog), not yet handed to an instance: Triton's pending request count."""
+    deadline = time.monotonic() + seconds
+    while model_version.pending_count < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert model_version.pending_count == count, \
+        f"{model_version.name}: {model_version.pending_count} requests queued, not {count}"
