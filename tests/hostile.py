@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from conftest import INFER_KEY, TOKEN, W, build_repository
+from ports import free_port
 
 PYTHON = sys.executable
 LEGIT_DEADLINE_S = 2.0
@@ -80,11 +81,6 @@ def hostile_repository(root: Path) -> Path:
     identity(TensorProto.INT32, root / "identity_big" / "1" / "model.onnx", dims="n")
     return root
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:

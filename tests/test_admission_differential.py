@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import INFER_KEY, TOKEN
+from ports import free_port
 
 BASE = "/user/alice/"
 ROW = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
@@ -38,11 +39,6 @@ class Server:
     xsrf: str = ""              # the _xsrf cookie's value
     log: Path = field(default_factory=Path)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(root: Path, repo: Path, fast_routes: bool) -> Server:

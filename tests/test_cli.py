@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,12 +13,8 @@ import pytest
 import tritonclient.http as httpclient
 
 from conftest import W
+from ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("argv0", [["jupyter-triton"], ["jupyter", "triton"]])

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from conftest import W
 from jupyter_triton.cli import build_parser, warn_open_repository
 from onnx_models import linear
-from test_cli import free_port
+from ports import free_port
 
 ADMIN = {"admin-key": "s3cret"}
 

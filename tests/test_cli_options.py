@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 from conftest import W
 from onnx_models import linear
 from python_models import request, sleepy_model
-from test_cli import free_port
+from ports import free_port
 
 COPY_CONFIG = json.dumps({"name": "copy", "backend": "onnxruntime", "max_batch_size": 8})
 

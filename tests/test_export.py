@@ -9,7 +9,6 @@ import os
 import queue
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +31,7 @@ from jupyter_triton.repository import Repository
 from jupyter_triton.repository.callable_format import pack_callable
 from jupyter_triton.standalone import start_in_thread
 from onnx_models import linear
+from ports import free_port
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
@@ -138,11 +138,6 @@ NOTEBOOK_CALLABLES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @contextlib.contextmanager
 def nvidia_tritonserver(repository: Path, workdir: Path):
@@ -170,8 +165,8 @@ def nvidia_tritonserver(repository: Path, workdir: Path):
     for source in (site / "numpy", site / "numpy.libs", Path(cloudpickle.__file__).parent):
         if source.exists():
             (packages / source.name).symlink_to(source)
-    http = _free_port()
-    grpc = _free_port()
+    http = free_port()
+    grpc = free_port()
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = ":".join(
         p for p in (sysconfig.get_config_var("LIBDIR"), str(site / "nvidia_pytriton.libs"),

@@ -26,7 +26,7 @@ from jupyter_triton.engine import Engine, EngineOptions
 from jupyter_triton.frontends.grpc import start_grpc_server
 from jupyter_triton.frontends.grpc_options import GrpcTLS
 from jupyter_triton.frontends.limits import HTTP2Limits
-from test_cli import free_port
+from ports import free_port
 
 EXE = str(Path(sys.executable).parent / "jupyter-triton")
 

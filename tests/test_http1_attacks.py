@@ -26,9 +26,10 @@ from typing import Callable, Iterable, Iterator
 import pytest
 
 from conftest import INFER_KEY, W
-from hostile import (LEGIT_DEADLINE_S, MAX_GROWTH_MIB, ServerProcess, free_port, legit_http_infer,
+from hostile import (LEGIT_DEADLINE_S, MAX_GROWTH_MIB, ServerProcess, legit_http_infer,
                      legit_infer, probing, repeats_add_nothing, start_jupyter,
                      start_standalone)
+from ports import free_port
 
 MAX_INPUT = 4 * 1024 * 1024
 LIMITS = {"header_timeout": 1.0, "idle_timeout": 1.0, "max_connections": 48,

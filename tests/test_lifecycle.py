@@ -7,7 +7,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import LINEAR_CONFIG, W, serve
 from onnx_models import linear
+from ports import free_port
 
 # A python model whose behaviour the config's parameters choose (thread mode: it loads in
 # a blink): VALUE to return, files to signal/hold initialize and execute, output size, a
@@ -154,14 +154,9 @@ def test_a_multi_version_upload_commits_all_or_nothing(model_repo):
         server.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_kill_9_mid_upload_then_restart_serves_the_previous_version(model_repo, tmp_path):
-    port = _free_port()
+    port = free_port()
     exe = Path(sys.executable).with_name("jupyter-triton")
     proc = subprocess.Popen(
         [str(exe), "serve", "--model-repository", str(model_repo), "--http-address", "127.0.0.1",

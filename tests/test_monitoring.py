@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ import tritonclient.http as httpclient
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -60,11 +60,6 @@ def test_dashboard_says_what_its_percentiles_need():
     assert histogram_panels and all("histogram_latencies=true" in p["description"] for p in histogram_panels)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _get(url: str, params: dict | None = None) -> dict:
     if params:
@@ -92,7 +87,7 @@ def test_prometheus_scrapes_the_dashboard_and_the_rules(model_repo: Path, tmp_pa
     loaders = [threading.Thread(target=_load, args=(server.http_port, stop), daemon=True) for _ in range(2)]
     for t in loaders:
         t.start()
-    web = _free_port()
+    web = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(f"""global:
   scrape_interval: 1s

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from server_waits import started, wait_for_start
 from jupyter_triton.backends.base import InstanceSpec, ModelFiles
 from jupyter_triton.backends.python import PythonBackend
 from jupyter_triton.protocol.errors import Unavailable
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -276,11 +276,6 @@ def test_backend_unload_kills_a_worker_stuck_in_execute(tmp_path):
 
 
 # --------------------------------------------------- killed servers (jupyter-triton serve)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServeProcess:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 VENV = Path(os.environ.get("JUPYTER_TRITON_PYTRITON_VENV")
             or Path.home() / ".cache" / "jupyter-triton-bench" / "pytriton-venv")
@@ -62,11 +62,6 @@ def tritonserver_dist() -> tuple[Path, str, str]:
     return dist, version, libdir
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class TritonServer:
     """One tritonserver process on 127.0.0.1 (explicit model control)."""
@@ -86,7 +81,7 @@ class TritonServer:
                 shutil.copy(dist / "backends" / "python" / name, python_dir / name)
             shutil.copy(dist / "python_backend_stubs" / version / "triton_python_backend_stub",
                         python_dir / "triton_python_backend_stub")
-        self.http_port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         env = dict(os.environ)
         libs = dist.parent.parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(libs), libdir, env.get("LD_LIBRARY_PATH"))
