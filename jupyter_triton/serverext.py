@@ -203,6 +203,13 @@ class TritonJupyterHandler(JupyterHandler):
             except Exception as err:        # tornado refuses some (as Jupyter logs them)
                 self.log.exception("Could not set default headers: %s", err)
 
+    def check_xsrf_cookie(self) -> None:
+        # Jupyter's prepare checks _xsrf before it refuses a request it found no user for, so a
+        # POST with no credential would be told about a form field: say what is missing.
+        if getattr(self, "_jupyter_current_user", ...) is None:
+            raise web.HTTPError(403, _authentication_required(api_group(type(self))))
+        super().check_xsrf_cookie()
+
     def check_host(self) -> bool:
         # Allowing a given Host header is constant (settings are fixed at start), except for
         # UNIX-socket paths, which Jupyter checks on disk each time. Refusals are not cached:
@@ -292,15 +299,26 @@ class TritonJupyterHandler(JupyterHandler):
             if self.request.method not in {"GET", "HEAD", "OPTIONS"}:
                 self.check_xsrf_cookie()
         else:
-            await super().prepare(_redirect_to_login=False)
+            try:
+                await super().prepare(_redirect_to_login=False)
+            except web.HTTPError as err:     # Jupyter's bare 403 for a request with no user
+                if (err.status_code == 403 and err.log_message is None
+                        and self.current_user is None and self.check_host()):
+                    raise web.HTTPError(403, _authentication_required(group)) from None
+                raise
             if self.current_user is None:
-                raise web.HTTPError(403, "authentication required")
+                raise web.HTTPError(403, _authentication_required(group))
         if not self.authorizer.is_authorized(self, self.current_user, action, AUTH_RESOURCE):
             raise web.HTTPError(403, f"not authorized to {action} {AUTH_RESOURCE}"
                                      + (f" (this credential does not reach the '{group}' API; "
                                         "inference keys never reach load/unload)"
                                         if self._key_authorizer else ""))
         self._triton_authorized = True
+
+
+def _authentication_required(group: str) -> str:
+    return (f"authentication required for the '{group}' API (Authorization: token <Jupyter token>, "
+            "or Bearer <inference key>; or a login cookie with its _xsrf)")
 
 
 def _guard(method):

@@ -450,3 +450,17 @@ async def test_every_port_shares_one_bytes_in_flight_budget(jp_triton, jp_http_p
     finally:
         await in_thread(c.close)
     np.testing.assert_allclose(out, np.ones((1, 16), np.float32) @ W, rtol=1e-5)
+
+
+async def test_a_call_without_credentials_is_told_what_is_missing(jp_triton, jp_fetch):
+    # Every method, not only GET: a POST used to be told "'_xsrf' argument missing from POST"
+    # (Jupyter checks its form field before it refuses a request it found no user for).
+    for method, route, body in (("GET", "v2/models/linear/config", None),
+                                ("POST", "v2/models/linear/infer", ROW),
+                                ("POST", "v2/repository/models/linear/load", "{}")):
+        with pytest.raises(HTTPClientError) as err:
+            await jp_fetch(route, method=method, body=body, headers={"Authorization": ""})
+        assert err.value.code == 403, (method, route)
+        error = json.loads(err.value.response.body)["error"]
+        assert "authentication required" in error and "Authorization: token" in error, error
+        assert "argument missing" not in error
