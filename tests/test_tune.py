@@ -151,6 +151,9 @@ def test_apply_swaps_to_the_best_config_with_zero_failed_requests(kernel_server)
     config = api._client().config("slow")
     assert config["max_batch_size"] == 8
     assert int(config["dynamic_batching"]["max_queue_delay_microseconds"]) == 500
+    # measured and served as written: the preferred size filled in for max_batch_size 4 is not
+    # carried over to cap batches of 8
+    assert config["dynamic_batching"]["preferred_batch_size"] == [8]
     assert [r["version"] for r in jt.models() if r["name"] == "slow" and r.get("state") == "READY"] \
         == [str(applied.version)]
 

@@ -248,6 +248,10 @@ def with_batching(base: dict, name: str, max_batch_size: int, max_queue_delay_us
     batching = dict(config.get("dynamic_batching") or {})
     batching["max_queue_delay_microseconds"] = int(max_queue_delay_us)
     preferred = [int(p) for p in batching.get("preferred_batch_size", []) if int(p) <= max_batch_size]
+    if preferred == [int(base.get("max_batch_size", 0))]:
+        # what Triton fills in for a config that names none (config/defaults.py): written back,
+        # it would cap every batch of a larger max_batch_size at the old one
+        preferred = []
     if preferred:
         batching["preferred_batch_size"] = preferred
     else:
