@@ -225,6 +225,14 @@ class TritonJupyterHandler(JupyterHandler):
             hosts.add(host)
         return allowed
 
+    def reaches(self, group: str) -> bool:
+        """Whether this request's caller may use API ``group`` besides this route's (asked by
+        the data plane before it shows what only that group may read)."""
+        if self._key_authorizer is not None:
+            return group in self._key_authorizer.groups
+        action = EXECUTE if group == MODEL_REPOSITORY else READ if group in _READ_GROUPS else WRITE
+        return bool(self.authorizer.is_authorized(self, self.current_user, action, AUTH_RESOURCE))
+
     def _jupyter_token_user(self, credential: str) -> User | None:
         """The user Jupyter's identity provider would find for a request that carries the
         server's token in its Authorization header and nothing else (no cookie, no ?token=),
@@ -368,8 +376,9 @@ class JupyterTriton(ExtensionApp):
                         ).tag(config=True)
     create_demo_model = Bool(True, help="write a small demo model into a new, empty default repository"
                              ).tag(config=True)
-    grpc_port = Int(-1, help="also serve Triton's gRPC protocol on this port (-1: off, 0: any free port)"
-                    ).tag(config=True)
+    grpc_port = Int(0, help="also serve Triton's gRPC protocol on this port (0, the default: a free port, "
+                            "which kernels find in the runtime file; -1: off). Each user's server gets "
+                            "its own: a fixed port would clash between users of one host").tag(config=True)
     grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds (loopback by default; it takes "
                                              "the same credentials as the HTTP routes, in 'authorization' "
                                              "metadata)").tag(config=True)
@@ -410,11 +419,13 @@ class JupyterTriton(ExtensionApp):
     keep_versions = Int(0, help="after an upload, keep the newest N versions of that model on disk and delete "
                                 "older ones that are not served (0: delete nothing)").tag(config=True)
     model_residency_bytes = Int(0, help="memory budget of the loaded models, bytes (tritonserver has no such "
-                                "flag; ours is --model-residency-bytes): a request for a model in the "
-                                "repository that is not loaded loads it, and idle models are unloaded, "
-                                "least recently used first, to stay within it. 0: no budget").tag(config=True)
-    max_loaded_models = Int(0, help="most models loaded at once, with the same load-on-demand and eviction "
+                                "flag; ours is --model-residency-bytes): idle models are unloaded, least "
+                                "recently used first, to make room for a load. 0: no budget").tag(config=True)
+    max_loaded_models = Int(0, help="most models loaded at once, with the same eviction "
                             "(--max-loaded-models). 0: no bound").tag(config=True)
+    load_on_demand = Bool(False, help="a request for a repository model that is not loaded loads it "
+                          "(--load-on-demand; off: Triton's 404, since a load runs the model's code). A "
+                          "model's config parameter load_on_demand says it for that model").tag(config=True)
     response_cache_size = Int(0, help="bytes of Triton's response cache (tritonserver's --cache-config "
                                       "local,size=<bytes>) for models whose config says "
                                       "response_cache { enable: true } (0: no cache)").tag(config=True)
@@ -477,7 +488,8 @@ class JupyterTriton(ExtensionApp):
             histogram_buckets_ms=tuple(self.histogram_buckets_ms), trace_config=list(self.trace_config),
             response_cache_size=self.response_cache_size,
             model_residency_bytes=self.model_residency_bytes,
-            max_loaded_models=self.max_loaded_models, busy_poll_us=self.busy_poll_us))
+            max_loaded_models=self.max_loaded_models, load_on_demand=self.load_on_demand,
+            busy_poll_us=self.busy_poll_us))
         self.server_token = secrets.token_urlsafe(32)
         # The server's one admission: the tornado routes, the fast lane, the data port and
         # gRPC share its bytes-in-flight budget; its credentials are set at start, once

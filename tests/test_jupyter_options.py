@@ -136,7 +136,7 @@ def _stop(proc: subprocess.Popen) -> str:
     return out.decode()
 
 
-@pytest.mark.parametrize("how", ["server-command-line", "lab-config-file"])
+@pytest.mark.parametrize("how", ["server-command-line", "lab-config-file", "lab-defaults"])
 def test_the_grpc_port_of_a_real_jupyter_command(tmp_path: Path, how: str):
     repo = tmp_path / "models"
     linear(W, repo / "linear" / "1" / "model.onnx")
@@ -144,11 +144,14 @@ def test_the_grpc_port_of_a_real_jupyter_command(tmp_path: Path, how: str):
     if how == "server-command-line":
         proc, info = _jupyter(tmp_path, "server", "--JupyterTriton.grpc_port=0",
                               f"--JupyterTriton.model_repository={repo}")
-    else:
+    elif how == "lab-config-file":
         # JupyterLab loads jupyter_lab_config.py when it links, after this extension did
         (tmp_path / "config" / "jupyter_lab_config.py").write_text(
             f"c.JupyterTriton.grpc_port = 0\nc.JupyterTriton.model_repository = {str(repo)!r}\n")
         proc, info = _jupyter(tmp_path, "lab")
+    elif how == "lab-defaults":
+        # what `./dev lab` starts: gRPC served with nothing configured (the notebooks' gRPC cells)
+        proc, info = _jupyter(tmp_path, "lab", f"--JupyterTriton.model_repository={repo}")
     try:
         assert info["model_repository"] == str(repo)
         assert isinstance(info["grpc_port"], int) and info["grpc_port"] > 0, info
