@@ -328,8 +328,8 @@ def with_histogram(row: dict, cumulative: list[int], bounds=(1.0, 10.0, 100.0)) 
 
 
 def histogram_snapshots() -> list[Snapshot]:
-    """Readings 30 s apart: 10 fast requests (< 1 ms) first, then 10 slow ones (10-100 ms);
-    the 3 before the first reading are of unknown age, never counted."""
+    """Readings 30 s apart: 3 fast requests (< 1 ms) before the first, 10 more, then 10 slow
+    ones (10-100 ms)."""
     totals = [[3, 3, 3, 3], [13, 13, 13, 13], [13, 13, 23, 23], [13, 13, 23, 23]]
     return [Snapshot(t=100.0 + 30 * i, model_stats=[with_histogram(stats_row(), c)]) for i, c in enumerate(totals)]
 
@@ -341,10 +341,12 @@ def test_percentiles_are_over_the_last_minute_of_readings():
         (f,) = figures(prev, snap, windows)
         seen.append(f.latency["request"])
         prev = snap
-    assert seen[0] == {"p50": None, "p95": None, "p99": None, "count": 0}
-    assert seen[1]["count"] == 10 and seen[1]["p99"] == pytest.approx(0.99)       # all below 1 ms
+    # until the first reading is a minute old the window runs from the load: those before it too
+    assert seen[0]["count"] == 3 and seen[0]["window"] == "3 since load"
+    assert seen[1]["count"] == 13 and seen[1]["p99"] == pytest.approx(0.99)       # all below 1 ms
     # half fast, half slow: the median at the 1 ms bound, p95 interpolated in 10..100 ms
     assert seen[2]["count"] == 20 and seen[2]["p50"] == pytest.approx(1.0)
+    assert seen[2]["window"] == "20 in the last minute"
     assert seen[2]["p95"] == pytest.approx(10 + 90 * 0.9)
     # a minute later the fast requests have left the window: only the slow ones count
     assert seen[3]["count"] == 10 and seen[3]["p50"] == pytest.approx(55.0)
@@ -432,15 +434,15 @@ def test_dashboard_percentiles_from_a_server_keeping_histograms(histogram_server
     """The kernel reads them through the statistics (the Jupyter server's /metrics wants
     Jupyter's login): a 20 ms model's requests land in its 10..30 ms bucket."""
     server, client = histogram_server
-    infer_rows(client, "sleepy")          # before the dashboard: not in its window
+    infer_rows(client, "sleepy")          # before the dashboard: in its window (since load)
     dash = Dashboard(FakeConnection(url=server.url + "/"), model="sleepy", poll_kernel=False)
-    assert dash.figures[0].latency["request"]["count"] == 0
+    assert dash.figures[0].latency["request"]["count"] == 1
     for _ in range(5):
         infer_rows(client, "sleepy")
     (f,) = dash.refresh()
     request = f.latency["request"]
-    assert request["count"] == 5 and 10.0 <= request["p50"] <= request["p99"] <= 30.0, request
-    assert f.latency["compute_infer"]["count"] == 5 and f.latency["queue"]["count"] == 5
+    assert request["count"] == 6 and 10.0 <= request["p50"] <= request["p99"] <= 30.0, request
+    assert f.latency["compute_infer"]["count"] == 6 and f.latency["queue"]["count"] == 6
     assert "request p50" in dash._repr_mimebundle_()[0]["text/plain"]
     dash.close()
     # what the server adds to the statistics: every kind's cumulative buckets, +Inf last

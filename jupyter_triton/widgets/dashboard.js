@@ -36,9 +36,10 @@ function responses(m) {
   return [sent, first, firstNs];
 }
 
-// An ensemble's steps over the interval: mean time, rate, runs and failures (its
-// ensemble_steps statistics), and the composing model's request p50/p99 over the last minute
-// (its latency histograms: `composing`, "name/version" -> quantiles, when the server keeps them).
+// An ensemble's steps over the interval: mean time (every run's since load where none ran in
+// the interval: meanWindow), rate, runs and failures (its ensemble_steps statistics), and the
+// composing model's request p50/p99 over its window (its latency histograms: `composing`,
+// "name/version" -> quantiles, when the server keeps them).
 function steps(p, m, ok, dt, composing) {
   const earlier = new Map(((p && p.ensemble_steps) || []).map(s => [s.step, s]));
   return (m.ensemble_steps || []).map(s => {
@@ -47,7 +48,10 @@ function steps(p, m, ok, dt, composing) {
     const dr = ok ? (okNow.count || 0) - (before.count || 0) : 0;
     const dns = ok ? (okNow.ns || 0) - (before.ns || 0) : 0;
     const q = (composing && composing.get(s.model + "/" + s.version)) || null;
-    return { step: s.step, model: s.model, version: String(s.version), meanUs: dr > 0 ? dns / dr / 1e3 : null,
+    const runs = okNow.count || 0;
+    const meanUs = dr > 0 ? dns / dr / 1e3 : runs > 0 ? (okNow.ns || 0) / runs / 1e3 : null;
+    return { step: s.step, model: s.model, version: String(s.version), meanUs,
+             meanWindow: dr > 0 ? "interval" : "since load",
              perS: ok && dt > 0 ? Math.max(0, dr) / dt : 0,
              p50: q ? q.p50 : null, p99: q ? q.p99 : null, percentiles: !!q,
              runs: okNow.count || 0, failures: failNow, failing: ok && failNow > failBefore };
@@ -75,8 +79,10 @@ export function quantile(cumulative, q) {
 const LATENCY_SHOWN = ["request", "queue", "compute_infer"];
 export const HISTOGRAMS_OFF = "enable histogram_latencies for percentiles";
 
-// The last minute of each version's latency histograms (the statistics' latency_histograms),
-// over the dashboard's readings: protocol/quantiles.py's RecentQuantiles, per version and kind.
+// The recent past of each version's latency histograms (the statistics' latency_histograms),
+// over the dashboard's readings, as figures.py's LatencyWindows: from the version's load until
+// the first reading is `seconds` old, then the last `seconds`; an emptied window keeps its last
+// requests' figures; `window` says which in words.
 export function latencyWindows(seconds = 60) { return { seconds, kept: new Map() }; }
 
 function recentQuantiles(windows, key, m, now) {
@@ -88,11 +94,10 @@ function recentQuantiles(windows, key, m, now) {
     if (!h) continue;
     const cum = h.cumulative.map((n, i) => [i < h.bounds_ms.length ? h.bounds_ms[i] : Infinity, n]);
     const total = cum.length ? cum[cum.length - 1][1] : 0;
-    // a version's first reading only starts its window (what came before is of unknown age);
-    // a reload (counts going down) starts it again from zero
     let w = windows.kept.get(key + "|" + kind);
-    const first = !w;
-    if (!w || total < w.total) w = { snaps: [], total: 0 };
+    if (!w || total < w.total) {       // from the load on: zero counts first (a reload: again)
+      w = { snaps: [[now, cum.map(([b]) => [b, 0])]], total: 0, started: now, last: null };
+    }
     w.total = total;
     windows.kept.set(key + "|" + kind, w);
     const snaps = w.snaps;
@@ -104,10 +109,16 @@ function recentQuantiles(windows, key, m, now) {
       snaps.splice(0, snaps.length, [now, cum]);
       base = cum.map(([b]) => [b, 0]);
     }
-    if (first) base = cum;
     const win = cum.map(([b, n], i) => [b, n - base[i][1]]);
-    out[kind] = { p50: quantile(win, 0.5), p95: quantile(win, 0.95), p99: quantile(win, 0.99),
-                  count: win.length ? win[win.length - 1][1] : 0 };
+    let q = { p50: quantile(win, 0.5), p95: quantile(win, 0.95), p99: quantile(win, 0.99),
+              count: win.length ? win[win.length - 1][1] : 0 };
+    const span = windows.seconds === 60 ? "minute" : `${windows.seconds} s`;
+    if (q.count) {
+      q.window = now - w.started < windows.seconds ? `${q.count} since load` : `${q.count} in the last ${span}`;
+      w.last = q;
+    } else if (w.last) q = { ...w.last, window: `the last ${w.last.count}, none in the last ${span}` };
+    else q.window = "no requests yet";
+    out[kind] = q;
   }
   return out;
 }
@@ -160,6 +171,7 @@ export function figures(prev, cur, windows) {
       steps: steps(p, m, ok, dt, composing),
       graph: graphs[m.name] || null,
       latency: recentQuantiles(windows, key, m, cur.t),
+      lastRequestS: m.last_inference > 0 ? Math.max(0, cur.t - m.last_inference / 1e3) : null,
     };
   });
 }
@@ -203,11 +215,26 @@ function bars(hist) {
   return svg;
 }
 
-function spark(values) {
+// When the last request ended, as figures.py's last_request_text() says it.
+export function lastRequestText(seconds) {
+  if (seconds === null || seconds === undefined) return "";
+  const ago = seconds < 1 ? "just now" : seconds < 120 ? `${Math.round(seconds)} s ago`
+    : seconds < 7200 ? `${Math.round(seconds / 60)} min ago` : `${Math.round(seconds / 3600)} h ago`;
+  return `last request ${ago}`;
+}
+
+// The readings' inferences/s; with no traffic in them, says so and when the last request was
+// (a flat line at zero, or one point, reads as an empty plot).
+export function spark(values, lastRequestS) {
   const w = 220, h = 40, max = Math.max(1e-9, ...values);
   const pts = values.map((v, i) => `${(i / Math.max(1, HISTORY - 1)) * w},${h - 2 - (v / max) * (h - 4)}`);
   const svg = el("svg", { class: "jt-spark", width: w, height: h, viewBox: `0 0 ${w} ${h}` });
   svg.appendChild(el("polyline", { points: pts.join(" "), class: "jt-line" }));
+  if (!values.some(v => v > 0)) {
+    const last = lastRequestText(lastRequestS);
+    svg.appendChild(el("text", { x: w / 2, y: h / 2, class: "jt-axis jt-idle" },
+                       last ? `idle since the dashboard opened · ${last}` : "no requests yet"));
+  }
   return svg;
 }
 
@@ -291,7 +318,8 @@ export function graphSvg(graph, stepRows) {
     const r = byStep.get(s.step);
     const failed = !!r && r.failures > 0;
     const lines = r ? [
-      ["jt-node-rate", `${fmt(r.perS)} req/s · ${fmt(r.meanUs, " µs")}`],
+      ["jt-node-rate", r.meanWindow === "since load" && r.meanUs !== null
+        ? `idle · ${fmt(r.meanUs, " µs")} mean of ${r.runs}` : `${fmt(r.perS)} req/s · ${fmt(r.meanUs, " µs")}`],
       ["jt-node-pct", r.percentiles ? `p50 ${fmt(r.p50, " ms")} · p99 ${fmt(r.p99, " ms")}` : "p50/p99: no histograms"],
       ["jt-node-failed", `${r.failures} failed`],
     ] : [["jt-node-rate", "no runs yet"]];
@@ -328,7 +356,7 @@ function card(f, hist) {
   if (!f.latency) lat.textContent = HISTOGRAMS_OFF;
   else for (const [kind, q] of Object.entries(f.latency)) {
     const row = el("div", { class: "jt-latency-row", "data-kind": kind });
-    row.appendChild(el("span", { class: "jt-label" }, `${kind} (last minute, ${q.count})`));
+    row.appendChild(el("span", { class: "jt-label" }, `${kind} (${q.window})`));
     for (const p of ["p50", "p95", "p99"])
       row.appendChild(el("span", { class: "jt-pct", "data-q": p }, `${p} ${fmt(q[p], " ms")}`));
     lat.appendChild(row);
@@ -339,13 +367,14 @@ function card(f, hist) {
     const list = el("ol", { class: "jt-steps" });
     for (const s of f.steps)
       list.appendChild(el("li", { "data-step": s.step },
-        `${s.model} v${s.version}: ${fmt(s.meanUs, " µs")}, ${s.runs} runs, ${s.failures} failed`));
+        `${s.model} v${s.version}: ${fmt(s.meanUs, " µs")}${s.meanWindow === "since load" && s.meanUs !== null
+          ? ` (mean of ${s.runs} runs since load)` : ""}, ${s.runs} runs, ${s.failures} failed`));
     c.appendChild(list);
   }
   const plots = el("div", { class: "jt-plots" });
   const left = el("div"), right = el("div");
-  left.appendChild(el("div", { class: "jt-label" }, "inferences/s (last minute)"));
-  left.appendChild(spark(hist));
+  left.appendChild(el("div", { class: "jt-label" }, "inferences/s (since the dashboard opened, last minute)"));
+  left.appendChild(spark(hist, f.lastRequestS));
   right.appendChild(el("div", { class: "jt-label" }, "executions per batch size"));
   right.appendChild(bars(f.batches));
   plots.append(left, right);

@@ -55,13 +55,22 @@ class StepFigures:
     step: int
     model: str
     version: str
-    mean_us: float | None            # mean time of the step's runs over the interval
+    mean_us: float | None            # mean time of the step's runs (over ``mean_window``)
     runs: int                        # cumulative successful runs
     failures: int                    # cumulative failed runs
+    # what ``mean_us`` is over: "interval" (the runs since the last reading) or "since load"
+    # (no run since the last reading: every run so far, so an idle step still shows its time)
+    mean_window: str = "interval"
 
     @property
     def label(self) -> str:
         return f"step {self.step} {self.model} v{self.version}"
+
+    def mean_text(self, unit: str = " us") -> str:
+        """Its mean time, and over what when the step is idle."""
+        if self.mean_window == "interval" or self.mean_us is None:
+            return _fmt(self.mean_us, unit)
+        return f"{_fmt(self.mean_us, unit)} (mean of {self.runs} runs since load)"
 
 
 @dataclass
@@ -82,9 +91,12 @@ class ModelFigures:
     responses_per_request: float | None = None   # responses sent (success + fail) per request
     first_response_us: float | None = None       # mean queue + time to response 0 per request
     steps: list[StepFigures] = field(default_factory=list)   # an ensemble's steps
-    # p50/p95/p99 (ms, None: nothing finished) and count over the last minute per kind of
-    # LATENCY_SHOWN; None where the server keeps no histograms
-    latency: dict[str, dict[str, float | None]] | None = None
+    # p50/p95/p99 (ms, None: nothing finished), count and window (what they are over, in
+    # words: LatencyWindows) per kind of LATENCY_SHOWN; None where the server keeps no histograms
+    latency: dict[str, dict] | None = None
+    # seconds from the last request's end to this reading (the statistics' last_inference);
+    # None before the first request
+    last_request_s: float | None = None
 
     @property
     def key(self) -> str:
@@ -122,7 +134,8 @@ def response_counts(stats: dict) -> tuple[int, int, int]:
 
 
 def step_figures(prev: dict | None, cur: dict, usable: bool) -> list[StepFigures]:
-    """An ensemble's steps: each one's mean time over the interval, its runs and failures."""
+    """An ensemble's steps: each one's mean time over the interval (every run's since load
+    where none ran in it), its runs and failures."""
     earlier = {int(s.get("step", 0)): s for s in ((prev or {}).get("ensemble_steps") or [])}
     out = []
     for s in cur.get("ensemble_steps") or []:
@@ -131,33 +144,42 @@ def step_figures(prev: dict | None, cur: dict, usable: bool) -> list[StepFigures
         runs, ns = int(ok.get("count", 0)), int(ok.get("ns", 0))
         d_runs = runs - int(p.get("count", 0)) if usable else 0
         d_ns = ns - int(p.get("ns", 0)) if usable else 0
-        out.append(StepFigures(index, str(s.get("model", "")), str(s.get("version", "")),
-                               d_ns / d_runs / 1e3 if d_runs > 0 else None, runs,
-                               int(s.get("fail", {}).get("count", 0))))
+        if d_runs > 0:
+            mean, window = d_ns / d_runs / 1e3, "interval"
+        else:
+            mean, window = (ns / runs / 1e3 if runs > 0 else None), "since load"
+        out.append(StepFigures(index, str(s.get("model", "")), str(s.get("version", "")), mean, runs,
+                               int(s.get("fail", {}).get("count", 0)), window))
     return out
 
 
 class LatencyWindows:
-    """The last minute of each model version's latency histograms, as a dashboard polls:
-    one protocol/quantiles.py ``RecentQuantiles`` per version and kind, fed the cumulative
-    buckets of every reading (the window is the dashboard's readings, so it needs no state on
-    the server). A version's first reading only starts its window (what came before it is
-    of unknown age); a reload (counts going down) starts it again from zero."""
+    """The recent past of each model version's latency histograms, as a dashboard polls: one
+    protocol/quantiles.py ``RecentQuantiles`` per version and kind, fed the cumulative buckets
+    of every reading (the window is the dashboard's readings, so it needs no state on the
+    server). A dashboard opened after traffic stopped still shows the last requests: until
+    its first reading is ``seconds`` old the window runs from the version's load (every
+    request it served), then over the last ``seconds``; a window that emptied (no request in
+    the last ``seconds``) keeps the figures of the last requests it had. Each result says in
+    words what it is over (``window``). A reload (counts going down) starts again from zero."""
 
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
-        self._windows: dict[tuple[str, str], tuple[object, int]] = {}
+        # (version, kind) -> (its RecentQuantiles, the last total, when its window started,
+        # the last figures that counted a request)
+        self._windows: dict[tuple[str, str], tuple[object, int, float, dict | None]] = {}
         self._lock = threading.Lock()     # the poller's thread and refresh() both read
 
-    def quantiles(self, key: str, stats: dict, now: float) -> dict[str, dict[str, float | None]] | None:
-        """{kind: {"p50", "p95", "p99": ms or None, "count": n}}; None without histograms."""
+    def quantiles(self, key: str, stats: dict, now: float) -> dict[str, dict] | None:
+        """{kind: {"p50", "p95", "p99": ms or None, "count": n, "window": words}}; None
+        without histograms."""
         kept = stats.get("latency_histograms")
         if not kept:
             return None
         with self._lock:
             return self._quantiles(key, kept, now)
 
-    def _quantiles(self, key: str, kept: dict, now: float) -> dict[str, dict[str, float | None]]:
+    def _quantiles(self, key: str, kept: dict, now: float) -> dict[str, dict]:
         from ..protocol.quantiles import RecentQuantiles
         out = {}
         for kind in LATENCY_SHOWN:
@@ -166,16 +188,30 @@ class LatencyWindows:
                 continue
             cumulative = list(zip([*map(float, h["bounds_ms"]), math.inf], map(int, h["cumulative"])))
             total = cumulative[-1][1] if cumulative else 0
-            window, last_total = self._windows.get((key, kind), (None, 0))
-            first = window is None
-            if first or total < last_total:
-                window = RecentQuantiles(self.seconds)
-            self._windows[(key, kind)] = (window, total)
+            window, last_total, started, last = self._windows.get((key, kind), (None, 0, now, None))
+            if window is None or total < last_total:
+                # from the load on: zero counts first (kept as the window's base until the
+                # first reading is ``seconds`` old)
+                window, started, last = RecentQuantiles(self.seconds), now, None
+                window.add([(b, 0) for b, _ in cumulative], now)
             q = window.add(cumulative, now)
-            if first:
-                q = {"p50": math.nan, "p95": math.nan, "p99": math.nan, "count": 0}
-            out[kind] = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in q.items()}
+            q = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in q.items()}
+            minute = _span(self.seconds)
+            if q["count"]:
+                q["window"] = (f"{q['count']} since load" if now - started < self.seconds
+                               else f"{q['count']} in the last {minute}")
+                last = q
+            elif last is not None:      # traffic stopped: the last requests' figures, said so
+                q = {**last, "window": f"the last {last['count']}, none in the last {minute}"}
+            else:
+                q["window"] = "no requests yet"
+            self._windows[(key, kind)] = (window, total, started, last)
+            out[kind] = q
         return out
+
+
+def _span(seconds: float) -> str:
+    return "minute" if seconds == 60 else f"{seconds:g} s"
 
 
 def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None = None) -> ModelFigures:
@@ -218,6 +254,13 @@ def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None =
         steps=step_figures(prev, cur, usable))
 
 
+def last_request_s(stats: dict, now: float) -> float | None:
+    """Seconds from the last request's end (the statistics' ``last_inference``, ms since the
+    epoch) to ``now``; None before the first one."""
+    last = int(stats.get("last_inference", 0) or 0)
+    return max(0.0, now - last / 1e3) if last > 0 else None
+
+
 def figures(prev: Snapshot | None, cur: Snapshot, windows: LatencyWindows | None = None) -> list[ModelFigures]:
     """Figures of every model in ``cur``, matched with ``prev`` by name and version;
     percentiles over ``windows`` (the dashboard's; without it, since the first reading)."""
@@ -230,6 +273,7 @@ def figures(prev: Snapshot | None, cur: Snapshot, windows: LatencyWindows | None
         pending = cur.pending.get(key) if cur.pending is not None else None
         f = model_figures(earlier.get(key), m, dt, pending)
         f.latency = windows.quantiles(key, m, cur.t)
+        f.last_request_s = last_request_s(m, cur.t)
         out.append(f)
     return out
 
@@ -254,11 +298,26 @@ def _fmt(value: float | None, unit: str = "") -> str:
 
 
 def latency_text(f: ModelFigures, unit: str = " ms") -> list[str]:
-    """One line per kind: its percentiles over the last minute (or why there are none)."""
+    """One line per kind: its percentiles and what they are over (or why there are none)."""
     if f.latency is None:
         return [HISTOGRAMS_OFF]
     return [f"{kind} p50 {_fmt(q['p50'], unit)} · p95 {_fmt(q['p95'], unit)} · p99 {_fmt(q['p99'], unit)}"
-            f" ({q['count']} in the last minute)" for kind, q in f.latency.items()]
+            f" ({q['window']})" for kind, q in f.latency.items()]
+
+
+def last_request_text(f: ModelFigures) -> str:
+    """When the last request ended, as the dashboard says it ("" before the first)."""
+    if f.last_request_s is None:
+        return ""
+    return f"last request {_ago(f.last_request_s)}"
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 1:
+        return "just now"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    return f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
 
 
 def log_line(e: dict) -> str:
@@ -280,8 +339,9 @@ def text_table(rows: list[ModelFigures]) -> str:
         stream = f"{_fmt(f.responses_per_request):>10}{_fmt(f.first_response_us):>13}" if streams else ""
         lines.append(f"{f.name:<24}{f.version:>4}{_fmt(f.inferences_per_s):>9}{_fmt(f.requests_per_s):>9}"
                      f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}{stream}  {hist}")
-        lines += [f"  {s.label:<26} {_fmt(s.mean_us, ' us'):>10}  {s.runs} runs, {s.failures} failed"
+        lines += [f"  {s.label:<26} {s.mean_text():>10}  {s.runs} runs, {s.failures} failed"
                   for s in f.steps]
+        lines += [f"  {last_request_text(f)}"] if f.last_request_s is not None else []
         lines += [f"  {line}" for line in latency_text(f)] if f.latency is not None else []
     if rows and all(f.latency is None for f in rows):
         lines.append(HISTOGRAMS_OFF)
@@ -302,12 +362,14 @@ def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
                  *stream, hist)
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
         for step in f.steps:
-            text = f"{step.label}: {_fmt(step.mean_us, ' µs')}, {step.runs} runs, {step.failures} failed"
+            text = f"{step.label}: {step.mean_text(' µs')}, {step.runs} runs, {step.failures} failed"
             body.append(f"<tr class='jt-step'><td></td><td colspan='{len(cols) - 1}'>"
                         f"{html.escape(text)}</td></tr>")
-        if f.latency is not None:
+        if f.latency is not None or f.last_request_s is not None:
+            lines = (latency_text(f) if f.latency is not None else []) + \
+                ([last_request_text(f)] if f.last_request_s is not None else [])
             body.append(f"<tr class='jt-latency'><td></td><td colspan='{len(cols) - 1}'>"
-                        + "<br>".join(html.escape(line) for line in latency_text(f)) + "</td></tr>")
+                        + "<br>".join(html.escape(line) for line in lines) + "</td></tr>")
     if rows and all(f.latency is None for f in rows):
         body.append(f"<tr class='jt-latency'><td colspan='{len(cols)}'>{HISTOGRAMS_OFF}</td></tr>")
     return (f"<table class='jt-static'><caption>{html.escape(title)}</caption><thead><tr>"
