@@ -692,6 +692,8 @@ class PythonBackend(Backend):
                 sink.fail("closed", "the model instance was unloaded")
             from ... import model_metrics
             model_metrics.REGISTRY.release(self)
+            if self.env is not None:
+                self.env.release()   # no worker of this instance runs it now
             if error is not None:
                 log.warning("%s: finalize failed: %s\n%s", self._who, error.message, error.traceback)
         finally:
