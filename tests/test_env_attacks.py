@@ -13,6 +13,7 @@ import os
 import stat
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -351,3 +352,18 @@ def test_member_count_is_bounded_as_headers_are_read(monkeypatch):
     with pytest.raises(envs.RefusedArchive, match="more than 10 members"):
         members_of(lambda t: [add(t, f"f{i}") for i in range(11)])
     assert len(members_of(lambda t: [add(t, f"f{i}") for i in range(10)])) == 10
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's files are made with chown (root)")
+def test_the_cache_folder_is_checked_at_every_use(tmp_path, monkeypatch):
+    """Removed while the server runs (a temporary-files cleaner) and made again by another
+    user: the server takes a fresh folder of its own."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(envs, "_ROOT", [])
+    shared = envs.cache_dir()
+    assert shared == tmp_path / f"jupyter_triton_envs_{UID}" and _private(shared)
+    assert envs.cache_dir() == shared
+    shared.rmdir()
+    foreign_folder(tmp_path)
+    own = envs.cache_dir()
+    assert own != shared and own.parent == tmp_path and _private(own)

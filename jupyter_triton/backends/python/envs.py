@@ -155,8 +155,10 @@ def cache_dir() -> Path:
     """The folder this server unpacks environments into: the user's shared cache while it is
     private, else a fresh one of this server's."""
     with _LOCK:
-        if not _ROOT:
-            _ROOT.append(_private_cache())
+        # checked at every use: a temporary-files cleaner may have removed it, and another
+        # user made one of the same name
+        if not _ROOT or _not_private(_ROOT[0]) is not None:
+            _ROOT[:] = [_private_cache()]
         return _ROOT[0]
 
 
