@@ -62,9 +62,10 @@ EXECUTION_ENV_PATH = "EXECUTION_ENV_PATH"
 MODEL_DIRECTORY = "$$TRITON_MODEL_DIRECTORY"
 
 #: bounds on one archive, read from its headers before anything is written (a conda
-#: environment with CUDA libraries unpacks to ~10 GB in ~60,000 files)
+#: environment with CUDA libraries unpacks to ~10 GB in ~60,000 files; a header read costs
+#: ~0.5 KB of memory until the unpacking ends)
 MAX_UNPACKED_BYTES = 32 << 30
-MAX_MEMBERS = 500_000
+MAX_MEMBERS = 200_000
 #: environments no server runs that the cache keeps (the most recently used), for the next load
 MAX_UNUSED_ENVS = 3
 #: written into an entry once its unpacking is complete: the archive's sha256
