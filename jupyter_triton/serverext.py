@@ -338,7 +338,16 @@ def _guard(method):
         if not self._triton_authorized:
             raise web.HTTPError(403, f"not authorized to use {AUTH_RESOURCE}")
         return method(self, *args, **kwargs)
-    return web.authenticated(checked)
+    authenticated = web.authenticated(checked)
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        # a refusal of the head that the infer route kept until its body had passed (http.py)
+        refused = getattr(self, "_body_error", None)
+        if refused is not None and not self._triton_authorized:
+            raise refused
+        return authenticated(self, *args, **kwargs)
+    return guarded
 
 
 def default_repository() -> Path:

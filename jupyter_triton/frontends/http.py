@@ -82,8 +82,13 @@ class V2Handler:
     async def _serve(self, body: bytes | list[bytes], ticket=None, **params: str | None) -> None:
         call = Call(self.request.method or "GET", self.request.path,
                     {k: v for k, v in params.items() if v is not None},
-                    self.request.headers, body, ticket)
+                    self.request.headers, body, ticket, self._reaches())
         self.write_reply(await self.state.plane.handle(self.route, call))
+
+    def _reaches(self) -> Callable[[str], bool] | None:
+        # a host that judged the caller itself (the Jupyter handlers' ``reaches``) says
+        # which API groups it reaches; otherwise the data plane's access policy does
+        return getattr(self, "reaches", None)
 
     def write_reply(self, reply: Reply) -> None:
         self.set_status(reply.status)
@@ -131,21 +136,45 @@ class StreamedBody(V2Handler):
     _task: asyncio.Future | None = None
     _deadline: object | None = None
     _ticket: BodyTicket | None = None
+    _body_ended = False
+
+    def finish(self, chunk=None):
+        # Answered before its body ended (refused on its head, or its body too slow): tornado
+        # closes such a connection rather than read the rest, but decides so only after the
+        # status line is out, without ``Connection: close``. A proxy that reuses the connection
+        # (JupyterHub's) then gets a reset and tells some other user their server is down.
+        unread = (not self._body_ended and not self._headers_written
+                  and (self.request.headers.get("Content-Length", "0") != "0"
+                       or "Transfer-Encoding" in self.request.headers))
+        if unread:
+            self.set_header("Connection", "close")
+        done = super().finish(chunk)
+        if unread:
+            connection = self.request.connection
+            done.add_done_callback(lambda _: connection.close())
+        return done
 
     async def prepare(self) -> None:
-        result = super().prepare()
-        if inspect.isawaitable(result):
-            await result
-        if self._finished:
-            return
         self._chunks: list[bytes] = []
         self._received = 0
-        self._body_error: TritonError | None = None
+        self._body_error: Exception | None = None
         plane = self.state.plane
         length = self.request.headers.get("Content-Length")
         self._length = int(length) if length is not None and length.isdigit() else None
-        self._ticket = plane.admit(self.route, self.request.method or "POST", self.request.headers,
-                                   self._length)
+        try:
+            result = super().prepare()
+            if inspect.isawaitable(result):
+                await result
+            if self._finished:
+                return
+            self._ticket = plane.admit(self.route, self.request.method or "POST",
+                                       self.request.headers, self._length)
+        except (web.HTTPError, TritonError) as err:
+            if self._length is None or self._length > plane.max_input_size:
+                raise           # answered now; the connection closes (finish)
+            # A refused head whose body is small is answered once the body has passed, unread
+            # (as the fast front does): the connection stays usable, no reset for a proxy.
+            self._body_error = err
         self.request.connection.set_max_body_size(plane.max_input_size)
         timeout = self.state.body_timeout
         if timeout is not None:
@@ -175,6 +204,7 @@ class StreamedBody(V2Handler):
             self._deadline = None
 
     async def _serve(self, body: bytes | list[bytes], ticket=None, **params: str | None) -> None:
+        self._body_ended = True
         self._stop_clock()
         if self._body_error is not None:
             raise self._body_error
@@ -182,7 +212,7 @@ class StreamedBody(V2Handler):
         body = chunks[0] if len(chunks) == 1 else chunks
         call = Call(self.request.method or "POST", self.request.path,
                     {k: v for k, v in params.items() if v is not None},
-                    self.request.headers, body, self._ticket)
+                    self.request.headers, body, self._ticket, self._reaches())
         # A task of its own, so that a client hanging up cancels it (see on_connection_close).
         self._task = asyncio.ensure_future(self.state.plane.handle(self.route, call))
         try:
