@@ -224,8 +224,11 @@ def _reuse(entry: Path, digest: str) -> _Lease | None:
                     and os.read(fd, 128).decode(errors="replace") == digest):
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 # the clean-up of another server may have taken it away before the lock
-                now = os.lstat(entry / MARKER)
-                if (now.st_dev, now.st_ino) != (mark.st_dev, mark.st_ino):
+                try:
+                    now = os.lstat(entry / MARKER)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_dev, now.st_ino) != (mark.st_dev, mark.st_ino):
                     os.close(fd)
                     return None
                 os.utime(fd)   # used now: the clean-up keeps the most recently used
@@ -242,7 +245,10 @@ def _reuse(entry: Path, digest: str) -> _Lease | None:
 def _discard(path: Path) -> None:
     """Take ``path`` out of the cache at once (a rename in its folder), then remove it."""
     aside = path.with_name(f".removing-{os.urandom(8).hex()}")
-    os.rename(path, aside)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return   # another server's clean-up took it first
     _remove(aside)
 
 
