@@ -184,11 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="<integer>", help=argparse.SUPPRESS)  # = --cache-config local,size=
     serve.add_argument("--model-residency-bytes", type=_non_negative(int),
                        default=_DEFAULTS.model_residency_bytes, metavar="<bytes>",
-                       help="memory budget of loaded models: a request loads a model of the "
-                            "repository, the least recently used idle ones are evicted (0: none)")
+                       help="memory budget of loaded models: the least recently used idle ones "
+                            "are evicted to make room for a load (0: none)")
     serve.add_argument("--max-loaded-models", type=_non_negative(int),
                        default=_DEFAULTS.max_loaded_models, metavar="<n>",
                        help="at most this many models loaded at once, as above (0: no bound)")
+    serve.add_argument("--load-on-demand", type=_bool, nargs="?", const=True,
+                       default=_DEFAULTS.load_on_demand, metavar="<boolean>",
+                       help="a request for a repository model that is not loaded loads it "
+                            "(default false: Triton's 404; a model's config parameter "
+                            "load_on_demand says it for that model)")
     serve.add_argument("--busy-poll-us", type=_non_negative(int), default=BUSY_POLL_US,
                        metavar="<microseconds>",
                        help="after a request arrives the event loop, and a python model's worker "
@@ -291,7 +296,8 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         keep_versions=args.keep_versions, trace_config=_trace_config(args),
         response_cache_size=_cache_size(cache_config),
         model_residency_bytes=args.model_residency_bytes,
-        max_loaded_models=args.max_loaded_models, rate_limit=args.rate_limit,
+        max_loaded_models=args.max_loaded_models, load_on_demand=args.load_on_demand,
+        rate_limit=args.rate_limit,
         rate_limit_resources=list(args.rate_limit_resource), server_id=args.id,
         busy_poll_us=args.busy_poll_us,
         auto_complete_config=not (args.disable_auto_complete_config or

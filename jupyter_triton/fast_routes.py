@@ -24,7 +24,7 @@ import tornado
 
 from .frontends import auth
 from .frontends.auth import AccessPolicy
-from .frontends.dataplane import Reply, Route
+from .frontends.dataplane import DataPlane, Reply, Route
 from .frontends.http import SETTINGS_KEY
 from .frontends.shared_port import ClaimedMessage, SharedPort
 from .jupyter_auth import (CACHE_KEY, jupyter_token_verifier, observe_duration, probe,
@@ -41,9 +41,13 @@ class JupyterPort(SharedPort):
     """The fast lane of one Jupyter server; its body deadline is the routes' own setting, as
     the tornado routes read it per request."""
 
-    def __init__(self, state, *args, **kwargs) -> None:
+    def __init__(self, state, access: AccessPolicy, *args, **kwargs) -> None:
         self.state = state
-        super().__init__(state.plane, *args, **kwargs)
+        # the routes' plane, but with the credentials this lane claims by: what a request may
+        # see besides its route's own group is asked of them (tornado's handlers answer it
+        # for theirs, whose plane leaves the credentials to Jupyter)
+        super().__init__(DataPlane(state.engine, admission=state.plane.admission, access=access,
+                                   strict_content_type=state.strict_content_type), *args, **kwargs)
 
     @property
     def body_timeout(self) -> float:
@@ -107,7 +111,7 @@ def start(extension, serverapp, handler_class: type,
                 and host_allowed(headers.get("host", "")))
 
     state = settings[SETTINGS_KEY]
-    lane = JupyterPort(state, http_server, settings.get("base_url", "/"), claims,
+    lane = JupyterPort(state, policy, http_server, settings.get("base_url", "/"), claims,
                        served=_served(settings, extension.log, handler_labels),
                        fixed_headers=fixed,
                        idle_timeout=http_server.conn_params.header_timeout or 3600.0)

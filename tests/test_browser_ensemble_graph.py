@@ -146,7 +146,7 @@ def test_the_sidebar_tells_resident_from_evicted_models(tmp_path):
     size = fleet(repository, n=2)
     (tmp_path / "root").mkdir()
     lab = start_lab(tmp_path / "state", tmp_path / "root", repository,
-                    triton={"model_residency_bytes": budget_for(1, size)})
+                    triton={"model_residency_bytes": budget_for(1, size), "load_on_demand": True})
     errors: list[str] = []
     try:
         address = lab.url.split("//", 1)[1].rstrip("/")

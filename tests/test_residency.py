@@ -1,5 +1,6 @@
-"""Lifecycle as a control: within a memory budget a request loads the model it asks for and
-the least recently used idle models are evicted (engine/residency.py). The stories run
+"""Lifecycle as a control: within a memory budget a request loads the model it asks for (the
+operator opted in: --load-on-demand) and the least recently used idle models are evicted
+(engine/residency.py). The stories run
 through real servers (standalone and Jupyter) with tritonclient, as an operator would see
 them: the answers, the repository index, the statistics and the Prometheus metrics."""
 from __future__ import annotations
@@ -126,7 +127,7 @@ def test_a_sweep_over_twenty_models_within_a_budget_of_three(tmp_path: Path):
     root = tmp_path / "models"
     budget = budget_for(3, fleet(root))
     server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit",
-                                           load_models=["*"], model_residency_bytes=budget),
+                                           load_on_demand=True, model_residency_bytes=budget),
                              host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None)
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
@@ -164,7 +165,7 @@ def test_concurrent_requests_for_an_evicted_model_load_it_once(tmp_path: Path):
     root = tmp_path / "models"
     fleet(root, n=3)
     server, client = serve(root, model_control_mode="explicit", load_models=["*"],
-                           max_loaded_models=1)
+                           load_on_demand=True, max_loaded_models=1)
     try:
         assert client.infer("m1", [ones()]).as_numpy("OUTPUT0")[0, 0] == 2
         answers: list = []
@@ -196,9 +197,9 @@ def test_a_pinned_model_stays_and_an_unloaded_one_stays_unloaded(tmp_path: Path)
     root = tmp_path / "models"
     model_bytes = fleet(root, n=4, pinned=("m3",))
     server, client = serve(root, model_control_mode="explicit", load_models=["*"],
-                           model_residency_bytes=budget_for(1, model_bytes))
+                           load_on_demand=True, model_residency_bytes=budget_for(1, model_bytes))
     try:
-        # the pinned model loads at start, the others on demand
+        # the pinned model loads at start, first; the others do not fit beside it: on demand
         assert [r["name"] for r in client.get_model_repository_index() if r.get("state") == "READY"] == ["m3"]
         for i in (0, 1, 2, 0, 1):
             assert client.infer(f"m{i}", [ones()]).as_numpy("OUTPUT0")[0, 0] == i + 1
@@ -244,7 +245,7 @@ def test_a_load_slower_than_the_wait_answers_503_then_serves(tmp_path: Path):
         'name: "slow"\nbackend: "python"\nmax_batch_size: 4\n'
         'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 2 ] } ]\n'
         'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 2 ] } ]\n')
-    server, client = serve(root, model_control_mode="explicit", load_models=["*"], max_loaded_models=2)
+    server, client = serve(root, model_control_mode="explicit", load_on_demand=True, max_loaded_models=2)
     server.engine.on_demand_wait_secs = 0.5
     try:
         inp = httpclient.InferInput("INPUT0", [1, 2], "FP32")
@@ -272,7 +273,8 @@ def test_a_load_slower_than_the_wait_answers_503_then_serves(tmp_path: Path):
 def jp_server_config(jp_server_config, model_repo: Path):
     model_bytes = fleet(model_repo)
     return {**jp_server_config,
-            "JupyterTriton": {**jp_server_config["JupyterTriton"],
+            "JupyterTriton": {**jp_server_config["JupyterTriton"], "load_models": [],
+                              "load_on_demand": True,
                               "model_residency_bytes": budget_for(3, model_bytes)}}
 
 
@@ -299,11 +301,11 @@ async def test_the_jupyter_server_honours_the_budget(jp_triton, jp_http_port, jp
 
 
 def test_the_command_line_bounds(tmp_path: Path):
-    """``jupyter-triton serve --max-loaded-models 2 --model-residency-bytes B``."""
+    """``jupyter-triton serve --load-on-demand --max-loaded-models 2 --model-residency-bytes B``."""
     from test_cli_options import serve as serve_command, stop
     root = tmp_path / "models"
     fleet(root, n=4)
-    proc, url = serve_command(root, "--load-model", "*", "--max-loaded-models", "2",
+    proc, url = serve_command(root, "--load-on-demand", "--max-loaded-models", "2",
                               "--model-residency-bytes", str(1 << 30))
     client = httpclient.InferenceServerClient(url)
     try:

@@ -19,6 +19,7 @@ from .bls import Bls
 from .lifecycle import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
+from .residency import opted_in
 from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs, uses_shared_memory
 from .trace import Tracing, parse_trace_config
 
@@ -66,14 +67,12 @@ class Engine(ModelLifecycle):
         if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
             return await self.tracing.infer(self, request)
         if not uses_shared_memory(request):
-            mv = (await self.resident_version(request.model_name, request.model_version)
-                  if self.residency.enabled else self._version(request.model_name, request.model_version))
+            mv = await self.resident_version(request.model_name, request.model_version)
             if mv.response_cache is None:
                 return await mv.infer(request)
             return await mv.response_cache.infer(mv, request)       # engine/cache.py
         await resolve_inputs(request, self.shared_memory)
-        mv = (await self.resident_version(request.model_name, request.model_version)
-              if self.residency.enabled else self._version(request.model_name, request.model_version))
+        mv = await self.resident_version(request.model_name, request.model_version)
         response = await (mv.infer(request) if mv.response_cache is None else
                           mv.response_cache.infer(mv, request))
         await place_outputs(response, request, self.shared_memory)
@@ -92,8 +91,7 @@ class Engine(ModelLifecycle):
             finally:
                 await traced.aclose()
             return
-        mv = (await self.resident_version(request.model_name, request.model_version)
-              if self.residency.enabled else self._version(request.model_name, request.model_version))
+        mv = await self.resident_version(request.model_name, request.model_version)
         shm = uses_shared_memory(request)
         if shm:
             await resolve_inputs(request, self.shared_memory)
@@ -134,14 +132,16 @@ class Engine(ModelLifecycle):
         return evicted if evicted is not None else self._version(name, version).config
 
     def _evicted_config(self, name: str, version: str) -> mc.ModelConfig | None:
-        """The config an evicted model served with (its next request loads it again)."""
+        """The config an evicted model served with, when its next request loads it again
+        (opted in to on-demand loading; otherwise it is not loaded: Triton's 404)."""
         if not self.residency.enabled or name in self._held_off:
             return None
         entry = self._entries.get(name)
         if entry is not None and entry.serving:
             return None
         state = self.residency.models.get(name)
-        if state is None or state.config is None or not state.evicted:
+        if state is None or state.config is None or not state.evicted or \
+                not opted_in(state.config, self.options.load_on_demand):
             return None
         if version not in ("", None) and version not in {str(v) for v in state.versions}:
             return None
@@ -192,21 +192,23 @@ class Engine(ModelLifecycle):
                             {"name": name, "version": str(version), "state": st.state})
         return rows
 
-    def statistics(self, name: str = "", version: str = "") -> dict:
+    def statistics(self, name: str = "", version: str = "", history: bool = False) -> dict:
         """Triton's statistics; with a residency bound also ``residency`` (the bounds, what
         is resident, per model its state, cold starts and evictions: engine/residency.py),
-        and for one model its ``history`` of promotions and rollbacks when it has one."""
+        and with ``history`` (for a caller who may load models: it carries earlier configs
+        and golden-set differences) one model's promotions and rollbacks when it has any."""
         extra: dict = {}
         if self.residency.enabled:
             extra["residency"] = self.residency.to_json(self.resident_models())
+        if name and history:
+            records = self.history(name)
+            if records:
+                extra["history"] = records
         if name:
-            history = self.history(name)
-            if history:
-                extra["history"] = history
             entry = self._entries.get(name)
             if self.residency.enabled and not version and not (entry and entry.serving) \
-                    and name in self.repository.model_names():
-                return {"model_stats": [], **extra}       # in the repository, not resident
+                    and name in self.residency.models:
+                return {"model_stats": [], **extra}       # loaded before, not resident now
         return {**self._statistics(name, version), **extra}
 
     def _statistics(self, name: str = "", version: str = "") -> dict:

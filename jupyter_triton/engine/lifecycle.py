@@ -110,10 +110,7 @@ class ModelLifecycle(OnDemand, Rollout):
             if options.response_cache_size > 0 else None
         # lifecycle as a control (engine/residency.py): off unless a bound is set
         self.residency = Residency(options.model_residency_bytes, options.max_loaded_models)
-        self._cold: dict[str, asyncio.Future] = {}      # on-demand loads under way, by model
-        # one on-demand load at a time: each makes room for itself, and its memory reading
-        # is not blurred by another load in the same process
-        self._room = asyncio.Lock()
+        self._init_on_demand()                          # engine/on_demand.py
         # models an operator unloaded: a request does not load them back
         self._held_off: set[str] = set()
 
@@ -132,9 +129,15 @@ class ModelLifecycle(OnDemand, Rollout):
             wanted = self.options.load_models
             names = names if "*" in wanted else [n for n in wanted]
         if self.residency.enabled:
-            # within a budget only pinned models load at start; the rest on their first request
-            names = [n for n in names if self._pinned_on_disk(n)]
+            # within a budget the pinned models load first, then the others while they fit
+            # (the rest on their first request, where the operator opted them in)
+            pinned = {n for n in names if self._pinned_on_disk(n)}
+            names = sorted(names, key=lambda n: n not in pinned)
+        left: list[str] = []
         for name in names:
+            if self.residency.enabled and name not in pinned and not self._fits_another():
+                left.append(name)
+                continue
             self._wanted.add(name)
             try:
                 await self._load(name)
@@ -143,8 +146,11 @@ class ModelLifecycle(OnDemand, Rollout):
                 if self.options.exit_on_error:
                     raise
             else:
-                if self.residency.enabled:          # pinned: measured, never evicted
+                if self.residency.enabled:          # measured; a pinned one is never evicted
                     self.residency.loaded(name, self._entries[name].serving.values(), cold=False)
+        if left:
+            log.warning("%d model(s) not loaded at start, past the residency budget: %s", len(left),
+                        ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""))
         if mode == "poll":
             self._poller = asyncio.ensure_future(self._poll())
         self._started = True
@@ -528,8 +534,8 @@ class ModelLifecycle(OnDemand, Rollout):
                 entry.retry_in -= 1
                 if entry.retry_in > 0:
                     continue
-            if self.residency.enabled and not (entry is not None and entry.serving):
-                continue          # within a budget a model loads on its first request
+            if not (entry is not None and entry.serving) and not self._fits_another():
+                continue          # past the budget a model loads on its first request (opted in)
             previous = entry.last_error if entry is not None else ""
             self._wanted.add(name)
             try:

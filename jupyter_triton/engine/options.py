@@ -41,12 +41,17 @@ class EngineOptions:
     # Triton's response cache, its --cache-config local,size=<bytes>: one LRU of that many
     # bytes for every model whose config says response_cache { enable: true }. 0: no cache.
     response_cache_size: int = 0
-    # Lifecycle as a control (engine/lifecycle.py): within these bounds a request for a model
-    # that is in the repository but not loaded loads it, and idle models are evicted, least
-    # recently used first. 0: no bound (Triton's semantics: nothing loads or unloads by itself).
+    # Lifecycle as a control (engine/residency.py): within these bounds idle models are
+    # evicted, least recently used first, to make room for a load; what loads at start stops
+    # where the bounds are reached. 0: no bound (Triton's semantics: nothing unloads by itself).
     # --model-residency-bytes, --max-loaded-models; c.JupyterTriton traits of the same names.
     model_residency_bytes: int = 0
     max_loaded_models: int = 0
+    # A request for a model that is in the repository but not loaded (never, or evicted) loads
+    # it: off by default (Triton's 404), since loading runs the model's code. A model's config
+    # may say ``parameters { key: "load_on_demand" value: { string_value: "true" } }`` (or
+    # "false") instead. --load-on-demand; c.JupyterTriton.load_on_demand.
+    load_on_demand: bool = False
     # tritonserver's --rate-limit: "off" (its default) or "execution_count"; with
     # --rate-limit-resource=<name>:<count>[:<device>] values as given.
     rate_limit: str = "off"

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 #: config.pbtxt ``parameters { key: "residency" value: { string_value: "pinned" } }``
 RESIDENCY_PARAMETER, PINNED = "residency", "pinned"
+#: config.pbtxt ``parameters { key: "load_on_demand" value: { string_value: "true" } }``: a
+#: request may load this model (the server's --load-on-demand is the default for models that
+#: do not say; "false" opts a model out of it)
+ON_DEMAND_PARAMETER = "load_on_demand"
 EVICTED_REASON = "evicted: residency budget"
 #: how long a request waits for its model's on-demand load before a 503
 ON_DEMAND_WAIT_SECS = 60.0
@@ -29,11 +33,24 @@ RETRY_AFTER_SECS = 1
 EVICT_WAIT_SECS = 2.0
 #: a model whose on-demand load failed is not tried again for this long (each request would)
 FAILED_RETRY_SECS = 5.0
+#: on-demand loads under way at once, at most (fewer with a smaller --max-loaded-models, one
+#: under a memory budget: engine/on_demand.py): one slow load does not hold the others, and a
+#: burst of requests does not load everything at once
+MAX_COLD_LOADS = 4
 
 
 def pinned(config: mc.ModelConfig) -> bool:
     param = config.parameters.get(RESIDENCY_PARAMETER)
     return param is not None and param.string_value.strip().lower() == PINNED
+
+
+def opted_in(config: mc.ModelConfig, server_default: bool) -> bool:
+    """Whether a request may load the model of ``config`` (``ON_DEMAND_PARAMETER``, else the
+    server's --load-on-demand)."""
+    param = config.parameters.get(ON_DEMAND_PARAMETER)
+    if param is None:
+        return server_default
+    return param.string_value.strip().lower() in ("true", "1", "yes", "on")
 
 
 def version_bytes(mv: "ModelVersion") -> int:
@@ -64,7 +81,9 @@ class ModelResidency:
 
 
 class Residency:
-    """The budget and what it knows of each model; ``enabled`` is False with both bounds 0."""
+    """The budget and what it knows of each model; ``enabled`` is False with both bounds 0.
+    A model is known from its first load or on-demand load on (never from a request alone:
+    names come from clients)."""
 
     def __init__(self, budget_bytes: int, max_models: int) -> None:
         self.budget_bytes = max(int(budget_bytes), 0)
@@ -81,7 +100,9 @@ class Residency:
         return found
 
     def touch(self, name: str) -> None:
-        self.of(name).last_used = time.monotonic()
+        state = self.models.get(name)
+        if state is not None:
+            state.last_used = time.monotonic()
 
     def loaded(self, name: str, versions: Iterable["ModelVersion"], cold: bool) -> None:
         state = self.of(name)
@@ -105,15 +126,28 @@ class Residency:
     def note_resident(self, resident: int) -> None:
         self.peak_bytes = max(self.peak_bytes, resident)
 
+    def fits_another(self, loaded: dict[str, list["ModelVersion"]]) -> bool:
+        """Whether one more model fits beside ``loaded`` without an eviction (its size
+        guessed as the largest model's so far): what loads at start stops here."""
+        if self.max_models and len(loaded) >= self.max_models:
+            return False
+        resident = sum(version_bytes(mv) for mvs in loaded.values() for mv in mvs)
+        return not (self.budget_bytes and loaded and
+                    resident + self.largest_bytes > self.budget_bytes)
+
     def victims(self, loaded: dict[str, list["ModelVersion"]], incoming: str,
-                incoming_size: int, busy: set[str]) -> list[str]:
+                incoming_size: int, busy: set[str], loading: dict[str, int] | None = None
+                ) -> list[str]:
         """Unpinned models to evict, least recently used first, so that ``incoming`` (about
-        ``incoming_size`` bytes; already in ``loaded`` or not) fits both bounds. The caller
+        ``incoming_size`` bytes; already in ``loaded`` or not) fits both bounds beside the
+        other loads under way (``loading``: name -> expected bytes). The caller
         waits (bounded) for a busy one to go idle; what cannot be evicted (pinned, loading,
         busy past that wait) stays: the budget is then exceeded, not a request failed."""
         sizes = {n: sum(version_bytes(mv) for mv in mvs) for n, mvs in loaded.items()}
-        total = sum(sizes.values()) + (0 if incoming in loaded else incoming_size)
-        count = len(loaded) + (0 if incoming in loaded else 1)
+        others = {n: b for n, b in (loading or {}).items() if n != incoming and n not in loaded}
+        total = sum(sizes.values()) + sum(others.values()) + \
+            (0 if incoming in loaded else incoming_size)
+        count = len(loaded) + len(others) + (0 if incoming in loaded else 1)
         candidates = sorted(
             (n for n, mvs in loaded.items()
              if n != incoming and n not in busy and mvs

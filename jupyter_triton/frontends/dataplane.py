@@ -93,13 +93,16 @@ def error_reply(err: TritonError | str, status: int | None = None) -> Reply:
 @dataclass
 class Call:
     """One request as the data plane sees it. ``headers`` is any mapping answering
-    lower-case names (tornado's HTTPHeaders, or the fast front's dict)."""
+    lower-case names (tornado's HTTPHeaders, or the fast front's dict). ``reaches``: whether
+    the caller may use an API group, where the skin's host decided who the caller is (the
+    Jupyter handlers); None: the plane's access policy is asked."""
     method: str
     path: str
     params: dict[str, str]
     headers: Mapping[str, str]
     body: bytes | list[bytes] = b""
     ticket: "BodyTicket | None" = None
+    reaches: Callable[[str], bool] | None = None
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name)
@@ -244,6 +247,17 @@ class DataPlane:
             if call.ticket is not None:
                 call.ticket.release()
 
+    def reaches(self, call: Call, group: str) -> bool:
+        """Whether ``call``'s caller may use API ``group`` too (what an answer shows beyond
+        the route's own group: statistics show the lifecycle history to those who may load)."""
+        if call.reaches is not None:
+            return call.reaches(group)
+        try:
+            self.access.check(group, call.headers)
+        except TritonError:
+            return False
+        return True
+
     def refuse(self, err: Exception) -> Reply:
         """The Reply for an error a skin met outside ``handle`` (admission, body)."""
         if isinstance(err, TritonError):
@@ -341,7 +355,10 @@ async def model_config(plane: DataPlane, call: Call) -> Reply:
 
 
 async def model_stats(plane: DataPlane, call: Call) -> Reply:
-    return json_reply(plane.engine.statistics(call.params.get("model", ""), _version(call)))
+    # the lifecycle history carries earlier configs and golden-set differences: only for a
+    # caller who may load models (an inference key reaches statistics, not that)
+    return json_reply(plane.engine.statistics(call.params.get("model", ""), _version(call),
+                                              history=plane.reaches(call, MODEL_REPOSITORY)))
 
 
 async def repository_index(plane: DataPlane, call: Call) -> Reply:

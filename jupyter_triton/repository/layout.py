@@ -5,8 +5,10 @@ import re
 
 from ..protocol.errors import InvalidArgument
 
-# Triton ignores version directories that are not numbers or that start with a zero.
-_VERSION_DIR = re.compile(r"[1-9][0-9]{0,17}")
+# Triton ignores version directories that are not numbers or that start with a zero; a
+# version is an int64 above 0 (its loader parses the name with std::stoll).
+MAX_VERSION = 2**63 - 1
+_VERSION_DIR = re.compile(r"[1-9][0-9]{0,18}")
 # Python's bytecode cache (the python backend imports model.py from the version dir):
 # not part of the model, and it must not make poll mode see a change.
 IGNORED_NAMES = frozenset({"__pycache__"})
@@ -20,7 +22,7 @@ def is_hidden(name: str) -> bool:
 
 
 def is_version_dir_name(name: str) -> bool:
-    return _VERSION_DIR.fullmatch(name) is not None
+    return _VERSION_DIR.fullmatch(name) is not None and int(name) <= MAX_VERSION
 
 
 def check_model_name(name: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import PurePosixPath
 from typing import Mapping
 
 from ..protocol.errors import InvalidArgument
-from .layout import is_version_dir_name
+from .layout import MAX_VERSION, is_version_dir_name
 
 FILE_PREFIX = "file:"
 MAX_UPLOAD_BYTES = 16 << 30
@@ -49,8 +49,8 @@ def parse_upload_files(model_name: str, files: Mapping[str, object],
 
 def _parse_key(model_name: str, key: object) -> tuple[int, PurePosixPath]:
     rule = (f"model '{model_name}': invalid file parameter {key!r}: expected "
-            f"'file:<version>/<relative path>' with a version >= 1 (no leading zero) and "
-            f"a path inside the version directory")
+            f"'file:<version>/<relative path>' with a version from 1 to {MAX_VERSION} (no "
+            f"leading zero) and a path inside the version directory")
     if not isinstance(key, str) or not key.startswith(FILE_PREFIX):
         raise InvalidArgument(rule)
     rest = key[len(FILE_PREFIX):]
