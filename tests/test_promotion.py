@@ -165,8 +165,8 @@ def repository_api_story(load, unload_config_check, infer_version) -> None:
     assert infer_version() == "1"
     load(files={"file:1/model.onnx": linear(W + 1e-7),
                 "file:lifecycle.json": lifecycle(golden=golden_json(W), atol=1e-4)})
-    # a refused version is set aside: its number is free again
-    assert infer_version() == "2"
+    # a refused version is set aside and keeps its number: the next upload is version 3
+    assert infer_version() == "3"
     load(files={"file:lifecycle.json": lifecycle(rollback=True)})
     assert infer_version() == "1"
     with pytest.raises(InferenceServerException, match="rollback"):
@@ -200,7 +200,7 @@ def test_promotion_and_rollback_through_the_repository_api(tmp_path: Path, trans
             .get_inference_statistics("lin")
         assert [r["action"] for r in stats["history"]] == ["load", "refused", "promote", "rollback"]
         assert sorted(p.name for p in (tmp_path / "models" / "lin").iterdir() if p.name.isdigit()) \
-            == ["1", "2"]
+            == ["1", "3"]
     finally:
         server.close()
 

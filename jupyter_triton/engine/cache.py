@@ -1,8 +1,10 @@
 """Triton's local response cache: ``response_cache { enable: true }`` in a model's config and
 a server-wide size (tritonserver's ``--cache-config local,size=<bytes>``; 0: no cache).
 
-One LRU for the whole server, bounded in bytes. A response is keyed on the model name and
-version, every input (name, datatype, shape, bytes), the requested outputs (names and
+One LRU for the whole server, bounded in bytes. A response is keyed on the model name, the
+loaded version's identity (its number and which load of it: the lifecycle's, so a number
+that came to mean other files, or the same files loaded again, never meets another load's
+answers), every input (name, datatype, shape, bytes), the requested outputs (names and
 their parameters) and the request's own parameters (a model may read them; Triton's key
 leaves them out); the request id is not in the key and each hit answers with its own.
 Only successes are cached (Triton 2.51 caches an error response of a python model as an
@@ -11,6 +13,9 @@ empty 200 one). A model without ``response_cache`` pays one attribute check per 
 Statistics as Triton keeps them: a hit counts as a success and in ``queue`` (no time) and
 ``cache_hit`` (the lookup's time), not in inference/execution counts; a miss runs the
 model as usual and adds its lookup and insertion time to ``cache_miss``.
+
+A version's entries go when it unloads, is evicted or is set aside (``ModelCache.forget``):
+the cache holds no answer of a version that is not loaded.
 """
 from __future__ import annotations
 
@@ -73,7 +78,9 @@ class ResponseCache:
         self.size = size
         self.used = 0
         self.evictions = 0
-        self._entries: OrderedDict[bytes, tuple[InferResponse, int]] = OrderedDict()
+        # key -> (response, bytes it costs, the loaded version whose answer it is)
+        self._entries: OrderedDict[bytes, tuple[InferResponse, int, ModelCache | None]] = \
+            OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,32 +96,54 @@ class ResponseCache:
         self._entries.move_to_end(key)
         return entry[0]
 
-    def insert(self, key: bytes, response: InferResponse) -> None:
+    def insert(self, key: bytes, response: InferResponse,
+               owner: "ModelCache | None" = None) -> None:
         nbytes = _response_bytes(response) + len(key) + _ENTRY_OVERHEAD
         if nbytes > self.size or key in self._entries:
             return
         while self.used + nbytes > self.size:
-            _, (_, freed) = self._entries.popitem(last=False)
+            evicted, (_, freed, held_by) = self._entries.popitem(last=False)
+            if held_by is not None:
+                held_by.keys.discard(evicted)
             self.used -= freed
             self.evictions += 1
-        self._entries[key] = (response, nbytes)
+        self._entries[key] = (response, nbytes, owner)
+        if owner is not None:
+            owner.keys.add(key)
         self.used += nbytes
 
-    def for_model(self, stats: "ModelStatistics") -> "ModelCache":
-        return ModelCache(self, stats)
+    def drop(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self.used -= entry[1]
+
+    def for_model(self, stats: "ModelStatistics", identity: str) -> "ModelCache":
+        """The way through the cache of one loaded version; ``identity``: the lifecycle's
+        name for that load (engine/lifecycle.py), part of every key."""
+        return ModelCache(self, stats, identity)
 
 
 class ModelCache:
-    """One model version's way through the cache (``ModelVersion.response_cache``)."""
+    """One loaded model version's way through the cache (``ModelVersion.response_cache``)."""
 
-    def __init__(self, cache: ResponseCache, stats: "ModelStatistics") -> None:
+    def __init__(self, cache: ResponseCache, stats: "ModelStatistics", identity: str) -> None:
         self.cache = cache
         self.stats = stats
+        self.identity = identity
+        self.keys: set[bytes] = set()     # its entries in the cache
+        self.forgotten = False
+
+    def forget(self) -> None:
+        """The version unloads: its entries go now, and nothing it answers later is kept."""
+        self.forgotten = True
+        self.cache.drop(self.keys)
+        self.keys.clear()
 
     async def infer(self, version: "ModelVersion", request: InferRequest) -> InferResponse:
         start = time.monotonic_ns()
-        key = request_key(version.name, version.version, request)
-        if key is None:                  # nothing to key on (inputs not in memory)
+        key = None if self.forgotten else request_key(version.name, self.identity, request)
+        if key is None:                  # nothing to key on (inputs not in memory), or unloading
             return await version.infer(request)
         hit = self.cache.lookup(key)
         if hit is not None:
@@ -123,15 +152,16 @@ class ModelCache:
         looked_up = time.monotonic_ns() - start
         response = await version.infer(request)       # raises on failure: nothing cached
         insert_start = time.monotonic_ns()
-        self.cache.insert(key, response)
+        if not self.forgotten:           # unless it began unloading while this request ran
+            self.cache.insert(key, response, self)
         self.stats.record_cache_miss(looked_up + time.monotonic_ns() - insert_start)
         return response
 
 
-def request_key(model: str, version: int | str, request: InferRequest) -> bytes | None:
+def request_key(model: str, identity: str, request: InferRequest) -> bytes | None:
     """The digest a response is cached under, or None when an input is not in memory."""
     h = hashlib.blake2b(digest_size=32)
-    h.update(f"{model}\0{version}\0".encode())
+    h.update(f"{model}\0{identity}\0".encode())
     for tensor in sorted(request.inputs, key=lambda t: t.name):
         data = tensor.data
         if data is None:

@@ -378,6 +378,8 @@ class ModelVersion:
         requests fail with Unavailable, the stuck thread is left behind (a daemon thread,
         so it does not hold the process at exit) and unloading moves on."""
         self.status = VersionStatus(UNLOADING)
+        if self.response_cache is not None:
+            self.response_cache.forget()    # its cached answers go with it (engine/cache.py)
         if isinstance(self.scheduler, SequenceBatcher):
             self.scheduler.unloading()      # a backlogged sequence would hold the drain
         try:

@@ -17,6 +17,7 @@ import numpy as np
 from ..protocol.datatypes import triton_to_numpy
 from ..protocol.errors import InvalidArgument
 from ..protocol.types import InferRequest, InferTensor
+from ..repository.layout import MAX_VERSION, is_version_dir_name
 
 LIFECYCLE_FILE = "file:lifecycle.json"
 KEYS = ("golden", "atol", "rtol", "promote", "rollback", "canary")
@@ -78,13 +79,23 @@ def parse_promotion(params: Mapping[str, Any]) -> Promotion:
         cases.append(GoldenCase(inputs, expected))
     version = params.get("promote")
     if version is not None:
-        try:
+        if isinstance(version, str) and is_version_dir_name(version):
             version = int(version)
-        except (TypeError, ValueError):
+        if isinstance(version, bool) or not isinstance(version, int) \
+                or not 0 < version <= MAX_VERSION:
             raise InvalidArgument(f"load parameter 'promote' must be a version number, "
-                                  f"not {version!r}") from None
+                                  f"not {version!r}")
     return Promotion(cases, _tolerance(params, "atol", 1e-8), _tolerance(params, "rtol", 1e-5),
                      version)
+
+
+def rollback_requested(params: Mapping[str, Any]) -> bool:
+    """``rollback``: a JSON boolean (a string such as "false" is refused, never truthy)."""
+    value = params.get("rollback", False)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"load parameter 'rollback' must be a boolean (true or false), "
+                              f"not {value!r}")
+    return value
 
 
 def canary_fraction(params: Mapping[str, Any]) -> float:
@@ -98,6 +109,8 @@ def canary_fraction(params: Mapping[str, Any]) -> float:
 def _tolerance(params: Mapping[str, Any], key: str, default: float) -> float:
     value = params.get(key, default)
     try:
+        if isinstance(value, bool):
+            raise TypeError(value)
         value = float(value)
     except (TypeError, ValueError):
         raise InvalidArgument(f"load parameter '{key}' must be a number, not {value!r}") from None

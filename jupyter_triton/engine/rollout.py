@@ -212,9 +212,8 @@ class Rollout:
         return mv
 
     def _serve_only(self, name: str, version: int) -> None:
-        config = self.repository.read_config(name)
-        config.version_policy.specific.versions[:] = [version]
-        self.repository.write_config(name, config)        # the replaced one goes to .history/
+        # the replaced config goes to .history/; a newer version on disk releases the pin
+        self.repository.pin_version(name, version, self.repository.read_config(name))
 
     def _restore_config(self, name: str, text: str | None) -> None:
         if text is not None and self._config_text(name) != text:
@@ -250,8 +249,8 @@ class Rollout:
                 from ..config import parse_config
                 config = (parse_config(previous_config, name, CONFIG_FILENAME) if previous_config
                           else self.repository.read_config(name))
-                config.version_policy.specific.versions[:] = [previous]
-                self.repository.write_config(name, config)
+                # until a newer version comes (an upload, one copied in): repository/pins.py
+                self.repository.pin_version(name, previous, config)
             await loop.run_in_executor(None, pin_previous)
             try:
                 await self._load_locked(name, entry)

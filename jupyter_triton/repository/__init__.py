@@ -12,6 +12,13 @@ hidden journal (``<model>/.pending-load.json``) says they are not committed yet.
 commits after a successful load; a failed load, or a server that died mid-load (found by
 ``recover`` at start), sets the versions aside under ``<root>/.failed/<model>/`` with their
 reason and puts the previous config.pbtxt back, so a restart serves what served before.
+
+A version number means one set of files for good: a number once used (on disk, set aside
+under ``.failed/``, named in the lifecycle history) is never handed out again
+(``used_versions``, ``next_version``), so nothing keyed by a number (the response cache,
+statistics, the S3 mirror, the history) can attribute one version's answers to another.
+Numbers are Triton's: an int64 above 0 (layout.MAX_VERSION); past the last one an upload is
+refused.
 """
 from __future__ import annotations
 
@@ -34,8 +41,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import (CONFIG_FILENAME, config_from_json, config_to_pbtxt, load_config_file,
                       parse_config, validate_config)
 from ..protocol.errors import Internal, InvalidArgument, NotFound
-from . import history
-from .layout import check_model_name, is_hidden, is_version_dir_name
+from . import history, pins
+from .layout import MAX_VERSION, check_model_name, is_hidden, is_version_dir_name
 from .upload import MAX_UPLOAD_BYTES, UploadedFile, parse_upload_files
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,18 @@ class Repository:
         model_dir = self.model_dir(name)
         return sorted(int(e.name) for e in os.scandir(model_dir)
                       if is_version_dir_name(e.name) and e.is_dir())
+
+    def used_versions(self, name: str) -> set[int]:
+        """Every version number ``name`` has used: its version directories, the versions set
+        aside under ``.failed/<name>/`` and those its lifecycle history names. None of them
+        is handed out again (the model directory need not exist)."""
+        check_model_name(name)
+        return _used_versions(self.root, name)
+
+    def next_version(self, name: str) -> int:
+        """The number the next upload of ``name`` gets (after every used one);
+        InvalidArgument when none is left below Triton's bound."""
+        return _next_versions(name, self.used_versions(name), 1)[0]
 
     def version_dir(self, name: str, version: int) -> Path:
         path = self.model_dir(name) / str(int(version))
@@ -173,8 +192,9 @@ class Repository:
         """Persist what ``load_model(name, config=..., files=...)`` sends, committed at once.
 
         Each uploaded version becomes a NEW version directory: unless every uploaded version
-        number is above the highest on disk, the uploaded versions are renumbered, in order,
-        to the numbers after the highest one on disk (so a "latest" policy serves the upload).
+        number is above the highest used (``used_versions``), the uploaded versions are
+        renumbered, in order, to the numbers after it (so a "latest" policy serves the upload,
+        and no number ever means two sets of files).
         A config naming the uploaded versions in a ``specific`` policy is rewritten to the
         new numbers. Returns the version numbers written, ascending.
         """
@@ -217,8 +237,8 @@ class Repository:
                                f"{err.strerror or err}") from None
             try:
                 if uploads:
-                    taken = _taken_versions(model_dir)
-                    mapping = _assign_versions(list(uploads), taken)
+                    mapping = _assign_versions(name, list(uploads),
+                                               _used_versions(self.root, name))
                     if config is not None:
                         _renumber_specific(config, mapping)
                     written = self._write_versions(model_dir, uploads, mapping, config, pending.id)
@@ -325,8 +345,60 @@ class Repository:
             model_dir.mkdir(parents=True, exist_ok=True)
             self._write_config_locked(name, model_dir, config)
 
+    def pin_version(self, name: str, version: int, config: mc.ModelConfig) -> None:
+        """Serve only ``version`` (a rollback, the promotion of a version on disk): ``config``
+        pinned to it becomes config.pbtxt (the replaced one kept in .history/), until a load
+        finds a newer version (``release_pin``; repository/pins.py)."""
+        check_model_name(name)
+        target = pins.pinned(config, version)
+        target.name = target.name or name
+        text = config_to_pbtxt(target).encode()
+        with self._write_lock:
+            model_dir = self.root / name
+            newest = max(_used_versions(self.root, name) | {version})
+            self._write_config_locked(name, model_dir, target)
+            try:
+                _write_atomic(model_dir / pins.PIN_FILENAME,
+                              pins.record(model_dir, config, version, newest, text))
+            except OSError as err:
+                raise Internal(f"model '{name}': failed to write {pins.PIN_FILENAME}: "
+                               f"{err.strerror or err}") from None
+
+    def release_pin(self, name: str) -> bytes | None:
+        """Before a load: when config.pbtxt is the lifecycle's pin and a version newer than
+        every one used when it was pinned is on disk, config.pbtxt goes back to the policy it
+        had before the pin (the pinned one kept in .history/). Returns the pinned config's
+        bytes, for ``restore_config`` if the load fails; None when nothing changed."""
+        with self._write_lock:
+            model_dir = self.model_dir(name)
+            if not (model_dir / pins.PIN_FILENAME).is_file():
+                return None
+            text = _read_if_file(model_dir / CONFIG_FILENAME)
+            if text is None:
+                return None
+            try:
+                config = parse_config(text.decode("utf-8", "replace"), name, CONFIG_FILENAME)
+            except InvalidArgument:
+                return None         # not ours: the load says what is wrong with it
+            config.name = config.name or name
+            unpinned = pins.released(model_dir, text, config,
+                                     max(self.versions_on_disk(name), default=0))
+            if unpinned is None:
+                return None
+            self._write_config_locked(name, model_dir, unpinned)
+            log.info("model '%s': a version newer than its pin is on disk: config.pbtxt "
+                     "serves by its earlier version policy again", name)
+            return text
+
+    def restore_config(self, name: str, text: bytes) -> None:
+        """Put back config.pbtxt as ``text`` (what ``release_pin`` replaced), byte for byte."""
+        with self._write_lock:
+            self._put_config_locked(name, self.model_dir(name), text)
+
     def _write_config_locked(self, name: str, model_dir: Path, config: mc.ModelConfig) -> None:
-        text = config_to_pbtxt(config).encode()
+        self._put_config_locked(name, model_dir, config_to_pbtxt(config).encode())
+
+    def _put_config_locked(self, name: str, model_dir: Path, text: bytes) -> None:
         path = model_dir / CONFIG_FILENAME
         try:
             previous = path.read_bytes() if path.is_file() else None
@@ -499,17 +571,37 @@ def _remove(path: Path) -> None:
 def _taken_versions(model_dir: Path) -> set[int]:
     try:
         return {int(e.name) for e in os.scandir(model_dir) if is_version_dir_name(e.name)}
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return set()
 
 
-def _assign_versions(uploaded: list[int], taken: set[int]) -> dict[int, int]:
-    # an upload is always the newest: a number at or below one on disk (taken, or freed by
-    # keep_versions or a failed load) is renumbered after the highest
-    if not taken or min(uploaded) > max(taken):
+def _used_versions(root: Path, name: str) -> set[int]:
+    """Numbers on disk (any entry so named), set aside (``<stamp>-v<version>``), in history."""
+    used = _taken_versions(root / name)
+    try:
+        for entry in os.scandir(root / FAILED_DIR / name):
+            _, sep, version = entry.name.rpartition("-v")
+            if sep and is_version_dir_name(version):
+                used.add(int(version))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return used | history.versions_named(root / name)
+
+
+def _next_versions(name: str, used: set[int], count: int) -> list[int]:
+    start = max(used, default=0) + 1
+    if start + count - 1 > MAX_VERSION:
+        raise InvalidArgument(f"model '{name}' has no version number left: versions are "
+                              f"numbered 1 to {MAX_VERSION} and {max(used)} is used")
+    return list(range(start, start + count))
+
+
+def _assign_versions(name: str, uploaded: list[int], used: set[int]) -> dict[int, int]:
+    # an upload is always the newest, and never takes a number used before: one at or below
+    # the highest used (on disk, freed by keep_versions, set aside) is renumbered after it
+    if not used or min(uploaded) > max(used):
         return {v: v for v in uploaded}
-    start = max(taken) + 1
-    return {v: start + i for i, v in enumerate(sorted(uploaded))}
+    return dict(zip(sorted(uploaded), _next_versions(name, used, len(uploaded))))
 
 
 def _renumber_specific(config: mc.ModelConfig, mapping: dict[int, int]) -> None:
@@ -522,7 +614,7 @@ def _renumber_specific(config: mc.ModelConfig, mapping: dict[int, int]) -> None:
 
 
 def _claim(staged: Path, model_dir: Path, version: int) -> int:
-    """Rename a staged version dir to the first free number from ``version`` on."""
+    """Rename a staged version dir to the first unused number from ``version`` on."""
     for _ in range(_RENAME_ATTEMPTS):
         target = model_dir / str(version)
         # rename(2) replaces an EMPTY directory; an empty dir holds no user data, but
@@ -534,7 +626,8 @@ def _claim(staged: Path, model_dir: Path, version: int) -> int:
             except OSError as err:
                 if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
                     raise
-        version = max(version, max(_taken_versions(model_dir), default=0)) + 1
+        used = _used_versions(model_dir.parent, model_dir.name) | {version}
+        version = _next_versions(model_dir.name, used, 1)[0]
     raise OSError(errno.EEXIST, f"no free version number after {_RENAME_ATTEMPTS} attempts")
 
 
@@ -620,4 +713,5 @@ def _fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["FAILED_DIR", "HISTORY_DIR", "PendingUpload", "Repository", "check_model_name"]
+__all__ = ["FAILED_DIR", "HISTORY_DIR", "MAX_VERSION", "PendingUpload", "Repository",
+           "check_model_name"]

@@ -30,6 +30,16 @@ def append(model_dir: Path, record: dict) -> dict:
     return record
 
 
+def versions_named(model_dir: Path) -> set[int]:
+    """The version numbers the (last ``MAX_RECORDS``) records name: numbers the model has
+    used, which the repository never hands out again."""
+    return {r[key] for r in read(model_dir) for key in _VERSION_KEYS
+            if isinstance(r.get(key), int) and not isinstance(r.get(key), bool) and r[key] > 0}
+
+
+_VERSION_KEYS = ("version", "previous", "served")
+
+
 def read(model_dir: Path, limit: int = MAX_RECORDS) -> list[dict]:
     """The last ``limit`` records, oldest first; lines that are not JSON objects are skipped
     (a torn last line after a crash)."""

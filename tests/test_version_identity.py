@@ -1,0 +1,310 @@
+"""A version number means one set of files for good (ARCHITECTURE.md: a version's identity has
+one owner, the lifecycle): a number once used (served, staged, set aside, in the history) is
+never handed out again, the response cache keys on the loaded version and forgets it when it
+unloads, a rollback's pin gives way to a newer version, lifecycle booleans are booleans, and
+version numbers are Triton's (int64 above 0). Each attack against a real server over the
+repository API, as a careless operator or a hostile client would send it: the answer and
+the version a client then gets, and nothing stored lost."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from conftest import HTTP_FRONT, serve
+from jupyter_triton.engine import EngineOptions
+from jupyter_triton.repository import MAX_VERSION
+from jupyter_triton.standalone import start_in_thread
+
+pytestmark = pytest.mark.timeout(180)
+
+# OUTPUT0 = INPUT0 + ADD (a constant of the file, so each version's files answer apart). An
+# input starting with 7 holds execute while the file HOLD exists (after touching HELD): a
+# golden check that a client can reach the staged version during.
+MODEL_PY = '''
+import json, os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+ADD = {add}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.p = {{k: v["string_value"] for k, v in
+                  json.loads(args["model_config"]).get("parameters", {{}}).items()}}
+        if {broken}:
+            raise RuntimeError("this version is broken on purpose")
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            if x.size and x.flat[0] == 7 and "HOLD" in self.p:
+                open(self.p["HELD"], "w").close()
+                deadline = time.time() + 60
+                while os.path.exists(self.p["HOLD"]) and time.time() < deadline:
+                    time.sleep(0.02)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + ADD)]))
+        return out
+'''
+NAME = "adder"
+
+
+def model_py(add: int, broken: bool = False) -> bytes:
+    return MODEL_PY.format(add=add, broken=broken).encode()
+
+
+def config(**params: object) -> str:
+    return json.dumps({
+        "name": NAME, "backend": "python", "max_batch_size": 0,
+        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
+        "response_cache": {"enable": True},
+        "parameters": {k: {"string_value": str(v)} for k, v in
+                       {"EXECUTION_MODE": "thread", **params}.items()}})
+
+
+def lifecycle(**keys: object) -> bytes:
+    return json.dumps(keys).encode()
+
+
+def infer(client, x=(1, 2), version: str = "") -> tuple[list[float], str]:
+    inp = httpclient.InferInput("INPUT0", [len(x)], "FP32")
+    inp.set_data_from_numpy(np.asarray(x, np.float32))
+    result = client.infer(NAME, [inp], model_version=version)
+    return result.as_numpy("OUTPUT0").tolist(), result.get_response()["model_version"]
+
+
+def set_aside(repo: Path, version: int) -> list[Path]:
+    return sorted((repo / ".failed" / NAME).glob(f"*-v{version}"))
+
+
+def start(repo: Path, **options):
+    """A standalone server with a response cache and its metrics port."""
+    server = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
+                                           response_cache_size=1 << 20, **options),
+                             host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=None,
+                             http_front=HTTP_FRONT)
+    return server, httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}",
+                                                    network_timeout=120)
+
+
+def cache_entries(server) -> float:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return next(s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "nv_cache_num_entries")
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    repo = tmp_path / "models"
+    repo.mkdir()
+    server, client = start(repo)
+    yield server, client, repo
+    client.close()
+    server.close()
+
+
+# ---- a set-aside version's answers, under the next version with its number ---------------
+
+def test_a_stopped_canary_never_answers_for_the_next_upload(server):
+    server, client, repo = server
+    client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(1)})
+    client.load_model(NAME, config=config(), files={"file:2/model.py": model_py(1000),
+                                                    "file:lifecycle.json": lifecycle(canary=1.0)})
+    assert infer(client) == ([1001.0, 1002.0], "2")
+    assert infer(client) == ([1001.0, 1002.0], "2")        # the second from the cache
+    assert cache_entries(server) >= 1
+    client.load_model(NAME, files={"file:lifecycle.json": lifecycle(canary=0)})
+    left_in_cache = cache_entries(server)
+    assert infer(client) == ([2.0, 3.0], "1")
+    # a fixed version uploaded as file:2 is a NEW version: 2 means the canary's files for good
+    client.load_model(NAME, config=config(), files={"file:2/model.py": model_py(2)})
+    assert infer(client) == ([3.0, 4.0], "3")
+    assert left_in_cache == 0           # the set-aside version's answers went with it
+    with pytest.raises(InferenceServerException):
+        infer(client, version="2")
+    rows = {r.get("version"): r for r in client.get_model_repository_index() if r["name"] == NAME}
+    assert rows["2"]["state"] == "UNAVAILABLE" and rows["3"]["state"] == "READY"
+    # nothing stored is lost: the canary's files are kept where it was set aside
+    [kept] = set_aside(repo, 2)
+    assert b"ADD = 1000" in (kept / "model.py").read_bytes()
+    assert not (repo / NAME / "2").exists()
+
+
+def test_a_refused_promotion_never_answers_for_the_next_upload(server, tmp_path: Path):
+    server, client, repo = server
+    hold, held = tmp_path / "hold", tmp_path / "held"
+    client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(1)})
+    hold.touch()
+    refused: list[Exception] = []
+
+    def promote() -> None:
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}", network_timeout=120)
+        golden = [{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [2], "data": [7, 8]}],
+                   "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [2],
+                                "data": [8, 9]}]}]
+        try:
+            c.load_model(NAME, config=config(HOLD=hold, HELD=held), files={
+                "file:2/model.py": model_py(1000), "file:lifecycle.json": lifecycle(golden=golden)})
+        except InferenceServerException as err:
+            refused.append(err)
+        finally:
+            c.close()
+    thread = threading.Thread(target=promote)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not held.exists() and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert held.exists(), "the golden check did not start"
+        # while it is checked, the staged version answers a client that names it (cached)
+        assert infer(client, version="2") == ([1001.0, 1002.0], "2")
+    finally:
+        hold.unlink()
+        thread.join(120)
+    assert refused and "refused" in refused[0].message()
+    left_in_cache = cache_entries(server)
+    client.load_model(NAME, config=config(), files={"file:2/model.py": model_py(2)})
+    assert infer(client) == ([3.0, 4.0], "3")
+    assert infer(client, version="3") == ([3.0, 4.0], "3")
+    assert left_in_cache == 0
+    [kept] = set_aside(repo, 2)
+    assert b"ADD = 1000" in (kept / "model.py").read_bytes()
+    assert [r["action"] for r in client.get_inference_statistics(NAME)["history"]] == \
+        ["load", "refused", "load"]
+
+
+def test_the_cache_keys_on_the_loaded_version_not_its_number(server):
+    """The same number holding other files (replaced on disk, then loaded again) is a new
+    load: the cache never answers it with the earlier files' answers."""
+    server, client, repo = server
+    client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(1)})
+    assert infer(client) == ([2.0, 3.0], "1")
+    (repo / NAME / "1" / "model.py").write_bytes(model_py(50))
+    client.load_model(NAME)
+    assert infer(client) == ([51.0, 52.0], "1")
+    assert cache_entries(server) == 1          # the earlier load's answer went with it
+
+
+def test_numbers_set_aside_or_in_the_history_are_never_reused(tmp_path: Path):
+    """Across a restart too: the next number is after every one used, whatever the disk
+    holds now (Repository.used_versions / next_version)."""
+    from jupyter_triton.repository import Repository
+    repo = tmp_path / "models"
+    server, client = serve(repo, model_control_mode="explicit")
+    try:
+        client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(1)})
+        with pytest.raises(InferenceServerException, match="broken on purpose"):
+            client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(9, True)})
+        assert Repository(repo).used_versions(NAME) == {1, 2}
+    finally:
+        server.close()
+    server, client = serve(repo, model_control_mode="explicit", load_models=[NAME])
+    try:
+        assert Repository(repo).next_version(NAME) == 3
+        client.load_model(NAME, config=config(), files={"file:2/model.py": model_py(2)})
+        assert infer(client) == ([3.0, 4.0], "3")
+        assert set_aside(repo, 2)
+    finally:
+        server.close()
+
+
+# ---- lifecycle.json: booleans are booleans ---------------------------------------------------
+
+@pytest.mark.parametrize("value", ["false", "true", 1, None])
+def test_rollback_takes_a_boolean_only(server, value):
+    server, client, repo = server
+    client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(1)})
+    client.load_model(NAME, config=config(), files={"file:2/model.py": model_py(2)})
+    with pytest.raises(InferenceServerException) as err:
+        client.load_model(NAME, files={"file:lifecycle.json": lifecycle(rollback=value)})
+    assert err.value.status() == "400" and "'rollback'" in err.value.message()
+    assert infer(client) == ([3.0, 4.0], "2")              # nothing rolled back
+    assert [r["action"] for r in client.get_inference_statistics(NAME)["history"]] == ["load", "load"]
+    client.load_model(NAME, files={"file:lifecycle.json": lifecycle(rollback=False)})
+    assert infer(client) == ([3.0, 4.0], "2")
+    client.load_model(NAME, files={"file:lifecycle.json": lifecycle(rollback=True)})
+    assert infer(client) == ([2.0, 3.0], "1")
+
+
+# ---- a rollback's pin gives way to a newer version -----------------------------------------
+
+def test_a_version_after_a_rollback_serves_without_a_config(server):
+    """A rollback pins config.pbtxt to the version it brings back; a newer version that comes
+    with no config (copied in, then loaded) is served all the same, unless it fails."""
+    server, client, repo = server
+    pinned = repo / NAME / "config.pbtxt"
+
+    def copy_in(version: int, add: int, broken: bool = False) -> None:
+        (repo / NAME / str(version)).mkdir()
+        (repo / NAME / str(version) / "model.py").write_bytes(model_py(add, broken))
+    client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(1)})
+    client.load_model(NAME, config=config(), files={"file:2/model.py": model_py(2)})
+    client.load_model(NAME, files={"file:lifecycle.json": lifecycle(rollback=True)})
+    assert infer(client) == ([2.0, 3.0], "1")
+    assert "versions: 1" in pinned.read_text()
+    copy_in(3, 3)
+    client.load_model(NAME)
+    assert infer(client) == ([4.0, 5.0], "3")
+    # served by the policy the config had before the pin; the pinned config is kept
+    assert "specific" not in pinned.read_text()
+    assert any("versions: 1" in p.read_text() for p in (repo / NAME / ".history").iterdir())
+    client.load_model(NAME, files={"file:lifecycle.json": lifecycle(rollback=True)})
+    assert infer(client) == ([2.0, 3.0], "1")
+    # a broken newer version: refused, and the pin holds
+    copy_in(4, 4, broken=True)
+    with pytest.raises(InferenceServerException, match="broken on purpose"):
+        client.load_model(NAME)
+    assert infer(client) == ([2.0, 3.0], "1")
+    assert "versions: 1" in pinned.read_text()
+    # an upload with its own config serves as ever, after every number used
+    client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(5)})
+    assert infer(client) == ([6.0, 7.0], "5")
+    assert (repo / NAME / "2").is_dir() and (repo / NAME / "4").is_dir()     # nothing lost
+
+
+# ---- version numbers are Triton's: int64 above 0 ---------------------------------------------
+
+def test_version_numbers_are_bounded_as_triton_bounds_them(tmp_path: Path):
+    repo = tmp_path / "models"
+    server, client = serve(repo, model_control_mode="explicit")
+    try:
+        big = 999_999_999_999_999_999            # 18 digits: the next one has 19
+        client.load_model(NAME, config=config(), files={f"file:{big}/model.py": model_py(1)})
+        assert infer(client) == ([2.0, 3.0], str(big))
+        client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(2)})
+        assert infer(client) == ([3.0, 4.0], str(big + 1))
+        for bad in (MAX_VERSION + 1, 10 ** 19, 10 ** 30, 0):
+            with pytest.raises(InferenceServerException) as err:
+                client.load_model(NAME, config=config(), files={f"file:{bad}/model.py": model_py(3)})
+            assert err.value.status() == "400" and "file parameter" in err.value.message()
+        client.load_model(NAME, config=config(), files={f"file:{MAX_VERSION}/model.py": model_py(4)})
+        assert infer(client) == ([5.0, 6.0], str(MAX_VERSION))
+        # no number is left after the last one: refused, nothing written, still served
+        with pytest.raises(InferenceServerException) as err:
+            client.load_model(NAME, config=config(), files={"file:1/model.py": model_py(5)})
+        assert err.value.status() == "400" and "no version number left" in err.value.message()
+        assert infer(client) == ([5.0, 6.0], str(MAX_VERSION))
+        on_disk = sorted(p.name for p in (repo / NAME).iterdir() if not p.name.startswith("."))
+        assert on_disk == sorted([str(big), str(big + 1), str(MAX_VERSION), "config.pbtxt"])
+    finally:
+        server.close()
+    # a restart loads what the uploads were answered with
+    server, client = serve(repo, model_control_mode="explicit", load_models=[NAME])
+    try:
+        assert client.get_model_metadata(NAME)["versions"] == [str(MAX_VERSION)]
+        assert infer(client) == ([5.0, 6.0], str(MAX_VERSION))
+    finally:
+        server.close()
