@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from .histograms import latency_histograms
 from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from .options import EngineOptions
 from .on_demand import OnDemand
-from .promotion import canary_fraction, lifecycle_parameters, parse_promotion
+from .promotion import canary_fraction, lifecycle_parameters, parse_promotion, rollback_requested
 from .rate_limiter import RateLimiter
 from .residency import Residency
 from .rollout import Canary, Rollout, canary_running
@@ -108,6 +109,7 @@ class ModelLifecycle(OnDemand, Rollout):
         # Triton's response cache spans models too (--cache-config local,size=<bytes>)
         self.response_cache = ResponseCache(options.response_cache_size) \
             if options.response_cache_size > 0 else None
+        self._loads = itertools.count(1)        # each version load's own number
         # lifecycle as a control (engine/residency.py): off unless a bound is set
         self.residency = Residency(options.model_residency_bytes, options.max_loaded_models)
         self._init_on_demand()                          # engine/on_demand.py
@@ -208,6 +210,7 @@ class ModelLifecycle(OnDemand, Rollout):
         self._check_explicit()
         files = dict(files) if files else files
         lifecycle = lifecycle_parameters(parameters, files)
+        rollback = rollback_requested(lifecycle)
         entry = self._entries.get(name)
         if entry is not None and entry.canary is not None and not (
                 "canary" in lifecycle or "golden" in lifecycle):
@@ -217,7 +220,7 @@ class ModelLifecycle(OnDemand, Rollout):
                 raise InvalidArgument(f"failed to load '{name}': 'canary' goes alone with the "
                                       f"new version's config and files")
             await self.canary(name, canary_fraction(lifecycle), config, files)
-        elif lifecycle.get("rollback"):
+        elif rollback:
             if config is not None or files or "golden" in lifecycle:
                 raise InvalidArgument(f"failed to load '{name}': 'rollback' takes no config, "
                                       f"files or golden set")
@@ -347,10 +350,17 @@ class ModelLifecycle(OnDemand, Rollout):
 
     async def _load_locked(self, name: str, entry: Entry) -> None:
         """(Re)load a model from the repository. New versions become READY before old ones
-        stop serving; if anything fails, what was serving keeps serving."""
+        stop serving; if anything fails, what was serving keeps serving. A version pinned by a
+        rollback gives way to a newer one on disk (repository/pins.py), unless it fails."""
+        loop = asyncio.get_running_loop()
+        pinned = None
         try:
+            pinned = await loop.run_in_executor(None, self.repository.release_pin, name)
             await self._load_versions(name, entry)
         except BaseException as err:
+            if pinned is not None:
+                await asyncio.shield(loop.run_in_executor(
+                    None, self.repository.restore_config, name, pinned))
             entry.failed = True
             entry.last_error = str(err)
             raise
@@ -436,7 +446,10 @@ class ModelLifecycle(OnDemand, Rollout):
         mv.stamp = stamp
         if (self.response_cache is not None and mv.config.response_cache.enable
                 and not mv.decoupled):
-            mv.response_cache = self.response_cache.for_model(mv.stats)
+            # keyed by this load of the version, not by its number alone: a number that
+            # came to mean other files, or a version loaded again, starts with no answers
+            mv.response_cache = self.response_cache.for_model(
+                mv.stats, f"{v}:{next(self._loads)}")
         mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
                                                  self.options.histogram_buckets_ms)
         return mv
