@@ -308,3 +308,19 @@ def test_version_numbers_are_bounded_as_triton_bounds_them(tmp_path: Path):
         assert infer(client) == ([5.0, 6.0], str(MAX_VERSION))
     finally:
         server.close()
+
+
+def test_lifecycle_numbers_are_numbers_and_booleans_booleans():
+    """The same rule for the other lifecycle keys: a boolean is no version number or tolerance,
+    and a version is one the repository could hold."""
+    from jupyter_triton.engine.promotion import parse_promotion, rollback_requested
+    from jupyter_triton.protocol.errors import InvalidArgument
+    golden = [{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1]}],
+               "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [1], "data": [2]}]}]
+    for key, value in (("promote", True), ("promote", "02"), ("promote", MAX_VERSION + 1),
+                       ("promote", 2.5), ("atol", True), ("rtol", False)):
+        with pytest.raises(InvalidArgument, match=f"'{key}'"):
+            parse_promotion({"golden": golden, key: value})
+    assert parse_promotion({"golden": golden, "promote": "7"}).version == 7
+    assert parse_promotion({"golden": golden, "promote": MAX_VERSION}).version == MAX_VERSION
+    assert rollback_requested({}) is False and rollback_requested({"rollback": True}) is True
