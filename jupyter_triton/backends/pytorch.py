@@ -40,6 +40,7 @@ from ..protocol.datatypes import DATATYPES
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from .base import ModelFiles, TensorBackend, Tensors
 from .devices import require_gpu
+from .exported_program import load_program
 from .signature import (WILDCARD_DIM, ModelSignature, TensorSignature, as_config_dtype,
                         bool_parameter, check_config, complete_config, int_parameter,
                         parameter)
@@ -125,13 +126,8 @@ def _is_export(path: Path) -> bool:
 
 
 def _load_export(path: Path, files: ModelFiles):
-    torch = _torch()
-    try:
-        return torch.export.load(str(path))
-    except Exception as err:
-        raise InvalidArgument(
-            f"model '{files.model_name}' version {files.version}: '{path.name}' is not a program "
-            f"saved by torch.export.save: {err}") from None
+    _torch()
+    return load_program(path, files.model_name, files.version)
 
 
 def _load_script(path: Path, files: ModelFiles, device: str):

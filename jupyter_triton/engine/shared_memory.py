@@ -32,6 +32,7 @@ from ..backends.python.shm import PREFIX as PYTHON_BACKEND_PREFIX
 from ..protocol.datatypes import tensor_from_wire, tensor_wire_buffer
 from ..protocol.errors import InvalidArgument, NotFound, TritonError
 from ..protocol.types import InferRequest, InferResponse
+from ..repository.layout import MAX_NAME_BYTES, fits_file_name
 
 SHM_DIR = "/dev/shm"
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
@@ -73,10 +74,10 @@ def _shm_path(key: Any) -> str:
     if not isinstance(key, str):
         raise InvalidArgument(f"shared memory key must be a string, got {key!r}"[:200])
     name = key[1:] if key.startswith("/") else key
-    if not name or "/" in name or name in (".", "..") or "\0" in name or len(name) > 255:
+    if not name or "/" in name or name in (".", "..") or "\0" in name or not fits_file_name(name):
         raise InvalidArgument(
-            f"invalid shared memory key '{key}': a POSIX shared memory key is '/' followed by a "
-            "name of 1 to 255 characters without '/'")
+            f"invalid shared memory key '{key[:300]}': a POSIX shared memory key is '/' followed "
+            f"by a file name: 1 to {MAX_NAME_BYTES} bytes of UTF-8 without '/'")
     if name.startswith(PYTHON_BACKEND_PREFIX):
         raise InvalidArgument(
             f"shared memory key '{key}' is reserved for the server's python backend")
@@ -96,8 +97,9 @@ class SharedMemoryRegistry:
 
     # -- the extension's API --------------------------------------------------------------
     def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument("shared memory region name must be a non-empty string")
+        if not isinstance(name, str) or not name or not fits_file_name(name):
+            raise InvalidArgument(f"shared memory region name must be 1 to {MAX_NAME_BYTES} "
+                                  f"bytes of UTF-8 text")
         offset = _uint(offset, f"'offset' of shared memory region '{name}'")
         byte_size = _uint(byte_size, f"'byte_size' of shared memory region '{name}'")
         path = _shm_path(key)

@@ -132,11 +132,12 @@ def convert(config: mc.ModelConfig, version_dir: Path, target: str = "torchscrip
 
 def _from_program(torch, config: mc.ModelConfig, version_dir: Path):
     from ..backends.base import ModelFiles
+    from ..backends.exported_program import load_program
     from ..backends.pytorch import PyTorchBackend, _children, export_signature
     files = ModelFiles(config.name or version_dir.parent.name, int(version_dir.name),
                        version_dir.parent, version_dir, "model.pt2")
     complete = PyTorchBackend.auto_complete_config(config, files)
-    program = torch.export.load(str(version_dir / "model.pt2"))
+    program = load_program(version_dir / "model.pt2", files.model_name, files.version)
     signature = export_signature(program, config.name, complete)
     inputs = [t.name for t in signature.inputs]
     outputs = [t.name for t in signature.outputs]

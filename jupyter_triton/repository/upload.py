@@ -10,11 +10,13 @@ from pathlib import PurePosixPath
 from typing import Mapping
 
 from ..protocol.errors import InvalidArgument
-from .layout import MAX_VERSION, is_version_dir_name
+from .layout import MAX_NAME_BYTES, MAX_VERSION, fits_file_name, is_version_dir_name
 
 FILE_PREFIX = "file:"
 MAX_UPLOAD_BYTES = 16 << 30
 MAX_UPLOAD_FILES = 10_000
+# a whole path's limit is 4096 bytes, with the repository's, model's and staging folders in front
+MAX_PATH_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,14 @@ def _parse_key(model_name: str, key: object) -> tuple[int, PurePosixPath]:
         raise InvalidArgument(rule)
     parts = relpath.split("/")
     for part in parts:
-        if part in ("", ".", "..") or "\0" in part or "\\" in part or len(part) > 255:
+        if part in ("", ".", "..") or "\0" in part or "\\" in part:
             raise InvalidArgument(f"{rule} (bad path component {part!r})")
+        if not fits_file_name(part):
+            raise InvalidArgument(f"{rule} (path component over {MAX_NAME_BYTES} bytes of "
+                                  f"UTF-8, a file name's limit: {part[:32]!r}...)")
+    if len(relpath.encode("utf-8")) > MAX_PATH_BYTES:
+        raise InvalidArgument(f"{rule} (a path of {len(parts)} components over {MAX_PATH_BYTES} "
+                              f"bytes of UTF-8)")
     return int(version), PurePosixPath(*parts)
 
 
