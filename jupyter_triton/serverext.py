@@ -385,6 +385,12 @@ class JupyterTriton(ExtensionApp):
                         ).tag(config=True)
     create_demo_model = Bool(True, help="write a small demo model into a new, empty default repository"
                              ).tag(config=True)
+    inference_is_activity = Bool(True, help="inference on any port counts as the server's activity "
+                                            "(last_activity: Jupyter's idle shutdown, JupyterHub's "
+                                            "culler); False: a server that only serves models is idle"
+                                  ).tag(config=True)
+    activity_interval = Float(5.0, help="seconds between copies of the latest inference time into "
+                                        "the server's activity").tag(config=True)
     grpc_port = Int(0, help="also serve Triton's gRPC protocol on this port (0, the default: a free port, "
                             "which kernels find in the runtime file; -1: off). Each user's server gets "
                             "its own: a fixed port would clash between users of one host").tag(config=True)
@@ -595,6 +601,12 @@ class JupyterTriton(ExtensionApp):
             self._data_front = HTTPFront(plane, access_log=False, body_timeout=self.body_timeout)
             self.bound_http_data_port = await self._data_front.listen(self.http_data_address,
                                                                       self.http_data_port)
+        self._activity = None
+        if self.inference_is_activity:
+            from .activity import InferenceActivity
+            self._activity = InferenceActivity(self.engine, serverapp.web_app.settings,
+                                               self.activity_interval)
+            self._activity.start()
         self._advertise(serverapp)
         ready = [m.name for m in self.engine.models() if m.ready]
         self.log.info("jupyter_triton: %d model(s) ready (%s) from %s at %sv2/", len(ready),
@@ -624,6 +636,8 @@ class JupyterTriton(ExtensionApp):
                        if self._data_front is not None else None}, f)
 
     async def stop_extension(self) -> None:
+        if getattr(self, "_activity", None) is not None:
+            self._activity.stop()
         if getattr(self, "_fast_routes", None) is not None:
             self._fast_routes.uninstall()
             self._fast_routes.stop()
