@@ -187,6 +187,19 @@ def test_an_anonymous_client_loads_and_evicts_nothing(operator_server):
     # metadata and config answer as Triton's for a model that is not loaded
     for route in ("", "/config"):
         assert call(server, "GET", f"/v2/models/secret_unlisted{route}")[0] == 404
+    # gRPC's ModelInfer takes the same lookup
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    inp = grpcclient.InferInput("INPUT0", [1, 3], "INT32")
+    inp.set_data_from_numpy(np.array([[1, 2, 3]], np.int32))
+    try:
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("secret_unlisted", [inp])
+        assert "NOT_FOUND" in str(err.value.status())
+    finally:
+        client.close()
+    assert "secret_unlisted" not in ready_models(server)
     legit_http_infer(server)
 
 
