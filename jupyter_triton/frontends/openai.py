@@ -7,12 +7,21 @@ A completion is one generate request (``frontends.generate``'s mapping): the pro
 ``text_input``; ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (and the other
 scalar sampling fields) travel as request parameters, for the model to read. ``stop`` is
 applied here too: the text ends before the first stop sequence, and the model's request is
-cancelled there. ``stream: true`` needs a decoupled model (each of its responses is one
-chunk); without it, a decoupled model's responses are joined into one text.
+cancelled there; each response's text is searched once, with the unsent tail before it (the
+longest stop sequence's length less one), so a stop split over responses is found and a long
+answer costs no more than its length. At most ``MAX_STOPS`` stop sequences of at most
+``MAX_STOP_CHARS`` characters each (OpenAI takes 4). ``stream: true`` needs a decoupled model
+(each of its responses is one chunk); without it, a decoupled model's responses are joined
+into one text.
+
+The model is found as the v2 routes find it: its config from the engine's config query (an
+evicted model's is kept), its requests through the engine's inference, which loads it again
+where the server loads models on demand (engine/on_demand.py).
 
 ``usage`` counts tokens as the streaming convention has them: each response of a decoupled
 model is one token; a model that answers once has as many as its text has
-whitespace-separated words, and so has the prompt (the server has no tokenizer of its own).
+whitespace-separated words, and so has the prompt (the server has no tokenizer of its own;
+a large text is counted in slices, off the loop: ``frontends.large_text``).
 ``finish_reason`` is ``stop`` (the model ended, or a stop sequence), or ``length`` when the
 answer reached ``max_tokens`` (or ``max_completion_tokens``): a decoupled model's stream is
 cut, and its request cancelled, there. ``stream_options: {"include_usage": true}`` adds
@@ -44,6 +53,7 @@ from ..protocol.errors import InvalidArgument, NotFound, TritonError
 from ..protocol.types import InferRequest, InferResponse
 from . import openai_embeddings
 from .generate import close_stream, error_message, generate_request
+from .large_text import off_loop, word_count
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
 CHAT_TEMPLATE_PARAMETER = "chat_template"
@@ -54,6 +64,8 @@ DEFAULT_CHAT_TEMPLATE = (
 _PARAMETERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "presence_penalty", "frequency_penalty", "n", "min_tokens", "repetition_penalty")
 _CHAT_TEMPLATES: dict[str, Any] = {}        # template text -> compiled (bounded below)
+MAX_STOPS = 16              # stop sequences in one request (OpenAI's own bound is 4)
+MAX_STOP_CHARS = 256        # characters in one stop sequence (the tail held back is one less)
 
 
 def follows_text_convention(config: mc.ModelConfig) -> bool:
@@ -144,10 +156,13 @@ def _stops(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 16:
-        return [s for s in value if s]
-    raise InvalidArgument("'stop' must be a string or an array of at most 16 strings")
+        value = [value]
+    if not isinstance(value, list) or len(value) > MAX_STOPS or \
+            not all(isinstance(s, str) for s in value):
+        raise InvalidArgument(f"'stop' must be a string or an array of at most {MAX_STOPS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise InvalidArgument(f"a stop sequence is at most {MAX_STOP_CHARS} characters long")
+    return [s for s in value if s]
 
 
 @dataclass
@@ -163,8 +178,12 @@ class Completion:
     created: int = 0
     decoupled: bool = False
     max_tokens: int | None = None
-    prompt_tokens: int = 0
+    prompt: str = ""
     include_usage: bool = False
+    prompt_tokens: int = 0          # counted (``count_prompt``) when usage is answered
+
+    async def count_prompt(self) -> None:
+        self.prompt_tokens = await off_loop(len(self.prompt), word_count, self.prompt)
 
     def usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -190,7 +209,8 @@ def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
     if not isinstance(stream, bool) and stream is not None:
         raise InvalidArgument("'stream' must be a boolean")
     stream = bool(stream)
-    if stream and not engine.is_decoupled(model, ""):
+    decoupled = bool(config.model_transaction_policy.decoupled)
+    if stream and not decoupled:
         raise InvalidArgument(
             f"'stream': true needs a decoupled model (model_transaction_policy "
             f"{{ decoupled: true }}); model '{model}' answers each request once")
@@ -227,8 +247,7 @@ def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
     request = generate_request(config, model, "", {TEXT_INPUT: prompt, "parameters": parameters})
     prefix = "chatcmpl-" if chat else "cmpl-"
     return Completion(chat, model, request, config.max_batch_size > 0, stream, stops,
-                      prefix + secrets.token_hex(12), int(time.time()),
-                      engine.is_decoupled(model, ""), limit, len(prompt.split()),
+                      prefix + secrets.token_hex(12), int(time.time()), decoupled, limit, prompt,
                       bool(options and options.get("include_usage")))
 
 
@@ -241,30 +260,36 @@ def _text(response: InferResponse) -> str:
 
 
 class _StopScan:
-    """Text as it streams, cut before the first stop sequence; a stop sequence split over
-    two responses is found too (the tail that could start one is held back)."""
+    """Text as it streams, cut before the first stop sequence. Each piece is searched with
+    the tail before it that could begin a stop sequence (the longest one's length less one,
+    held back, unsent): a stop split over two responses is found, and nothing else is
+    searched twice. An earlier window had no stop sequence, so the first in this one is
+    the first in the text."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
+        self.tail = ""
         self.stopped = False
 
     def feed(self, piece: str) -> str:
-        self.text += piece
+        """The text that can be sent now that ``piece`` came."""
+        window = self.tail + piece if self.tail else piece
         if self.stops:
-            cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+            cut = min((i for i in map(window.find, self.stops) if i >= 0), default=-1)
             if cut >= 0:
-                self.stopped = True
-                out, self.sent = self.text[self.sent:cut], cut
-                return out
-        upto = max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:upto], upto
-        return out
+                self.stopped, self.tail = True, ""
+                return window[:cut]
+        upto = max(len(window) - self.hold, 0)
+        self.tail = window[upto:]
+        return window[:upto]
+
+    async def feed_large(self, piece: str) -> str:
+        """``feed``, off the loop for a large piece."""
+        return await off_loop(len(piece) * len(self.stops), self.feed, piece)
 
     def rest(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.tail = self.tail, ""
         return out
 
 
@@ -276,6 +301,7 @@ def _model_error(response: InferResponse) -> TritonError:
 async def complete(job: Completion, responses: AsyncGenerator[InferResponse, None]) -> dict:
     """A non-streamed completion: every response's text joined (up to a stop sequence)."""
     scan = _StopScan(job.stops)
+    pieces: list[str] = []
     tokens = 0
     try:
         async for response in responses:
@@ -283,14 +309,16 @@ async def complete(job: Completion, responses: AsyncGenerator[InferResponse, Non
                 raise _model_error(response)
             piece = _text(response)
             tokens += 1 if piece else 0
-            scan.feed(piece)
+            pieces.append(await scan.feed_large(piece))
             if scan.stopped or (job.max_tokens is not None and tokens >= job.max_tokens):
                 break
     finally:
         await close_stream(responses)
-    text = scan.text[:scan.sent] if scan.stopped else scan.text
+    pieces.append(scan.rest())
+    text = "".join(pieces)
     if not job.decoupled:
-        tokens = len(text.split())
+        tokens = await off_loop(len(text), word_count, text)
+    await job.count_prompt()
     finish = job.finish(scan.stopped, tokens)
     if job.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -346,7 +374,7 @@ async def events(job: Completion, first: InferResponse | None,
                 return
             text = _text(response)
             tokens += 1 if text else 0
-            piece = scan.feed(text)
+            piece = await scan.feed_large(text)
             if piece:
                 yield _chunk(job, piece, None)
             if scan.stopped or response.final or \
@@ -365,6 +393,7 @@ async def events(job: Completion, first: InferResponse | None,
                 yield _chunk(job, piece, None)
         yield _chunk(job, None if job.chat else "", job.finish(scan.stopped, tokens))
         if job.include_usage:
+            await job.count_prompt()
             yield _usage_chunk(job, tokens)
         yield b"data: [DONE]\n\n"
     finally:

@@ -10,7 +10,10 @@ without batching still serves a list).
 
 ``usage``: tokens as the model counts them when it has an integer output
 ``num_input_tokens`` (the name vLLM's backend uses), else the token ids given, else the
-whitespace-separated words of each text (an estimate: the server has no tokenizer of its own).
+whitespace-separated words of each text (an estimate: the server has no tokenizer of its own),
+counted in slices and off the loop for a large text (``frontends.large_text``). The body is
+bounded as the v2 infer route's is (``--http-max-input-size``); the per-element work on it
+(token ids checked, tensors built) runs off the loop too when the inputs are large.
 
 ``dimensions`` shortens the vector to its first N values, renormalized to unit length, as
 OpenAI's text-embedding-3 models do; only a model trained for it (Matryoshka) gives
@@ -31,6 +34,7 @@ from ..engine import Engine
 from ..protocol.errors import InvalidArgument
 from ..protocol.types import InferRequest, RequestedOutput
 from .generate import input_tensor
+from .large_text import off_loop, word_count
 
 EMBEDDING_OUTPUT = "embedding"
 TOKEN_COUNT_OUTPUT = "num_input_tokens"
@@ -68,7 +72,8 @@ def signature(config: mc.ModelConfig) -> Signature | None:
 
 
 def _inputs(value: object, ids: bool) -> list:
-    """``input`` as a list of items: strings, or lists of token ids."""
+    """``input`` as a list of items: strings, or lists of token ids (each id is checked by
+    ``_requests``, off the loop for large inputs)."""
     if isinstance(value, str):
         items: list = [value]
     elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool)
@@ -86,11 +91,8 @@ def _inputs(value: object, ids: bool) -> list:
             if isinstance(item, str):
                 raise InvalidArgument(
                     f"input[{i}] is text, but this model takes token ids (its input is integer)")
-            if not isinstance(item, list) or not item or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31
-                    for t in item):
-                raise InvalidArgument(f"input[{i}] must be a non-empty array of token ids "
-                                      f"(integers from 0 to 2**31 - 1)")
+            if not isinstance(item, list) or not item:
+                raise _not_ids(i)
         elif not isinstance(item, str):
             raise InvalidArgument(
                 f"input[{i}] must be a string: this model takes text (its input is BYTES)")
@@ -99,19 +101,26 @@ def _inputs(value: object, ids: bool) -> list:
     return items
 
 
+def _not_ids(index: int) -> InvalidArgument:
+    return InvalidArgument(f"input[{index}] must be a non-empty array of token ids "
+                           f"(integers from 0 to 2**31 - 1)")
+
+
 @dataclass
 class EmbeddingJob:
     model: str
     signature: Signature
-    requests: list[InferRequest]
-    counts: list[int]               # tokens per input, unless the model counts them
+    items: list                     # strings, or lists of token ids (as _inputs checks them)
+    batching: bool
     base64: bool
     dimensions: int | None
     truncatable: bool
 
 
 def prepare(engine: Engine, body: dict) -> EmbeddingJob:
-    """Check an embeddings request body and map each input onto one inference request."""
+    """Check an embeddings request body: what costs no more than the number of its inputs.
+    The model is the one the engine's config query answers for (an evicted model's too:
+    ``embed``'s inference loads it again, as the v2 infer route's does)."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object")
     model = body.get("model")
@@ -124,7 +133,7 @@ def prepare(engine: Engine, body: dict) -> EmbeddingJob:
             f"model '{model}' is not an embedding model: it needs one required input (BYTES "
             f"text or INT32/INT64 token ids) and one FP32 output (or one named "
             f"'{EMBEDDING_OUTPUT}')")
-    if engine.is_decoupled(model, ""):
+    if config.model_transaction_policy.decoupled:
         raise InvalidArgument(f"model '{model}' is decoupled; an embedding is one response")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64", None):
@@ -134,16 +143,29 @@ def prepare(engine: Engine, body: dict) -> EmbeddingJob:
                                    or dimensions < 1):
         raise InvalidArgument("'dimensions' must be a positive integer")
     items = _inputs(body.get("input"), sig.takes_ids)
-    batching = config.max_batch_size > 0
-    outputs = [RequestedOutput(sig.output)] + (
-        [RequestedOutput(sig.token_count)] if sig.token_count else [])
-    requests = [InferRequest(model, "", "", [input_tensor(item, sig.input, batching)],
-                             list(outputs)) for item in items]
-    counts = [len(item) if isinstance(item, list) else len(item.split()) for item in items]
     param = config.parameters.get(DIMENSIONS_PARAMETER)
     truncatable = param is not None and param.string_value.strip().lower() == "true"
-    return EmbeddingJob(model, sig, requests, counts, encoding == "base64", dimensions,
-                        truncatable)
+    return EmbeddingJob(model, sig, items, config.max_batch_size > 0, encoding == "base64",
+                        dimensions, truncatable)
+
+
+def _requests(job: EmbeddingJob) -> tuple[list[InferRequest], list[int]]:
+    """One inference request per input, and its tokens (unless the model counts them): the
+    work that grows with the inputs' size."""
+    sig = job.signature
+    outputs = [RequestedOutput(sig.output)] + (
+        [RequestedOutput(sig.token_count)] if sig.token_count else [])
+    requests, counts = [], []
+    for i, item in enumerate(job.items):
+        if sig.takes_ids and not all(isinstance(t, int) and not isinstance(t, bool)
+                                     and 0 <= t < 2 ** 31 for t in item):
+            raise _not_ids(i)
+        requests.append(InferRequest(job.model, "", "", [input_tensor(item, sig.input,
+                                                                      job.batching)],
+                                     list(outputs)))
+        counts.append(len(item) if sig.takes_ids else
+                      0 if sig.token_count is not None else word_count(item))
+    return requests, counts
 
 
 def _vector(job: EmbeddingJob, data: np.ndarray) -> np.ndarray:
@@ -170,7 +192,10 @@ def _vector(job: EmbeddingJob, data: np.ndarray) -> np.ndarray:
 
 async def embed(engine: Engine, job: EmbeddingJob) -> dict:
     """Run every input at once (the batcher merges them) and answer in OpenAI's shape."""
-    tasks = [asyncio.ensure_future(engine.infer(r)) for r in job.requests]
+    # a token id is about as long as 8 characters of its JSON
+    size = sum(len(item) * (8 if job.signature.takes_ids else 1) for item in job.items)
+    requests, counts = await off_loop(size, _requests, job)
+    tasks = [asyncio.ensure_future(engine.infer(r)) for r in requests]
     try:
         responses = await asyncio.gather(*tasks)
     except BaseException:
@@ -179,7 +204,7 @@ async def embed(engine: Engine, job: EmbeddingJob) -> dict:
         raise
     data = []
     tokens = 0
-    for index, (response, count) in enumerate(zip(responses, job.counts)):
+    for index, (response, count) in enumerate(zip(responses, counts)):
         got = {t.name: t.data for t in response.outputs}
         vector = _vector(job, got[job.signature.output])
         if job.signature.token_count is not None:
