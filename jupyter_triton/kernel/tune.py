@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..progress import progress as show_progress
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .client import TritonHTTP
 from .discovery import Connection
@@ -63,6 +64,20 @@ def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+
+#: markers cycled against matplotlib's ten colours: 10 x 6 = 30 series before a pair repeats
+MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def series_style(i: int) -> dict:
+    """The ``i``-th series' colour and marker: no two of the first 30 share both."""
+    return {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)]}
+
+
+def legend_outside(ax, fontsize: float = 7) -> None:
+    """The legend right of the axes, never over the lines."""
+    ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 @dataclass
 class Recommendation:
@@ -145,18 +160,22 @@ class TuneResult:
     def plot_png(self) -> bytes:
         """Throughput against p99 latency, one series per config, the Pareto front and the
         SLO marked; a PNG (matplotlib's Agg backend, no display needed)."""
+        return png_bytes(self.plot_figure())
+
+    def plot_figure(self):
+        """The figure ``plot_png`` draws (a matplotlib Figure on an Agg canvas)."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(6.4, 4.0), dpi=100)
+        fig = Figure(figsize=(8.4, 4.0), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         configs = sorted({(r["max_batch_size"], r["max_queue_delay_us"]) for r in self.results})
-        for mbs, delay in configs:
+        for i, (mbs, delay) in enumerate(configs):
             rows = sorted((r for r in self.results if (r["max_batch_size"], r["max_queue_delay_us"])
                            == (mbs, delay)), key=lambda r: r["concurrency"])
-            ax.plot([r["p99_ms"] for r in rows], [r["throughput"] for r in rows], "o-", alpha=0.7,
-                    label=f"batch {mbs}, delay {delay} us")
+            ax.plot([r["p99_ms"] for r in rows], [r["throughput"] for r in rows], "-", alpha=0.7,
+                    label=f"batch {mbs}, delay {delay} us", **series_style(i))
             for r in rows:
                 ax.annotate(f"c={r['concurrency']}", (r["p99_ms"], r["throughput"]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
@@ -175,8 +194,8 @@ class TuneResult:
         ax.set_ylabel("throughput (infer/s)")
         ax.set_title(f"{self.model}: {len(configs)} configs ({self.load_generator})")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        return png_bytes(fig)
+        legend_outside(ax)
+        return fig
 
     def table_html(self) -> str:
         front = {id(r) for r in pareto_front(self.results)}
@@ -349,19 +368,38 @@ def _counts(client: TritonHTTP, model: str, version: str) -> tuple[int, int, int
     return int(stats["inference_count"]), int(stats["execution_count"]), fail
 
 
+def _measure_config(client: TritonHTTP, conn: Connection, temp: str, version: str, shapes: list,
+                    mbs: int, delay: int, level: int, seconds: float, perf: str | None) -> dict:
+    """One row of ``results``: the temporary model, served with this config, driven at
+    ``level`` clients for ``seconds``."""
+    rows0, execs0, _ = _counts(client, temp, version)
+    if perf:
+        run = _run_perf_analyzer(perf, conn, temp, shapes, level, seconds)
+    else:
+        run = _run_loadgen(conn, temp, shapes, level, seconds)
+    rows1, execs1, _ = _counts(client, temp, version)
+    execs = execs1 - execs0
+    return {"max_batch_size": mbs, "max_queue_delay_us": delay, "concurrency": level,
+            "throughput": run["throughput"], "p50_ms": run["p50_ms"], "p95_ms": run["p95_ms"],
+            "p99_ms": run["p99_ms"], "mean_batch": (rows1 - rows0) / execs if execs else 0.0,
+            "failures": run["failures"], "error": run["errors"][0] if run["errors"] else ""}
+
+
 # ---- the entry point ----------------------------------------------------------------------
 
 def tune(model: Any, max_batch_size: Sequence[int] | int | None = None,
          max_queue_delay_us: Sequence[int] | int | None = None,
          concurrency: Sequence[int] | int = (1, 8), seconds: float = 3.0,
          slo_p99_ms: float | None = None, *, files: dict[str, bytes] | None = None,
-         load_generator: str = "auto", connection: Connection | None = None) -> TuneResult:
+         load_generator: str = "auto", connection: Connection | None = None,
+         progress: bool = True) -> TuneResult:
     """Measure every ``max_batch_size`` x ``max_queue_delay_us`` config at every
     ``concurrency`` for ``seconds`` each; see the module docstring.
 
     ``model``: a served model's name (or its handle). Its files are those this kernel last
     served under that name (``serve``), or ``files`` (``{"1/model.onnx": bytes}``).
     ``load_generator``: "auto" (perf_analyzer when installed), "perf_analyzer" or "loadgen".
+    ``progress``: a bar (a notebook) or text lines (elsewhere) as each run starts.
     """
     from . import api
     name = model if isinstance(model, str) else model.name
@@ -396,33 +434,24 @@ def tune(model: Any, max_batch_size: Sequence[int] | int | None = None,
 
     temp = name + TEMP_SUFFIX
     results: list[dict] = []
-    try:
-        for mbs in sizes:
-            for delay in delays:
-                client.load(temp, json.dumps(with_batching(base, temp, mbs, delay)), files)
-                meta = client.metadata(temp)
-                version = str(max(int(v) for v in meta["versions"]))
-                shapes = _shapes(meta)
-                for level in levels:
-                    rows0, execs0, _ = _counts(client, temp, version)
-                    if perf:
-                        run = _run_perf_analyzer(perf, conn, temp, shapes, level, seconds)
-                    else:
-                        run = _run_loadgen(conn, temp, shapes, level, seconds)
-                    rows1, execs1, _ = _counts(client, temp, version)
-                    execs = execs1 - execs0
-                    results.append({"max_batch_size": mbs, "max_queue_delay_us": delay,
-                                    "concurrency": level, "throughput": run["throughput"],
-                                    "p50_ms": run["p50_ms"], "p95_ms": run["p95_ms"],
-                                    "p99_ms": run["p99_ms"],
-                                    "mean_batch": (rows1 - rows0) / execs if execs else 0.0,
-                                    "failures": run["failures"],
-                                    "error": run["errors"][0] if run["errors"] else ""})
-    finally:
+    with show_progress(len(sizes) * len(delays) * len(levels), f"tune {name}", progress) as bar:
         try:
-            client.unload(temp)
-        except TritonError:
-            pass            # the failure that brought us here is the one to report
+            for mbs in sizes:
+                for delay in delays:
+                    client.load(temp, json.dumps(with_batching(base, temp, mbs, delay)), files)
+                    meta = client.metadata(temp)
+                    version = str(max(int(v) for v in meta["versions"]))
+                    shapes = _shapes(meta)
+                    for level in levels:
+                        bar.update(len(results), f"max_batch_size={mbs}, max_queue_delay_us={delay}: "
+                                                 f"concurrency {level} for {seconds:g} s")
+                        results.append(_measure_config(client, conn, temp, version, shapes, mbs, delay,
+                                                       level, seconds, perf))
+        finally:
+            try:
+                client.unload(temp)
+            except TritonError:
+                pass            # the failure that brought us here is the one to report
     return TuneResult(name, results, slo_p99_ms, base, files, conn, generator)
 
 

@@ -43,12 +43,13 @@ from typing import Any, Sequence
 
 from ..config.formats import config_from_json
 from ..engine import simulation as sim
+from ..progress import progress as show_progress
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..kernel.client import TritonHTTP
 from ..kernel.discovery import Connection
 from . import traffic as tr
 from .service import ServiceModel, measure
-from ..kernel.tune import png_bytes
+from ..kernel.tune import legend_outside, png_bytes, series_style
 
 COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
            "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts", "metastable")
@@ -157,10 +158,14 @@ def replica_range(row: dict, figure: str) -> tuple[float, float]:
     return min(values), max(values)
 
 
+def draw_noise(row: dict) -> float:
+    """What the draws alone move a figure of a replica's requests, as a share of it (1/sqrt(n))."""
+    return 1 / math.sqrt(max(1.0, row["requests"] / len(row.get("replicas") or [row])))
+
+
 def metastable(row: dict) -> bool:
     """Whether a row's replicas disagree materially (``METASTABLE``) on mean batch or throughput."""
-    replicas = row.get("replicas") or [row]
-    noise = 3 / math.sqrt(max(1.0, row["requests"] / len(replicas)))
+    noise = 3 * draw_noise(row)
     for figure, share in METASTABLE.items():
         lo, hi = replica_range(row, figure)
         if row[figure] and (hi - lo) / row[figure] > max(share, noise):
@@ -177,6 +182,72 @@ def describe_range(row: dict) -> str:
             f"infer/s, p99 {p0:.2f} to {p1:.2f} ms")
 
 
+def noise_range(row: dict, figure: str) -> tuple[float, float]:
+    """Where another run may put a row's ``figure``: its replicas' range, widened by what the
+    draws alone move it (``draw_noise``)."""
+    lo, hi = replica_range(row, figure)
+    return lo * (1 - draw_noise(row)), hi * (1 + draw_noise(row))
+
+
+def within_noise(a: dict, b: dict) -> bool:
+    """Whether two rows are within noise of each other: their p99s' and their throughputs'
+    ``noise_range`` overlap (another seed, or a measurement, may rank either first)."""
+    return all(max(noise_range(a, f)[0], noise_range(b, f)[0])
+               <= min(noise_range(a, f)[1], noise_range(b, f)[1]) for f in ("p99_ms", "throughput"))
+
+
+def noise_note(a: dict, b: dict) -> str:
+    """Two rows within noise of each other, in words."""
+    (a0, a1), (b0, b1) = noise_range(a, "p99_ms"), noise_range(b, "p99_ms")
+    n = len(a.get("replicas") or [a])
+    return (f"{_label(a)} and {_label(b)} at {a['load']} are within noise of each other: their p99 "
+            f"over {n} replicas and what the draws move it, {a0:.2f} to {a1:.2f} ms and {b0:.2f} to "
+            f"{b1:.2f} ms, overlap, their throughputs' too; another run may rank either first")
+
+
+def _label(row: dict) -> str:
+    return f"b{row['max_batch_size']} d{row['max_queue_delay_us']}us" + \
+        (f" x{row['instances']}" if "instances" in row else "")
+
+
+class Comparison(list):
+    """``compare``'s rows (dicts, measured beside simulated) shown as a table, with ``notes``:
+    the compared configs whose simulations are within noise of each other."""
+
+    def __init__(self, rows: list[dict], notes: list[str]) -> None:
+        super().__init__(rows)
+        self.notes = notes
+
+    def _repr_html_(self) -> str:
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        return (_table_html(self, COMPARE_COLUMNS)
+                + (f"<p><small>within noise:</small></p><ul>{notes}</ul>" if notes else ""))
+
+    def __repr__(self) -> str:
+        if not self:
+            return "Comparison(no measured row without failures)"
+        width = [max(len(c), *(len(_show(r, c)) for r in self)) for c in COMPARE_COLUMNS]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(COMPARE_COLUMNS, width))]
+        lines += ["  ".join(_show(r, c).rjust(w) for c, w in zip(COMPARE_COLUMNS, width)).rstrip()
+                  for r in self]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def to_dataframe(self):
+        """The rows as a pandas DataFrame (pandas is not a dependency: install it for this)."""
+        import pandas as pd
+        return pd.DataFrame([{c: r.get(c) for c in COMPARE_COLUMNS} for r in self])
+
+
+def _table_html(rows: Sequence[dict], columns: Sequence[str], bold: dict | None = None) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = []
+    for r in rows:
+        style = ' style="font-weight:bold"' if r is bold else ""
+        body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(_show(r, c))}</td>" for c in columns)
+                    + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
 class CapacityPlan:
     """The simulated grid: ``results`` (one dict per config and load), the answers
     (``best``, ``instances_for``, ``bulk_effect``), a table and plots (``_repr_html_``),
@@ -188,7 +259,8 @@ class CapacityPlan:
                  requests: int = tr.DEFAULT_REQUESTS, seed: int = 0, overhead_ns: int | None = None,
                  bulk: tr.TrafficClass | None = None, files: dict[str, bytes] | None = None,
                  connection: Connection | None = None, loop_ns: int | None = None, jitter: bool = True,
-                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS) -> None:
+                 stalls: bool = True, measured: Any = None, replicas: int = REPLICAS,
+                 progress: bool = False) -> None:
         self.model = model
         self.service = service
         self.loads = loads
@@ -216,7 +288,12 @@ class CapacityPlan:
         self._connection = connection
         self._memo: dict[tuple, dict] = {}
         started = time.perf_counter()
-        self.results = [self.run(mbs, delay, inst, load) for mbs, delay, inst in grid for load in loads]
+        runs = [(mbs, delay, inst, load) for mbs, delay, inst in grid for load in loads]
+        self.results = []
+        with show_progress(len(runs), f"simulate {model}", progress) as bar:
+            for mbs, delay, inst, load in runs:
+                bar.update(len(self.results), f"b{mbs} d{delay}us x{inst}: {load}")
+                self.results.append(self.run(mbs, delay, inst, load))
         self.seconds = time.perf_counter() - started
 
     # ---- simulating ----------------------------------------------------------------------
@@ -370,6 +447,10 @@ class CapacityPlan:
                f"p99 {row['p99_ms']:.2f} ms")
         if row["metastable"]:
             why += f" ({describe_range(row)})"
+        close = [r for r in ok if r is not row and r["load"] == row["load"] and within_noise(row, r)]
+        if close:
+            why += "; " + noise_note(row, close[0]) + \
+                (f" (and {len(close) - 1} more config(s) as close)" if len(close) > 1 else "")
         return Answer(_config_of(row), row, why)
 
     def instances_for(self, qps: float, slo_p99_ms: float | None = None,
@@ -445,13 +526,14 @@ class CapacityPlan:
         return self.run(mbs, delay, inst, Load("traffic", 0.0, label), extra=[low])
 
     # ---- measured beside simulated -----------------------------------------------------
-    def compare(self, measured: Any) -> list[dict]:
+    def compare(self, measured: Any) -> Comparison:
         """For each row ``tune()`` measured (a TuneResult or its ``results``), the same config
         simulated closed loop at the same concurrency, side by side, with the ratios; where the
-        simulated row is metastable, its replicas' figures and their range in words."""
+        simulated row is metastable, its replicas' figures and their range in words. A list of
+        dicts shown as a table (``Comparison``), noting configs within noise of each other."""
         rows = measured.results if hasattr(measured, "results") else measured
         inst = self.results[0]["instances"] if self.results else 1
-        out = []
+        out, simulated = [], []
         for m in rows:
             if m.get("failures") or not m.get("throughput"):
                 continue
@@ -467,27 +549,37 @@ class CapacityPlan:
             row["simulated_replicas"] = s["replicas"]
             row["simulated_range"] = describe_range(s)
             out.append(row)
-        return out
+            simulated.append(s)
+        notes = [noise_note(a, b) for i, a in enumerate(simulated) for b in simulated[i + 1:]
+                 if a is not b and a["load"] == b["load"] and within_noise(a, b)]
+        return Comparison(out, notes)
 
     # ---- showing -------------------------------------------------------------------------
     def plot_png(self) -> bytes:
-        """Left: p99 (solid) and p50 (dotted) against load, one colour per config, a metastable
-        row's replicas' range as a cross (throughput across, closed loop; p99 up). Right: the
-        batch sizes formed at the highest load, one step histogram per config."""
+        """``plot_figure`` as a PNG."""
+        return png_bytes(self.plot_figure())
+
+    def plot_figure(self):
+        """Left: p99 (solid) and p50 (dotted) against load, one colour and marker per config
+        (the legend beside the plot), a metastable row's replicas' range as a cross
+        (throughput across, closed loop; p99 up). Right: the batch sizes formed at the highest
+        load, one step histogram per config. A matplotlib Figure on an Agg canvas."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(11, 4.2), dpi=100)
+        fig = Figure(figsize=(13, 4.2), dpi=100)
         FigureCanvasAgg(fig)
-        ax, hx = fig.subplots(1, 2)
-        colours = [f"C{i % 10}" for i in range(len(self.grid))]
+        ax, hx = fig.subplots(1, 2, gridspec_kw={"width_ratios": (3, 2)})
         top = self.loads[-1] if self.loads else None
-        for colour, (mbs, delay, inst) in zip(colours, self.grid):
+        for i, (mbs, delay, inst) in enumerate(self.grid):
+            style = series_style(i)
+            colour = style["color"]
             rows = [self.run(mbs, delay, inst, load) for load in self.loads]
             x = [r["offered"] if r["kind"] == "qps" else r["throughput"] for r in rows]
             label = f"b{mbs} d{delay}us x{inst}"
-            ax.plot(x, [r["p99_ms"] for r in rows], "o-", color=colour, label=label)
-            ax.plot(x, [r["p50_ms"] for r in rows], ":", color=colour)
+            ax.plot(x, [r["p99_ms"] for r in rows], "-", label=label, **style)
+            ax.plot(x, [r["p50_ms"] for r in rows], ":", color=colour, marker=style["marker"],
+                    fillstyle="none")
             for xi, r in zip(x, rows):
                 if r["metastable"]:
                     t0, t1 = replica_range(r, "throughput") if r["kind"] != "qps" else (xi, xi)
@@ -497,7 +589,7 @@ class CapacityPlan:
             if top is not None:
                 hist = self.run(mbs, delay, inst, top)["batch_histogram"]
                 sizes = sorted(hist)
-                hx.step(sizes, [hist[s] for s in sizes], where="mid", color=colour, label=label)
+                hx.step(sizes, [hist[s] for s in sizes], where="mid", label=label, **style)
         if self.slo_p99_ms is not None:
             ax.axhline(self.slo_p99_ms, color="tab:red", linestyle="--", label=f"SLO {self.slo_p99_ms:g} ms")
         ax.set_yscale("log")
@@ -508,23 +600,16 @@ class CapacityPlan:
                      + (" (crosses: metastable, the replicas' range)"
                         if any(r["metastable"] for r in self.results) else ""))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        legend_outside(ax, fontsize=6)
         hx.set_xlabel("batch size (rows)")
         hx.set_ylabel("batches")
         hx.set_title(f"batch sizes at {top}")
         hx.grid(alpha=0.3)
-        return png_bytes(fig)
+        return fig
 
     def table_html(self, rows: Sequence[dict] | None = None, columns: Sequence[str] = COLUMNS) -> str:
         rows = self.results if rows is None else rows
-        best = self.best().row if self.results else None
-        head = "".join(f"<th>{c}</th>" for c in columns)
-        body = []
-        for r in rows:
-            style = ' style="font-weight:bold"' if r is best else ""
-            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(_show(r, c))}</td>" for c in columns)
-                        + "</tr>")
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        return _table_html(rows, columns, self.best().row if self.results else None)
 
     def _repr_html_(self) -> str:
         png = base64.b64encode(self.plot_png()).decode("ascii")
@@ -536,7 +621,7 @@ class CapacityPlan:
             parts.append(self.bulk_effect()._repr_html_())
         if self.measured is not None:
             parts.append("<h5>measured by tune() beside simulated (closed loop)</h5>")
-            parts.append(self.table_html(self.compare(self.measured), COMPARE_COLUMNS))
+            parts.append(self.compare(self.measured)._repr_html_())
         parts.append(f"<p><small>service: {html.escape(repr(self.service))}</small></p></div>")
         return "".join(parts)
 
@@ -647,7 +732,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
              seed: int = 0, overhead_us: float | None = None, loop_us: float | None = None,
              measured: Any = None, repeats: int = 15, stalls: bool = True, replicas: int = REPLICAS,
-             files: dict[str, bytes] | None = None, connection: Connection | None = None) -> CapacityPlan:
+             files: dict[str, bytes] | None = None, connection: Connection | None = None,
+             progress: bool = True) -> CapacityPlan:
     """Simulate every config of the grid at every load; see the module docstring.
 
     ``model``: a served model's name or handle. Its execution times are measured once per
@@ -669,6 +755,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     default: the tail a shared machine gives); False plans for a host of the server's own,
     where no neighbour takes its cores. ``replicas``: independent simulations a row pools,
     ``requests`` shared between them (a row marked metastable where they disagree).
+    ``progress``: a bar (a notebook) or text lines (elsewhere) through the measurement and the
+    simulations.
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
@@ -702,14 +790,14 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     if files is None and name in api.uploaded:
         files = dict(api.uploaded[name].files)
     if service is None:
-        service = _measure(client, conn, name, base, max(sizes), files, repeats)
+        service = _measure(client, conn, name, base, max(sizes), files, repeats, progress=progress)
     return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
                         extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
                         seed=seed, overhead_ns=None if overhead_us is None else
                         parallel_ns(service, overhead_us, loop_us),
                         bulk=bulk, files=files, connection=conn,
                         loop_ns=None if loop_us is None else int(loop_us * 1000), stalls=stalls,
-                        measured=measured, replicas=replicas)
+                        measured=measured, replicas=replicas, progress=progress)
 
 
 def parallel_ns(service: ServiceModel, overhead_us: float, loop_us: float | None = None) -> int:

@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from ..progress import progress as show_progress
 from ..protocol.datatypes import element_size
 from ..protocol.errors import InvalidArgument, Unavailable
 from ..kernel.client import TritonHTTP
@@ -479,13 +480,14 @@ def _executions(s: dict) -> tuple[int, dict[int, int]]:
 def measure(connection: Connection, model: str, sizes: list[int] | None = None, repeats: int = 15,
             warmup: int = 3, version: str = "", refresh: bool = False,
             time_limit_s: float = 60.0, burst_s: float = 3.0,
-            server_pid: int | None = None, binary: bool = False) -> ServiceModel:
+            server_pid: int | None = None, binary: bool = False, progress: bool = True) -> ServiceModel:
     """Sweep ``sizes`` (default 1, 2, 4, ... up to the model's max_batch_size) ``repeats``
     times each at c=1, then a saturating burst of ``burst_s`` (0: none); see the module
     docstring. ``server_pid``: the server's process when ``server_thread`` cannot find it
     (a standalone server started elsewhere on this host). ``binary``: the bursts send the
     binary tensor extension, as perf_analyzer and tritonclient do (default JSON, as tune's
-    load does): the loop's CPU a request is the clients' encoding's. Cached unless ``refresh``."""
+    load does): the loop's CPU a request is the clients' encoding's. Cached unless ``refresh``.
+    ``progress``: a bar (a notebook) or text lines (elsewhere) through the sweep and bursts."""
     client = TritonHTTP(connection)
     meta = client.metadata(model, version)
     version = version or str(max(int(v) for v in meta["versions"]))
@@ -516,54 +518,59 @@ def measure(connection: Connection, model: str, sizes: list[int] | None = None, 
     # shifts every size alike instead of bending the curve
     rounds = [(b, True) for _ in range(warmup) for b in sizes] + \
         [(b, False) for _ in range(repeats) for b in sizes]
-    try:
-        for b, warming in rounds:
-            if time.monotonic() > deadline:
-                break
-            sent = time.perf_counter_ns()
-            conn.request("POST", path, bodies[b], headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            latency = time.perf_counter_ns() - sent
-            if resp.status != 200:
-                raise Unavailable(f"simulate '{model}': a batch of {b} failed: "
-                                  f"{data[:300].decode('utf-8', 'replace')}")
-            after = _stats(client, model, version)
-            execs0, per0 = _executions(before)
-            execs1, per1 = _executions(after)
-            queue = (int(after["inference_stats"]["queue"]["ns"])
-                     - int(before["inference_stats"]["queue"]["ns"]))
-            before = after
-            compute = per1.get(b, 0) - per0.get(b, 0)
-            if warming or execs1 - execs0 != 1 or compute <= 0:
-                continue
-            samples[b].append(compute)
-            overheads.append(max(0, latency - queue - compute))
-    finally:
-        conn.close()
-    if not any(samples.values()):
-        raise Unavailable(f"simulate '{model}': no clean sample (is another client using it?)")
-    result = ServiceModel(model, version, samples, int(statistics.median(overheads)), overheads,
-                          fingerprint=fingerprint(config))
-    if burst_s > 0:
-        thread = server_thread(connection, server_pid)
-        body, kind = binary_request(meta, 1) if binary else (request_body(meta, 1), None)
-        seen = burst(connection, model, version, path, body, burst_s, thread, content=kind)
-        alone = burst(connection, model, version, path, body, burst_s, thread, clients=1, content=kind) \
-            if seen is not None else None
-        if seen is not None:
-            # the cycle at saturation less the executions the statistics recorded in it
-            result.handoff_ns = max(0, seen.cycle_ns - seen.compute_ns)
-            result.loop_ns = seen.loop_ns
-            result.stall_ns, result.stall_rate = seen.stall_ns, seen.stall_rate
-            result.stall_chance, result.burst_qps = seen.stall_chance, seen.qps
-            result.burst_batch = seen.rows
-            result.method += f"; hand-off, event loop and stalls from {burst_s:g} s bursts at c={BURST_CLIENTS} and 1"
-            if alone is not None:
-                _split_by_load(result, seen, alone)
-                result.round_trip_ns = alone.latencies_ns
-            result.burst_p99_ns = seen.p99_ns
-            _fit_stalls(result, config, seen)
+    steps = len(rounds) + (2 if burst_s > 0 else 0)
+    with show_progress(steps, f"measure {model} v{version}", progress) as bar:
+        try:
+            for i, (b, warming) in enumerate(rounds):
+                if time.monotonic() > deadline:
+                    break
+                bar.update(i, f"{'warm-up' if warming else 'sweep'}: batch of {b}")
+                sent = time.perf_counter_ns()
+                conn.request("POST", path, bodies[b], headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                latency = time.perf_counter_ns() - sent
+                if resp.status != 200:
+                    raise Unavailable(f"simulate '{model}': a batch of {b} failed: "
+                                      f"{data[:300].decode('utf-8', 'replace')}")
+                after = _stats(client, model, version)
+                execs0, per0 = _executions(before)
+                execs1, per1 = _executions(after)
+                queue = (int(after["inference_stats"]["queue"]["ns"])
+                         - int(before["inference_stats"]["queue"]["ns"]))
+                before = after
+                compute = per1.get(b, 0) - per0.get(b, 0)
+                if warming or execs1 - execs0 != 1 or compute <= 0:
+                    continue
+                samples[b].append(compute)
+                overheads.append(max(0, latency - queue - compute))
+        finally:
+            conn.close()
+        if not any(samples.values()):
+            raise Unavailable(f"simulate '{model}': no clean sample (is another client using it?)")
+        result = ServiceModel(model, version, samples, int(statistics.median(overheads)), overheads,
+                              fingerprint=fingerprint(config))
+        if burst_s > 0:
+            thread = server_thread(connection, server_pid)
+            body, kind = binary_request(meta, 1) if binary else (request_body(meta, 1), None)
+            bar.update(len(rounds), f"burst: {BURST_CLIENTS} clients for {burst_s:g} s")
+            seen = burst(connection, model, version, path, body, burst_s, thread, content=kind)
+            bar.update(len(rounds) + 1, f"burst: 1 client for {burst_s:g} s")
+            alone = burst(connection, model, version, path, body, burst_s, thread, clients=1, content=kind) \
+                if seen is not None else None
+            if seen is not None:
+                # the cycle at saturation less the executions the statistics recorded in it
+                result.handoff_ns = max(0, seen.cycle_ns - seen.compute_ns)
+                result.loop_ns = seen.loop_ns
+                result.stall_ns, result.stall_rate = seen.stall_ns, seen.stall_rate
+                result.stall_chance, result.burst_qps = seen.stall_chance, seen.qps
+                result.burst_batch = seen.rows
+                result.method += f"; hand-off, event loop and stalls from {burst_s:g} s bursts at c={BURST_CLIENTS} and 1"
+                if alone is not None:
+                    _split_by_load(result, seen, alone)
+                    result.round_trip_ns = alone.latencies_ns
+                result.burst_p99_ns = seen.p99_ns
+                _fit_stalls(result, config, seen)
     _CACHE[key] = result
     return result
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import CONFIG_FILENAME, config_to_pbtxt
+from ..progress import progress as show_progress
 from ..protocol.errors import InvalidArgument
 from . import Repository
 from .layout import is_hidden
@@ -52,9 +53,11 @@ class ExportReport:
 
 def export_repository(source: Path, destination: Path, models: list[str] | None = None,
                       all_versions: bool = False, kserve_name: str = "",
-                      storage_uri: str = "", torch_format: str = "torchscript") -> ExportReport:
+                      storage_uri: str = "", torch_format: str = "torchscript",
+                      progress: bool = True) -> ExportReport:
     """``torch_format``: what torch models become, ``torchscript`` (Triton's pytorch backend)
-    or ``onnx`` (its onnxruntime backend)."""
+    or ``onnx`` (its onnxruntime backend). ``progress``: a bar (a notebook) or a line on stderr
+    (elsewhere) as each model starts."""
     if torch_format not in FORMATS:
         raise InvalidArgument(f"unknown torch export format '{torch_format}': one of {', '.join(FORMATS)}")
     destination = Path(destination)
@@ -70,8 +73,11 @@ def export_repository(source: Path, destination: Path, models: list[str] | None 
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
-        exported = [_export_model(repo, name, staging / name, all_versions, torch_format)
-                    for name in names]
+        exported = []
+        with show_progress(len(names), f"export to {destination}", progress) as bar:
+            for name in names:
+                bar.update(len(exported), f"{name}:")
+                exported.append(_export_model(repo, name, staging / name, all_versions, torch_format))
         os.rename(staging, destination)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
