@@ -104,6 +104,54 @@ def test_the_mirror_changes_only_versions_it_pulled_as_it_pulled_them(moto_endpo
         mirror.close()
 
 
+def test_a_bucket_version_never_takes_a_number_used_here(moto_endpoint, bucket, tmp_path: Path):
+    """Uploads whose load failed are set aside with their numbers: a version another writer
+    puts in the bucket under one of them is refused, so no number means two sets of files."""
+    mirror = RemoteRepository(_url(moto_endpoint), tmp_path / "cache")
+    mirror.sync()
+    server, client = serve(mirror.path, model_control_mode="explicit")
+    try:
+        fresh = CONFIG.replace('"linear"', '"fresh"')
+        for name, config in (("linear", CONFIG), ("fresh", fresh)):
+            with pytest.raises(InferenceServerException):
+                client.load_model(name, config=config, files={"file:1/model.onnx": b"not a model"})
+        assert (mirror.path / ".failed" / "fresh").is_dir() and not (mirror.path / "linear" / "2").exists()
+        bucket.pipe(f"{MODELS}/linear/2/model.onnx", linear(5 * W))
+        bucket.pipe(f"{MODELS}/fresh/1/model.onnx", linear(5 * W))
+        bucket.pipe(f"{MODELS}/fresh/config.pbtxt", fresh.encode())
+        report = mirror.sync()
+        assert sorted(report.refused) == ["fresh/1", "linear/2"] and report.pulled == []
+        assert not (mirror.path / "linear" / "2").exists() and not (mirror.path / "fresh").exists()
+        # the next upload takes the next unused number, and is pushed under it
+        client.load_model("linear", config=CONFIG, files={"file:1/model.onnx": linear(2 * W)})
+        assert "linear/3/model.onnx" in mirror.sync().pushed
+        _serves(client, "3", 2 * W)
+    finally:
+        server.close()
+        mirror.close()
+
+
+def test_a_restart_knows_its_own_pushed_versions(moto_endpoint, bucket, tmp_path: Path):
+    """A version pushed by the last sync (at close) or by a sync that died before its
+    manifest was written is the server's own after a restart, not another writer's."""
+    url = _url(moto_endpoint)
+    mirror = RemoteRepository(url, tmp_path / "cache")
+    mirror.sync()
+    server, client = serve(mirror.path, model_control_mode="explicit")
+    try:
+        client.load_model("linear", config=CONFIG, files={"file:1/model.onnx": linear(2 * W)})
+        mirror.close()                               # its last push
+        assert bucket.cat(f"{MODELS}/linear/2/model.onnx") == linear(2 * W)
+        again = RemoteRepository(url, tmp_path / "cache")
+        assert again.sync().refused == []
+        (mirror.path / ".remote-manifest.json").unlink()
+        report = RemoteRepository(url, tmp_path / "cache").sync()
+        assert report.refused == [] and report.pushed == [] and report.pulled == []
+        _serves(client, "2", 2 * W)
+    finally:
+        server.close()
+
+
 def test_keys_that_are_no_model_file_are_refused_and_the_sync_goes_on(moto_endpoint, bucket, tmp_path: Path):
     mirror = RemoteRepository(_url(moto_endpoint), tmp_path / "place" / "cache")
     mirror.sync()
@@ -118,6 +166,7 @@ def test_keys_that_are_no_model_file_are_refused_and_the_sync_goes_on(moto_endpo
             "linear/1/" + "a" * 300: b"name too long",
             "linear/../../escaped": b"..",                  # (a hidden name: left quietly)
             "/absolute/1/x": b"absolute",
+            "a..b/1/model.onnx": linear(W),                  # no model name (check_model_name)
         }
         for key, data in hostile.items():
             bucket.pipe(f"{MODELS}/{key}", data)

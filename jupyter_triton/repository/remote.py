@@ -53,8 +53,8 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
-from . import JOURNAL_FILENAME
-from .layout import check_model_name, is_hidden, is_version_dir_name
+from . import JOURNAL_FILENAME, Repository
+from .layout import check_model_name, fits_file_name, is_hidden, is_version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ MAX_DEPTH = 32
 #: kept free on the cache's disk when no ``max_object_bytes`` is given
 DISK_RESERVE = 64 << 20
 _CHUNK = 8 << 20
+_USED_HERE = "number was used here (set aside, or named in the lifecycle history)"
 PULLED, LOCAL = "pulled", "local"     # who wrote a cached file: this mirror, or the server
 
 
@@ -170,7 +171,6 @@ class RemoteRepository:
         self.path.mkdir(parents=True, exist_ok=True)
         for leftover in self.path.glob(STAGING_PREFIX + "*"):    # a sync the process never finished
             shutil.rmtree(leftover, ignore_errors=True)
-        self._name_max = os.pathconf(self.path, "PC_NAME_MAX")   # bytes in one file name
         self.fs = filesystem or _s3_filesystem(self.location)
         self._manifest = Manifest(self._read_manifest())
         self._said: set[str] = set()          # refusals already logged (once each, not every sync)
@@ -258,7 +258,7 @@ class RemoteRepository:
             if info.get("type") == "directory":
                 continue
             rel = key[len(root) + 1:] if key.startswith(root + "/") else None
-            why = _bad_key(rel, self._name_max)
+            why = _bad_key(rel)
             if why == "hidden":
                 continue            # staging, history, a manifest: never anyone's model
             if why:
@@ -282,6 +282,7 @@ class RemoteRepository:
 
     def _pull(self, report: SyncReport) -> None:
         remote = self._remote_files(report)
+        self._used: dict[str, set[int]] = {}
         by_model: dict[str, dict[str, dict[str, dict]]] = {}
         for rel, info in remote.items():
             by_model.setdefault(PurePosixPath(rel).parts[0], {}) \
@@ -289,8 +290,7 @@ class RemoteRepository:
         for model, groups in sorted(by_model.items()):
             try:
                 if not os.path.lexists(self.path / model):
-                    self._pull_new(model, {rel: info for files in groups.values()
-                                           for rel, info in files.items()}, report)
+                    self._pull_model(model, groups, report)
                     continue
                 # versions first, the model's own files (config.pbtxt) after them
                 for folder in sorted((f for f in groups if f != model),
@@ -301,14 +301,30 @@ class RemoteRepository:
                 self._skip(f"model '{model}' ({err})", report)
         self._drop_removed(remote, report)
 
+    def _pull_model(self, model: str, groups: dict[str, dict[str, dict]], report: SyncReport) -> None:
+        """A model the cache does not have, whole (a poll never sees its config without its
+        versions), but for versions whose numbers this server used (set aside, in history)."""
+        used = self._used_versions(model)
+        refused = [f for f in groups if f != model and int(f.rpartition("/")[2]) in used]
+        for folder in refused:
+            del groups[folder]
+            self._refuse(folder, _USED_HERE, report)
+        if not refused or any(folder != model for folder in groups):
+            self._pull_new(model, {rel: info for files in groups.values()
+                                   for rel, info in files.items()}, report)
+
     def _pull_version(self, folder: str, files: dict[str, dict], report: SyncReport) -> None:
         known = self._manifest.under(folder)
         changed = {rel: info for rel, info in files.items()
                    if (known.get(rel) or {}).get("etag") != _etag(info)}
         if not changed:
             return       # as pulled or pushed before (or pulled and deleted here: stays so)
+        model, _, version = folder.partition("/")
         try:
-            if not os.path.lexists(self.path / folder):
+            if not os.path.lexists(self.path / folder) and not known \
+                    and int(version) in self._used_versions(model):
+                self._refuse(folder, _USED_HERE, report)
+            elif not os.path.lexists(self.path / folder):
                 self._pull_new(folder, files, report)
             elif self._pulled_unchanged(folder, by_content=True):
                 self._pull_into(changed, report)
@@ -369,20 +385,20 @@ class RemoteRepository:
                 gone.setdefault(_folder_of(rel), []).append(rel)
         remote_folders = {_folder_of(rel) for rel in remote}
         for folder, rels in sorted(gone.items()):
-            is_version = "/" in folder
-            if is_version and folder not in remote_folders and not os.path.lexists(self.path / folder):
+            whole = "/" in folder and folder not in remote_folders     # a version gone
+            if whole and not os.path.lexists(self.path / folder):
                 self._forget(list(self._manifest.under(folder)))     # deleted here and there
-            elif is_version and folder not in remote_folders and self._pulled_unchanged(folder, True):
-                self._discard(self.path / folder)
-                self._forget(list(self._manifest.under(folder)))
-                report.removed.append(folder)
-            elif is_version and not self._pulled_unchanged(folder, True):
+            elif "/" in folder and not self._pulled_unchanged(folder, by_content=True):
                 self._keep(list(self._manifest.under(folder)))
                 if folder not in self._said:
                     self._said.add(folder)
                     log.warning("model repository %s: version %s left the bucket, but the "
                                 "cache's was written or changed here: kept", self.url, folder)
-            else:    # some files of a pulled version, or a model's own files
+            elif whole:
+                self._discard(self.path / folder)
+                self._forget(list(self._manifest.under(folder)))
+                report.removed.append(folder)
+            else:    # some files of a version this mirror pulled, or a model's own files
                 for rel in rels:
                     entry = self._manifest.get(rel)
                     if entry["origin"] == PULLED and _stat(self.path / rel) == entry.get("local"):
@@ -449,7 +465,7 @@ class RemoteRepository:
         files = {p.relative_to(self.path).as_posix(): p for p in _visible_files(self.path / folder)}
         theirs = {rel: info for rel, info in remote.items() if _folder_of(rel) == folder}
         if set(files) != set(theirs) or any(
-                p.stat().st_size != int(theirs[rel].get("size") or 0) for rel, p in files.items()):
+                (_stat(p) or [None])[0] != int(theirs[rel].get("size") or 0) for rel, p in files.items()):
             return False
         if any(_etag(theirs[rel]).strip('"') != _digest(path, "md5") for rel, path in files.items()):
             return False
@@ -458,6 +474,14 @@ class RemoteRepository:
         return True
 
     # ---- what the mirror owns -----------------------------------------------------------------
+
+    def _used_versions(self, model: str) -> set[int]:
+        """The numbers the repository (the owner of what a number means) says ``model`` used:
+        a bucket version never takes one of them unless this mirror brought it before. Read
+        once a sync (a pull adds only the bucket's own numbers)."""
+        if model not in self._used:
+            self._used[model] = Repository(self.path).used_versions(model)
+        return self._used[model]
 
     def _pulled_unchanged(self, folder: str, by_content: bool = False) -> bool:
         """Whether a version folder holds exactly the files this mirror pulled into it, as it
@@ -554,7 +578,7 @@ class RemoteRepository:
         # before origins were recorded counts as the server's own (never removed)
         return {rel: {**e, "origin": e.get("origin", LOCAL)}
                 for rel, e in (files if isinstance(files, dict) else {}).items()
-                if isinstance(e, dict) and _bad_key(rel, self._name_max) is None
+                if isinstance(e, dict) and _bad_key(rel) is None
                 and _stat(self.path / rel) == e.get("local")}
 
     def _write_manifest(self) -> None:
@@ -575,7 +599,7 @@ def _s3_filesystem(location: S3Location):
                              use_listings_cache=False, skip_instance_cache=True)
 
 
-def _bad_key(rel: str | None, name_max: int) -> str | None:
+def _bad_key(rel: str | None) -> str | None:
     """Why a key (relative to the repository) cannot be a model's file, or None: the rules of
     an upload's paths (repository/upload.py) and of model names, and the cache's file names."""
     if rel is None:
@@ -589,10 +613,10 @@ def _bad_key(rel: str | None, name_max: int) -> str | None:
         return f"more than {MAX_DEPTH} folders deep"
     try:
         check_model_name(parts[0])
-        if any(not p or "\0" in p or "\\" in p or len(p.encode()) > name_max for p in parts):
-            return "an empty, NUL, backslash or over-long path component"
-    except (InvalidArgument, UnicodeEncodeError):
+    except InvalidArgument:
         return "not a model name"
+    if any(not p or "\0" in p or "\\" in p or not fits_file_name(p) for p in parts):
+        return "an empty, NUL, backslash or over-long path component"
     if parts[1].isdigit() and not (len(parts) > 2 and is_version_dir_name(parts[1])):
         return "a number that is not a version folder"
     return None
