@@ -31,8 +31,13 @@ declare module 'jupyter-triton-dashboard' {
     failures: number;
     inferences: number;
     executions: number;
-    /** p50/p95/p99 (ms) and count over the last minute per kind; null without histograms */
-    latency: Record<string, { p50: number | null; p95: number | null; p99: number | null; count: number }> | null;
+    /** p50/p95/p99 (ms), count and what they are over in words (since load, the last minute,
+     * or the last requests before it) per kind; null without histograms */
+    latency: Record<string, {
+      p50: number | null; p95: number | null; p99: number | null; count: number; window: string;
+    }> | null;
+    /** seconds from the last request's end to the reading; null before the first */
+    lastRequestS: number | null;
   }
 
   /** Percentile windows kept across readings (pass the same one to every figures() call). */
