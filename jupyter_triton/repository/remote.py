@@ -174,6 +174,7 @@ class RemoteRepository:
         self.fs = filesystem or _s3_filesystem(self.location)
         self._manifest = Manifest(self._read_manifest())
         self._said: set[str] = set()          # refusals already logged (once each, not every sync)
+        self._used: dict[str, set[int]] = {}   # each model's used version numbers, this sync
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -282,7 +283,7 @@ class RemoteRepository:
 
     def _pull(self, report: SyncReport) -> None:
         remote = self._remote_files(report)
-        self._used: dict[str, set[int]] = {}
+        self._used = {}
         by_model: dict[str, dict[str, dict[str, dict]]] = {}
         for rel, info in remote.items():
             by_model.setdefault(PurePosixPath(rel).parts[0], {}) \
