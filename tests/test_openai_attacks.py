@@ -28,7 +28,7 @@ from decoupled_models import write_echo, write_model, write_words
 from hostile import LEGIT_DEADLINE_S, legit_infer, repeats_add_nothing, start_standalone
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.frontends.large_text import word_count
-from jupyter_triton.frontends.openai import MAX_STOP_CHARS, MAX_STOPS, _StopScan
+from jupyter_triton.frontends.openai import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, _StopScan
 from jupyter_triton.standalone import start_in_thread
 
 # The length of a text, read whole: as an embedding ("vec": TEXT -> VECTOR [length, 1]) and
@@ -73,8 +73,7 @@ input [ { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] } ]
 output [ { name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] } ]
 '''
 
-# opts a model in to loading on demand (engine/on_demand.py); a server without the option
-# ignores the parameter
+# opts a model in to loading on demand (engine/on_demand.py; off by default)
 ON_DEMAND = 'parameters { key: "load_on_demand" value: { string_value: "true" } }\n'
 
 BIG_WORDS = 10_000_000          # "ab " each: a 28.6 MiB body
@@ -229,6 +228,22 @@ def test_a_huge_prompt_is_counted_off_the_loop(server):
     print(f"\nprobes {len(probes)} max {max(probes):.3f} s (v2 generate: {max(baseline):.3f} s)")
     assert max(probes) < 2 * max(baseline) + PROBE_SLACK_S, \
         f"a health probe waited {max(probes):.2f} s ({max(baseline):.2f} s behind v2 generate)"
+
+
+def test_a_chat_is_bounded_in_messages_and_parts(server):
+    """Each message and content part is a step of the chat template's loop on the server's
+    loop (a 29 MiB body of a million messages held it 4.5 s): OpenAI's bound of 2048."""
+    def chat(messages: list) -> tuple[int, dict]:
+        return post(server.http_port, "/v1/chat/completions", {"model": "echo", "messages": messages})
+
+    status, answer = chat([{"role": "u", "content": "a"}] * MAX_MESSAGES)
+    assert status == 200 and answer["choices"][0]["message"]["content"].count("U: A") == MAX_MESSAGES
+    status, answer = chat([{"role": "u", "content": "a"}] * (MAX_MESSAGES + 1))
+    assert status == 400 and f"at most {MAX_MESSAGES}" in answer["error"]["message"]
+    parts = [{"type": "text", "text": "a"}] * (MAX_MESSAGES // 2 + 1)
+    status, answer = chat([{"role": "u", "content": parts}] * 2)
+    assert status == 400 and f"more than {MAX_MESSAGES} content parts" in answer["error"]["message"]
+    assert legit_infer(server) < LEGIT_DEADLINE_S
 
 
 def test_an_embeddings_body_past_the_input_limit_is_refused_unread(server):

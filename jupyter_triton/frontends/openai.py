@@ -65,6 +65,9 @@ _PARAMETERS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "t
                "presence_penalty", "frequency_penalty", "n", "min_tokens", "repetition_penalty")
 _CHAT_TEMPLATES: dict[str, Any] = {}        # template text -> compiled (bounded below)
 MAX_STOPS = 16              # stop sequences in one request (OpenAI's own bound is 4)
+# messages in one chat, and their content parts in all (OpenAI's bound on messages): each is
+# a step of the chat template's loop, run here
+MAX_MESSAGES = 2048
 MAX_STOP_CHARS = 256        # characters in one stop sequence (the tail held back is one less)
 
 
@@ -129,6 +132,12 @@ def render_chat(messages: Any, template: str | None = None) -> str:
     """The prompt of a chat: ``messages`` through the model's template or the default one."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("'messages' must be a non-empty array")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"'messages' has {len(messages)} items; at most {MAX_MESSAGES} "
+                              f"are allowed")
+    if sum(len(m["content"]) for m in messages
+           if isinstance(m, dict) and isinstance(m.get("content"), list)) > MAX_MESSAGES:
+        raise InvalidArgument(f"the messages have more than {MAX_MESSAGES} content parts in all")
     plain = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
