@@ -41,7 +41,7 @@ JS_TRACEBACKS = """(panel) => [...panel.querySelectorAll(
     '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
   .map(o => o.innerText || '')
   .filter(t => /Traceback \\(most recent call last\\)|^\\w+Error\\b/m.test(t))
-  .map(t => t.slice(0, 600))"""
+  .map(t => t.length > 1500 ? t.slice(0, 500) + '\\n...\\n' + t.slice(-1000) : t)"""   # the exception is last
 
 
 def free_port() -> int:
