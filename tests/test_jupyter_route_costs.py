@@ -91,7 +91,7 @@ async def test_remembered_routes_match_as_tornado_does(jp_triton, jp_fetch, monk
     monkeypatch.setattr(serverext._RememberedRoutes, "LIMIT", 4)
     for _ in range(2):      # the first pass matches, the second finds what was remembered
         assert json.loads((await jp_fetch("v2/models/linear/versions/1/ready", headers=AUTH)).body
-                          or b"{}") == {}
+                          ) == {"name": "linear", "ready": True}
         meta = json.loads((await jp_fetch("v2/models/linear", headers=AUTH)).body)
         assert meta["name"] == "linear" and meta["versions"] == ["1"]
         assert json.loads((await jp_fetch("v2", headers=AUTH)).body)["name"] == "triton"

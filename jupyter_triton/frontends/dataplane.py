@@ -330,12 +330,18 @@ def _version(call: Call) -> str:
     return call.params.get("version") or ""
 
 
+# Triton's status codes (200, or 400 for "no"), which tritonclient and perf_analyzer read, with
+# the Open Inference Protocol's bodies, which KServe's own clients parse.
+def _health(key: str, yes: bool, **more: str) -> Reply:
+    return json_reply({**more, key: yes}, 200 if yes else 400)
+
+
 async def health_live(plane: DataPlane, call: Call) -> Reply:
-    return Reply(200 if plane.engine.live() else 400)
+    return _health("live", plane.engine.live())
 
 
 async def health_ready(plane: DataPlane, call: Call) -> Reply:
-    return Reply(200 if plane.engine.ready() else 400)
+    return _health("ready", plane.engine.ready())
 
 
 async def server_metadata(plane: DataPlane, call: Call) -> Reply:
@@ -347,7 +353,8 @@ async def model_metadata(plane: DataPlane, call: Call) -> Reply:
 
 
 async def model_ready(plane: DataPlane, call: Call) -> Reply:
-    return Reply(200 if plane.engine.model_ready(call.params["model"], _version(call)) else 400)
+    name = call.params["model"]
+    return _health("ready", plane.engine.model_ready(name, _version(call)), name=name)
 
 
 async def model_config(plane: DataPlane, call: Call) -> Reply:
