@@ -6,6 +6,7 @@ one), and the temporary model unloaded however the work ends."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_tune_shows_progress_without_a_front_end(linear, capsys):
     assert lines[0] == "[  0%] tune linear: 0/2 max_batch_size=2, max_queue_delay_us=0: concurrency 1 for 0.3 s"
     assert lines[1] == "[ 50%] tune linear: 1/2 max_batch_size=8, max_queue_delay_us=0: concurrency 1 for 0.3 s"
     assert lines[-1].startswith("tune linear: done (")
-    assert all(r.get("state") != "READY" for r in temporary_models(conn))
+    assert temporary_models(conn) == []
 
 
 def test_an_interrupted_tune_unloads_its_temporary_model_and_says_so(linear, capsys, monkeypatch):
@@ -164,7 +165,31 @@ def test_an_interrupted_tune_unloads_its_temporary_model_and_says_so(linear, cap
         tune("linear", max_batch_size=[2, 8], max_queue_delay_us=[0], concurrency=[1], seconds=0.3,
              files=files, load_generator="loadgen", connection=conn)
     assert capsys.readouterr().err.splitlines()[-1].startswith("tune linear: interrupted (")
-    assert [r for r in temporary_models(conn) if r.get("state") == "READY"] == []
+    assert temporary_models(conn) == []
+
+
+def test_a_temporary_copy_is_removed_a_users_model_never(linear, model_repo: Path):
+    """Removed: only a model whose config marks it temporary (what the tuner and the planner
+    load); the numbers it used are never handed out again when the name comes back."""
+    from jupyter_triton.kernel.client import TritonHTTP
+    from jupyter_triton.kernel.tune import temporary
+    from jupyter_triton.repository import Repository
+    conn, files = linear
+    client = TritonHTTP(conn)
+    config = client.config("linear")
+    for name, marked in (("mine__tune", False), ("copy__tune", True)):
+        own = {**config, "name": name}
+        client.load(name, json.dumps(temporary(own, "tune") if marked else own), files)
+        client.load(name, json.dumps(temporary(own, "tune") if marked else own), files)   # version 2
+        client.unload(name)
+    names = {r["name"] for r in client.index()}
+    assert "mine__tune" in names and (model_repo / "mine__tune" / "1").is_dir()    # a user's: kept
+    assert "copy__tune" not in names and not (model_repo / "copy__tune").exists()
+    client.unload("linear")
+    assert (model_repo / "linear" / "1" / "model.onnx").is_file()
+    assert Repository(model_repo).next_version("copy__tune") == 3
+    client.load("copy__tune", json.dumps(temporary({**config, "name": "copy__tune"}, "tune")), files)
+    assert client.metadata("copy__tune")["versions"] == ["3"]
 
 
 def test_the_measurement_shows_progress(linear, capsys):

@@ -4,12 +4,12 @@ from __future__ import annotations
 from tritonclient.grpc import model_config_pb2 as mc
 
 from .defaults import enable_default_batching, fill_defaults, has_scheduler
-from .formats import (CONFIG_FILENAME, config_from_json, config_to_json, config_to_pbtxt,
-                      load_config_file, parse_config)
+from .formats import (CONFIG_FILENAME, TEMPORARY_PARAMETER, config_from_json, config_to_json,
+                      config_to_pbtxt, load_config_file, parse_config)
 from .validate import validate_config
 
 ModelConfig = mc.ModelConfig
 
-__all__ = ["CONFIG_FILENAME", "ModelConfig", "config_from_json", "config_to_json",
+__all__ = ["CONFIG_FILENAME", "ModelConfig", "TEMPORARY_PARAMETER", "config_from_json", "config_to_json",
            "config_to_pbtxt", "enable_default_batching", "fill_defaults", "has_scheduler",
            "load_config_file", "mc", "parse_config", "validate_config"]

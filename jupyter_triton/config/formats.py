@@ -19,6 +19,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..protocol.errors import InvalidArgument
 
 CONFIG_FILENAME = "config.pbtxt"
+#: a config parameter marking a temporary copy (the tuner's ``<model>__tune``, the planner's
+#: ``<model>__sim``; its value says whose): the server removes it from the repository when it
+#: is unloaded (repository ``remove_temporary``)
+TEMPORARY_PARAMETER = "jupyter_triton.temporary"
 
 # Last "<field>:" or "<field> {" before the error column: the field the parser was reading.
 _FIELD_BEFORE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*[:{<\[]")

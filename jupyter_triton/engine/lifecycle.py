@@ -322,6 +322,10 @@ class ModelLifecycle(OnDemand, Rollout):
         if unload_dependents:                    # Triton: an ensemble's composing models go too
             for dependent in dict.fromkeys(dependents):
                 await self._unload(dependent)
+        # a temporary copy (the tuner's, the planner's) leaves the repository with its unload
+        if await asyncio.get_running_loop().run_in_executor(None, self.repository.remove_temporary, name):
+            self._entries.pop(name, None)
+            self._held_off.discard(name)
 
     async def _unload(self, name: str) -> None:
         self._wanted.discard(name)

@@ -11,8 +11,9 @@ the end. The kernel talks protocol only.
 had no failed request); ``apply()`` loads its config as a new version of the model, which
 the server makes READY before the old version retires.
 
-The repository API has no delete: the temporary model is unloaded, but its directory stays
-in the server's repository (one version per config).
+The temporary model's config says it is one (``TEMPORARY_PARAMETER``): when the tuner unloads
+it, however the work ended (an error, an interrupt), the server removes it from the repository
+(a model without that parameter, a user's, is never removed).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..config import TEMPORARY_PARAMETER
 from ..progress import progress as show_progress
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .client import TritonHTTP
@@ -279,6 +281,14 @@ def with_batching(base: dict, name: str, max_batch_size: int, max_queue_delay_us
     return config
 
 
+def temporary(config: dict, whose: str) -> dict:
+    """``config`` marked as a temporary copy (``whose``: "tune", "simulate"): the server
+    removes it from its repository when it is unloaded."""
+    parameters = dict(config.get("parameters") or {})
+    parameters[TEMPORARY_PARAMETER] = {"string_value": whose}
+    return {**config, "parameters": parameters}
+
+
 def _grid(values: Iterable[int] | int | None, default: int) -> list[int]:
     if values is None:
         return [default]
@@ -438,7 +448,8 @@ def tune(model: Any, max_batch_size: Sequence[int] | int | None = None,
         try:
             for mbs in sizes:
                 for delay in delays:
-                    client.load(temp, json.dumps(with_batching(base, temp, mbs, delay)), files)
+                    client.load(temp, json.dumps(temporary(with_batching(base, temp, mbs, delay), "tune")),
+                                files)
                     meta = client.metadata(temp)
                     version = str(max(int(v) for v in meta["versions"]))
                     shapes = _shapes(meta)

@@ -49,7 +49,7 @@ from ..kernel.client import TritonHTTP
 from ..kernel.discovery import Connection
 from . import traffic as tr
 from .service import ServiceModel, measure
-from ..kernel.tune import legend_outside, png_bytes, series_style
+from ..kernel.tune import legend_outside, png_bytes, series_style, temporary
 
 COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
            "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts", "metastable")
@@ -823,7 +823,7 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     batching.pop("preferred_batch_size", None)
     config["dynamic_batching"] = batching
     try:
-        client.load(temp, json.dumps(config), files)
+        client.load(temp, json.dumps(temporary(config, "simulate")), files)
         temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid, **keywords)
     finally:
         try:

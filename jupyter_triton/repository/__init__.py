@@ -4,7 +4,9 @@
 It answers questions about the disk (which models, which versions, has anything changed)
 and writes uploads as new version directories. It never deletes or overwrites what a
 user stored: a replaced config.pbtxt is kept under ``<model>/.history/`` (hidden, so
-Triton ignores it). Control modes (none / explicit / poll) belong to the engine.
+Triton ignores it). Only a temporary copy (its config carries ``TEMPORARY_PARAMETER``: the
+tuner's, the planner's) is deleted, when it is unloaded (``remove_temporary``). Control
+modes (none / explicit / poll) belong to the engine.
 
 An upload the engine loads is a transaction (``stage_upload`` -> ``PendingUpload``): its
 versions are renamed into place so the model sees its final paths while it loads, but a
@@ -38,8 +40,8 @@ from typing import Mapping
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..config import (CONFIG_FILENAME, config_from_json, config_to_pbtxt, load_config_file,
-                      parse_config, validate_config)
+from ..config import (CONFIG_FILENAME, TEMPORARY_PARAMETER, config_from_json, config_to_pbtxt,
+                      load_config_file, parse_config, validate_config)
 from ..protocol.errors import Internal, InvalidArgument, NotFound
 from . import history, pins
 from .layout import MAX_VERSION, check_model_name, is_hidden, is_version_dir_name
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 HISTORY_DIR = ".history"
 FAILED_DIR = ".failed"             # <root>/.failed/<model>/<stamp>-v<version>/ + REASON.txt
+REMOVED_DIR = ".removed"           # <root>/.removed/<sha256 of the name>.json: a removed copy's numbers
 REASON_FILENAME = "REASON.txt"
 JOURNAL_FILENAME = ".pending-load.json"
 MARKER_FILENAME = ".jupyter-triton-upload"    # in a version dir: the upload that wrote it
@@ -100,6 +103,30 @@ class Repository:
         is handed out again (the model directory need not exist)."""
         check_model_name(name)
         return _used_versions(self.root, name)
+
+    def is_temporary(self, name: str) -> bool:
+        """Whether ``name`` is a temporary copy: its config.pbtxt carries TEMPORARY_PARAMETER
+        (the tuner's and the planner's copies of a model; a user's model never does)."""
+        try:
+            return TEMPORARY_PARAMETER in self.read_config(name).parameters
+        except (NotFound, InvalidArgument, OSError):
+            return False
+
+    def remove_temporary(self, name: str) -> bool:
+        """Delete a temporary copy (``is_temporary``; False, and nothing touched, for any other
+        model), keeping the version numbers it used under ``.removed/`` so that none is handed
+        out again if the name comes back."""
+        with self._write_lock:
+            if not self.is_temporary(name):
+                return False
+            model_dir = self.model_dir(name)
+            kept = self.root / REMOVED_DIR / _removed_file(name)
+            _write_atomic(kept, json.dumps({"name": name,
+                                            "versions": sorted(_used_versions(self.root, name))}).encode())
+            trash = self.root / REMOVED_DIR / f".trash-{uuid.uuid4().hex}"
+            os.rename(model_dir, trash)         # gone from the index at once, then deleted
+            shutil.rmtree(trash, ignore_errors=True)
+            return True
 
     def next_version(self, name: str) -> int:
         """The number the next upload of ``name`` gets (after every used one);
@@ -585,7 +612,21 @@ def _used_versions(root: Path, name: str) -> set[int]:
                 used.add(int(version))
     except (FileNotFoundError, NotADirectoryError):
         pass
-    return used | history.versions_named(root / name)
+    return used | history.versions_named(root / name) | _removed_versions(root, name)
+
+
+def _removed_file(name: str) -> str:
+    # a name is up to 255 bytes: a file named after it could not take a suffix
+    return hashlib.sha256(name.encode()).hexdigest() + ".json"
+
+
+def _removed_versions(root: Path, name: str) -> set[int]:
+    """The numbers a removed temporary copy of ``name`` used (``remove_temporary``)."""
+    try:
+        kept = json.loads((root / REMOVED_DIR / _removed_file(name)).read_bytes())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return set()
+    return {v for v in kept.get("versions", []) if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
 def _next_versions(name: str, used: set[int], count: int) -> list[int]:
