@@ -363,7 +363,8 @@ def test_v1_routes_load_an_evicted_model_again(tmp_path):
                               "data": ["hi"]}]}
     vec_infer = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}
     try:
-        assert post(port, "/v2/models/echo/infer", echo_infer)[0] == 200
+        status, answer = post(port, "/v1/completions", {"model": "echo", "prompt": "hi"})
+        assert status == 200, answer                                          # never loaded
         assert post(port, "/v2/models/vec/infer", vec_infer)[0] == 200      # evicts echo
         assert request(port, "GET", "/v2/models/echo/config")[0] == 200
         assert request(port, "GET", "/v2/models/echo/ready")[0] != 200
@@ -382,6 +383,7 @@ def test_v1_routes_load_an_evicted_model_again(tmp_path):
         status, stats = request(port, "GET", "/v2/models/stats")
         per_model = {m["name"]: m for m in stats["residency"]["models"]}
         assert per_model["echo"]["cold_starts"] == 3 and per_model["vec"]["cold_starts"] == 2
+        assert post(port, "/v2/models/echo/infer", echo_infer)[0] == 200
         # a name the repository does not have is still OpenAI's 404
         status, answer = post(port, "/v1/completions", {"model": "nope", "prompt": "hi"})
         assert status == 404 and answer["error"]["type"] == "invalid_request_error"

@@ -570,7 +570,7 @@ async def openai_chat_completions(plane: DataPlane, call: Call) -> Reply:
 async def openai_embeddings_route(plane: DataPlane, call: Call) -> Reply:
     """OpenAI's embeddings over a text-in, vector-out model (frontends/openai_embeddings.py)."""
     try:
-        job = openai_embeddings.prepare(plane.engine, await plane.json_body(call))
+        job = await openai_embeddings.prepare(plane.engine, await plane.json_body(call))
         return json_reply(await openai_embeddings.embed(plane.engine, job))
     except TritonError as err:
         return json_reply(openai.error_body(err), err.status)
@@ -580,7 +580,7 @@ async def _openai(plane: DataPlane, call: Call, chat: bool) -> Reply:
     """OpenAI's completions over the engine (frontends/openai.py maps both ways); its
     errors in OpenAI's shape."""
     try:
-        job = openai.prepare(plane.engine, await plane.json_body(call), chat)
+        job = await openai.prepare(plane.engine, await plane.json_body(call), chat)
         responses = plane.engine.infer_stream(job.request)
         if not job.stream:
             return json_reply(await openai.complete(job, responses))

@@ -14,9 +14,8 @@ answer costs no more than its length. At most ``MAX_STOPS`` stop sequences of at
 (each of its responses is one chunk); without it, a decoupled model's responses are joined
 into one text.
 
-The model is found as the v2 routes find it: its config from the engine's config query (an
-evicted model's is kept), its requests through the engine's inference, which loads it again
-where the server loads models on demand (engine/on_demand.py).
+The model is found as the v2 infer route finds it (``Engine.resident_version``): one the
+operator opted in to loading on demand is loaded first if it is not (engine/on_demand.py).
 
 ``usage`` counts tokens as the streaming convention has them: each response of a decoupled
 model is one token; a model that answers once has as many as its text has
@@ -204,12 +203,13 @@ class Completion:
         return "stop"
 
 
-def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
+async def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
     """Check an OpenAI request body and map it onto the model's generate request."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidArgument("'model' must be the name of a model")
-    config = engine.model_config(model, "")
+    served = await engine.resident_version(model)
+    config = served.config
     if not follows_text_convention(config):
         raise InvalidArgument(
             f"model '{model}' does not follow the text convention (a BYTES input "
@@ -218,7 +218,7 @@ def prepare(engine: Engine, body: dict, chat: bool) -> Completion:
     if not isinstance(stream, bool) and stream is not None:
         raise InvalidArgument("'stream' must be a boolean")
     stream = bool(stream)
-    decoupled = bool(config.model_transaction_policy.decoupled)
+    decoupled = served.decoupled
     if stream and not decoupled:
         raise InvalidArgument(
             f"'stream': true needs a decoupled model (model_transaction_policy "

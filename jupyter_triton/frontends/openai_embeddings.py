@@ -117,23 +117,23 @@ class EmbeddingJob:
     truncatable: bool
 
 
-def prepare(engine: Engine, body: dict) -> EmbeddingJob:
+async def prepare(engine: Engine, body: dict) -> EmbeddingJob:
     """Check an embeddings request body: what costs no more than the number of its inputs.
-    The model is the one the engine's config query answers for (an evicted model's too:
-    ``embed``'s inference loads it again, as the v2 infer route's does)."""
+    The model is found as the v2 infer route finds it (loaded on demand where opted in)."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidArgument("'model' must be the name of a model")
-    config = engine.model_config(model, "")
+    served = await engine.resident_version(model)
+    config = served.config
     sig = signature(config)
     if sig is None:
         raise InvalidArgument(
             f"model '{model}' is not an embedding model: it needs one required input (BYTES "
             f"text or INT32/INT64 token ids) and one FP32 output (or one named "
             f"'{EMBEDDING_OUTPUT}')")
-    if config.model_transaction_policy.decoupled:
+    if served.decoupled:
         raise InvalidArgument(f"model '{model}' is decoupled; an embedding is one response")
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64", None):
