@@ -220,6 +220,24 @@ def test_a_pt2_never_runs_its_payload_in_the_server(server, tmp_path, attack):
     assert_alive(server)
 
 
+@pytest.mark.parametrize("expr, safe", [
+    ("Symbol('s77', positive=True, integer=True)", True),
+    ("Mod(Add(Integer(4), Mul(Integer(-1), Symbol('s0', integer=True))), Integer(4))", True),
+    ("LessThan(Symbol('u0', integer=True), Integer(192))", True),
+    ("FloorDiv(s0, 2) + 1", True),                  # the str() form older torch wrote
+    ("Float('1.5', precision=53)", True),
+    ("open('x', 'w')", False),                      # a builtin
+    ("chr(111) + chr(115)", False),
+    ("Add('__import__(\"os\")')", False),          # a string sympy would sympify again
+    ("lambdify(1, 2)", False),                      # a sympy function that is not a class
+    ("S.Half", False),
+    ("+".join(["1"] * 100_000), False),             # too deep to check
+])
+def test_shape_expressions_are_sympy_constructors_and_literals_only(expr, safe):
+    from jupyter_triton.backends.exported_program import _is_sympy_literal
+    assert _is_sympy_literal(expr) is safe
+
+
 def test_a_pt2_with_compiled_code_is_refused(server):
     """AOTInductor's compiled libraries would be loaded into the server process."""
     archive = saved_program()

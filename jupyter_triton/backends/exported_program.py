@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import io
 import json
 import sys
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from ..protocol.errors import InvalidArgument
 
@@ -39,12 +38,16 @@ def load_program(path: Path, model: str, version: int):
     """The ExportedProgram in ``path``, or InvalidArgument naming the file and why."""
     import torch
     where = f"model '{model}' version {version}: '{path.name}'"
-    data = path.read_bytes()          # one read: the bytes checked are the bytes loaded
-    _check_archive(data, where)
     _install_hook()
     _guard.refused = refused = []
+    # one open file: what is checked is what torch reads, even if the path is replaced meanwhile
     try:
-        program = torch.export.load(io.BytesIO(data))
+        with open(path, "rb") as f:
+            _check_archive(f, where)
+            f.seek(0)
+            program = torch.export.load(f)
+    except InvalidArgument:
+        raise
     except Exception as err:
         if refused:
             raise _pickle_refusal(where, refused) from None
@@ -59,8 +62,8 @@ def load_program(path: Path, model: str, version: int):
 
 # ---- before: the archive --------------------------------------------------------------------
 
-def _check_archive(data: bytes, where: str) -> None:
-    for name, read in _members(data):
+def _check_archive(f: BinaryIO, where: str) -> None:
+    for name, read in _members(f):
         if name.startswith(_AOTINDUCTOR_DIR):
             raise InvalidArgument(
                 f"{where}: refused, the archive holds AOTInductor compiled code ({name}), which "
@@ -79,19 +82,20 @@ def _check_archive(data: bytes, where: str) -> None:
                     f"made of sympy constructors and literals (torch would eval it here)")
 
 
-def _members(data: bytes) -> Iterator[tuple[str, Callable[[], bytes]]]:
+def _members(f: BinaryIO) -> Iterator[tuple[str, Callable[[], bytes]]]:
     """(name, read) of each member, as torch reads the archive: its PT2 reader (names below
     the archive's folder) and, for the older format, zipfile."""
     import torch
     try:
-        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+        reader = torch._C.PyTorchFileReader(f)
         names = list(reader.get_all_records())
     except Exception:   # not a PT2 archive: torch.export.load goes on to the older format
         names = []
     for name in names:
         yield name, functools.partial(reader.get_record, name)
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        f.seek(0)
+        with zipfile.ZipFile(f) as archive:
             for name in archive.namelist():
                 yield name, functools.partial(archive.read, name)
     except (zipfile.BadZipFile, OSError):
@@ -118,10 +122,9 @@ def _is_sympy_literal(text: str) -> bool:
     (``s0 + 1``): calls of sympy classes, numbers, symbol names and arithmetic, nothing that
     sympify's eval could turn into other code."""
     try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError):
+        return _literal(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):   # deep nesting: refused
         return False
-    return _literal(tree.body)
 
 
 _OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub,

@@ -7,6 +7,8 @@ or config order (a dict output is matched by key). A TorchScript module does not
 shapes, so its config must list inputs and outputs (Triton cannot auto-complete it either).
 An exported program does: its config is auto-completed like an ONNX model's, inputs named
 after forward()'s arguments and outputs ``OUTPUT__<index>`` (or the keys of a dict output).
+A ``model.pt2`` is read by ``exported_program.load_program``, which refuses a file that would
+run its own code in this process (pickled objects, compiled libraries, code as shapes).
 
 Parameters (Triton's keys): INTRA_OP_THREAD_COUNT, INTER_OP_THREAD_COUNT (both are
 process-wide in torch, as in Triton), INFERENCE_MODE (default true),
