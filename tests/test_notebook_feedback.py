@@ -177,18 +177,22 @@ def test_a_temporary_copy_is_removed_a_users_model_never(linear, model_repo: Pat
     conn, files = linear
     client = TritonHTTP(conn)
     config = client.config("linear")
-    for name, marked in (("mine__tune", False), ("copy__tune", True)):
-        own = {**config, "name": name}
-        client.load(name, json.dumps(temporary(own, "tune") if marked else own), files)
-        client.load(name, json.dumps(temporary(own, "tune") if marked else own), files)   # version 2
+    # a user's config copied from a temporary copy carries that copy's mark, not its own
+    copied = temporary(config, "linear__tune")
+    for name, own in (("mine__tune", {**config, "name": "mine__tune"}),
+                      ("from_copy", {**copied, "name": "from_copy"}),
+                      ("copy__tune", temporary(config, "copy__tune"))):
+        client.load(name, json.dumps(own), files)
+        client.load(name, json.dumps(own), files)   # version 2
         client.unload(name)
     names = {r["name"] for r in client.index()}
     assert "mine__tune" in names and (model_repo / "mine__tune" / "1").is_dir()    # a user's: kept
+    assert "from_copy" in names and (model_repo / "from_copy" / "2").is_dir()
     assert "copy__tune" not in names and not (model_repo / "copy__tune").exists()
     client.unload("linear")
     assert (model_repo / "linear" / "1" / "model.onnx").is_file()
     assert Repository(model_repo).next_version("copy__tune") == 3
-    client.load("copy__tune", json.dumps(temporary({**config, "name": "copy__tune"}, "tune")), files)
+    client.load("copy__tune", json.dumps(temporary(config, "copy__tune")), files)
     assert client.metadata("copy__tune")["versions"] == ["3"]
 
 

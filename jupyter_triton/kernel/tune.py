@@ -281,12 +281,13 @@ def with_batching(base: dict, name: str, max_batch_size: int, max_queue_delay_us
     return config
 
 
-def temporary(config: dict, whose: str) -> dict:
-    """``config`` marked as a temporary copy (``whose``: "tune", "simulate"): the server
-    removes it from its repository when it is unloaded."""
+def temporary(config: dict, name: str) -> dict:
+    """``config`` as the temporary copy ``name``: the server removes it from its repository
+    when it is unloaded. The mark names the copy itself, so a config read from a copy and
+    loaded under another name (a user's model) never carries a mark that holds."""
     parameters = dict(config.get("parameters") or {})
-    parameters[TEMPORARY_PARAMETER] = {"string_value": whose}
-    return {**config, "parameters": parameters}
+    parameters[TEMPORARY_PARAMETER] = {"string_value": name}
+    return {**config, "name": name, "parameters": parameters}
 
 
 def _grid(values: Iterable[int] | int | None, default: int) -> list[int]:
@@ -448,7 +449,7 @@ def tune(model: Any, max_batch_size: Sequence[int] | int | None = None,
         try:
             for mbs in sizes:
                 for delay in delays:
-                    client.load(temp, json.dumps(temporary(with_batching(base, temp, mbs, delay), "tune")),
+                    client.load(temp, json.dumps(temporary(with_batching(base, temp, mbs, delay), temp)),
                                 files)
                     meta = client.metadata(temp)
                     version = str(max(int(v) for v in meta["versions"]))

@@ -823,7 +823,7 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     batching.pop("preferred_batch_size", None)
     config["dynamic_batching"] = batching
     try:
-        client.load(temp, json.dumps(temporary(config, "simulate")), files)
+        client.load(temp, json.dumps(temporary(config, temp)), files)
         temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid, **keywords)
     finally:
         try:

@@ -106,11 +106,13 @@ class Repository:
 
     def is_temporary(self, name: str) -> bool:
         """Whether ``name`` is a temporary copy: its config.pbtxt carries TEMPORARY_PARAMETER
-        (the tuner's and the planner's copies of a model; a user's model never does)."""
+        naming it (the tuner's and the planner's copies of a model; a user's model never does,
+        even with a config read from a copy: that mark names the copy)."""
         try:
-            return TEMPORARY_PARAMETER in self.read_config(name).parameters
+            mark = self.read_config(name).parameters.get(TEMPORARY_PARAMETER)
         except (NotFound, InvalidArgument, OSError):
             return False
+        return mark is not None and mark.string_value == name
 
     def remove_temporary(self, name: str) -> bool:
         """Delete a temporary copy (``is_temporary``; False, and nothing touched, for any other
