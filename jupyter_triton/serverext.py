@@ -403,6 +403,11 @@ class JupyterTriton(ExtensionApp):
     grpc_port = Int(0, help="also serve Triton's gRPC protocol on this port (0, the default: a free port, "
                             "which kernels find in the runtime file; -1: off). Each user's server gets "
                             "its own: a fixed port would clash between users of one host").tag(config=True)
+    public_url = Unicode("", help="http(s)://host[:port] at which clients reach this server, shown in "
+                                  "handles and snippets with the server's own path (in a JupyterHub, its "
+                                  "JUPYTERHUB_SERVICE_PREFIX). Default: the hub's public address when it "
+                                  "says it (JUPYTERHUB_PUBLIC_URL), else the server's own URL"
+                          ).tag(config=True)
     grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds (loopback by default; it takes "
                                              "the same credentials as the HTTP routes, in 'authorization' "
                                              "metadata)").tag(config=True)
@@ -595,13 +600,19 @@ class JupyterTriton(ExtensionApp):
             REGISTRY.register(self._collector)      # joins the server's own {base_url}metrics
         except ValueError:                             # names already registered by another engine
             self._collector = None
-        self._grpc = None
+        self._grpc, self.grpc_error = None, ""
         if self.grpc_port >= 0:
             from .frontends.grpc import start_grpc_server
             limits, tls = self.grpc_connection_options()
-            self._grpc, self.bound_grpc_port = await start_grpc_server(
-                self.engine, self.grpc_address, self.grpc_port,
-                access=self.admission.access, admission=self.admission, limits=limits, ssl=tls)
+            try:
+                self._grpc, self.bound_grpc_port = await start_grpc_server(
+                    self.engine, self.grpc_address, self.grpc_port,
+                    access=self.admission.access, admission=self.admission, limits=limits, ssl=tls)
+            except OSError as err:
+                # said in the runtime file, so handles and kernels show it, not only in this log
+                self.grpc_error = (f"{err}: this server has no gRPC port (c.JupyterTriton.grpc_port"
+                                   f" = {self.grpc_port}; 0 takes a free one)")
+                self.log.error("jupyter_triton: %s", self.grpc_error)
         self._data_front = None
         if self.http_data_port >= 0:
             from .frontends.dataplane import DataPlane
@@ -633,6 +644,10 @@ class JupyterTriton(ExtensionApp):
         url = serverapp.connection_url.rstrip("/") + "/"
         os.environ[ENV_URL] = url
         os.environ[ENV_TOKEN] = self.server_token
+        from .hub import ENV_PUBLIC_URL, public_address
+        self.public_address = public_address(os.environ, self.public_url, serverapp.base_url)
+        if self.public_address.url:
+            os.environ[ENV_PUBLIC_URL] = self.public_address.url
         runtime = Path(serverapp.runtime_dir)
         runtime.mkdir(parents=True, exist_ok=True)
         self.runtime_file = runtime / f"jupyter_triton-{os.getpid()}.json"
@@ -642,7 +657,9 @@ class JupyterTriton(ExtensionApp):
                        "model_repository": str(self.engine.options.model_repository),
                        "grpc_port": self.bound_grpc_port if self._grpc is not None else None,
                        "http_data_port": self.bound_http_data_port
-                       if self._data_front is not None else None}, f)
+                       if self._data_front is not None else None,
+                       "public_url": self.public_address.url, "public_url_note": self.public_address.note,
+                       "grpc_error": self.grpc_error}, f)
 
     async def stop_extension(self) -> None:
         if getattr(self, "_activity", None) is not None:
@@ -658,7 +675,8 @@ class JupyterTriton(ExtensionApp):
         if getattr(self, "_collector", None) is not None:
             from prometheus_client import REGISTRY
             REGISTRY.unregister(self._collector)
-        for name in (ENV_URL, ENV_TOKEN):
+        from .hub import ENV_PUBLIC_URL
+        for name in (ENV_URL, ENV_TOKEN, ENV_PUBLIC_URL):
             os.environ.pop(name, None)
         runtime_file = getattr(self, "runtime_file", None)
         if runtime_file is not None:

@@ -187,7 +187,9 @@ async def test_serve_torch_onnx_and_a_function_from_a_kernel_of_the_jupyter_serv
 
     assert urlsplit(url).path == f"{jp_base_url}v2/models/embedder"
     assert "version 1 READY" in cell.text
-    assert f'-H "Authorization: token $JUPYTER_TOKEN" {url}/infer' in cell.text
+    # the snippets read a variable the kernel has: the server's JUPYTER_TOKEN only where it is set
+    variable = "JUPYTER_TOKEN" if os.environ.get("JUPYTER_TOKEN") else "JUPYTER_TRITON_TOKEN"
+    assert f'-H "Authorization: token ${variable}" {url}/infer' in cell.text
     assert 'httpclient.InferenceServerClient("' in cell.text and 'as_numpy("OUTPUT__0")' in cell.text
     assert os.environ["JUPYTER_TRITON_TOKEN"] not in cell.text + cell.stdout   # never the secret
     assert "serving from this kernel" not in cell.stdout

@@ -17,6 +17,8 @@ In order, the first one that answers ``GET v2/health/ready``:
    subprocesses (``!curl``, scripts) find and reach it, and nobody else does.
 
 Models live in the server, not the kernel, so in modes 1-3 they survive a kernel restart.
+A connection's ``public_url`` is where other hosts reach the same server (a JupyterHub's
+public address, ``hub.public_address``): what handles show; the kernel itself calls ``url``.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .. import hub
 
 ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
 SERVER_EXTENSION, RUNTIME_FILE, JUPYTERHUB, IN_KERNEL = (
@@ -49,6 +53,13 @@ class Connection:
     repository: str = ""          # the model repository on disk, when known
     server: Any = field(default=None, repr=False, compare=False)   # the in-kernel server
     grpc_url: str = ""            # "host:port" of a gRPC port taking the same ``headers``; "" when none
+    public_url: str = ""          # the server root as other hosts reach it; "" when unknown
+    notes: list[str] = field(default_factory=list, compare=False)   # what handles should say
+
+    @property
+    def shown_url(self) -> str:
+        """The server root to show a user: the public one when known."""
+        return self.public_url or self.url
 
     def __post_init__(self) -> None:
         if not self.url.endswith("/"):
@@ -66,12 +77,15 @@ class Connection:
     def model_url(self, name: str) -> str:
         return f"{self.url}v2/models/{name}"
 
+    def public_model_url(self, name: str) -> str:
+        return f"{self.shown_url}v2/models/{name}"
+
     def describe(self) -> str:
         if self.mode == IN_KERNEL:
             return (f"no Jupyter server extension found: serving from this kernel at {self.url} "
                     f"(credential: 'Authorization: token ${ENV_TOKEN}', set in this kernel's "
                     "environment)")
-        return f"serving from the Jupyter server at {self.url} ({self.mode})"
+        return f"serving from the Jupyter server at {self.shown_url} ({self.mode})"
 
 
 def is_ready(url: str, token: str = "", timeout: float = READY_TIMEOUT) -> bool:
@@ -89,21 +103,31 @@ def from_environment(environ: dict[str, str] | None = None) -> Connection | None
     url, token = env.get(ENV_URL), env.get(ENV_TOKEN, "")
     if url and is_ready(url, token):
         # this process's own in-kernel server advertises itself the same way
-        return _IN_KERNEL.get(url) or Connection(url, token, SERVER_EXTENSION,
-                                                 grpc_url=_grpc_url(url))
+        own = _IN_KERNEL.get(url)
+        if own is not None:
+            return own
+        info = _runtime_info(url)
+        public = env.get(hub.ENV_PUBLIC_URL) or info.get("public_url") or ""
+        return Connection(url, token, SERVER_EXTENSION, grpc_url=_grpc_of(info),
+                          public_url=public, notes=_notes(info, env))
     return None
 
 
-def _grpc_url(url: str, runtime_dir: str | Path | None = None) -> str:
-    """The gRPC port the server at ``url`` advertises in its runtime file ("" when none)."""
+def _runtime_info(url: str, runtime_dir: str | Path | None = None) -> dict:
+    """What the server at ``url`` advertises in its runtime file ({} when none)."""
     try:
         infos = runtime_files(runtime_dir)
     except OSError:
-        return ""
-    for info in infos:
-        if info.get("url") == url:
-            return _grpc_of(info)
-    return ""
+        return {}
+    return next((info for info in infos if info.get("url") == url), {})
+
+
+def _notes(info: dict, environ: dict | os._Environ) -> list[str]:
+    """What a server's runtime file and this kernel's environment say a user should know."""
+    notes = [str(info[key]) for key in ("grpc_error", "public_url_note")
+             if isinstance(info.get(key), str) and info[key]]
+    credential = hub.credential_note(environ)
+    return notes + [credential] if credential else notes
 
 
 def _grpc_of(info: dict) -> str:
@@ -161,7 +185,9 @@ def from_runtime_files(runtime_dir: str | Path | None = None) -> Connection | No
     for info in runtime_files(runtime_dir):
         if is_ready(info["url"], info.get("token", "")):
             return Connection(info["url"], info.get("token", ""), RUNTIME_FILE,
-                              repository=info.get("model_repository", ""), grpc_url=_grpc_of(info))
+                              repository=info.get("model_repository", ""), grpc_url=_grpc_of(info),
+                              public_url=str(info.get("public_url") or ""),
+                              notes=_notes(info, os.environ))
     return None
 
 
@@ -174,7 +200,9 @@ def from_jupyterhub(environ: dict[str, str] | None = None) -> Connection | None:
         if prefix.strip("/") and not root.rstrip("/").endswith(prefix.rstrip("/")):
             root = root.rstrip("/") + "/" + prefix.strip("/") + "/"
         if is_ready(root, token):
-            return Connection(root, token, JUPYTERHUB)
+            address = hub.public_address(env)
+            return Connection(root, token, JUPYTERHUB, public_url=address.url,
+                              notes=[n for n in (address.note, hub.credential_note(env)) if n])
     return None
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from ..hub import HUB_TOKEN, in_hub
 from ..protocol.datatypes import triton_to_numpy
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .artifacts import TEXT_INPUT, TEXT_OUTPUT
@@ -16,8 +18,9 @@ from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 from .golden import PromotionResult, encode
 
-#: shown instead of the real secret: other services bring their own Jupyter token or key;
-#: an in-kernel server's token is in the kernel's environment (``discovery.start_in_kernel``)
+#: shown instead of the real secret, a variable this kernel has: a hub's kernels carry a token
+#: of the user's (``JUPYTERHUB_API_TOKEN``), a server started with ``JUPYTER_TOKEN`` passes it
+#: on, and every server of ours sets its own (``JUPYTER_TRITON_TOKEN``; the in-kernel one too)
 TOKEN_VARIABLE, IN_KERNEL_TOKEN_VARIABLE = "JUPYTER_TOKEN", "JUPYTER_TRITON_TOKEN"
 _INLINE_ELEMENTS = 16
 
@@ -44,7 +47,8 @@ class ServedModel:
     # ---- what it is --------------------------------------------------------------------
     @property
     def url(self) -> str:
-        return self.connection.model_url(self.name)
+        """The model's URL as other hosts reach it (a hub's public address when known)."""
+        return self.connection.public_model_url(self.name)
 
     @property
     def version_url(self) -> str:
@@ -311,6 +315,9 @@ class ServedModel:
             return "openai:"
         return "python:" if summary.get("decoupled") else "tritonclient:"
 
+    def _notes(self) -> list[str]:
+        return self.notes + [n for n in self.connection.notes if n not in self.notes]
+
     def __repr__(self) -> str:
         s = self._summary()
         curl, client = self.snippets(s)
@@ -319,7 +326,7 @@ class ServedModel:
                  f"  URL      {self.url}"]
         lines += [f"  input    {_tensor_text(t)}" for t in s["inputs"]]
         lines += [f"  output   {_tensor_text(t)}" for t in s["outputs"]]
-        lines += [f"  note     {n}" for n in self.notes]
+        lines += [f"  note     {n}" for n in self._notes()]
         lines += ["curl:", _indent(curl), self._client_label(s), _indent(client)]
         return "\n".join(lines)
 
@@ -334,7 +341,7 @@ class ServedModel:
                           + (f" &middot; served in {self.load_seconds:.1f} s" if self.load_seconds else ""))]
         rows += [("input", f"<code>{e(_tensor_text(t))}</code>") for t in s["inputs"]]
         rows += [("output", f"<code>{e(_tensor_text(t))}</code>") for t in s["outputs"]]
-        rows += [("note", e(n)) for n in self.notes]
+        rows += [("note", e(n)) for n in self._notes()]
         table = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{k}</th>"
                         f"<td style='text-align:left'>{v}</td></tr>" for k, v in rows)
         pre = "style='white-space:pre-wrap;font-size:90%;margin:0.3em 0'"
@@ -385,7 +392,11 @@ def _token_variable(connection: Connection) -> str:
     """The environment variable the snippets read the credential from ('' when none)."""
     if not connection.token:
         return ""
-    return IN_KERNEL_TOKEN_VARIABLE if connection.mode == IN_KERNEL else TOKEN_VARIABLE
+    if connection.mode == IN_KERNEL:
+        return IN_KERNEL_TOKEN_VARIABLE
+    if in_hub(os.environ):
+        return HUB_TOKEN
+    return TOKEN_VARIABLE if os.environ.get(TOKEN_VARIABLE) else IN_KERNEL_TOKEN_VARIABLE
 
 
 #: a sequence model's one-request sequence, as the snippets send it

@@ -119,7 +119,8 @@ class Dashboard(anywidget.AnyWidget):
         super().close()
 
     def _title(self) -> str:
-        return f"Triton dashboard: {self.model or 'all models'} @ {self.connection.url}"
+        shown = getattr(self.connection, "shown_url", "") or self.connection.url   # a hub's public one
+        return f"Triton dashboard: {self.model or 'all models'} @ {shown}"
 
     def _repr_mimebundle_(self, **kwargs: Any):
         bundle = super()._repr_mimebundle_(**kwargs)
