@@ -3,7 +3,7 @@
  * way both reach the server: ServerConnection (Jupyter's token/cookie and XSRF) to the
  * extension's v2 routes. One renderer, so the two views can never disagree.
  */
-import { URLExt } from '@jupyterlab/coreutils';
+import { PageConfig, URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 /** One row of POST v2/repository/index (state and reason absent for a model never loaded). */
@@ -193,6 +193,26 @@ export function renderBatches(stats: IModelStats): HTMLElement {
 }
 
 /** The tritonclient code that calls a model at this server (token from the environment). */
+/**
+ * Where the snippet's credential comes from: in a JupyterHub (the page config says so), the
+ * token this server's kernels and terminals carry, or one from the hub's token page;
+ * elsewhere the server's Jupyter token.
+ */
+function tokenLines(): string[] {
+  const hubPrefix = PageConfig.getOption('hubPrefix');
+  if (PageConfig.getOption('hubUser') && hubPrefix) {
+    const page = `${PageConfig.getOption('hubHost')}${URLExt.join(hubPrefix, 'token')}`;
+    return [
+      `# JUPYTERHUB_API_TOKEN: set in this server's kernels and terminals; elsewhere, a token from ${page}`,
+      'headers = {"Authorization": "token " + os.environ["JUPYTERHUB_API_TOKEN"]}'
+    ];
+  }
+  return [
+    "# JUPYTER_TOKEN: this server's Jupyter token (its kernels and terminals have JUPYTER_TRITON_TOKEN, which works too)",
+    'headers = {"Authorization": "token " + os.environ["JUPYTER_TOKEN"]}'
+  ];
+}
+
 export function tritonclientSnippet(settings: ServerConnection.ISettings, name: string): string {
   const base = new URL(settings.baseUrl, window.location.href);
   const url = `${base.host}${base.pathname.replace(/\/$/, '')}`;
@@ -202,7 +222,7 @@ export function tritonclientSnippet(settings: ServerConnection.ISettings, name: 
     '',
     // a page served over https (JupyterHub, a proxy) wants tritonclient's TLS too
     `client = httpclient.InferenceServerClient("${url}"${base.protocol === 'https:' ? ', ssl=True' : ''})`,
-    'headers = {"Authorization": "token " + os.environ["JUPYTER_TOKEN"]}',
+    ...tokenLines(),
     `print(client.get_model_metadata("${name}", headers=headers))`,
     `# client.infer("${name}", inputs, headers=headers)`
   ].join('\n');
