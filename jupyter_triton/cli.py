@@ -46,6 +46,13 @@ def _non_negative(kind: type):
     return parse
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):       # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text}")
+    return value
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -154,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="v2/health/ready is false while a model asked to load is not ready")
     serve.add_argument("--exit-timeout-secs", type=_non_negative(float), default=_DEFAULTS.exit_timeout_secs,
                        help="at stop, how long models may finish what they run")
+    serve.add_argument("--shutdown-drain-secs", type=_seconds, default=0.0,
+                       metavar="<seconds>",
+                       help="on SIGTERM, answer readiness 503 (HTTP) and NOT_SERVING (gRPC) "
+                            "while still serving this long, so a load balancer stops sending; "
+                            "then close the listeners and let requests in flight finish within "
+                            "--exit-timeout-secs (a second signal ends the wait; 0: stop at once)")
     serve.add_argument("--unload-timeout-secs", type=_non_negative(float), default=_DEFAULTS.unload_timeout_secs,
                        help="at unload or reload, how long requests in flight may finish")
     serve.add_argument("--max-output-size", type=_non_negative(int), default=_DEFAULTS.max_output_size,
@@ -368,7 +381,8 @@ async def _serve_until_stopped(args: argparse.Namespace, options: EngineOptions,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop()
+    stop.clear()            # a second signal cuts the drain short
+    await server.shutdown(args.shutdown_drain_secs, cut_short=stop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -441,6 +441,11 @@ class JupyterTriton(ExtensionApp):
                                        "model asked to load has no ready version").tag(config=True)
     exit_timeout_secs = Float(5.0, help="at server stop, how long models may finish what they run (a hung "
                                         "model's requests fail after it)").tag(config=True)
+    shutdown_drain_secs = Float(0.0, help="at server stop, answer readiness 503 (v2/health/ready, gRPC "
+                                          "health NOT_SERVING) while still serving this long on the listeners "
+                                          "still open (gRPC, the data port, connections already open: Jupyter "
+                                          "closes its own port first), then stop; as jupyter-triton serve's "
+                                          "--shutdown-drain-secs (0: stop at once)").tag(config=True)
     unload_timeout_secs = Float(30.0, help="at unload or reload, how long requests in flight may finish"
                                 ).tag(config=True)
     max_output_size = Int(1 << 30, help="bytes of outputs one response may carry (past it: 503; 0: no bound)"
@@ -487,6 +492,13 @@ class JupyterTriton(ExtensionApp):
     def _check_mode(self, proposal):
         if proposal["value"] not in CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {CONTROL_MODES}")
+        return proposal["value"]
+
+    @validate("shutdown_drain_secs")
+    def _check_seconds(self, proposal):
+        if not 0 <= proposal["value"] < float("inf"):       # NaN fails too
+            raise TraitError(f"shutdown_drain_secs must be a number of seconds, 0 or more, "
+                             f"got {proposal['value']}")
         return proposal["value"]
 
     @validate("exit_timeout_secs", "unload_timeout_secs", "max_output_size", "keep_versions",
@@ -662,6 +674,9 @@ class JupyterTriton(ExtensionApp):
                        "grpc_error": self.grpc_error}, f)
 
     async def stop_extension(self) -> None:
+        drained = self.shutdown_drain_secs > 0 and getattr(self, "engine", None) is not None
+        if drained:
+            await self.engine.drain(self.shutdown_drain_secs)
         if getattr(self, "_activity", None) is not None:
             self._activity.stop()
         if getattr(self, "_fast_routes", None) is not None:
@@ -671,7 +686,7 @@ class JupyterTriton(ExtensionApp):
             self._data_front.stop()
             self._data_front.plane.close()
         if getattr(self, "_grpc", None) is not None:
-            await self._grpc.stop(grace=1.0)
+            await self._grpc.stop(grace=self.exit_timeout_secs if drained else 1.0)
         if getattr(self, "_collector", None) is not None:
             from prometheus_client import REGISTRY
             REGISTRY.unregister(self._collector)

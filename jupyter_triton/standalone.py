@@ -76,14 +76,32 @@ class StandaloneServer:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.http_port}"
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 1.0) -> None:
+        """Close the listeners and stop the engine while the calls in flight finish: an HTTP
+        request as its model drains (within the exit timeout), its reply written; a gRPC call
+        within ``grace`` seconds (a health Watch never ends by itself)."""
         for server in self._servers:
             server.stop()
+        bound = self.engine.options.exit_timeout_secs
+        waits = [self.engine.stop(), *(server.wait_closed(bound) for server in self._servers
+                                       if isinstance(server, HTTPFront))]
         if self._grpc is not None:
-            await self._grpc.stop(grace=1.0)
-        await self.engine.stop()
+            waits.append(self._grpc.stop(grace=grace))
+        await asyncio.gather(*waits)
         if self.plane is not None:
             self.plane.close()
+
+    async def shutdown(self, drain_secs: float = 0.0, cut_short: asyncio.Event | None = None
+                       ) -> None:
+        """A graceful stop (``jupyter-triton serve --shutdown-drain-secs``): not ready but
+        serving for ``drain_secs`` (engine.drain; ``cut_short``: a second signal ends it),
+        then ``stop``, where gRPC calls in flight have the exit timeout too. 0: ``stop``."""
+        if drain_secs <= 0:
+            return await self.stop()
+        await self.engine.drain(drain_secs, cut_short)
+        log.info("drained: closing the listeners; requests in flight have %g s",
+                 self.engine.options.exit_timeout_secs)
+        await self.stop(grace=self.engine.options.exit_timeout_secs)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop a server that ``start_in_thread`` runs, from any other thread, and end its loop."""

@@ -6,6 +6,8 @@ This module is the data plane and the model queries; loading, unloading, polling
 stopping live in ``lifecycle``; the operator's options in ``options``."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 from typing import AsyncGenerator
 
@@ -28,6 +30,8 @@ EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dep
               "schedule_policy", "model_configuration", "binary_tensor_data", "parameters",
               "statistics", "system_shared_memory", "trace", "logging"]
 
+log = logging.getLogger(__name__)
+
 
 class Engine(ModelLifecycle):
     """What every frontend calls. Besides the methods below, its public attributes are
@@ -39,6 +43,8 @@ class Engine(ModelLifecycle):
     shared_memory: SharedMemoryRegistry
     server_calls: Bls
     tracing: Tracing
+    # A graceful stop began (``drain``): readiness says no while requests are still served.
+    draining: bool = False
 
     def __init__(self, options: EngineOptions) -> None:
         if options.model_control_mode not in CONTROL_MODES:
@@ -55,6 +61,26 @@ class Engine(ModelLifecycle):
 
     def live(self) -> bool:
         return True
+
+    def ready(self) -> bool:
+        return not self.draining and super().ready()
+
+    async def drain(self, seconds: float, cut_short: asyncio.Event | None = None) -> None:
+        """The first step of a graceful stop (--shutdown-drain-secs): from now on the server
+        and its models answer not ready, as tritonserver does while it exits, but every
+        request is still served, for ``seconds`` or until ``cut_short`` is set (a second
+        signal): a load balancer or a Kubernetes readiness probe sees the 503 and stops
+        sending before the listeners close. Liveness stays true: the process is healthy."""
+        self.draining = True
+        log.info("draining: not ready, still serving for %g s", seconds)
+        if cut_short is None:
+            await asyncio.sleep(seconds)
+            return
+        try:
+            await asyncio.wait_for(cut_short.wait(), seconds)
+            log.info("draining: cut short by a second signal")
+        except asyncio.TimeoutError:
+            pass
 
     def server_metadata(self) -> dict:
         """Triton answers its --id here, "triton" unless set, and NVIDIA's example clients
@@ -122,6 +148,8 @@ class Engine(ModelLifecycle):
         return [mv for e in self._entries.values() for mv in e.serving.values()]
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        if self.draining:           # tritonserver while it exits: no model is ready
+            return False
         try:
             return self._version(name, version).ready
         except TritonError:

@@ -340,7 +340,15 @@ async def health_live(plane: DataPlane, call: Call) -> Reply:
     return _health("live", plane.engine.live())
 
 
+# tritonserver while it exits (here: the drain window of a graceful stop) answers readiness with
+# 503 and its words; a load balancer or a Kubernetes probe stops sending.
+def _exiting(**more: str) -> Reply:
+    return json_reply({**more, "ready": False, "error": "Server exiting"}, 503)
+
+
 async def health_ready(plane: DataPlane, call: Call) -> Reply:
+    if plane.engine.draining:
+        return _exiting()
     return _health("ready", plane.engine.ready())
 
 
@@ -354,6 +362,8 @@ async def model_metadata(plane: DataPlane, call: Call) -> Reply:
 
 async def model_ready(plane: DataPlane, call: Call) -> Reply:
     name = call.params["model"]
+    if plane.engine.draining:
+        return _exiting(name=name)
     return _health("ready", plane.engine.model_ready(name, _version(call)), name=name)
 
 

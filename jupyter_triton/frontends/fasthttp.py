@@ -109,6 +109,7 @@ class HTTPFront:
         self.access_log = access_log
         self.connections: set[_Connection] = set()
         self._server: asyncio.base_events.Server | None = None
+        self._emptied: asyncio.Event | None = None      # set when the last connection closes
         self._routed: dict[str, tuple[Route, dict[str, str]]] = {}
 
     async def listen(self, host: str, port: int) -> int:
@@ -141,6 +142,17 @@ class HTTPFront:
             self._server.close()
         for conn in list(self.connections):
             conn.shutdown()
+
+    async def wait_closed(self, timeout: float) -> bool:
+        """After ``stop``: until every connection has closed (a busy one after its reply),
+        at most ``timeout`` seconds; whether they all did."""
+        if self.connections:
+            self._emptied = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._emptied.wait(), timeout)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
 
 class _Connection(asyncio.Protocol):
@@ -209,7 +221,10 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.front.connections.discard(self)
+        front = self.front
+        front.connections.discard(self)
+        if front._emptied is not None and not front.connections:
+            front._emptied.set()
         self._disarm()
         if self.timer is not None:
             self.timer.cancel()
