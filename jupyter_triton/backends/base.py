@@ -17,7 +17,8 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.errors import Internal, TritonError, Unavailable
+from ..protocol.errors import TritonError, Unavailable
+from .ragged import RaggedPlan, concatenate, split_rows
 
 Tensors = dict[str, np.ndarray]
 
@@ -153,7 +154,13 @@ class Backend:
 
 class TensorBackend(Backend):
     """A runtime that runs one merged batch: requests are concatenated on dim 0, run once,
-    and the outputs split back by each request's row count."""
+    and the outputs split back by each request's row count; where requests may differ in
+    shape (ragged inputs, batch inputs and outputs, padding), as backends/ragged.py says."""
+
+    def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
+        super().__init__(config, files, instance)
+        #: how requests that may differ in shape merge and split (None: they may not)
+        self.ragged = RaggedPlan.from_config(config)
 
     def run(self, inputs: Tensors) -> Tensors:
         raise NotImplementedError
@@ -161,23 +168,24 @@ class TensorBackend(Backend):
     def execute(self, requests: list[Tensors],
                 infer_requests: list | None = None) -> list[Tensors | TritonError]:
         self.io_ns = (0, 0)         # ``run`` may set its own copies in and out
+        ragged = self.ragged
+        if ragged is not None:
+            return self._run_merged(requests, ragged.merge, ragged.split)
         if len(requests) == 1 or self.config.max_batch_size == 0:
             return [self.run(r) for r in requests]
+        return self._run_merged(requests, concatenate, self._split_rows)
+
+    def _split_rows(self, outputs: Tensors, rows: list[int]) -> list[Tensors]:
+        return split_rows(self.files.model_name, outputs, rows)
+
+    def _run_merged(self, requests: list[Tensors], merge: Callable[[list[Tensors]], tuple[Tensors, Any]],
+                    split: Callable[[Tensors, Any], list[Tensors]]) -> list[Tensors | TritonError]:
         t0 = time.monotonic_ns()
-        rows = [len(next(iter(r.values()))) if r else 0 for r in requests]
-        merged = {name: np.concatenate([r[name] for r in requests], axis=0) for name in requests[0]}
+        merged, layout = merge(requests)
         t1 = time.monotonic_ns()
         outputs = self.run(merged)
         t2 = time.monotonic_ns()
-        total = sum(rows)
-        for name, value in outputs.items():
-            if value.ndim == 0 or value.shape[0] != total:
-                raise Internal(
-                    f"model '{self.files.model_name}' returned {value.shape[0] if value.ndim else 0} "
-                    f"rows for output '{name}' but the batch had {total}")
-        bounds = np.cumsum([0] + rows)
-        split = [{name: value[lo:hi] for name, value in outputs.items()}
-                 for lo, hi in zip(bounds[:-1], bounds[1:])]
+        parts = split(outputs, layout)
         run_in, run_out = self.io_ns
         self.io_ns = (t1 - t0 + run_in, time.monotonic_ns() - t2 + run_out)
-        return split
+        return parts

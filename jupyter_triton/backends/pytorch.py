@@ -44,8 +44,8 @@ from .base import ModelFiles, TensorBackend, Tensors
 from .devices import require_gpu
 from .exported_program import load_program
 from .signature import (WILDCARD_DIM, ModelSignature, TensorSignature, as_config_dtype,
-                        bool_parameter, check_config, complete_config, int_parameter,
-                        parameter)
+                        batch_input_targets, bool_parameter, check_config, complete_config,
+                        int_parameter, parameter)
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +289,10 @@ class PyTorchBackend(TensorBackend):
             self._output_names = self._order_outputs()
             self._by_name = False
         self._output_types = {o.name: o.data_type for o in cfg.output}
+        # the config's inputs and the batch inputs the server generates (backends/ragged.py)
+        self._input_types = {i.name: i.data_type for i in cfg.input}
+        for batch_input in cfg.batch_input:
+            self._input_types.update(dict.fromkeys(batch_input.target_name, batch_input.data_type))
 
     def _apply_threads(self, torch) -> None:
         intra = int_parameter(self.config, "INTRA_OP_THREAD_COUNT")
@@ -307,7 +311,7 @@ class PyTorchBackend(TensorBackend):
     def _order_inputs(self, arg_names: list[str]) -> list[str]:
         """Config input names in forward()'s argument order (Triton's three conventions)."""
         cfg = self.config
-        names = [i.name for i in cfg.input]
+        names = [i.name for i in cfg.input] + sorted(batch_input_targets(cfg))
         if arg_names and len(names) > len(arg_names):
             raise InvalidArgument(
                 f"unable to load model '{cfg.name}', configuration expects {len(names)} inputs, "
@@ -366,7 +370,7 @@ class PyTorchBackend(TensorBackend):
         return outputs
 
     def _to_torch(self, torch, name: str, value: np.ndarray):
-        data_type = next(i.data_type for i in self.config.input if i.name == name)
+        data_type = self._input_types[name]
         if value.dtype == np.object_:
             raise Unsupported(f"input '{name}' of model '{self.config.name}': BYTES tensors are "
                               f"not supported by the PyTorch backend")

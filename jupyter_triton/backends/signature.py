@@ -14,6 +14,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import enable_default_batching
+from ..config.padding import padding
 from ..protocol.datatypes import config_to_triton, triton_to_numpy
 from ..protocol.errors import InvalidArgument
 
@@ -93,8 +94,10 @@ def complete_config(config: mc.ModelConfig, signature: ModelSignature, *, backen
             f"autofill failed for model '{out.name}': model does not support batching while "
             f"non-zero max_batch_size is specified")
 
-    # the sequence batcher feeds control and state tensors itself: never config inputs
+    # the sequence batcher feeds control and state tensors itself, the server each batch
+    # input: never config inputs
     inputs, outputs = sequence_tensors(out)
+    inputs |= batch_input_targets(out)
     _fill(out, out.input, [t for t in signature.inputs if t.name not in inputs])
     _fill(out, out.output, [t for t in signature.outputs if t.name not in outputs])
     check_config(out, signature)
@@ -130,6 +133,10 @@ def check_config(config: mc.ModelConfig, signature: ModelSignature) -> None:
         raise InvalidArgument(
             f"unable to load model '{model}', configuration specified max-batch "
             f"{config.max_batch_size} but the model only supports max-batch {limit}")
+    # Triton's ragged batching: a ragged input reaches the model flattened ([-1]); a batch
+    # output's shape is the server's to make (backends/ragged.py)
+    flattened = {i.name for i in config.input if i.allow_ragged_batch} - set(padded_inputs(config))
+    scattered = {t for b in config.batch_output for t in b.target_name}
     for io, kind, known in ((config.input, "input", inputs), (config.output, "output", outputs)):
         for tensor in io:
             sig = known.get(tensor.name)
@@ -142,15 +149,53 @@ def check_config(config: mc.ModelConfig, signature: ModelSignature) -> None:
                     f"unable to load model '{model}', configuration expects datatype "
                     f"{type_name(tensor.data_type)} for {kind} '{tensor.name}', model provides "
                     f"{type_name(sig.data_type)}")
+            if tensor.name in flattened:
+                _check_ragged(config, tensor.name, sig.shape)
+                continue
+            if tensor.name in scattered:
+                continue
             dims = list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
             _compare_dims(model, tensor.name, sig.shape, dims, config.max_batch_size,
                           exact=(kind == "output"))
-    listed = {t.name for t in config.input} | sequence_tensors(config)[0]
+    for batch_input in config.batch_input:
+        for target in batch_input.target_name:
+            sig = inputs.get(target)
+            if sig is None or sig.data_type != batch_input.data_type:
+                raise InvalidArgument(
+                    f"unable to load model '{model}', batch input '{target}' "
+                    f"({type_name(batch_input.data_type)}) is not "
+                    f"{'an input' if sig is None else 'the type of the input'} of the model; "
+                    f"model inputs: " + ", ".join(f"{t.name} ({type_name(t.data_type)})"
+                                                  for t in signature.inputs))
+    listed = ({t.name for t in config.input} | sequence_tensors(config)[0]
+              | batch_input_targets(config))
     required = [t.name for t in signature.inputs if t.name not in listed]
     if required:
         raise InvalidArgument(
             f"unable to load model '{model}', configuration expects {len(config.input)} inputs, "
             f"model provides {len(signature.inputs)} (missing: {', '.join(required)})")
+
+
+def _check_ragged(config: mc.ModelConfig, name: str, model_shape: list[int]) -> None:
+    """Triton's onnxruntime backend: a ragged input is one 1-D tensor of every request's
+    elements; a [batch, length] model pads instead (ours: ragged_batching "pad")."""
+    if model_shape != [WILDCARD_DIM]:
+        raise InvalidArgument(
+            f"unable to load model '{config.name}', configuration expects model provides input "
+            f"with shape [-1] for ragged input '{name}', model provides {shape_text(model_shape)}"
+            f" (a model that takes [batch, length] batches different lengths with "
+            f"parameters {{ key: \"ragged_batching\" value: {{ string_value: \"pad\" }} }})")
+
+
+def batch_input_targets(config: mc.ModelConfig) -> set[str]:
+    """The model inputs the server generates for each batch (``batch_input``)."""
+    return {t for b in config.batch_input for t in b.target_name}
+
+
+def padded_inputs(config: mc.ModelConfig) -> dict[str, int]:
+    """The inputs ragged_batching "pad" pads (config/padding.py), none without it."""
+    pad = padding(config)
+    return pad.axes if pad is not None else {}
 
 
 def sequence_tensors(config: mc.ModelConfig) -> tuple[set[str], set[str]]:

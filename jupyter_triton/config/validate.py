@@ -9,6 +9,7 @@ from __future__ import annotations
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.errors import InvalidArgument
+from .padding import padding
 
 WILDCARD_DIM = -1
 _TENSORRT_PLATFORM = "tensorrt_plan"
@@ -29,6 +30,8 @@ def validate_config(config: mc.ModelConfig, complete: bool = True) -> None:
     _validate_file_names(config)
     _validate_io(config, complete)
     _validate_batch_io(config)
+    if complete:
+        padding(config)         # ragged_batching "pad" and its parameters (config/padding.py)
     _validate_dynamic_batching(config, complete)
     _validate_sequence_batching(config, complete)
     _validate_instance_groups(config)

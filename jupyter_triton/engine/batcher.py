@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..config.padding import padding
 from ..protocol.errors import Internal, InvalidArgument, Unavailable
 from .clock import MONOTONIC, Clock
 from .pending import Pending
@@ -110,6 +111,11 @@ class DynamicBatcher(Scheduler):
         # Ragged inputs may differ in shape inside one batch; nothing else may.
         self._ragged = {i.name for i in config.input if i.allow_ragged_batch}
         self._batching = config.max_batch_size > 0
+        # ragged_batching "pad" (config/padding.py): padded inputs mix lengths, within a length
+        # bucket and a token budget; without it, forming a batch costs nothing more
+        self._padding = padding(config)
+        if self._padding is not None:
+            self._form_batch = self._form_padded_batch      # type: ignore[method-assign]
         levels = range(1, self.priority_levels + 1) if self.priority_levels else (0,)
         self._levels = {
             lvl: _Level(lvl, db.priority_queue_policy[lvl] if lvl in db.priority_queue_policy
@@ -342,6 +348,12 @@ class DynamicBatcher(Scheduler):
             rows += size
             if rows in self.preferred_batch_sizes:
                 best = len(taken)
+        return self._leave(taken, rows, best, send_now, now_ns)
+
+    def _leave(self, taken: list[Pending], rows: int, best: int, send_now: bool,
+               now_ns: int) -> tuple[list[Pending], int, list[Pending]]:
+        """Whether the batch ``taken`` (``best``: the requests of its preferred size, 0: none)
+        leaves now, as ``_form_batch`` answers."""
         oldest = min(p.enqueue_ns for p in taken) if len(taken) > 1 else taken[0].enqueue_ns
         waited = now_ns - oldest
         delay_exceeded = self.delay_ns != 0 and waited >= self.delay_ns
@@ -350,6 +362,50 @@ class DynamicBatcher(Scheduler):
         if send_now or rows >= self.max_preferred_batch_size or delay_exceeded or not self.delay_ns:
             return taken, 0, taken
         return [], self.delay_ns - waited, taken
+
+    def _form_padded_batch(self, now_ns: int) -> tuple[list[Pending], int, list[Pending]]:
+        """``_form_batch`` where batches are padded: the batch takes, in service order, the
+        requests of the first one's group (its length bucket, and the shapes of its inputs
+        that are not padded; the others wait for a batch of their group) while its padded
+        tokens (rows x the longest length) stay within ``max_batch_tokens``: a request over
+        the budget alone runs alone."""
+        budget = self._padding.max_batch_tokens
+        taken: list[Pending] = []
+        rows = longest = 0
+        best = 0
+        send_now = False
+        group = None
+        for p in self._where if len(self._where) == 1 else self._ordered():
+            key = p._shape_key      # (group, length), computed once a request (_padded_key)
+            if key is None:
+                key = p._shape_key = self._padded_key(p)
+            size = max(1, p.batch_size)
+            if taken:
+                if key[0] != group:
+                    continue
+                if rows + size > self.max_preferred_batch_size and best == 0:
+                    best = len(taken)
+                length = max(longest, key[1])
+                if rows + size > self.max_batch_size or (budget and (rows + size) * length > budget):
+                    send_now = True
+                    break
+            else:
+                group = key[0]
+            taken.append(p)
+            rows += size
+            longest = max(longest, key[1])
+            if rows in self.preferred_batch_sizes:
+                best = len(taken)
+        if budget and (rows + 1) * longest > budget:
+            send_now = True         # not one more row fits: nothing to wait for
+        return self._leave(taken, rows, best, send_now, now_ns)
+
+    def _padded_key(self, p: Pending) -> tuple:
+        padding = self._padding
+        length = padding.length(p.inputs)
+        shapes = tuple((name, arr.dtype.str, None if name in padding.axes else arr.shape[1:])
+                       for name, arr in sorted(p.inputs.items()))
+        return (padding.bucket(length), shapes), length
 
     def _expire(self, now_ns: int) -> None:
         """Apply each level's timeout_action to requests whose queue timeout has passed

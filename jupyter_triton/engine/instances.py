@@ -32,7 +32,7 @@ from ..protocol.errors import Internal, TritonError
 
 from .bls import executing
 from .on_loop import OnLoopBatch
-from .statistics import mark_failure
+from .statistics import StatPadding, mark_failure
 from .timer import precise_thread_sleep
 
 if TYPE_CHECKING:
@@ -274,6 +274,12 @@ class InstancePool:
         self.decoupled = False
         # Backends whose answers the loop reads itself (start_on_loop): no thread waits for them.
         self._on_loop = all(i.backend.executes_on_loop for i in instances) and bool(instances)
+        # ragged_batching "pad" where the backend pads (backends/ragged.py; the python backend
+        # hands each request to the model as sent): each batch's padded and real tokens counted
+        plan = getattr(instances[0].backend, "ragged", None) if instances else None
+        self.padding = plan.padding if plan is not None else None
+        if self.padding is not None:
+            stats.padding = StatPadding()
 
     @property
     def size(self) -> int:
@@ -543,6 +549,8 @@ class InstancePool:
             # Triton: a failed request counts in execution_count, not in inference_count
             self.stats.record_execution(rows, len(live), *timing,
                                         failed_rows, failed, failed_queue_ns)
+            if self.padding is not None:
+                self.stats.record_padding(*self.padding.tokens([p.inputs for p in live]))
 
     def close(self) -> None:
         for inst in self.instances:

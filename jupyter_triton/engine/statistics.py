@@ -50,6 +50,23 @@ class BatchStat:
     compute_output: StatDuration
 
 
+@dataclass
+class StatPadding:
+    """Padding batches' tokens (a field Triton lacks): what ran and what was asked for;
+    ``waste`` is their ratio (1.0: no padding)."""
+
+    batch_tokens: int = 0
+    request_tokens: int = 0
+
+    @property
+    def waste(self) -> float:
+        return self.batch_tokens / self.request_tokens if self.request_tokens else 1.0
+
+    def to_json(self) -> dict:
+        return {"batch_tokens": self.batch_tokens, "request_tokens": self.request_tokens,
+                "waste_ratio": round(self.waste, 6)}
+
+
 #: Triton's default buckets of nv_inference_first_response_histogram_ms
 FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
 
@@ -124,6 +141,9 @@ class ModelStatistics:
         self.memory: Callable[[], list[dict]] | None = None
         # engine/histograms.py's LatencyHistograms when the server keeps them (fed under _lock)
         self.histograms = None
+        # ragged_batching "pad" (config/padding.py): tokens the padded batches held, and the
+        # tokens their requests sent; None for a model that does not pad
+        self.padding: StatPadding | None = None
 
     # -- recording ---------------------------------------------------------------------
 
@@ -187,6 +207,14 @@ class ModelStatistics:
                 samples["compute_input"].extend([ci] * repeat)
                 samples["compute_infer"].extend([cf] * repeat)
                 samples["compute_output"].extend([co] * repeat)
+
+    def record_padding(self, batch_tokens: int, request_tokens: int) -> None:
+        """One padded batch ran: ``batch_tokens`` (padding included) for ``request_tokens``."""
+        with self._lock:
+            if self.padding is None:
+                self.padding = StatPadding()
+            self.padding.batch_tokens += batch_tokens
+            self.padding.request_tokens += request_tokens
 
     def record_queues(self, ns: list[int]) -> None:
         """Requests left the queue together, after ``ns`` nanoseconds each in it."""
@@ -355,6 +383,7 @@ class ModelStatistics:
                 **({"ensemble_steps": [stat.to_json(i) for i, stat in sorted(self.steps.items())]}
                    if self.steps else {}),
                 **({"latency_histograms": self.histograms.to_json()} if self.histograms is not None else {}),
+                **({"padding": self.padding.to_json()} if self.padding is not None else {}),
             }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..config.padding import padding
 from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument
 from ..protocol.types import InferRequest
@@ -40,6 +41,11 @@ class InputPlan:
         self.full = {name: lead + dims for name, dims in self.dims.items()}
         self.reshape = {i.name: list(i.reshape.shape) for i in config.input if i.HasField("reshape")}
         self.known_outputs = frozenset(o.name for o in config.output)
+        # ragged_batching "pad" with max_length (config/padding.py): input -> (its length
+        # dimension, the longest length it may have)
+        pad = padding(config)
+        self.max_length = ({name: (axis, pad.max_length) for name, axis in pad.axes.items()}
+                           if pad is not None and pad.max_length else {})
         # (name, datatype, shape) of inputs found valid -> their batch rows (0: unbatched):
         # clients repeat a few shapes, each checked once (bounded: shapes come from clients).
         self.accepted: dict[tuple, int] = {}
@@ -146,4 +152,9 @@ def _check_input(plan: InputPlan, request: InferRequest, name: str, tensor, batc
         raise InvalidArgument(
             f"{_rid(request)}unexpected shape for input '{name}' for model '{model}'. "
             f"Expected {_fmt(full)}, got {_fmt(shape)}" + (_BATCH_NOTE if max_batch_size > 0 else ""))
+    limit = plan.max_length.get(name)
+    if limit is not None and shape[limit[0]] > limit[1]:
+        raise InvalidArgument(
+            f"{_rid(request)}input '{name}' of model '{model}' has length {shape[limit[0]]} "
+            f"(shape {_fmt(shape)}), longer than the model allows: max_length {limit[1]}")
     return shape[0] if max_batch_size > 0 else 0

@@ -120,6 +120,9 @@ class TritonMetricsCollector:
         if options.histogram_latencies:
             yield _first_response_histogram(models)
             yield from _latency_histograms(models)
+        padded = [(s.padding, labels) for s, labels in stats if s.padding is not None]
+        if padded:              # ragged_batching "pad" (config/padding.py); Triton has none
+            yield from _padding_metrics(padded)
         for name, doc, kind, values in step_metric_values(stats):    # ensembles' steps
             yield _family(name, doc, kind, values)
         for name, doc, kind, values in cache_metric_values(self.engine.response_cache, models):
@@ -155,6 +158,18 @@ def _residency_metrics(residency: dict) -> Iterator[Metric]:
                   "gauge", [({}, residency["resident_bytes"])])
     yield _family("nv_model_residency_budget_bytes", "The residency budget, in bytes (0: none)",
                   "gauge", [({}, residency["budget_bytes"])])
+
+
+def _padding_metrics(padded: list[tuple[Any, dict]]) -> Iterator[Metric]:
+    yield _family("nv_inference_padded_tokens",
+                  "Number of tokens the padded batches of a model held, padding included",
+                  "counter", ((labels, p.batch_tokens) for p, labels in padded))
+    yield _family("nv_inference_request_tokens",
+                  "Number of tokens the requests of padded batches sent", "counter",
+                  ((labels, p.request_tokens) for p, labels in padded))
+    yield _family("nv_inference_padding_waste_ratio",
+                  "Padded tokens per token sent since the model loaded (1: no padding)", "gauge",
+                  ((labels, p.waste) for p, labels in padded))
 
 
 def _family(name: str, doc: str, kind: str, values: Iterable[tuple[dict, float]]) -> Metric:
