@@ -307,3 +307,80 @@ def test_a_length_model_marked_ragged_is_refused_naming_padding(http):
         http.load_model("not_flat")
     text = str(err.value)
     assert "ragged input 'INPUT0'" in text and "[-1,-1]" in text and "ragged_batching" in text
+
+
+# -- TensorRT: the same merge and split, where a GPU and tensorrt are ------------------------
+
+def _no_tensorrt() -> str:
+    import importlib.util
+
+    from jupyter_triton.backends.devices import gpu_count
+    if gpu_count() == 0:
+        return "no NVIDIA GPU on this machine: TensorRT's ragged batching runs only on one"
+    if importlib.util.find_spec("tensorrt") is None:
+        return "the tensorrt package is not installed"
+    return ""
+
+
+TRT_CONFIG = """
+name: "ragged_trt"
+platform: "tensorrt_plan"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]
+batch_input [ { kind: BATCH_ACCUMULATED_ELEMENT_COUNT target_name: "ACC" data_type: TYPE_INT32
+                source_input: "INPUT" } ]
+output [ { name: "END" data_type: TYPE_FP32 dims: [ 1 ] },
+         { name: "SCATTER" data_type: TYPE_FP32 dims: [ -1 ] } ]
+batch_output [ { target_name: "SCATTER" kind: BATCH_SCATTER_WITH_INPUT_SHAPE
+                 source_input: "INPUT" } ]
+"""
+
+
+def _trt_plan(path: Path) -> None:
+    """END = where each request ends in the flat input (ACC); SCATTER = INPUT + 1."""
+    import tensorrt as trt
+    graph = helper.make_graph(
+        [_const("axis1", [1]), _const("one_f", [1.0], F),
+         helper.make_node("Cast", ["ACC"], ["acc_f"], to=F),
+         helper.make_node("Unsqueeze", ["acc_f", "axis1"], ["END"]),
+         helper.make_node("Add", ["INPUT", "one_f"], ["SCATTER"])], "ragged_trt",
+        [helper.make_tensor_value_info("INPUT", F, ["n"]),
+         helper.make_tensor_value_info("ACC", I32, ["r"])],
+        [helper.make_tensor_value_info("END", F, ["r", 1]),
+         helper.make_tensor_value_info("SCATTER", F, ["n"])])
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    assert parser.parse(_save(graph, None)), parser.get_error(0)
+    build = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    profile.set_shape("INPUT", (1,), (16,), (256,))
+    profile.set_shape("ACC", (1,), (4,), (8,))
+    build.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, build)
+    assert plan is not None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(plan))
+
+
+@pytest.mark.skipif(bool(_no_tensorrt()), reason=_no_tensorrt() or "tensorrt is here")
+def test_tensorrt_takes_the_same_concatenated_batch(tmp_path):
+    from jupyter_triton.backends.base import InstanceSpec, ModelFiles
+    from jupyter_triton.backends.tensorrt import TensorRTBackend
+    from jupyter_triton.config import parse_config
+    files = ModelFiles("ragged_trt", 1, tmp_path / "ragged_trt", tmp_path / "ragged_trt" / "1",
+                       "model.plan")
+    _trt_plan(files.version_dir / "model.plan")
+    backend = TensorRTBackend(parse_config(TRT_CONFIG, "ragged_trt"), files,
+                              InstanceSpec("ragged_trt_0_0", kind="KIND_GPU"))
+    backend.load()
+    try:
+        requests = [{"INPUT": np.arange(3, dtype=np.float32)[None, :]},
+                    {"INPUT": np.full((1, 2), 10.0, np.float32)}]
+        first, second = backend.execute(requests)
+    finally:
+        backend.unload()
+    assert first["END"].tolist() == [[3.0]] and second["END"].tolist() == [[5.0]]
+    np.testing.assert_array_equal(first["SCATTER"], requests[0]["INPUT"] + 1)
+    np.testing.assert_array_equal(second["SCATTER"], requests[1]["INPUT"] + 1)
