@@ -9,7 +9,6 @@ masked by the attention mask, and their masked mean."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -20,11 +19,10 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_FRONT
+from batch_clients import client, start_server, together
 from jupyter_triton.backends.ragged import RaggedPlan
 from jupyter_triton.config import parse_config
 from jupyter_triton.config.padding import padding
-from jupyter_triton.engine import EngineOptions
 from jupyter_triton.protocol.errors import InvalidArgument
 from onnx_models import _save
 
@@ -92,27 +90,18 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from jupyter_triton.standalone import start_in_thread
     repo = tmp_path_factory.mktemp("padding") / "models"
     for name, text in MODELS.items():
         embedder(repo / name / "1" / "model.onnx")
         (repo / name / "config.pbtxt").write_text(text)
-    srv = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
-                                        load_models=list(MODELS)),
-                          host="127.0.0.1", http_port=0, metrics_port=0, grpc_port=0,
-                          http_front=HTTP_FRONT)
+    srv = start_server(repo, list(MODELS))
     yield srv
     srv.close()
 
 
 @pytest.fixture
 def http(server):
-    return httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-
-
-def _client(server, grpc: bool):
-    return (grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") if grpc
-            else httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}"))
+    return client(server)
 
 
 def _request(rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,19 +112,19 @@ def _request(rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndar
     return ids, mask
 
 
-def _infer(client, model: str, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-    mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
+def _infer(caller, model: str, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    mod = grpcclient if isinstance(caller, grpcclient.InferenceServerClient) else httpclient
     inputs = []
     for name, value in (("input_ids", ids), ("attention_mask", mask)):
         tensor = mod.InferInput(name, list(value.shape), "INT64")
         tensor.set_data_from_numpy(value)
         inputs.append(tensor)
-    result = client.infer(model, inputs)
+    result = caller.infer(model, inputs)
     return {name: result.as_numpy(name) for name in ("last_hidden_state", "pooled")}
 
 
-def _stats(client, model: str) -> dict:
-    return client.get_inference_statistics(model)["model_stats"][0]
+def _stats(caller, model: str) -> dict:
+    return caller.get_inference_statistics(model)["model_stats"][0]
 
 
 def _check(answer: dict, ids: np.ndarray, mask: np.ndarray) -> None:
@@ -143,25 +132,6 @@ def _check(answer: dict, ids: np.ndarray, mask: np.ndarray) -> None:
     assert answer["last_hidden_state"].shape == (1, ids.shape[1], HIDDEN)
     np.testing.assert_array_equal(answer["last_hidden_state"], want["last_hidden_state"])
     np.testing.assert_array_equal(answer["pooled"], want["pooled"])
-
-
-def _concurrently(fn, count: int) -> list:
-    results: list = [None] * count
-
-    def run(i):
-        try:
-            results[i] = fn(i)
-        except Exception as err:        # handed back to the test
-            results[i] = err
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    return results
 
 
 def test_sixteen_clients_of_mixed_lengths_batch_and_each_answer_is_its_own(server, http):
@@ -174,14 +144,14 @@ def test_sixteen_clients_of_mixed_lengths_batch_and_each_answer_is_its_own(serve
     lengths = np.random.default_rng(36).integers(5, 129, size=(16, per_client))
 
     def client_run(c: int) -> int:
-        client = _client(server, grpc=c % 4 == 3)        # 4 of the 16 on gRPC
+        caller = client(server, grpc=c % 4 == 3)        # 4 of the 16 on gRPC
         rng = np.random.default_rng(c)
         for n in lengths[c]:
             ids, mask = _request(rng, int(n))
-            _check(_infer(client, "embed", ids, mask), ids, mask)
+            _check(_infer(caller, "embed", ids, mask), ids, mask)
         return per_client
 
-    assert sum(_concurrently(client_run, 16)) == 16 * per_client
+    assert sum(together(client_run, 16)) == 16 * per_client
     after = _stats(http, "embed")
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
@@ -207,7 +177,7 @@ def test_a_batch_mixes_only_lengths_of_one_bucket(server, http):
     before = _stats(http, "embed_buckets")
     rng = np.random.default_rng(7)
     sent = [_request(rng, n) for n in (10, 100, 12, 110)]
-    answers = _concurrently(lambda i: _infer(_client(server, grpc=i % 2 == 1), "embed_buckets",
+    answers = together(lambda i: _infer(client(server, grpc=i % 2 == 1), "embed_buckets",
                                              *sent[i]), 4)
     for answer, (ids, mask) in zip(answers, sent):
         _check(answer, ids, mask)
@@ -224,7 +194,7 @@ def test_a_request_over_the_token_budget_runs_alone(server, http):
     before = _stats(http, "embed_budget")
     rng = np.random.default_rng(11)
     sent = [_request(rng, n) for n in (30, 120, 30, 30)]
-    answers = _concurrently(lambda i: _infer(_client(server, grpc=False), "embed_budget",
+    answers = together(lambda i: _infer(client(server, grpc=False), "embed_budget",
                                              *sent[i]), 4)
     for answer, (ids, mask) in zip(answers, sent):
         _check(answer, ids, mask)
@@ -236,13 +206,13 @@ def test_a_request_over_the_token_budget_runs_alone(server, http):
 
 @pytest.mark.parametrize("grpc", [False, True], ids=["http", "grpc"])
 def test_a_request_longer_than_max_length_is_a_400_naming_it(server, http, grpc):
-    client = _client(server, grpc)
+    caller = client(server, grpc)
     rng = np.random.default_rng(3)
     ids, mask = _request(rng, 128)
-    _check(_infer(client, "embed", ids, mask), ids, mask)      # the longest allowed answers
+    _check(_infer(caller, "embed", ids, mask), ids, mask)      # the longest allowed answers
     ids, mask = _request(rng, 129)
     with pytest.raises(InferenceServerException) as err:
-        _infer(client, "embed", ids, mask)
+        _infer(caller, "embed", ids, mask)
     assert "max_length 128" in str(err.value) and "length 129" in str(err.value)
     assert err.value.status() == ("StatusCode.INVALID_ARGUMENT" if grpc else "400")
 

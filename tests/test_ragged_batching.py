@@ -6,7 +6,6 @@ The models are built here: an ONNX model whose every output depends on one batch
 a TorchScript module finding its requests by their accumulated element counts."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,7 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_FRONT
-from jupyter_triton.engine import EngineOptions
+from batch_clients import client, start_server, together
 from onnx_models import _save
 
 F, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
@@ -167,7 +165,6 @@ def torch_model(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from jupyter_triton.standalone import start_in_thread
     repo = tmp_path_factory.mktemp("ragged") / "models"
     for name, batching in (("ragged", "dynamic_batching { }"),
                            ("ragged_batch4", "dynamic_batching { max_queue_delay_microseconds: "
@@ -181,57 +178,32 @@ def server(tmp_path_factory):
     from onnx_models import identity
     identity(TensorProto.FLOAT, repo / "not_flat" / "1" / "model.onnx", dims="length")
     (repo / "not_flat" / "config.pbtxt").write_text(PADDED_SHAPE_CONFIG)
-    srv = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="explicit",
-                                        load_models=["ragged", "ragged_batch4", "item_shape",
-                                                     "ragged_torch"]),
-                          host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0,
-                          http_front=HTTP_FRONT)
+    srv = start_server(repo, ["ragged", "ragged_batch4", "item_shape", "ragged_torch"])
     yield srv
     srv.close()
 
 
 @pytest.fixture
 def http(server):
-    return httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    return client(server)
 
 
 def _clients(server, kinds: str) -> list:
     """A client per request ('h': HTTP, 'g': gRPC), each used by one thread."""
-    return [httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}") if kind == "h"
-            else grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") for kind in kinds]
+    return [client(server, grpc=kind == "g") for kind in kinds]
 
 
-def _infer(client, model: str, values: np.ndarray, outputs=OUTPUTS + ("SCATTER",)):
-    mod = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
+def _infer(caller, model: str, values: np.ndarray, outputs=OUTPUTS + ("SCATTER",)):
+    mod = httpclient if isinstance(caller, httpclient.InferenceServerClient) else grpcclient
     tensor = mod.InferInput("INPUT", list(values.shape), "FP32")
     tensor.set_data_from_numpy(values)
-    result = client.infer(model, [tensor], outputs=[mod.InferRequestedOutput(o) for o in outputs])
+    result = caller.infer(model, [tensor], outputs=[mod.InferRequestedOutput(o) for o in outputs])
     return {o: result.as_numpy(o) for o in outputs}
 
 
-def _counts(client, model: str) -> tuple[int, int]:
-    stats = client.get_inference_statistics(model)["model_stats"][0]
+def _counts(caller, model: str) -> tuple[int, int]:
+    stats = caller.get_inference_statistics(model)["model_stats"][0]
     return stats["execution_count"], stats["inference_count"]
-
-
-def _concurrently(fn, args) -> list:
-    args = list(args)
-    results: list = [None] * len(args)
-
-    def run(i):
-        try:
-            results[i] = fn(args[i])
-        except Exception as err:       # handed back to the test
-            results[i] = err
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    return results
 
 
 def test_a_lone_request_sees_its_own_counts(http):
@@ -253,7 +225,7 @@ def test_one_batch_of_four_lengths_every_batch_input_kind(server, http):
     requests = [np.arange(1, n + 1, dtype=np.float32)[None, :] * (i + 1)
                 for i, n in enumerate(lengths)]
     clients = _clients(server, "hghg")
-    answers = _concurrently(lambda i: _infer(clients[i], "ragged_batch4", requests[i]), range(4))
+    answers = together(lambda i: _infer(clients[i], "ragged_batch4", requests[i]), 4)
     after = _counts(http, "ragged_batch4")
     assert (after[0] - before[0], after[1] - before[1]) == (1, 4)      # one batch of four
     for values, out in zip(requests, answers):
@@ -273,8 +245,8 @@ def test_item_shape_repeats_per_row_and_scatter_keeps_each_shape(server, http):
     requests = [np.ones((2, 3), np.float32), np.full((1, 5), 2.0, np.float32),
                 np.arange(4, dtype=np.float32)[None, :]]
     clients = _clients(server, "ghg")
-    answers = _concurrently(lambda i: _infer(clients[i], "item_shape", requests[i],
-                                             ("ROWLEN", "SCATTER")), range(3))
+    answers = together(lambda i: _infer(clients[i], "item_shape", requests[i],
+                                             ("ROWLEN", "SCATTER")), 3)
     after = _counts(http, "item_shape")
     assert (after[0] - before[0], after[1] - before[1]) == (1, 4)   # one batch, 4 rows
     assert answers[0]["ROWLEN"].tolist() == [[3.0], [3.0]]
@@ -290,8 +262,8 @@ def test_pytorch_finds_its_requests_by_accumulated_counts(server, http):
     requests = [np.array([[1.0, 2.0]], np.float32), np.array([[3.0, 4.0, 5.0, 6.0]], np.float32),
                 np.array([[10.0]], np.float32)]
     clients = _clients(server, "hgh")
-    answers = _concurrently(lambda i: _infer(clients[i], "ragged_torch", requests[i],
-                                             ("SUM", "SCATTER")), range(3))
+    answers = together(lambda i: _infer(clients[i], "ragged_torch", requests[i],
+                                             ("SUM", "SCATTER")), 3)
     after = _counts(http, "ragged_torch")
     assert (after[0] - before[0], after[1] - before[1]) == (1, 3)
     for values, out in zip(requests, answers):
