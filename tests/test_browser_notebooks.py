@@ -28,7 +28,7 @@ from lab import JS_CELL_STATES, JS_TRACEBACKS, open_notebook, run_all, start_lab
 from test_browser import browser_page  # noqa: E402,F401  (the fixture: a fresh Chromium per test)
 from test_browser import pytestmark as BROWSER_MARKS  # noqa: E402
 
-PER_NOTEBOOK_S = 240      # the slowest (06, 09) take ~30 s on 2 idle cores; room for a busy CI machine
+PER_NOTEBOOK_S = 240      # the slowest (09) takes 30-40 s on 2 cores; room for a busy CI machine
 ROUNDS = (1, 2)
 
 pytestmark = [*(mark for mark in BROWSER_MARKS if mark.name == "skipif"),     # no chromium, no playwright
@@ -37,6 +37,13 @@ pytestmark = [*(mark for mark in BROWSER_MARKS if mark.name == "skipif"),     # 
 # Settled: every cell ran, or Run All stopped at an error (no cell running, a traceback shown).
 JS_SETTLED = (f"(p) => {{ const s = ({JS_CELL_STATES})(p); "
               f"return s.every(x => x === 'done') || (!s.includes('running') && ({JS_TRACEBACKS})(p).length > 0); }}")
+
+# Widget outputs (dashboards, plots): those still loading, and those that failed to display.
+JS_WIDGETS = """(p) => { const outs = [...p.querySelectorAll('.jp-OutputArea-output')];
+  return {loading: outs.filter(o => /Loading widget/i.test(o.innerText || '')).length,
+          errors: outs.filter(o => o.querySelector('.jupyter-widgets-error-widget')
+                                   || /Error displaying widget/i.test(o.innerText || ''))
+                      .map(o => (o.innerText || '').slice(0, 300))}; }"""
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +87,8 @@ def test_notebook_runs_in_the_lab(dev_lab, browser_page, rnd: int, notebook: Pat
         ran = [i for i, state in enumerate(states) if state == "done"]
         assert not errors, (f"round {rnd}: {notebook.name} stopped at code cell {ran[-1] if ran else 0} "
                             f"(of {len(states)}):\n" + "\n---\n".join(errors))
+        page.wait_for_function(f"(p) => ({JS_WIDGETS})(p).loading === 0", arg=handle, timeout=60_000)
+        assert page.evaluate(JS_WIDGETS, handle)["errors"] == []
         assert page.js_errors == [], page.js_errors
     finally:
         dev_lab.times[(rnd, notebook.stem)] = time.monotonic() - started
