@@ -85,6 +85,10 @@ MODELS = {
     # at most 100 padded tokens a batch
     "embed_budget": config("embed_budget", "max_queue_delay_microseconds: 2000000 "
                            "preferred_batch_size: [ 3 ]", max_batch_tokens="100"),
+    # inputs marked ragged as well: padded, not concatenated (the model takes [batch, length])
+    "embed_ragged": config("embed_ragged", "max_queue_delay_microseconds: 30000000 "
+                           "preferred_batch_size: [ 2 ]").replace(
+                               "dims: [ -1 ] }", "dims: [ -1 ] allow_ragged_batch: true }"),
 }
 
 
@@ -167,7 +171,8 @@ def test_sixteen_clients_of_mixed_lengths_batch_and_each_answer_is_its_own(serve
     assert f'nv_inference_request_tokens{{model="embed",version="1"}} {pad["request_tokens"]}' in metrics
     assert f'nv_inference_padded_tokens{{model="embed",version="1"}} {pad["batch_tokens"]}' in metrics
     assert 'nv_inference_padding_waste_ratio{model="embed",version="1"}' in metrics
-    print(f"mean batch {mean_batch:.2f}, padding waste {pad['waste_ratio']:.2f}")
+    # the gRPC client reads the same statistics (the extra field left out)
+    assert client(server, grpc=True).get_inference_statistics("embed").model_stats[0].execution_count
 
 
 def test_a_batch_mixes_only_lengths_of_one_bucket(server, http):
@@ -202,6 +207,18 @@ def test_a_request_over_the_token_budget_runs_alone(server, http):
     assert after["execution_count"] - before["execution_count"] >= 2
     assert after["padding"]["request_tokens"] - before["padding"]["request_tokens"] == 210
     assert after["padding"]["batch_tokens"] - before["padding"]["batch_tokens"] == 210
+
+
+def test_inputs_marked_ragged_are_padded_where_the_model_takes_lengths(server, http):
+    before = _stats(http, "embed_ragged")
+    rng = np.random.default_rng(5)
+    sent = [_request(rng, n) for n in (9, 40)]
+    answers = together(lambda i: _infer(client(server, grpc=i == 1), "embed_ragged", *sent[i]), 2)
+    for answer, (ids, mask) in zip(answers, sent):
+        _check(answer, ids, mask)
+    after = _stats(http, "embed_ragged")
+    assert after["execution_count"] - before["execution_count"] == 1
+    assert after["padding"]["batch_tokens"] - before["padding"]["batch_tokens"] == 80
 
 
 @pytest.mark.parametrize("grpc", [False, True], ids=["http", "grpc"])
