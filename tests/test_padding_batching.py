@@ -287,9 +287,13 @@ def test_merge_pads_with_each_inputs_value_and_split_cuts_what_followed_the_leng
     assert plan.padding.tokens(requests) == (15, 13)
 
 
+def test_without_pad_the_other_keys_are_the_models_own():
+    """A Triton config may carry a 'max_length' of its own (a generator's): left alone."""
+    assert padding(_config(max_length="20", length_buckets="x")) is None
+
+
 @pytest.mark.parametrize("parameters, words", [
     ({"ragged_batching": "zip"}, ["parameters.ragged_batching", "\"pad\""]),
-    ({"length_buckets": "16"}, ["parameters.length_buckets", "ragged_batching"]),
     ({"ragged_batching": "pad", "length_buckets": "32,16"}, ["increasing"]),
     ({"ragged_batching": "pad", "max_batch_tokens": "many"}, ["parameters.max_batch_tokens"]),
     ({"ragged_batching": "pad", "pad_value.scale": "1"}, ["names no padded input", "ids, mask"]),

@@ -91,15 +91,13 @@ def _rows(inputs: Mapping[str, np.ndarray]) -> int:
 
 
 def padding(config: mc.ModelConfig) -> Padding | None:
-    """The config's padding rules, None without ``ragged_batching: "pad"``; InvalidArgument
-    naming the parameter a config gets wrong (checked by validate_config before a load)."""
+    """The config's padding rules, None without ``ragged_batching: "pad"`` (the other keys are
+    then left alone); InvalidArgument naming the parameter a config gets wrong (checked by
+    validate_config before a load)."""
     params = config.parameters
     mode = params[MODE].string_value.strip() if MODE in params else ""
     if not mode:
-        for key in params:
-            if key in (BUCKETS, BUDGET, MAX_LENGTH) or key.startswith(PAD_VALUE):
-                raise _fail(config, key, f"applies to {MODE} \"{PAD}\", which this config does "
-                                         f"not set")
+        # the other keys mean nothing then: a Triton config may use them for its own model
         return None
     if mode != PAD:
         raise _fail(config, MODE, f"must be \"{PAD}\" (or absent: Triton's ragged batching), "
