@@ -406,7 +406,8 @@ class JupyterTriton(ExtensionApp):
     public_url = Unicode("", help="http(s)://host[:port] at which clients reach this server, shown in "
                                   "handles and snippets with the server's own path (in a JupyterHub, its "
                                   "JUPYTERHUB_SERVICE_PREFIX). Default: the hub's public address when it "
-                                  "says it (JUPYTERHUB_PUBLIC_URL), else the server's own URL"
+                                  "says it (JUPYTERHUB_PUBLIC_URL), else where the user's first request through "
+                                  "its proxy came, else the server's own URL"
                           ).tag(config=True)
     grpc_address = Unicode("127.0.0.1", help="address the gRPC port binds (loopback by default; it takes "
                                              "the same credentials as the HTTP routes, in 'authorization' "
@@ -651,15 +652,17 @@ class JupyterTriton(ExtensionApp):
             self.log.info("jupyter_triton: HTTP data port on %s:%d", self.http_data_address,
                           self.bound_http_data_port)
 
-    def _advertise(self, serverapp) -> None:
+    def _advertise(self, serverapp, learned: str = "") -> None:
         """Tell kernels (which inherit this environment) and other processes where we are."""
         url = serverapp.connection_url.rstrip("/") + "/"
         os.environ[ENV_URL] = url
         os.environ[ENV_TOKEN] = self.server_token
-        from .hub import ENV_PUBLIC_URL, public_address
-        self.public_address = public_address(os.environ, self.public_url, serverapp.base_url)
+        from .hub import ENV_PUBLIC_URL, in_hub, learn_public_origin, public_address
+        self.public_address = public_address(os.environ, self.public_url, serverapp.base_url, learned)
         if self.public_address.url:
             os.environ[ENV_PUBLIC_URL] = self.public_address.url
+        elif in_hub(os.environ):      # said again (environment, runtime file) once a request tells it
+            learn_public_origin(serverapp.web_app.settings, lambda origin: self._advertise(serverapp, origin))
         runtime = Path(serverapp.runtime_dir)
         runtime.mkdir(parents=True, exist_ok=True)
         self.runtime_file = runtime / f"jupyter_triton-{os.getpid()}.json"

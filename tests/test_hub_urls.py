@@ -4,12 +4,14 @@ The same against a real JupyterHub: tests/test_jupyterhub.py."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
 import pytest
+from tornado.httpclient import HTTPClientError
 
-from conftest import in_thread
+from conftest import TOKEN, in_thread
 from jupyter_triton import hub
 from jupyter_triton.kernel import discovery
 from jupyter_triton.kernel.handle import ServedModel
@@ -75,3 +77,44 @@ async def test_a_grpc_port_that_cannot_be_bound_is_said_in_the_runtime_file_and_
     assert conn is not None and conn.grpc_url == ""
     shown = await in_thread(repr, ServedModel("linear", 1, conn))
     assert f"note     could not bind the gRPC server to 127.0.0.1:{taken_port}" in shown, shown
+
+
+@pytest.fixture
+def hub_env(monkeypatch, jp_base_url):
+    """The environment of a hub's single-user server whose hub does not say its address."""
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "a token of alice's server")
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", jp_base_url)
+    for name in ("JUPYTERHUB_PUBLIC_URL", "JUPYTERHUB_HOST", "JUPYTERHUB_PUBLIC_HUB_URL", hub.ENV_PUBLIC_URL):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    os.environ.pop(hub.ENV_PUBLIC_URL, None)
+
+
+async def test_a_hub_that_says_no_address_is_reached_where_its_users_requests_came(
+        hub_env, jp_triton, jp_fetch, jp_base_url):
+    (ext,) = jp_triton.extension_manager.extension_apps["jupyter_triton"]
+
+    def advertised() -> dict:
+        return json.loads(Path(ext.runtime_file).read_text())
+    assert advertised()["public_url"] == "" and "JupyterHub.public_url" in advertised()["public_url_note"]
+    through_proxy = {"X-Forwarded-For": "10.0.0.9", "X-Forwarded-Proto": "https,http",
+                     "X-Forwarded-Host": "hub.example.org"}
+    # anyone can send these headers: a request that is not the user's teaches nothing
+    with pytest.raises(HTTPClientError):
+        await jp_fetch("api/contents", headers={**through_proxy, "X-Forwarded-Host": "evil.example",
+                                                "Authorization": "token not-alices"})
+    # nor does the user's own request that did not come through a proxy
+    await jp_fetch("api/status", headers={"Authorization": f"token {TOKEN}"})
+    assert advertised()["public_url"] == ""
+    await jp_fetch("api/status", headers={**through_proxy, "Authorization": f"token {TOKEN}"})
+    public = f"https://hub.example.org{jp_base_url}"
+    assert advertised()["public_url"] == public and advertised()["public_url_note"] == ""
+    assert os.environ[hub.ENV_PUBLIC_URL] == public        # for kernels started from now on
+    # learned once: later requests change nothing
+    await jp_fetch("api/status", headers={**through_proxy, "X-Forwarded-Host": "other.example",
+                                          "Authorization": f"token {TOKEN}"})
+    assert advertised()["public_url"] == public
+    conn = await in_thread(discovery.from_runtime_files, Path(ext.runtime_file).parent)
+    shown = await in_thread(repr, ServedModel("linear", 1, conn))
+    assert f"URL      {public}v2/models/linear" in shown and "$JUPYTERHUB_API_TOKEN" in shown, shown
+    assert "https://hub.example.org/hub/token" in shown

@@ -84,7 +84,6 @@ class Hub:
             c.JupyterHub.port = {self.port}
             c.JupyterHub.hub_ip = "127.0.0.1"
             c.JupyterHub.hub_port = {self.hub_port}
-            c.JupyterHub.public_url = {self.url!r}
             c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{self.api_port}"
             c.ConfigurableHTTPProxy.command = [{CHP!r}]
             c.ConfigurableHTTPProxy.pid_file = {str(self.root / "proxy.pid")!r}
@@ -173,10 +172,19 @@ def hub(tmp_path_factory):
         h.stop()
 
 
+def _alive(path: Path) -> bool:
+    try:
+        os.kill(int(path.stem.rsplit("-", 1)[1]), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    return True
+
+
 def _runtime_info(hub: Hub) -> dict:
-    # the hub may call the server ready before the extension has written it (bounded wait)
-    files = _until("alice's server's runtime file",
-                   lambda: list((hub.root / "home" / "alice").rglob("jupyter_triton-*.json")), 30)
+    # the hub may call the server ready before the extension has written it (bounded wait); a
+    # stopped server's file may stay behind (kernels skip it: its process is gone)
+    files = _until("alice's server's runtime file", lambda: [
+        f for f in (hub.root / "home" / "alice").rglob("jupyter_triton-*.json") if _alive(f)], 30)
     assert len(files) == 1, files
     return json.loads(files[0].read_text())
 
@@ -363,7 +371,8 @@ def test_a_serve_cell_shows_the_hubs_public_url_and_its_snippets_run_in_the_kern
         shown = kernel.ok(SERVE_CELL, timeout=120)["text"]
         print("\n%%serve in a kernel of alice's server:\n" + shown)
         url = re.search(r"URL +(\S+)", shown).group(1)
-        # the hub's public address and alice's prefix: not the spawner's port, which changes
+        # the hub's public address and alice's prefix, not the spawner's port, which changes: a
+        # hub that does not say its address (its default) is reached where alice's requests came
         assert url == hub.user_url + "v2/models/plusone", shown
         assert _runtime_info(hub)["url"] not in shown
         assert "$JUPYTERHUB_API_TOKEN" in shown and "$JUPYTER_TOKEN" not in shown
@@ -380,8 +389,32 @@ def test_a_serve_cell_shows_the_hubs_public_url_and_its_snippets_run_in_the_kern
                               env={"PATH": os.environ["PATH"], "JUPYTERHUB_API_TOKEN": hub.alice})
         print("curl snippet, run elsewhere:\n" + done.stdout)
         assert json.loads(done.stdout)["outputs"][0]["data"] == [1.0] * 4, done
+        hub.shown = (url, curl)
     finally:
         kernel.close()
+
+
+def test_the_url_and_the_snippet_stay_the_same_after_the_server_restarts(hub):
+    url, curl = getattr(hub, "shown", (None, None))
+    if url is None:
+        pytest.skip("the %%serve test did not run")
+    before = _runtime_info(hub)["url"]
+    hub.api("users/alice/server", "DELETE")
+    _until("alice's server to stop", lambda: not hub.api("users/alice").get("servers"), SPAWN_TIMEOUT)
+    hub.spawn("alice")
+    after = _until("the new server's runtime file",
+                   lambda: (info := _runtime_info(hub)) and info["url"] != before and info, 30)
+    assert _call(hub.user_url + "api/status", hub.alice)[0] == 200      # alice's page load
+    kernel = Kernel(hub)
+    try:
+        shown = kernel.ok("import jupyter_triton\nfrom jupyter_triton.kernel.handle import ServedModel\n"
+                          "ServedModel.from_server('plusone', jupyter_triton.connection())")["text"]
+    finally:
+        kernel.close()
+    assert re.search(r"URL +(\S+)", shown).group(1) == url and after["url"] not in shown, shown
+    done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], "JUPYTERHUB_API_TOKEN": hub.alice})
+    assert json.loads(done.stdout)["outputs"][0]["data"] == [1.0] * 4, done
 
 
 def test_no_per_inference_lines_in_the_single_user_log(hub):

@@ -107,7 +107,8 @@ def from_environment(environ: dict[str, str] | None = None) -> Connection | None
         if own is not None:
             return own
         info = _runtime_info(url)
-        public = env.get(hub.ENV_PUBLIC_URL) or info.get("public_url") or ""
+        # the runtime file first: it is rewritten when the server learns its public address
+        public = info.get("public_url") or env.get(hub.ENV_PUBLIC_URL) or ""
         return Connection(url, token, SERVER_EXTENSION, grpc_url=_grpc_of(info),
                           public_url=public, notes=_notes(info, env))
     return None
@@ -126,7 +127,7 @@ def _notes(info: dict, environ: dict | os._Environ) -> list[str]:
     """What a server's runtime file and this kernel's environment say a user should know."""
     notes = [str(info[key]) for key in ("grpc_error", "public_url_note")
              if isinstance(info.get(key), str) and info[key]]
-    credential = hub.credential_note(environ)
+    credential = hub.credential_note(environ, str(info.get("public_url") or ""))
     return notes + [credential] if credential else notes
 
 
@@ -202,7 +203,8 @@ def from_jupyterhub(environ: dict[str, str] | None = None) -> Connection | None:
         if is_ready(root, token):
             address = hub.public_address(env)
             return Connection(root, token, JUPYTERHUB, public_url=address.url,
-                              notes=[n for n in (address.note, hub.credential_note(env)) if n])
+                              notes=[n for n in (address.note, hub.credential_note(env, address.url))
+                                     if n])
     return None
 
 
