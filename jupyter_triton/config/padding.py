@@ -23,7 +23,9 @@ request's length is the longest of its padded inputs. The cut outputs are those 
 hold -1 at the position of a padded input's length dimension (``[batch, length, hidden]``
 beside ``[batch, length]`` inputs): where the batch's output is as long there as the batch's
 longest input, each request gets its own length back; any other output (a pooled
-``[batch, hidden]``) is returned as the model computed it.
+``[batch, hidden]``) is returned as the model computed it. The python backend hands each
+request to its model as sent, as tritonserver's does: there these parameters only shape the
+batches (buckets, budget) and refuse what is too long.
 """
 from __future__ import annotations
 
