@@ -76,6 +76,20 @@ def unload(name: str) -> None:
     _unload(name)
 
 
+def capture(name: str, fraction: float = 1.0, max_rows: int = 10_000, *, max_bytes=None,
+            capture: bool = True, clear: bool = False) -> dict:
+    """Capture a bounded sample of ``name``'s requests on the server (``capture=False``
+    stops); see ``ServedModel.capture``."""
+    from .kernel.api import capture as _capture
+    return _capture(name, fraction, max_rows, max_bytes=max_bytes, capture=capture, clear=clear)
+
+
+def traffic(name: str, n: int | None = None):
+    """``name``'s captured requests as a pandas DataFrame; see ``ServedModel.traffic``."""
+    from .kernel.api import traffic as _traffic
+    return _traffic(name, n)
+
+
 def dashboard(name: str | None = None, interval: float = 1.0):
     from .kernel.api import dashboard as _dashboard
     return _dashboard(name, interval)

@@ -57,8 +57,10 @@ _GROUP_OF = {"HealthLive": HEALTH, "HealthReady": HEALTH, "ModelReady": HEALTH,
              "RepositoryUnload": MODEL_REPOSITORY}
 _READ_GROUPS = frozenset({HEALTH, METADATA, MODEL_CONFIG, STATISTICS})
 # Route classes (by their Triton-spelled names) whose POST changes nothing ("read"), and
-# those that load or unload a model: code execution, an action of its own.
-_READ_ROUTES, _EXECUTE_ROUTES = frozenset({"RepositoryIndex"}), frozenset({"RepositoryLoad", "RepositoryUnload"})
+# those that load or unload a model: code execution, an action of its own; a model's captured
+# traffic is user data, for whoever may load models (reading it too).
+_READ_ROUTES = frozenset({"RepositoryIndex"})
+_EXECUTE_ROUTES = frozenset({"RepositoryLoad", "RepositoryUnload", "ModelTraffic"})
 
 
 def api_group(handler: type) -> str:

@@ -18,6 +18,7 @@ from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
 from .bls import Bls
+from .capture import TrafficCapture
 from .lifecycle import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
@@ -37,8 +38,9 @@ class Engine(ModelLifecycle):
     """What every frontend calls. Besides the methods below, its public attributes are
     ``options`` (EngineOptions: the limits and metric switches frontends honour),
     ``repository``, ``response_cache`` (None without --cache-config), ``shared_memory``,
-    ``tracing``, ``server_calls`` (BLS) and ``residency`` (engine/residency.py: the memory
-    budget, with ``resident_models()``); frontends use these, never probe for others."""
+    ``tracing``, ``traffic`` (engine/capture.py), ``server_calls`` (BLS) and ``residency``
+    (engine/residency.py: the memory budget, with ``resident_models()``); frontends use
+    these, never probe for others."""
 
     shared_memory: SharedMemoryRegistry
     server_calls: Bls
@@ -53,6 +55,7 @@ class Engine(ModelLifecycle):
         self.shared_memory = SharedMemoryRegistry(max_input_size=options.max_input_size)
         self.server_calls = Bls(self)       # what models call other models with (BLS)
         self.tracing = Tracing(parse_trace_config(options.trace_config))
+        self.traffic = TrafficCapture(self.is_model)      # off until a model's capture starts
 
     async def stop(self) -> None:
         await super().stop()
@@ -92,6 +95,10 @@ class Engine(ModelLifecycle):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
             return await self.tracing.infer(self, request)
+        if self.traffic.active and not request.captured:  # engine/capture.py; off: this check only
+            capture = self.traffic.active.get(request.model_name)
+            if capture is not None:
+                return await capture.infer(self, request)
         if not uses_shared_memory(request):
             mv = await self.resident_version(request.model_name, request.model_version)
             if mv.response_cache is None:
@@ -146,6 +153,12 @@ class Engine(ModelLifecycle):
     # ---- model queries -----------------------------------------------------------------
     def models(self) -> list[ModelVersion]:
         return [mv for e in self._entries.values() for mv in e.serving.values()]
+
+    def is_model(self, name: str) -> bool:
+        """Whether ``name`` is a model of this server: loaded (or failed to), or on disk."""
+        entry = self._entries.get(name)
+        return (entry is not None and bool(entry.serving or entry.status)) or \
+            name in self.repository.model_names()
 
     def model_ready(self, name: str, version: str = "") -> bool:
         if self.draining:           # tritonserver while it exits: no model is ready

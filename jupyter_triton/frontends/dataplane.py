@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from ..config import config_to_json
 from ..engine import Engine
+from ..engine.capture import traffic_json
 from ..engine.streaming import DecoupledRefused
 from ..model_logs import model_logs
 from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
@@ -560,6 +561,17 @@ async def model_logs_route(plane: DataPlane, call: Call) -> Reply:
     return json_reply({"name": model, "version": version, "lines": lines})
 
 
+async def model_traffic(plane: DataPlane, call: Call) -> Reply:
+    """A model's captured requests (GET) and its capture's switch (POST: engine/capture.py's
+    ``TrafficCapture.control``); a name that is not a model: 404, nothing kept."""
+    model = call.params["model"]
+    if call.method == "POST":
+        return json_reply(plane.engine.traffic.control(model, await plane.json_body(call)))
+    state, rows = plane.engine.traffic.read(model)
+    body = await plane.offload(len(rows) > 16, traffic_json, state, rows)
+    return Reply(200, body, {"Content-Type": JSON})
+
+
 async def openai_models(plane: DataPlane, call: Call) -> Reply:
     try:
         if "model" in call.params:
@@ -670,6 +682,8 @@ ROUTES: list[Route] = [
           {"POST": model_generate_stream}, streams_body=True),
     Route(rf"v2/models/{_MODEL}{_VERSION}/logs", "ModelLogs", LOGGING, {"GET": model_logs_route},
           ADMIN),
+    Route(rf"v2/models/{_MODEL}/traffic", "ModelTraffic", MODEL_REPOSITORY,
+          {"GET": model_traffic, "POST": model_traffic}, ADMIN),
     Route(rf"v2/models/{_MODEL}{_VERSION}/?", "ModelMetadata", METADATA, {"GET": model_metadata}),
     Route(r"v2/repository/index", "RepositoryIndex", MODEL_REPOSITORY, {"POST": repository_index}, ADMIN),
     Route(rf"v2/repository/models/{_MODEL}/load", "RepositoryLoad", MODEL_REPOSITORY,

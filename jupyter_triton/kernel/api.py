@@ -19,6 +19,7 @@ from .ensemble import StepSpec, ensemble_artifact, ensemble_config
 from .golden import PromotionRefused, PromotionResult, encode
 from .handle import ServedModel
 from .knobs import Knobs, apply_knobs
+from .traffic import capture_body, traffic_frame
 
 _announced: set[int] = set()
 #: the artifact this kernel last served under each name: what ``tune`` loads under other names
@@ -161,6 +162,18 @@ def models() -> list[dict]:
 
 def unload(name: str) -> None:
     _client().unload(name)
+
+
+def capture(name: str, fraction: float = 1.0, max_rows: int = 10_000, *,
+            max_bytes: int | None = None, capture: bool = True, clear: bool = False) -> dict:
+    """``ServedModel.capture`` of the model ``name``."""
+    return _client().capture(name, capture_body(fraction, max_rows, max_bytes, capture,
+                                                clear))["capture"]
+
+
+def traffic(name: str, n: int | None = None):
+    """``ServedModel.traffic`` of the model ``name``: its captured requests as a DataFrame."""
+    return traffic_frame(_client().traffic(name), n)
 
 
 def dashboard(name: str | None = None, interval: float = 1.0):

@@ -16,12 +16,12 @@ from urllib.parse import quote
 import numpy as np
 
 from ..protocol.datatypes import numpy_to_triton
-from ..protocol.errors import (Cancelled, Internal, InvalidArgument, NotFound, TritonError,
-                               Unavailable)
+from ..protocol.errors import (Cancelled, Internal, InvalidArgument, NotFound, PermissionDenied,
+                               TritonError, Unavailable)
 from .discovery import Connection
 
-_BY_STATUS: dict[int, type[TritonError]] = {400: InvalidArgument, 404: NotFound, 499: Cancelled,
-                                            503: Unavailable}
+_BY_STATUS: dict[int, type[TritonError]] = {400: InvalidArgument, 403: PermissionDenied,
+                                            404: NotFound, 499: Cancelled, 503: Unavailable}
 
 #: seconds for a model load: a python-backend model spawns worker processes that import torch
 LOAD_TIMEOUT = 600.0
@@ -118,6 +118,18 @@ class TritonHTTP:
     def unload(self, model: str) -> None:
         self.request("POST", f"v2/repository/models/{quote(model, safe='')}/unload", b"{}",
                      what=f"failed to unload '{model}'")
+
+    # ---- traffic (the server's engine/capture.py) ---------------------------------------
+    def capture(self, model: str, settings: Mapping[str, Any]) -> dict:
+        """POST v2/models/{model}/traffic: start (``{"capture": true, "fraction": ...,
+        "max_rows": ..., "max_bytes": ...}``) or stop (``{"capture": false}``) a capture."""
+        return json.loads(self.request("POST", self._model_path(model) + "/traffic",
+                                       json.dumps(settings).encode(),
+                                       what=f"traffic capture of '{model}'")[2])
+
+    def traffic(self, model: str) -> dict:
+        """GET v2/models/{model}/traffic: the capture's state and its rows, oldest first."""
+        return self.get_json(self._model_path(model) + "/traffic", what=f"traffic of '{model}'")
 
     # ---- data --------------------------------------------------------------------------
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: str = "",

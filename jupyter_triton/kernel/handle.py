@@ -17,6 +17,7 @@ from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 from .golden import PromotionResult, encode
+from .traffic import capture_body, traffic_frame
 
 #: shown instead of the real secret, a variable this kernel has: a hub's kernels carry a token
 #: of the user's (``JUPYTERHUB_API_TOKEN``), a server started with ``JUPYTER_TOKEN`` passes it
@@ -114,6 +115,23 @@ class ServedModel:
     def history(self) -> list[dict]:
         """Loads, promotions, refusals and rollbacks of this model, oldest first."""
         return self._client.history(self.name)
+
+    # ---- its traffic (the server's engine/capture.py) -----------------------------------
+    def capture(self, fraction: float = 1.0, max_rows: int = 10_000, *,
+                max_bytes: int | None = None, capture: bool = True, clear: bool = False) -> dict:
+        """Keep a bounded, in-memory sample of this model's requests on the server, over HTTP
+        and gRPC alike: ``fraction`` of them, the newest ``max_rows`` within ``max_bytes``
+        (None: the server's default, 16 MiB). Starting again starts a new sample;
+        ``capture=False`` stops it and keeps it readable (``clear=True`` drops it). Returns
+        the capture's state (None once cleared)."""
+        body = capture_body(fraction, max_rows, max_bytes, capture, clear)
+        return self._client.capture(self.name, body)["capture"]
+
+    def traffic(self, n: int | None = None):
+        """The captured requests, the newest ``n`` (None: all), as a pandas DataFrame: one row
+        a request (time, model_version, id, trace_id, latency_ms, status, error, and inputs /
+        outputs as name -> numpy array)."""
+        return traffic_frame(self._client.traffic(self.name), n)
 
     # ---- what it does ------------------------------------------------------------------
     def infer(self, *arrays: Any, **named: Any) -> np.ndarray | dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ request is allocated.
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import secrets
@@ -766,6 +767,33 @@ def _json_data(tensor: InferTensor) -> list | None:
     if tensor.datatype == "BF16":
         return round_to_bf16(arr.astype(np.float32)).ravel().tolist()
     return np.asarray(arr, dtype=triton_to_numpy(tensor.datatype)).ravel().tolist()
+
+
+def tensor_to_json(tensor: InferTensor) -> dict:
+    """A tensor kept for later reading (engine/capture.py) as v2 JSON: name, datatype, shape
+    and flat data (None where it stayed in shared memory); a BYTES tensor that is not UTF-8
+    text carries base64 strings, with ``parameters.encoding`` "base64"."""
+    doc: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
+                           "shape": list(tensor.shape), "data": None}
+    if tensor.data is not None:
+        doc["data"] = _json_data(tensor)
+        if doc["data"] is None:
+            doc["data"] = [base64.b64encode(v if isinstance(v, bytes) else str(v).encode()).decode()
+                           for v in np.asarray(tensor.data).ravel()]
+            doc["parameters"] = {"encoding": "base64"}
+    return doc
+
+
+def tensor_from_json(doc: dict) -> np.ndarray | None:
+    """``tensor_to_json``'s array back (BYTES as an object array of bytes)."""
+    data, shape = doc.get("data"), tuple(doc["shape"])
+    if data is None:
+        return None
+    if doc["datatype"] == "BYTES":
+        b64 = doc.get("parameters", {}).get("encoding") == "base64"
+        values = [base64.b64decode(v) if b64 else v.encode("utf-8") for v in data]
+        return np.array(values, dtype=object).reshape(shape)
+    return np.array(data, dtype=triton_to_numpy(doc["datatype"])).reshape(shape)
 
 
 _SLICED_ELEMENTS = 1 << 18      # outputs with more elements than this are encoded in slices

@@ -43,6 +43,8 @@ class InferRequest:
     # engine/trace.py's Trace while the request is traced; a class attribute, not a field,
     # so that the untraced path pays nothing to build a request
     trace = None
+    # engine/capture.py: set once a captured model's request went through its capture
+    captured = False
 
 
 @dataclass

@@ -1,0 +1,216 @@
+"""Traffic capture: a bounded, in-memory sample of one model's requests (when, which version
+answered, the request id and trace id, its inputs and outputs, latency, status), for the
+person changing the model to read back (``GET v2/models/{m}/traffic``, ``handle.traffic()``).
+
+Off by default. ``Engine.infer`` asks one question of a request when no model is captured
+(``TrafficCapture.active`` is empty); a captured model's sampled requests are copied after
+they ran (a copy: a shared-memory region or a reused buffer changes later), newest kept,
+oldest dropped past ``max_rows`` or ``max_bytes``. The rows are user data: the routes that
+read or steer them are the model-repository group's, as loading a model is.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ..protocol.errors import InvalidArgument, NotFound, TritonError
+from ..protocol.http_codec import tensor_to_json
+from ..protocol.types import InferRequest, InferResponse, InferTensor
+
+if TYPE_CHECKING:
+    from . import Engine
+
+DEFAULT_MAX_ROWS = 10_000
+DEFAULT_MAX_BYTES = 16 << 20
+# Per model; what one POST may ask for.
+MAX_ROWS = 1_000_000
+MAX_BYTES = 1 << 30
+_ROW_OVERHEAD = 512         # bytes a row holds besides its tensors (its record, strings)
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    fraction: float = 1.0           # share of the requests sampled, (0, 1]
+    max_rows: int = DEFAULT_MAX_ROWS
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def to_json(self) -> dict:
+        return {"fraction": self.fraction, "max_rows": self.max_rows, "max_bytes": self.max_bytes}
+
+
+@dataclass
+class Captured:
+    """One request as it was served."""
+    time: float                     # when it arrived, seconds since the epoch
+    model_version: str              # the version that answered ("" when none did)
+    id: str                         # the client's request id
+    trace_id: str                   # Triton's trace id when the request was traced
+    latency_us: float
+    status: int                     # 200, or the Triton status of the error it got
+    error: str
+    inputs: list[InferTensor]
+    outputs: list[InferTensor]
+    nbytes: int
+
+
+@dataclass
+class Capture:
+    """One model's capture: its settings, whether it runs, and its sample."""
+    settings: CaptureSettings
+    on: bool = True
+    rows: deque = field(default_factory=deque)
+    bytes: int = 0
+    seen: int = 0                   # requests while on
+    captured: int = 0               # rows ever added
+    dropped: int = 0                # rows evicted by the bounds
+
+    async def infer(self, engine: "Engine", request: InferRequest) -> InferResponse:
+        request.captured = True
+        self.seen += 1
+        if self.settings.fraction < 1.0 and random.random() >= self.settings.fraction:
+            return await engine.infer(request)
+        arrived, start = time.time(), time.monotonic_ns()
+        try:
+            response = await engine.infer(request)
+        except asyncio.CancelledError:
+            raise                   # the client went away: nothing was answered
+        except TritonError as err:
+            self._add(request, None, arrived, start, err.status, str(err))
+            raise
+        except Exception as err:    # rendered as 500 by the frontend
+            self._add(request, None, arrived, start, 500, f"{type(err).__name__}: {err}")
+            raise
+        self._add(request, response, arrived, start, 200, "")
+        return response
+
+    def _add(self, request: InferRequest, response: InferResponse | None, arrived: float,
+             start: int, status: int, error: str) -> None:
+        latency_us = (time.monotonic_ns() - start) / 1000
+        inputs, outputs = _copies(request.inputs), _copies(response.outputs if response else [])
+        nbytes = _ROW_OVERHEAD + sum(_tensor_bytes(t) for t in (*inputs, *outputs))
+        trace = request.trace
+        row = Captured(arrived, response.model_version if response else request.model_version,
+                       request.id, str(trace.id) if getattr(trace, "id", None) else "", latency_us,
+                       status, error, inputs, outputs, nbytes)
+        if nbytes > self.settings.max_bytes:     # its tensors alone are past the bound
+            row = replace(row, inputs=[], outputs=[], nbytes=_ROW_OVERHEAD,
+                          error=error or f"tensors not kept: {nbytes} bytes, past max_bytes")
+        self.rows.append(row)
+        self.bytes += row.nbytes
+        self.captured += 1
+        self._bound()
+
+    def _bound(self) -> None:
+        while self.rows and (len(self.rows) > self.settings.max_rows or
+                             self.bytes > self.settings.max_bytes):
+            self.bytes -= self.rows.popleft().nbytes
+            self.dropped += 1
+
+    def to_json(self) -> dict:
+        return {"enabled": self.on, **self.settings.to_json(), "requests_seen": self.seen,
+                "requests_captured": self.captured, "requests_dropped": self.dropped,
+                "rows": len(self.rows), "bytes": self.bytes}
+
+
+class TrafficCapture:
+    """Every model's capture, the engine's (``engine.traffic``). ``active``: the models being
+    captured now, the one thing ``Engine.infer`` looks at; ``samples``: every sample, also
+    those whose capture stopped (readable until cleared)."""
+
+    def __init__(self, known: Callable[[str], bool]) -> None:
+        self.known = known          # whether a name is a model of this server
+        self.active: dict[str, Capture] = {}
+        self.samples: dict[str, Capture] = {}
+
+    def control(self, model: str, body: Any) -> dict:
+        """``POST v2/models/{m}/traffic``: ``{"capture": true, "fraction": 1.0, "max_rows":
+        10000, "max_bytes": 16777216}`` starts a new sample (every key optional);
+        ``{"capture": false}`` stops it and keeps what it holds, ``"clear": true`` drops that
+        too. Returns the capture's state, as ``read`` does without its rows."""
+        on, settings, clear = parse_control(body)
+        self._check(model)
+        if on:
+            capture = self.samples[model] = self.active[model] = Capture(settings)
+        else:
+            self.active.pop(model, None)
+            capture = self.samples.pop(model, None) if clear else self.samples.get(model)
+            if capture is not None and not clear:
+                capture.on = False
+            if clear or capture is None:
+                return {"model_name": model, "capture": None}
+        return {"model_name": model, "capture": capture.to_json()}
+
+    def read(self, model: str) -> tuple[dict, list[Captured]]:
+        """The capture's state and a snapshot of its rows, oldest first."""
+        self._check(model)
+        capture = self.samples.get(model)
+        if capture is None:
+            return {"model_name": model, "capture": None}, []
+        return {"model_name": model, "capture": capture.to_json()}, list(capture.rows)
+
+    def _check(self, model: str) -> None:
+        if model not in self.samples and not self.known(model):
+            raise NotFound(f"Request for unknown model: '{model}' is not found")
+
+
+def traffic_json(state: dict, rows: list[Captured]) -> bytes:
+    """``GET v2/models/{m}/traffic``'s body: the capture's state and its rows, oldest first,
+    tensors as v2 JSON (protocol/http_codec.tensor_to_json). Non-finite floats are spelled
+    NaN / Infinity, as Python's json reads them."""
+    requests = [{"time": r.time, "model_version": r.model_version, "id": r.id,
+                 "trace_id": r.trace_id, "latency_us": r.latency_us, "status": r.status,
+                 "error": r.error, "inputs": [tensor_to_json(t) for t in r.inputs],
+                 "outputs": [tensor_to_json(t) for t in r.outputs]} for r in rows]
+    return json.dumps({**state, "requests": requests}, separators=(",", ":")).encode()
+
+
+def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
+    """(capture on, its settings, clear) from a control body; a 400 naming the key and the
+    rule for anything else."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("traffic capture: the body must be a JSON object")
+    unknown = set(body) - {"capture", "fraction", "max_rows", "max_bytes", "clear"}
+    if unknown:
+        raise InvalidArgument(f"traffic capture: unknown key(s) {sorted(unknown)}; expected "
+                              "capture, fraction, max_rows, max_bytes, clear")
+    on, clear = body.get("capture", True), body.get("clear", False)
+    for key, value in (("capture", on), ("clear", clear)):
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"traffic capture: '{key}' must be a boolean")
+    if clear and on:
+        raise InvalidArgument("traffic capture: 'clear' goes with \"capture\": false")
+    fraction = body.get("fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
+            not 0 < fraction <= 1:
+        raise InvalidArgument("traffic capture: 'fraction' must be a number in (0, 1]")
+    bounds = {}
+    for key, default, most in (("max_rows", DEFAULT_MAX_ROWS, MAX_ROWS),
+                               ("max_bytes", DEFAULT_MAX_BYTES, MAX_BYTES)):
+        value = body.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise InvalidArgument(f"traffic capture: '{key}' must be an integer from 1 to {most}")
+        bounds[key] = value
+    return on, CaptureSettings(float(fraction), **bounds), clear
+
+
+def _copies(tensors: list[InferTensor]) -> list[InferTensor]:
+    return [InferTensor(t.name, t.datatype, tuple(t.shape),
+                        None if t.data is None else np.array(t.data, copy=True))
+            for t in tensors]
+
+
+def _tensor_bytes(t: InferTensor) -> int:
+    data = t.data
+    if data is None:
+        return 0
+    if data.dtype == object:        # BYTES: the elements, not the pointers
+        return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8
+                                   for v in data.ravel())
+    return data.nbytes
