@@ -14,7 +14,8 @@ parameter                meaning
 ``length_buckets``       e.g. ``"16,32,64,128"``: a batch mixes only lengths of one bucket
                          (up to 16, 17 to 32, ..., 65 to 128, above 128); absent: one bucket
 ``max_batch_tokens``     padded tokens a batch may hold (its rows x its longest length); a
-                         request over it alone runs alone; absent or 0: no budget
+                         request over it alone runs alone; absent or 0: no budget (a batch
+                         may then hold max_batch_size x the longest request's tokens)
 ``max_length``           the longest length a request may have; a longer one is a 400
 =======================  ================================================================
 

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_QUEUE_SIZE", "DynamicBatcher"]
 
+#: ragged_batching "pad": how many queued requests of other length buckets one pass steps over
+#: to fill the oldest request's batch
+PADDED_LOOKAHEAD = 256
+
 
 class _Level:
     """One priority level's queue: requests in arrival order, then the DELAYed ones."""
@@ -375,6 +379,7 @@ class DynamicBatcher(Scheduler):
         best = 0
         send_now = False
         group = None
+        skipped = 0
         for p in self._where if len(self._where) == 1 else self._ordered():
             key = p._shape_key      # (group, length), computed once a request (_padded_key)
             if key is None:
@@ -382,6 +387,9 @@ class DynamicBatcher(Scheduler):
             size = max(1, p.batch_size)
             if taken:
                 if key[0] != group:
+                    skipped += 1
+                    if skipped > PADDED_LOOKAHEAD:
+                        break       # a pass over the queue stays short on the loop
                     continue
                 if rows + size > self.max_preferred_batch_size and best == 0:
                     best = len(taken)
