@@ -74,6 +74,7 @@ class Hub:
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log = root / "hub.log"
         self.proc: subprocess.Popen | None = None
+        self.servers: set[int] = set()      # single-user servers' pids (a session of their own)
 
     def config(self) -> str:
         args = ["--JupyterTriton.activity_interval=0.5"]
@@ -103,7 +104,8 @@ class Hub:
                                       "JUPYTER_PLATFORM_DIRS": "1"}}
             c.JupyterHub.services = [{{"name": "tester", "api_token": {SERVICE_TOKEN!r}}}]
             c.JupyterHub.load_roles = [{{"name": "tester", "services": ["tester"],
-                "scopes": ["admin:users", "admin:servers", "tokens", "access:servers"]}}]
+                "scopes": ["admin:users", "admin:servers", "admin:server_state", "tokens",
+                           "access:servers"]}}]
             """)
 
     def start(self) -> None:
@@ -138,25 +140,39 @@ class Hub:
     def _ready(self, user: str) -> dict | None:
         assert self.proc.poll() is None, self.log.read_text()[-3000:]
         server = self.api(f"users/{user}").get("servers", {}).get("")
+        if server and server.get("state", {}).get("pid"):
+            self.servers.add(int(server["state"]["pid"]))
         return server if server and server.get("ready") else None
 
     def token(self, user: str) -> str:
         return self.api(f"users/{user}/tokens", "POST", {"expires_in": 3600, "note": "tests"})["token"]
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)       # the hub stops its servers and its proxy
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        # whatever is left of its session (a proxy or a server the hub did not stop)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)   # the hub stops its servers and its proxy
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        # whatever is left: the hub's session (its proxy), and servers it did not stop (each in
+        # a session of its own), if those pids are still the servers it started
+        groups = [self.proc.pid] + [pid for pid in self.servers if _is_single_user_server(pid)]
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait(timeout=10)
+
+
+def _is_single_user_server(pid: int) -> bool:
+    import psutil
+    try:
+        return any("jupyterhub-singleuser" in part for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +181,7 @@ def hub(tmp_path_factory):
     try:
         h.start()
         h.server = h.spawn("alice")
+        assert h.servers, "the hub API shows no pid of alice's server (clean-up needs it)"
         h.alice, h.bob = h.token("alice"), h.token("bob")
         h.user_url = h.url + "user/alice/"
         yield h
