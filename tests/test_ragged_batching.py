@@ -356,3 +356,22 @@ def test_tensorrt_takes_the_same_concatenated_batch(tmp_path):
     assert first["END"].tolist() == [[3.0]] and second["END"].tolist() == [[5.0]]
     np.testing.assert_array_equal(first["SCATTER"], requests[0]["INPUT"] + 1)
     np.testing.assert_array_equal(second["SCATTER"], requests[1]["INPUT"] + 1)
+
+
+# -- the batch inputs, without a server ------------------------------------------------------
+
+def test_every_batch_input_kind_counts_as_triton_does():
+    """Element counts include each request's batch dimension (a [2, 3] request holds 6), item
+    shapes repeat per row; WITH_ZERO leads with 0, MAX_ELEMENT_COUNT_AS_SHAPE is a shape."""
+    from jupyter_triton.backends.ragged import RaggedPlan
+    from jupyter_triton.config import parse_config
+    plan = RaggedPlan.from_config(parse_config(ragged_config("kinds", "dynamic_batching { }"), "kinds"))
+    requests = [{"INPUT": np.ones((2, 3), np.float32)}, {"INPUT": np.ones((1, 4), np.float32)}]
+    merged, _ = plan.merge(requests)
+    assert merged["INPUT"].shape == (10,)
+    assert merged["COUNT"].tolist() == [6, 4] and merged["COUNT"].dtype == np.int32
+    assert merged["ACC"].tolist() == [6.0, 10.0] and merged["ACC"].dtype == np.float32
+    assert merged["ACCZ"].tolist() == [0, 6, 10]
+    assert merged["MAXS"].shape == (6,)
+    assert merged["ISHAPE"].tolist() == [[3], [3], [4]]
+    assert merged["IFLAT"].tolist() == [3.0, 3.0, 4.0]
