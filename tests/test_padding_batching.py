@@ -9,6 +9,8 @@ masked by the attention mask, and their masked mean."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -190,6 +192,40 @@ def test_a_batch_mixes_only_lengths_of_one_bucket(server, http):
     assert after["execution_count"] - before["execution_count"] == 2
     assert after["padding"]["request_tokens"] - before["padding"]["request_tokens"] == 232
     assert after["padding"]["batch_tokens"] - before["padding"]["batch_tokens"] == 244
+
+
+def _pending(server, model: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=30).read().decode()
+    line = f'nv_inference_pending_request_count{{model="{model}",version="1"}} '
+    return float(text.split(line, 1)[1].split()[0]) if line in text else 0.0
+
+
+def test_a_full_bucket_leaves_while_a_lone_request_of_another_waits(server, http):
+    """A lone request of length 10 waits for a second of its bucket (a 30 s delay); two of
+    lengths 100 and 110 that come meanwhile leave as their own batch at once, and the lone one
+    leaves with the 12 that comes next."""
+    before = _stats(http, "embed_buckets")
+    rng = np.random.default_rng(17)
+    lone, late = _request(rng, 10), _request(rng, 12)
+    pair = [_request(rng, 100), _request(rng, 110)]
+    answers: list = []
+    waiting = threading.Thread(target=lambda: answers.append(_infer(client(server), "embed_buckets",
+                                                                    *lone)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while _pending(server, "embed_buckets") < 1:        # queued: the server shows it
+        assert time.monotonic() < deadline, "the lone request never reached the queue"
+        time.sleep(0.02)
+    for answer, sent in zip(together(lambda i: _infer(client(server), "embed_buckets", *pair[i]), 2),
+                            pair):
+        _check(answer, *sent)
+    assert waiting.is_alive()                   # still waiting for its bucket
+    assert _stats(http, "embed_buckets")["execution_count"] - before["execution_count"] == 1
+    _check(_infer(http, "embed_buckets", *late), *late)
+    waiting.join(60)
+    _check(answers[0], *lone)
+    assert _stats(http, "embed_buckets")["execution_count"] - before["execution_count"] == 2
 
 
 def test_a_request_over_the_token_budget_runs_alone(server, http):

@@ -66,8 +66,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_QUEUE_SIZE", "DynamicBatcher"]
 
-#: ragged_batching "pad": how many queued requests of other length buckets one pass steps over
-#: to fill the oldest request's batch
+#: ragged_batching "pad": how many queued requests (at least; 4 x max_batch_size where more)
+#: one pass over the queue looks at to group them by length bucket
 PADDED_LOOKAHEAD = 256
 
 
@@ -93,6 +93,19 @@ class _Level:
             self.queue.remove(p)
         except ValueError:
             self.delayed.remove(p)
+
+
+class _Group:
+    """One length bucket's batch as a padded pass forms it (``_form_padded_batch``)."""
+
+    __slots__ = ("taken", "rows", "best", "longest", "full")
+
+    def __init__(self) -> None:
+        self.taken: list[Pending] = []
+        self.rows = 0
+        self.best = 0           # requests of the largest preferred size reached (0: none)
+        self.longest = 0
+        self.full = False
 
 
 class DynamicBatcher(Scheduler):
@@ -368,45 +381,54 @@ class DynamicBatcher(Scheduler):
         return [], self.delay_ns - waited, taken
 
     def _form_padded_batch(self, now_ns: int) -> tuple[list[Pending], int, list[Pending]]:
-        """``_form_batch`` where batches are padded: the batch takes, in service order, the
-        requests of the first one's group (its length bucket, and the shapes of its inputs
-        that are not padded; the others wait for a batch of their group) while its padded
-        tokens (rows x the longest length) stay within ``max_batch_tokens``: a request over
-        the budget alone runs alone."""
+        """``_form_batch`` where batches are padded. Requests batch only with their group (their
+        length bucket, and the shapes of their inputs that are not padded); each group's batch
+        takes its requests in service order while its padded tokens (rows x its longest
+        length) stay within ``max_batch_tokens`` (a request over the budget alone runs alone).
+        The oldest request's batch leaves first; while it waits, another group's batch that
+        can leave now (full, or its delay over) does."""
         budget = self._padding.max_batch_tokens
-        taken: list[Pending] = []
-        rows = longest = 0
-        best = 0
-        send_now = False
-        group = None
-        skipped = 0
-        for p in self._where if len(self._where) == 1 else self._ordered():
+        groups: dict[tuple, _Group] = {}
+        first: _Group | None = None
+        lookahead = max(PADDED_LOOKAHEAD, 4 * self.max_batch_size)
+        for seen, p in enumerate(self._where if len(self._where) == 1 else self._ordered()):
+            if seen == lookahead:
+                break               # a pass over the queue stays short on the loop
             key = p._shape_key      # (group, length), computed once a request (_padded_key)
             if key is None:
                 key = p._shape_key = self._padded_key(p)
+            g = groups.get(key[0])
+            if g is None:
+                g = groups[key[0]] = _Group()
+                if first is None:
+                    first = g
+            elif g.full:
+                continue
             size = max(1, p.batch_size)
-            if taken:
-                if key[0] != group:
-                    skipped += 1
-                    if skipped > PADDED_LOOKAHEAD:
-                        break       # a pass over the queue stays short on the loop
+            if g.taken:
+                if g.rows + size > self.max_preferred_batch_size and g.best == 0:
+                    g.best = len(g.taken)
+                length = max(g.longest, key[1])
+                if g.rows + size > self.max_batch_size or (budget and (g.rows + size) * length > budget):
+                    g.full = True
+                    if g is first:
+                        break       # the oldest request's batch leaves now
                     continue
-                if rows + size > self.max_preferred_batch_size and best == 0:
-                    best = len(taken)
-                length = max(longest, key[1])
-                if rows + size > self.max_batch_size or (budget and (rows + size) * length > budget):
-                    send_now = True
-                    break
-            else:
-                group = key[0]
-            taken.append(p)
-            rows += size
-            longest = max(longest, key[1])
-            if rows in self.preferred_batch_sizes:
-                best = len(taken)
-        if budget and (rows + 1) * longest > budget:
-            send_now = True         # not one more row fits: nothing to wait for
-        return self._leave(taken, rows, best, send_now, now_ns)
+            g.taken.append(p)
+            g.rows += size
+            g.longest = max(g.longest, key[1])
+            if g.rows in self.preferred_batch_sizes:
+                g.best = len(g.taken)
+        waiting = None
+        for g in groups.values():   # the oldest request's group first
+            if budget and (g.rows + 1) * g.longest > budget:
+                g.full = True       # not one more row fits: nothing to wait for
+            formed = self._leave(g.taken, g.rows, g.best, g.full, now_ns)
+            if formed[0]:
+                return formed
+            if waiting is None:
+                waiting = formed
+        return waiting
 
     def _padded_key(self, p: Pending) -> tuple:
         padding = self._padding
