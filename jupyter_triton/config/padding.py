@@ -16,7 +16,9 @@ parameter                meaning
 ``max_batch_tokens``     padded tokens a batch may hold (its rows x its longest length); a
                          request over it alone runs alone; absent or 0: no budget (a batch
                          may then hold max_batch_size x the longest request's tokens)
-``max_length``           the longest length a request may have; a longer one is a 400
+``max_length``           the longest length a request may have; a longer one is a 400 before
+                         it is queued (set it to the model's limit, e.g. its position table:
+                         a request the model fails on fails the whole batch it was padded into)
 =======================  ================================================================
 
 The padded inputs are those whose dims hold a -1 (one each: the length dimension); a
