@@ -257,6 +257,28 @@ def test_inputs_marked_ragged_are_padded_where_the_model_takes_lengths(server, h
     assert after["padding"]["batch_tokens"] - before["padding"]["batch_tokens"] == 80
 
 
+def test_a_request_the_model_fails_on_fails_alone_not_its_batch(server, http):
+    """Inputs of one request that disagree in length (ids 12, mask 20) fail the model, alone
+    or padded into a batch with a good request (ids and mask 15 and 20): the batch is run again
+    request by request, so the good one answers and only the bad one gets the model's error."""
+    before = _stats(http, "embed_ragged")
+    rng = np.random.default_rng(23)
+    good = _request(rng, 15)
+    bad = (_request(rng, 12)[0], np.ones((1, 20), np.int64))
+
+    def send(i: int):
+        try:
+            return _infer(client(server), "embed_ragged", *(good, bad)[i])
+        except InferenceServerException as err:
+            return str(err)
+    answer, error = together(send, 2)
+    _check(answer, *good)
+    assert isinstance(error, str) and "Mul node" in error
+    after = _stats(http, "embed_ragged")
+    assert after["execution_count"] - before["execution_count"] == 1     # one batch executed
+    assert after["inference_count"] - before["inference_count"] == 1     # one answered
+
+
 @pytest.mark.parametrize("grpc", [False, True], ids=["http", "grpc"])
 def test_a_request_longer_than_max_length_is_a_400_naming_it(server, http, grpc):
     caller = client(server, grpc)

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.errors import TritonError, Unavailable
+from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
 from .ragged import RaggedPlan, concatenate, split_rows
 
 Tensors = dict[str, np.ndarray]
@@ -170,10 +170,24 @@ class TensorBackend(Backend):
         self.io_ns = (0, 0)         # ``run`` may set its own copies in and out
         ragged = self.ragged
         if ragged is not None:
-            return self._run_merged(requests, ragged.merge, ragged.split)
+            try:
+                return self._run_merged(requests, ragged.merge, ragged.split)
+            except (InvalidArgument, Internal):
+                if len(requests) == 1:
+                    raise
+                # Requests of different shapes: one the model fails on alone (inputs that
+                # disagree in length, too long for the model) fails the batch it was merged
+                # into; each runs alone, so that only its own answer is the error.
+                return [self._alone(r, ragged) for r in requests]
         if len(requests) == 1 or self.config.max_batch_size == 0:
             return [self.run(r) for r in requests]
         return self._run_merged(requests, concatenate, self._split_rows)
+
+    def _alone(self, request: Tensors, ragged: RaggedPlan) -> Tensors | TritonError:
+        try:
+            return self._run_merged([request], ragged.merge, ragged.split)[0]
+        except (InvalidArgument, Internal) as err:
+            return err
 
     def _split_rows(self, outputs: Tensors, rows: list[int]) -> list[Tensors]:
         return split_rows(self.files.model_name, outputs, rows)
