@@ -365,12 +365,20 @@ class DynamicBatcher(Scheduler):
             rows += size
             if rows in self.preferred_batch_sizes:
                 best = len(taken)
-        return self._leave(taken, rows, best, send_now, now_ns)
+        # (inline, not a call of _leave: a call costs ~25 ns a batch formed, 6 % of this at c=1)
+        oldest = min(p.enqueue_ns for p in taken) if len(taken) > 1 else taken[0].enqueue_ns
+        waited = now_ns - oldest
+        delay_exceeded = self.delay_ns != 0 and waited >= self.delay_ns
+        if best and not delay_exceeded:
+            return taken[:best], 0, taken
+        if send_now or rows >= self.max_preferred_batch_size or delay_exceeded or not self.delay_ns:
+            return taken, 0, taken
+        return [], self.delay_ns - waited, taken
 
     def _leave(self, taken: list[Pending], rows: int, best: int, send_now: bool,
                now_ns: int) -> tuple[list[Pending], int, list[Pending]]:
         """Whether the batch ``taken`` (``best``: the requests of its preferred size, 0: none)
-        leaves now, as ``_form_batch`` answers."""
+        leaves now: ``_form_batch``'s answer, for a padded pass's groups."""
         oldest = min(p.enqueue_ns for p in taken) if len(taken) > 1 else taken[0].enqueue_ns
         waited = now_ns - oldest
         delay_exceeded = self.delay_ns != 0 and waited >= self.delay_ns
