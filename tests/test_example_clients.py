@@ -8,9 +8,6 @@ tritonclient and its stubs, and where $JUPYTER_TRITON_CLIENT_EXAMPLES names a fo
 the published files, they also run unchanged against the same server."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -22,6 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.engine import EngineOptions
+from triton_example_models import published, run_published
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,14 +180,9 @@ EXAMPLES = {
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_the_published_example_runs_unchanged(server, example: str):
-    folder = os.environ.get("JUPYTER_TRITON_CLIENT_EXAMPLES", "")
-    path = Path(folder) / example
-    if not folder or not path.is_file():
-        pytest.skip(f"$JUPYTER_TRITON_CLIENT_EXAMPLES does not hold {example} (NVIDIA's "
-                    "client/src/python/examples; not kept in this repository)")
+    path = published("JUPYTER_TRITON_CLIENT_EXAMPLES", example)
     port, line = EXAMPLES[example]
-    done = subprocess.run([sys.executable, str(path), "-u", f"127.0.0.1:{getattr(server, port)}"],
-                          capture_output=True, text=True, timeout=90)
+    done = run_published(path, "-u", f"127.0.0.1:{getattr(server, port)}")
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout + done.stderr
     assert line is None or line in done.stdout, done.stdout + done.stderr
 

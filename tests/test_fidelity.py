@@ -170,6 +170,41 @@ def _control_repository(root: Path, models: int) -> Path:
     return root
 
 
+def test_the_model_control_examples_calls(tmp_path: Path):
+    # simple_http_model_control.py and simple_grpc_model_control.py: the index counts every
+    # model of the repository, loaded or not; load, ready, unload, not ready; a load of a model
+    # not in the repository fails saying "failed to load"; over HTTP a config override that is
+    # not JSON fails the same way, and a JSON one ('"16"' read as a number) takes effect
+    import tritonclient.grpc as grpcclient
+    from jupyter_triton.engine import EngineOptions
+    from jupyter_triton.standalone import start_in_thread
+    root = _control_repository(tmp_path / "models", 4)
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit"),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        assert len(http.get_model_repository_index()) == 4
+        assert len(grpc.get_model_repository_index().models) == 4
+        for client in (http, grpc):
+            client.load_model("simple")
+            assert client.is_model_ready("simple")
+            if client is http:
+                err = _error(lambda: http.load_model(
+                    "simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}'))
+                assert "failed to load" in err.message(), err
+                http.load_model("simple", config='{"max_batch_size":"16"}')
+                assert http.get_model_config("simple")["max_batch_size"] == 16
+            client.unload_model("simple")
+            assert not client.is_model_ready("simple")
+            err = _error(lambda: client.load_model("wrong_model_name"))
+            assert "failed to load" in err.message(), err
+    finally:
+        http.close()
+        grpc.close()
+        server.close()
+
+
 @pytest.mark.parametrize("example, models, port", [
     ("simple_http_model_control.py", 7, "http_port"),
     ("simple_grpc_model_control.py", 8, "grpc_port"),

@@ -12,10 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from conftest import serve
 from test_backend_python import ADD_SUB_CONFIG, ADD_SUB_MODEL_PY, THREAD_MODE
 from test_python_decoupled import REPEAT_CONFIG, REPEAT_MODEL_PY
+from triton_example_models import (BLS_DECOUPLED_SYNC_PY, BLS_SYNC_PY, SQUARE_INT32_CONFIG,
+                                   SQUARE_INT32_PY, TORCH_ADD_SUB_PY, add_model)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,10 +97,44 @@ output [{ name: "SUMMARY" data_type: TYPE_STRING dims: [ 1 ] }]
 '''
 
 
-def add_model(repo: Path, name: str, model_py: str, config: str) -> None:
-    (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / name / "1" / "model.py").write_text(model_py)
-    (repo / name / "config.pbtxt").write_text(config)
+def _add_sub_inputs(callee: str, a: np.ndarray, b: np.ndarray) -> list[httpclient.InferInput]:
+    inputs = [httpclient.InferInput("INPUT0", [4], "FP32"), httpclient.InferInput("INPUT1", [4], "FP32"),
+              httpclient.InferInput("MODEL_NAME", [1], "BYTES")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    inputs[2].set_data_from_numpy(np.array([callee], dtype=np.object_))
+    return inputs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bls_sync_examples_calls(tmp_path, mode):
+    # examples/bls sync_client.py: bls_sync passes two random FP32 [4] inputs on to the model
+    # its MODEL_NAME names (add_sub, then the torch model "pytorch") and answers their sum and
+    # difference; naming a model that is not there fails the request with the callee's error
+    repo = tmp_path / "models"
+    add_model(repo, "add_sub", textwrap.dedent(ADD_SUB_MODEL_PY), ADD_SUB_CONFIG)
+    add_model(repo, "pytorch", TORCH_ADD_SUB_PY, PYTORCH_CONFIG)
+    add_model(repo, "bls_sync", BLS_SYNC_PY, BLS_SYNC_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    try:
+        rng = np.random.default_rng(7)
+        a, b = rng.random(4, dtype=np.float32), rng.random(4, dtype=np.float32)
+        outputs = [httpclient.InferRequestedOutput("OUTPUT0"), httpclient.InferRequestedOutput("OUTPUT1")]
+        for callee in ("add_sub", "pytorch"):
+            result = client.infer("bls_sync", _add_sub_inputs(callee, a, b), request_id="1",
+                                  outputs=outputs)
+            np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+            np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("bls_sync", _add_sub_inputs("undefined_model", a, b), request_id="1",
+                         outputs=outputs)
+        assert "undefined_model" in err.value.message()
+        # each BLS request is counted by the model it reached, as Triton counts it
+        for name in ("add_sub", "pytorch"):
+            stats = client.get_inference_statistics(name)["model_stats"][0]
+            assert stats["inference_count"] == 1, (name, stats)
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -175,6 +212,28 @@ input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [{ kind: KIND_CPU }]
 '''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bls_decoupled_sync_examples_calls(tmp_path, mode):
+    # examples/bls_decoupled sync_client.py: for IN 4 2 0 1 (one request each), the sum of
+    # square_int32's streamed answers is IN squared (0: no answer but the final flag)
+    repo = tmp_path / "models"
+    add_model(repo, "square_int32", SQUARE_INT32_PY, SQUARE_INT32_CONFIG)
+    add_model(repo, "bls_decoupled_sync", BLS_DECOUPLED_SYNC_PY,
+              BLS_DECOUPLED_SYNC_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
+    try:
+        for k in (4, 2, 0, 1):
+            tensor = httpclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([k], dtype=np.int32))
+            result = client.infer("bls_decoupled_sync", [tensor], request_id="1",
+                                  outputs=[httpclient.InferRequestedOutput("SUM")])
+            assert result.as_numpy("SUM").tolist() == [k * k]
+        stats = client.get_inference_statistics("square_int32")["model_stats"][0]
+        assert stats["inference_count"] == 4   # each BLS stream counted by the model it reached
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 
 from jupyter_triton.engine import EngineOptions
 from test_backend_python import THREAD_MODE
+from triton_example_models import CUSTOM_METRICS_PY, add_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,10 +98,37 @@ def scrape(server) -> str:
         return r.read().decode()
 
 
-def add_model(repo: Path, name: str, model_py: str, config: str) -> None:
-    (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / name / "1" / "model.py").write_text(model_py)
-    (repo / name / "config.pbtxt").write_text(config)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_custom_metrics_examples_calls(tmp_path, mode):
+    # examples/custom_metrics client.py: add/sub of two random FP32 [4] inputs, then the
+    # model's counter on the metrics endpoint with its HELP, TYPE and labelled series
+    repo = tmp_path / "models"
+    add_model(repo, "custom_metrics", CUSTOM_METRICS_PY,
+              CUSTOM_METRICS_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server = start(repo)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    try:
+        rng = np.random.default_rng(3)
+        a, b = rng.random(4, dtype=np.float32), rng.random(4, dtype=np.float32)
+        inputs = [httpclient.InferInput("INPUT0", [4], "FP32"), httpclient.InferInput("INPUT1", [4], "FP32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        result = client.infer("custom_metrics", inputs, request_id="1", outputs=[
+            httpclient.InferRequestedOutput("OUTPUT0"), httpclient.InferRequestedOutput("OUTPUT1")])
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+        text = scrape(server)
+        assert "# HELP requests_process_latency_ns Cumulative time spent processing requests" in text
+        assert "# TYPE requests_process_latency_ns counter" in text
+        series = 'requests_process_latency_ns{model="custom_metrics",version="1"}'
+        line = next(ln for ln in text.splitlines() if ln.startswith(series))
+        assert float(line.split()[-1]) > 0      # the model's execute time, in ns
+        client.unload_model("custom_metrics")
+        # the model's metrics leave with it
+        assert "requests_process_latency_ns" not in scrape(server)
+    finally:
+        client.close()
+        server.close()
 
 
 @pytest.mark.parametrize("mode", MODES)

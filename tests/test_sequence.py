@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -422,6 +423,77 @@ def _int_input(value: int) -> httpclient.InferInput:
     inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
     inp.set_data_from_numpy(np.full([1, 1], value, dtype=np.int32))
     return inp
+
+
+# What NVIDIA's sequence example clients (simple_{http,grpc}_sequence_sync_infer_client.py,
+# simple_grpc_sequence_stream_infer_client.py) send simple_sequence and expect back: three
+# sequences, two with integer ids and one with a UUID string, each a START value then these
+# values (negated in the second and third); the START request answers its value plus one,
+# the others their own value.
+EXAMPLE_VALUES = [11, 7, 5, 3, 2, 0, 1]
+
+
+def _example_sequences() -> list[tuple[int | str, list[int]]]:
+    return [(1000, [0] + EXAMPLE_VALUES), (1001, [100] + [-v for v in EXAMPLE_VALUES]),
+            (str(uuid.uuid4()), [20] + [-v for v in EXAMPLE_VALUES])]
+
+
+def _example_answers(values: list[int]) -> list[int]:
+    return [values[0] + 1] + values[1:]
+
+
+def _example_request(module, sequence_id, values: list[int], i: int) -> dict:
+    tensor = module.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.full([1, 1], values[i], dtype=np.int32))
+    return dict(model_name="simple_sequence", inputs=[tensor],
+                outputs=[module.InferRequestedOutput("OUTPUT")], sequence_id=sequence_id,
+                sequence_start=i == 0, sequence_end=i == len(values) - 1)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_sequence_examples_one_request_at_a_time(repo: Path, server, protocol: str) -> None:
+    import tritonclient.grpc as grpcclient
+    simple_sequence(repo)
+    load(server, "simple_sequence")
+    module, port = ((httpclient, server.http_port) if protocol == "http"
+                    else (grpcclient, server.grpc_port))
+    client = module.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        for sequence_id, values in _example_sequences():
+            got = [client.infer(**_example_request(module, sequence_id, values, i)).as_numpy("OUTPUT")
+                   for i in range(len(values))]
+            assert [a.tolist() for a in got] == [[[v]] for v in _example_answers(values)], sequence_id
+    finally:
+        client.close()
+
+
+def test_the_sequence_stream_example_three_sequences_on_one_stream(repo: Path, server) -> None:
+    # every request sent before any answer is read; each answer carries its request's id
+    # ("<sequence id>_<n>") and each sequence's answers come in its order
+    import queue
+    import tritonclient.grpc as grpcclient
+    simple_sequence(repo)
+    load(server, "simple_sequence")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    answers: queue.Queue = queue.Queue()
+    sequences = _example_sequences()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for sequence_id, values in sequences:
+            for i in range(len(values)):
+                client.async_stream_infer(**_example_request(grpcclient, sequence_id, values, i),
+                                          request_id=f"{sequence_id}_{i + 1}")
+        got: dict[str, list] = {}
+        for _ in range(sum(len(values) for _, values in sequences)):
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            sequence_id, _, n = result.get_response().id.rpartition("_")
+            got.setdefault(sequence_id, []).append((int(n), result.as_numpy("OUTPUT").item()))
+        assert got == {str(sequence_id): list(enumerate(_example_answers(values), start=1))
+                       for sequence_id, values in sequences}
+        client.stop_stream()
+    finally:
+        client.close()
 
 
 EXAMPLES = Path(__file__).parent / "triton_examples"

@@ -1,4 +1,4 @@
-"""NVIDIA's repeat_int32 (python_backend examples/decoupled, as published) streamed over
+"""repeat_int32 (our model of python_backend's examples/decoupled one) streamed over
 tritonclient's gRPC stream by NVIDIA's tritonserver 2.51 and by ours: the same responses and
 final flags, and the same request statistics (a decoupled request counted once, by its
 execute). Skipped where nvidia-pytriton's tritonserver is not installed.
@@ -8,7 +8,6 @@ Triton's schema (one entry per response index), which is checked here too."""
 from __future__ import annotations
 
 import queue
-import shutil
 import time
 from pathlib import Path
 
@@ -19,16 +18,13 @@ import tritonclient.grpc as grpcclient
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
 from test_export import nvidia_tritonserver
+from triton_example_models import REPEAT_INT32_CONFIG, REPEAT_INT32_PY, add_model
 
 pytestmark = pytest.mark.timeout(240)
 
-EXAMPLES = Path(__file__).parent / "triton_examples" / "decoupled"
-
 
 def _repository(root: Path) -> Path:
-    (root / "repeat_int32" / "1").mkdir(parents=True)
-    shutil.copy(EXAMPLES / "repeat_model.py", root / "repeat_int32" / "1" / "model.py")
-    shutil.copy(EXAMPLES / "repeat_config.pbtxt", root / "repeat_int32" / "config.pbtxt")
+    add_model(root, "repeat_int32", REPEAT_INT32_PY, REPEAT_INT32_CONFIG)
     return root
 
 
