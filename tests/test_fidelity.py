@@ -154,9 +154,6 @@ def test_after_unload_infer_and_metadata_answer_404_and_the_index_keeps_only_set
         grpc.close()
 
 
-EXAMPLES = Path(__file__).parent / "triton_examples"
-
-
 def _control_repository(root: Path, models: int) -> Path:
     """'simple' (ONNX add/sub, max_batch_size 8 as in Triton's example repository) and
     identity models up to ``models`` in all: NVIDIA's model-control examples count them."""
@@ -212,18 +209,17 @@ def test_the_model_control_examples_calls(tmp_path: Path):
 def test_nvidia_model_control_examples_run_unchanged(tmp_path: Path, example: str, models: int,
                                                      port: str):
     # They need Triton's load-error words ("failed to load") for a config that is not JSON
-    # and for a model that is not in the repository, and a JSON config override.
-    import subprocess
-    import sys
+    # and for a model that is not in the repository, and a JSON config override; they count
+    # the repository's models (7 over HTTP, 8 over gRPC).
     from jupyter_triton.engine import EngineOptions
     from jupyter_triton.standalone import start_in_thread
+    from triton_example_models import published, run_published
+    script = published("JUPYTER_TRITON_CLIENT_EXAMPLES", example)
     root = _control_repository(tmp_path / "models", models)
     server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit"),
                              host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
     try:
-        done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u",
-                               f"127.0.0.1:{getattr(server, port)}"],
-                              capture_output=True, text=True, timeout=90)
+        done = run_published(script, "-u", f"127.0.0.1:{getattr(server, port)}")
     finally:
         server.close()
     assert done.returncode == 0 and "PASS: model control" in done.stdout, done.stdout + done.stderr

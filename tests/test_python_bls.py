@@ -1,13 +1,12 @@
 """BLS: python models calling other served models with Triton's pb_utils API, through a
-real standalone server, in the worker process and in thread mode. NVIDIA's BLS example
-(python_backend examples/bls, model and client as published) runs unchanged."""
+real standalone server, in the worker process and in thread mode. The calls of NVIDIA's BLS
+examples (python_backend examples/bls and bls_decoupled) are made against our own models of
+theirs; the published models and clients run unchanged only where
+$JUPYTER_TRITON_BACKEND_EXAMPLES names a folder holding them (tests/triton_example_models.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,11 +17,11 @@ from conftest import serve
 from test_backend_python import ADD_SUB_CONFIG, ADD_SUB_MODEL_PY, THREAD_MODE
 from test_python_decoupled import REPEAT_CONFIG, REPEAT_MODEL_PY
 from triton_example_models import (BLS_DECOUPLED_SYNC_PY, BLS_SYNC_PY, SQUARE_INT32_CONFIG,
-                                   SQUARE_INT32_PY, TORCH_ADD_SUB_PY, add_model)
+                                   SQUARE_INT32_PY, TORCH_ADD_SUB_PY, add_model,
+                                   published, run_published)
 
 pytestmark = pytest.mark.timeout(180)
 
-EXAMPLES = Path(__file__).parent / "triton_examples" / "bls"
 MODES = ["process", "thread"]
 
 # examples/bls/config.pbtxt named as the README has it (TYPE_STRING: the TYPE_BYTES of one
@@ -139,18 +138,18 @@ def test_the_bls_sync_examples_calls(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_nvidias_bls_sync_example_runs_unchanged(tmp_path, mode):
+    pytorch, bls_sync, script = (published("JUPYTER_TRITON_BACKEND_EXAMPLES", name) for name in (
+        "pytorch/model.py", "bls/sync_model.py", "bls/sync_client.py"))
     repo = tmp_path / "models"
     add_model(repo, "add_sub", textwrap.dedent(ADD_SUB_MODEL_PY), ADD_SUB_CONFIG)
-    add_model(repo, "pytorch", (EXAMPLES / "pytorch_model.py").read_text(), PYTORCH_CONFIG)
-    add_model(repo, "bls_sync", (EXAMPLES / "sync_model.py").read_text(),
+    add_model(repo, "pytorch", pytorch.read_text(), PYTORCH_CONFIG)
+    add_model(repo, "bls_sync", bls_sync.read_text(),
               BLS_SYNC_CONFIG + (THREAD_MODE if mode == "thread" else ""))
     server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
     try:
         # The client has no address flag: only its address is changed, in a copy.
-        script = tmp_path / "sync_client.py"
-        script.write_text((EXAMPLES / "sync_client.py").read_text().replace(
-            '"localhost:8000"', f'"127.0.0.1:{server.http_port}"'))
-        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        run = run_published(script, workdir=tmp_path, addresses={
+            '"localhost:8000"': f'"127.0.0.1:{server.http_port}"'})
         assert run.returncode == 0, run.stdout + run.stderr
         assert "PASS: BLS Sync" in run.stdout
         # the undefined model's error came back as the BLS response's error, named
@@ -238,19 +237,17 @@ def test_the_bls_decoupled_sync_examples_calls(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_nvidias_bls_decoupled_sync_example_runs_unchanged(tmp_path, mode):
-    decoupled = Path(__file__).parent / "triton_examples" / "decoupled"
-    bls_decoupled = Path(__file__).parent / "triton_examples" / "bls_decoupled"
+    square, square_config, bls, script = (published("JUPYTER_TRITON_BACKEND_EXAMPLES", name) for name in (
+        "decoupled/square_model.py", "decoupled/square_config.pbtxt", "bls_decoupled/sync_model.py",
+        "bls_decoupled/sync_client.py"))
     repo = tmp_path / "models"
-    add_model(repo, "square_int32", (decoupled / "square_model.py").read_text(),
-              (decoupled / "square_config.pbtxt").read_text())
-    add_model(repo, "bls_decoupled_sync", (bls_decoupled / "sync_model.py").read_text(),
+    add_model(repo, "square_int32", square.read_text(), square_config.read_text())
+    add_model(repo, "bls_decoupled_sync", bls.read_text(),
               BLS_DECOUPLED_SYNC_CONFIG + (THREAD_MODE if mode == "thread" else ""))
     server, client = serve(repo, model_control_mode="explicit", load_models=["*"])
     try:
-        script = tmp_path / "sync_client.py"
-        script.write_text((bls_decoupled / "sync_client.py").read_text().replace(
-            '"localhost:8000"', f'"127.0.0.1:{server.http_port}"'))
-        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        run = run_published(script, workdir=tmp_path, addresses={
+            '"localhost:8000"': f'"127.0.0.1:{server.http_port}"'})
         assert run.returncode == 0, run.stdout + run.stderr
         assert "PASS: BLS Decoupled Sync" in run.stdout
         stats = client.get_inference_statistics("square_int32")["model_stats"][0]

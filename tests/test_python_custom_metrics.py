@@ -1,10 +1,10 @@
 """Custom metrics (pb_utils.MetricFamily / Metric) of python models on the server's metrics
-endpoint, in the worker process and in thread mode. NVIDIA's examples/custom_metrics (model
-and client as published) runs unchanged."""
+endpoint, in the worker process and in thread mode. The calls of NVIDIA's
+examples/custom_metrics are made against our own model of theirs; the published model and
+client run unchanged only where $JUPYTER_TRITON_BACKEND_EXAMPLES names a folder holding them
+(tests/triton_example_models.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import urllib.request
 from pathlib import Path
@@ -15,11 +15,10 @@ import tritonclient.http as httpclient
 
 from jupyter_triton.engine import EngineOptions
 from test_backend_python import THREAD_MODE
-from triton_example_models import CUSTOM_METRICS_PY, add_model
+from triton_example_models import CUSTOM_METRICS_PY, add_model, published, run_published
 
 pytestmark = pytest.mark.timeout(180)
 
-EXAMPLES = Path(__file__).parent / "triton_examples" / "custom_metrics"
 MODES = ["process", "thread"]
 
 # examples/custom_metrics/config.pbtxt
@@ -133,18 +132,17 @@ def test_the_custom_metrics_examples_calls(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_nvidias_custom_metrics_example_runs_unchanged(tmp_path, mode):
+    model = published("JUPYTER_TRITON_BACKEND_EXAMPLES", "custom_metrics/model.py")
+    script = published("JUPYTER_TRITON_BACKEND_EXAMPLES", "custom_metrics/client.py")
     repo = tmp_path / "models"
-    add_model(repo, "custom_metrics", (EXAMPLES / "model.py").read_text(),
+    add_model(repo, "custom_metrics", model.read_text(),
               CUSTOM_METRICS_CONFIG + (THREAD_MODE if mode == "thread" else ""))
     server = start(repo)
     try:
         # The client has no address flags: only its two addresses are changed, in a copy.
-        script = tmp_path / "client.py"
-        script.write_text((EXAMPLES / "client.py").read_text()
-                          .replace('"localhost:8000"', f'"127.0.0.1:{server.http_port}"')
-                          .replace("http://localhost:8002/metrics",
-                                   f"http://127.0.0.1:{server.metrics_port}/metrics"))
-        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        run = run_published(script, workdir=tmp_path, addresses={
+            '"localhost:8000"': f'"127.0.0.1:{server.http_port}"',
+            "http://localhost:8002/metrics": f"http://127.0.0.1:{server.metrics_port}/metrics"})
         assert run.returncode == 0, run.stdout + run.stderr
         assert "PASS: custom_metrics" in run.stdout
         line = next(ln for ln in scrape(server).splitlines()

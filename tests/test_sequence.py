@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -19,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
 from server_waits import served_model, wait_for_queued
+from triton_example_models import published, run_published
 
 # Triton's docs/examples simple_sequence, served by a python model: OUTPUT = INPUT + START
 # while READY (what NVIDIA's sequence example clients expect of it).
@@ -496,9 +495,6 @@ def test_the_sequence_stream_example_three_sequences_on_one_stream(repo: Path, s
         client.close()
 
 
-EXAMPLES = Path(__file__).parent / "triton_examples"
-
-
 @pytest.mark.parametrize("example, port", [
     ("simple_grpc_sequence_stream_infer_client.py", "grpc_port"),
     ("simple_grpc_sequence_sync_infer_client.py", "grpc_port"),
@@ -506,11 +502,10 @@ EXAMPLES = Path(__file__).parent / "triton_examples"
 ])
 def test_nvidia_sequence_examples_run_unchanged(repo: Path, server, example: str,
                                                 port: str) -> None:
+    script = published("JUPYTER_TRITON_CLIENT_EXAMPLES", example)
     simple_sequence(repo)
     load(server, "simple_sequence")
-    done = subprocess.run([sys.executable, str(EXAMPLES / example), "-u",
-                           f"127.0.0.1:{getattr(server, port)}"],
-                          capture_output=True, text=True, timeout=120)
+    done = run_published(script, "-u", f"127.0.0.1:{getattr(server, port)}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS: Sequence" in done.stdout
 
