@@ -265,3 +265,49 @@ def test_the_jupyter_trait_is_checked():
             app.shutdown_drain_secs = value
     with pytest.raises(TraitError):
         app.shutdown_drain_secs = "soon"
+
+
+def test_a_jupyter_server_drains_its_grpc_port(tmp_path: Path):
+    """c.JupyterTriton.shutdown_drain_secs: Jupyter closes its own port first; the gRPC port
+    answers NOT_SERVING and still serves through the window, then the server exits."""
+    from conftest import TOKEN, W
+    from onnx_models import linear
+    from test_jupyter_options import _jupyter
+    repo = tmp_path / "models"
+    linear(W, repo / "linear" / "1" / "model.onnx")
+    (tmp_path / "config").mkdir()
+    proc, info = _jupyter(tmp_path, "server", "--JupyterTriton.grpc_port=0",
+                          f"--JupyterTriton.model_repository={repo}",
+                          f"--JupyterTriton.shutdown_drain_secs={DRAIN_S}")
+    metadata = (("authorization", f"token {TOKEN}"),)
+    try:
+        port = info["grpc_port"]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 60
+        while not client.is_model_ready("linear", headers=dict(metadata)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            request = health_pb2.HealthCheckRequest(service="")
+            while check(request, metadata=metadata, timeout=30).status != \
+                    health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() - t0 < 30
+                time.sleep(0.02)
+        assert client.is_server_ready(headers=dict(metadata)) is False
+        inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+        out = client.infer("linear", [inp], headers=dict(metadata), client_timeout=60)
+        np.testing.assert_allclose(out.as_numpy("OUTPUT0"), np.ones((1, 16), np.float32) @ W,
+                                   rtol=1e-5)
+        assert time.monotonic() - t0 < DRAIN_S, "the checks outlasted the window: raise DRAIN_S"
+        client.close()
+        out, _ = proc.communicate(timeout=DRAIN_S + 120)
+        assert proc.returncode == 0, out.decode()[-3000:]
+        assert time.monotonic() - t0 >= DRAIN_S
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

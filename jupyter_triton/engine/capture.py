@@ -15,7 +15,7 @@ import json
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -45,7 +45,11 @@ class CaptureSettings:
         return {"fraction": self.fraction, "max_rows": self.max_rows, "max_bytes": self.max_bytes}
 
 
-@dataclass
+# (name, datatype, shape, data): a tensor as kept, made an InferTensor only when read
+Kept = tuple[str, str, tuple, "np.ndarray | None"]
+
+
+@dataclass(slots=True)
 class Captured:
     """One request as it was served."""
     time: float                     # when it arrived, seconds since the epoch
@@ -55,8 +59,8 @@ class Captured:
     latency_us: float
     status: int                     # 200, or the Triton status of the error it got
     error: str
-    inputs: list[InferTensor]
-    outputs: list[InferTensor]
+    inputs: list[Kept]
+    outputs: list[Kept]
     nbytes: int
 
 
@@ -93,15 +97,18 @@ class Capture:
     def _add(self, request: InferRequest, response: InferResponse | None, arrived: float,
              start: int, status: int, error: str) -> None:
         latency_us = (time.monotonic_ns() - start) / 1000
-        inputs, outputs = _copies(request.inputs), _copies(response.outputs if response else [])
-        nbytes = _ROW_OVERHEAD + sum(_tensor_bytes(t) for t in (*inputs, *outputs))
+        tensors = (request.inputs, response.outputs if response is not None else [])
+        nbytes = _ROW_OVERHEAD + sum(_bytes(t.data) for group in tensors for t in group)
+        if nbytes <= self.settings.max_bytes:
+            inputs, outputs = _kept(tensors[0]), _kept(tensors[1])
+        else:                       # its tensors alone are past the bound: not copied
+            inputs, outputs = [], []
+            error = error or f"tensors not kept: {nbytes} bytes, past max_bytes"
+            nbytes = _ROW_OVERHEAD
         trace = request.trace
         row = Captured(arrived, response.model_version if response else request.model_version,
                        request.id, str(trace.id) if getattr(trace, "id", None) else "", latency_us,
                        status, error, inputs, outputs, nbytes)
-        if nbytes > self.settings.max_bytes:     # its tensors alone are past the bound
-            row = replace(row, inputs=[], outputs=[], nbytes=_ROW_OVERHEAD,
-                          error=error or f"tensors not kept: {nbytes} bytes, past max_bytes")
         self.rows.append(row)
         self.bytes += row.nbytes
         self.captured += 1
@@ -166,8 +173,8 @@ def traffic_json(state: dict, rows: list[Captured]) -> bytes:
     NaN / Infinity, as Python's json reads them."""
     requests = [{"time": r.time, "model_version": r.model_version, "id": r.id,
                  "trace_id": r.trace_id, "latency_us": r.latency_us, "status": r.status,
-                 "error": r.error, "inputs": [tensor_to_json(t) for t in r.inputs],
-                 "outputs": [tensor_to_json(t) for t in r.outputs]} for r in rows]
+                 "error": r.error, "inputs": [tensor_to_json(InferTensor(*t)) for t in r.inputs],
+                 "outputs": [tensor_to_json(InferTensor(*t)) for t in r.outputs]} for r in rows]
     return json.dumps({**state, "requests": requests}, separators=(",", ":")).encode()
 
 
@@ -200,17 +207,18 @@ def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
     return on, CaptureSettings(float(fraction), **bounds), clear
 
 
-def _copies(tensors: list[InferTensor]) -> list[InferTensor]:
-    return [InferTensor(t.name, t.datatype, tuple(t.shape),
-                        None if t.data is None else np.array(t.data, copy=True))
-            for t in tensors]
-
-
-def _tensor_bytes(t: InferTensor) -> int:
-    data = t.data
+def _bytes(data: "np.ndarray | None") -> int:
+    """What a copy of ``data`` holds (BYTES: the elements, not the pointers)."""
     if data is None:
         return 0
-    if data.dtype == object:        # BYTES: the elements, not the pointers
-        return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8
-                                   for v in data.ravel())
-    return data.nbytes
+    if not data.dtype.hasobject:
+        return data.nbytes
+    return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in data.ravel())
+
+
+def _kept(tensors: list[InferTensor]) -> list[Kept]:
+    """Copies: a shared-memory region or a buffer a backend reuses changes later."""
+    return [(t.name, t.datatype, t.shape,
+             None if t.data is None else
+             t.data.copy() if type(t.data) is np.ndarray else np.array(t.data))
+            for t in tensors]
