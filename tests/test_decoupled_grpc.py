@@ -1,5 +1,4 @@
-"""gRPC ModelStreamInfer over a decoupled python model, on both transports (our HTTP/2 front
-and grpc.aio), with tritonclient's stream: many responses per request, Triton's
+"""gRPC ModelStreamInfer over a decoupled python model, with tritonclient's stream: many responses per request, Triton's
 ``triton_final_response`` parameter and (when asked) the empty final response, the request
 id on every response, errors in-stream without closing it, a client that goes away cancelling
 the model's request; unary ModelInfer and HTTP infer refused with Triton's reason."""
@@ -26,9 +25,9 @@ TIMEOUT_S = 30
 
 
 class Served:
-    """A real engine with the words and echo models, its gRPC port on ``transport``."""
+    """A real engine with the words and echo models, and its gRPC port."""
 
-    def __init__(self, repo, transport: str) -> None:
+    def __init__(self, repo) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -36,7 +35,7 @@ class Served:
                                            load_models=["words", "echo", "flood"]))
         self._run(self.engine.start())
         self.server, self.port = self._run(
-            start_grpc_server(self.engine, "127.0.0.1", 0, transport=transport))
+            start_grpc_server(self.engine, "127.0.0.1", 0))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
@@ -51,10 +50,10 @@ class Served:
         self.thread.join(timeout=30)
 
 
-@pytest.fixture(scope="module", params=["h2", "aio"])
-def served(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
     repo = write_flood(write_echo(write_words(tmp_path_factory.mktemp("models"))))
-    server = Served(repo, request.param)
+    server = Served(repo)
     yield server
     server.close()
 

@@ -114,15 +114,15 @@ class FakeEngine:
             "batch_stats": []}]}
 
 
-@pytest.fixture(scope="module", params=["h2", "aio"])
-def served(request):
-    """The gRPC server over FakeEngine on each transport, its loop in a background thread."""
+@pytest.fixture(scope="module")
+def served():
+    """The gRPC server over FakeEngine, its loop in a background thread."""
     engine = FakeEngine()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server, port = asyncio.run_coroutine_threadsafe(
-        start_grpc_server(engine, "127.0.0.1", 0, transport=request.param), loop).result(timeout=30)
+        start_grpc_server(engine, "127.0.0.1", 0), loop).result(timeout=30)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
         yield engine, client, port

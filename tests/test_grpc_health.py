@@ -1,6 +1,6 @@
 """gRPC's standard health service on the gRPC port, as a Kubernetes gRPC probe or
 ``grpc_health_probe`` calls it: ``grpc.health.v1.Health`` Check and Watch, for the server ("")
-and each model, through grpc's own ``HealthStub`` over a real channel, on both transports,
+and each model, through grpc's own ``HealthStub`` over a real channel, on the gRPC port alone,
 the standalone server and the Jupyter server's extension port."""
 from __future__ import annotations
 
@@ -31,13 +31,12 @@ def refusal(stub: health_pb2_grpc.HealthStub, service: str, **kwargs) -> grpc.St
     return err.value.code()
 
 
-@pytest.mark.parametrize("transport", ["h2", "aio"])
-def test_check_and_watch_follow_the_models(model_repo: Path, transport: str):
+def test_check_and_watch_follow_the_models(model_repo: Path):
     async def story():
         engine = Engine(EngineOptions(model_repository=model_repo, model_control_mode="explicit",
                                       load_models=["linear"]))
         await engine.start()
-        server, port = await start_grpc_server(engine, "127.0.0.1", 0, transport=transport)
+        server, port = await start_grpc_server(engine, "127.0.0.1", 0)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)

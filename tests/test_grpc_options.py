@@ -95,8 +95,8 @@ def simple_repo(tmp_path: Path) -> Path:
 
 
 @contextmanager
-def grpc_port(repo: Path, transport: str, **kwargs):
-    """The engine and its gRPC port alone (``transport``: "h2" or "aio") on a loop in a thread;
+def grpc_port(repo: Path, **kwargs):
+    """The engine and its gRPC port alone on a loop in a thread;
     yields the port."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -106,8 +106,7 @@ def grpc_port(repo: Path, transport: str, **kwargs):
         engine = Engine(EngineOptions(model_repository=repo, model_control_mode="explicit",
                                       load_models=["*"]))
         await engine.start()
-        server, port = await start_grpc_server(engine, "127.0.0.1", 0, transport=transport,
-                                               **kwargs)
+        server, port = await start_grpc_server(engine, "127.0.0.1", 0, **kwargs)
         return engine, server, port
 
     engine, server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
@@ -150,10 +149,9 @@ def _refused(client: grpcclient.InferenceServerClient) -> str:
 
 
 # -- TLS -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("transport", ["h2", "aio"])
-def test_tls_serves_tls_clients_only(simple_repo: Path, pki: dict, transport: str):
+def test_tls_serves_tls_clients_only(simple_repo: Path, pki: dict):
     tls = GrpcTLS(f"{pki['server']}.pem", f"{pki['server']}.key")
-    with grpc_port(simple_repo, transport, ssl=tls) as port:
+    with grpc_port(simple_repo, ssl=tls) as port:
         url = f"127.0.0.1:{port}"
         client = grpcclient.InferenceServerClient(url, ssl=True,
                                                   root_certificates=f"{pki['ca']}.pem")
@@ -165,13 +163,11 @@ def test_tls_serves_tls_clients_only(simple_repo: Path, pki: dict, transport: st
         assert _refused(grpcclient.InferenceServerClient(url)) == "StatusCode.UNAVAILABLE"
 
 
-@pytest.mark.parametrize("transport", ["h2", "aio"])
-def test_mutual_tls_needs_a_client_certificate_the_root_signed(simple_repo: Path, pki: dict,
-                                                                transport: str):
+def test_mutual_tls_needs_a_client_certificate_the_root_signed(simple_repo: Path, pki: dict):
     tls = GrpcTLS(f"{pki['server']}.pem", f"{pki['server']}.key", f"{pki['ca']}.pem",
                   mutual=True)
     ca = f"{pki['ca']}.pem"
-    with grpc_port(simple_repo, transport, ssl=tls) as port:
+    with grpc_port(simple_repo, ssl=tls) as port:
         url = f"127.0.0.1:{port}"
         client = grpcclient.InferenceServerClient(
             url, ssl=True, root_certificates=ca, private_key=f"{pki['client']}.key",

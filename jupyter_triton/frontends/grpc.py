@@ -1,15 +1,12 @@
 """Triton's GRPCInferenceService over the engine, served by our own HTTP/2 front
-(frontends/grpc_h2.py; ``transport="aio"``: grpc.aio's server instead).
+(frontends/grpc_h2.py; grpc.aio's server is not used: it had none of that front's
+protections against hostile peers, and cost three times its CPU per RPC).
 
 Every RPC is a thin skin: check access, decode, one engine call, encode. Errors are rendered
 once, in ``_rpc``: a TritonError aborts with its own status code and message; anything else
 is logged here and reaches the client as INTERNAL with its message only.
 
-On grpc.aio, the handlers are one *generic* handler and not registered methods: grpc.aio keeps
-one pending accept per registered method and waits on all of them (``asyncio.wait``) for every
-call, ~20 futures for this service; that was about a fifth of the event loop's time per RPC
-(measured with perf_analyzer over a trivial engine). ModelInfer and ModelStreamInfer take the
-raw request bytes: their size is charged to the bytes-in-flight budget before anything is
+ModelInfer and ModelStreamInfer take the raw request bytes: their size is charged to the bytes-in-flight budget before anything is
 parsed (on our front, a message larger than its connection's allowance was charged already,
 when its length prefix arrived: ``grpc_h2.Charged``), and a message that does not parse is
 INVALID_ARGUMENT rather than grpc's INTERNAL.
@@ -39,14 +36,12 @@ from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REP
 from .admission import Admission, BodyBudget, ResourceExhausted
 from .dataplane import decoupled_unsupported
 from .grpc_h2 import Admit, Charged, H2GrpcServer, serve_h2
-from .grpc_options import GrpcTLS, aio_options
+from .grpc_options import GrpcTLS
 from .limits import HTTP2Limits
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
-# Responses are ours; let them be as large as tritonclient accepts (it sets INT32_MAX too).
-MAX_SEND_MESSAGE_SIZE = 2**31 - 1
 # ModelStreamInfer requests of one stream in flight at once; further reads wait.
 STREAM_CONCURRENCY = 64
 # Responses of one stream ready but not yet written; past it, the models' streams wait.
@@ -497,10 +492,10 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
                             max_receive_message_size: int | None = None, *,
                             access: AccessPolicy | None = None,
                             max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                            max_inflight_bytes: int | None = None, transport: str = "h2",
+                            max_inflight_bytes: int | None = None,
                             limits: HTTP2Limits | None = None, ssl: GrpcTLS | None = None,
                             admission: Admission | None = None
-                            ) -> tuple[H2GrpcServer | grpc.aio.Server, int]:
+                            ) -> tuple[H2GrpcServer, int]:
     """Serve the engine over gRPC on ``host:port`` (port 0: a free one) on the running loop.
 
     Returns the started server and the port it bound; stop it with ``await server.stop(grace)``.
@@ -509,16 +504,13 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     ``authorization`` (and restricted-API header) metadata; None serves everyone. Beyond
     ``max_concurrent_rpcs`` RPCs at once, or ``max_inflight_bytes`` of inference requests
     (default: 4x the receive limit; with ``admission``, the server's one budget, shared with
-    its other listeners), an RPC fails at once with RESOURCE_EXHAUSTED; on the h2 transport
-    the same budget is charged with a large message when its length prefix arrives, so a call
-    is refused before its body is taken.
-    ``transport``: "h2" (ours, a third of grpc.aio's CPU per RPC) or "aio" (grpc.aio).
+    its other listeners), an RPC fails at once with RESOURCE_EXHAUSTED; the same budget is
+    charged with a large message when its length prefix arrives, so a call is refused before
+    its body is taken.
     ``limits``: the connections' HTTP/2 limits and keep-alive (tritonserver's gRPC flags);
     ``ssl``: serve TLS (``--grpc-use-ssl``). Beside Triton's service, the port serves
     ``grpc.health.v1.Health`` (frontends/grpc_health.py) under the same access policy.
     """
-    if transport not in ("h2", "aio"):
-        raise ValueError(f"gRPC transport must be 'h2' or 'aio', got {transport!r}")
     limit = max_receive_message_size or engine.options.max_input_size or DEFAULT_MAX_INPUT_SIZE
     service = GRPCInferenceService(
         engine, access=access, admission=admission,
@@ -528,30 +520,12 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
                 grpc_health.SERVICE_NAME: grpc_health.method_handlers(
                     grpc_health.HealthService(engine, service.authenticate))}
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    if transport == "h2":
-        try:
-            groups = {SERVICE_NAME: api_groups(service),
-                      grpc_health.SERVICE_NAME: dict.fromkeys(services[grpc_health.SERVICE_NAME], HEALTH)}
-            admit = admit_on_headers(service, groups) if access is not None else None
-            return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
-                                  limits=limits, admit=admit, ssl=ssl.ssl_context() if ssl else None,
-                                  budget=service.inflight)
-        except OSError as err:
-            raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", MAX_SEND_MESSAGE_SIZE),
-        *aio_options(limits),
-    ], maximum_concurrent_rpcs=max_concurrent_rpcs)
-    # generic, not registered: see the module's docstring
-    server.add_generic_rpc_handlers(tuple(
-        grpc.method_handlers_generic_handler(name, handlers) for name, handlers in services.items()))
     try:
-        bound = server.add_secure_port(address, ssl.server_credentials()) if ssl else \
-            server.add_insecure_port(address)
-    except RuntimeError as err:
+        groups = {SERVICE_NAME: api_groups(service),
+                  grpc_health.SERVICE_NAME: dict.fromkeys(services[grpc_health.SERVICE_NAME], HEALTH)}
+        admit = admit_on_headers(service, groups) if access is not None else None
+        return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
+                              limits=limits, admit=admit, ssl=ssl.ssl_context() if ssl else None,
+                              budget=service.inflight)
+    except OSError as err:
         raise OSError(f"could not bind the gRPC server to {address}: {err}") from None
-    if not bound:
-        raise OSError(f"could not bind the gRPC server to {address}")
-    await server.start()
-    return server, bound

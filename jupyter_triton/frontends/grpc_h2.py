@@ -169,7 +169,7 @@ class _Connection(asyncio.Protocol):
 
 
 class H2GrpcServer:
-    """What standalone/serverext use of grpc.aio.Server: ``stop(grace)``.
+    """The gRPC port's server; standalone/serverext stop it with ``stop(grace)``.
 
     ``services``: service name -> (method name -> grpc method handler). ``admit(service,
     method, headers)`` is asked when a call's HEADERS are complete, before any of its body is

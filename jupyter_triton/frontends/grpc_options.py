@@ -1,7 +1,7 @@
 """The gRPC port's operator settings in tritonserver's words: its keep-alive and connection-age
 flags (milliseconds there, ``HTTP2Limits`` seconds here) and its TLS flags, read once by the
-CLI and by the server extension's traits, and turned into what each transport takes (an
-``ssl.SSLContext`` for our HTTP/2 front, grpc channel arguments and credentials for grpc.aio).
+CLI and by the server extension's traits, and turned into what the HTTP/2 front takes
+(``HTTP2Limits``, an ``ssl.SSLContext``).
 """
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
-
-import grpc
 
 from .limits import HTTP2Limits
 
@@ -81,33 +79,3 @@ class GrpcTLS:
             context.verify_mode = ssl.CERT_REQUIRED
             context.load_verify_locations(cafile=self.root_cert)
         return context
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """For grpc.aio (as tritonserver builds its SslServerCredentials)."""
-        read = lambda path: Path(path).read_bytes()     # noqa: E731
-        return grpc.ssl_server_credentials(
-            [(read(self.server_key), read(self.server_cert))],
-            root_certificates=read(self.root_cert) if self.mutual else None,
-            require_client_auth=self.mutual)
-
-
-def aio_options(limits: HTTP2Limits) -> list[tuple[str, int]]:
-    """``limits`` as grpc core's channel arguments (tritonserver sets the same ones)."""
-    ms = lambda seconds: int(seconds * 1000)    # noqa: E731
-    options = [
-        ("grpc.keepalive_time_ms", ms(limits.keepalive_time)),
-        ("grpc.keepalive_timeout_ms", ms(limits.keepalive_timeout)),
-        ("grpc.keepalive_permit_without_calls", int(limits.keepalive_permit_without_calls)),
-        ("grpc.http2.max_pings_without_data", limits.max_pings_without_data),
-        ("grpc.http2.min_ping_interval_without_data_ms",
-         ms(limits.min_recv_ping_interval_without_data)),
-        ("grpc.http2.max_ping_strikes", limits.max_ping_strikes),
-        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
-        ("grpc.max_metadata_size", limits.max_header_list_size),
-        ("grpc.max_connection_idle_ms", ms(limits.max_connection_idle)),
-    ]
-    if limits.max_connection_age is not None:
-        options.append(("grpc.max_connection_age_ms", ms(limits.max_connection_age)))
-    if limits.max_connection_age_grace is not None:
-        options.append(("grpc.max_connection_age_grace_ms", ms(limits.max_connection_age_grace)))
-    return options
