@@ -133,10 +133,11 @@ class TritonHTTP:
 
     # ---- data --------------------------------------------------------------------------
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], version: str = "",
-              outputs: list[str] | None = None, sequence: Mapping[str, Any] | None = None
-              ) -> dict[str, np.ndarray]:
+              outputs: list[str] | None = None, sequence: Mapping[str, Any] | None = None,
+              priority: int = 0) -> dict[str, np.ndarray]:
         """One inference with binary tensors; returns every output as numpy. ``sequence``:
-        ``sequence_id``, ``sequence_start``, ``sequence_end`` as tritonclient takes them."""
+        ``sequence_id``, ``sequence_start``, ``sequence_end`` as tritonclient takes them;
+        ``priority``: Triton's request parameter (0: the model's default level)."""
         import tritonclient.http as httpclient   # its codec helpers; the transport stays urllib
         infer_inputs = []
         for name, value in inputs.items():
@@ -149,7 +150,7 @@ class TritonHTTP:
             infer_inputs.append(tensor)
         requested = [httpclient.InferRequestedOutput(n, binary_data=True) for n in outputs or []]
         body, json_size = httpclient.InferenceServerClient.generate_request_body(
-            infer_inputs, outputs=requested or None, **dict(sequence or {}))
+            infer_inputs, outputs=requested or None, priority=int(priority), **dict(sequence or {}))
         headers = {"Content-Type": "application/octet-stream"}
         if json_size is not None:
             headers["Inference-Header-Content-Length"] = str(json_size)

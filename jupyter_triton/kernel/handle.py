@@ -194,6 +194,18 @@ class ServedModel:
 
     __call__ = infer
 
+    def map(self, items: Any, *, chunk_size: int | None = None, concurrency: int = 4,
+            priority: int | str = "bulk", progress: bool = True, resume: Any = None) -> Any:
+        """Run the model over a large input: ``chunk_size`` rows a request (default
+        max_batch_size), ``concurrency`` requests at a time, at the model's lowest priority
+        level (``priority="bulk"``, or a level), with a progress bar; returns the outputs in
+        input order (a list of strings for a text model). An interruption or a failed chunk
+        raises ``BulkInterrupted``/``BulkFailed`` whose ``bulk`` keeps what finished:
+        ``handle.map(items, resume=err.bulk)`` (or its key) sends only the rest."""
+        from .bulk import run_map
+        return run_map(self, items, chunk_size=chunk_size, concurrency=concurrency,
+                       priority=priority, progress=progress, resume=resume)
+
     def _text_model(self, meta: dict) -> bool:
         ins = [(t["name"], t["datatype"]) for t in meta.get("inputs", [])]
         outs = [t["name"] for t in meta.get("outputs", [])]
