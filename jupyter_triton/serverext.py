@@ -58,9 +58,9 @@ _GROUP_OF = {"HealthLive": HEALTH, "HealthReady": HEALTH, "ModelReady": HEALTH,
 _READ_GROUPS = frozenset({HEALTH, METADATA, MODEL_CONFIG, STATISTICS})
 # Route classes (by their Triton-spelled names) whose POST changes nothing ("read"), and
 # those that load or unload a model: code execution, an action of its own; a model's captured
-# traffic is user data, for whoever may load models (reading it too).
+# traffic and a version's lineage are user data, for whoever may load models (reading it too).
 _READ_ROUTES = frozenset({"RepositoryIndex"})
-_EXECUTE_ROUTES = frozenset({"RepositoryLoad", "RepositoryUnload", "ModelTraffic"})
+_EXECUTE_ROUTES = frozenset({"RepositoryLoad", "RepositoryUnload", "ModelTraffic", "ModelLineage"})
 
 
 def api_group(handler: type) -> str:

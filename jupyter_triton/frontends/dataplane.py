@@ -37,6 +37,7 @@ from ..model_logs import model_logs
 from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
+from ..repository.lineage import read as read_lineage
 from . import openai, openai_embeddings
 from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_events,
                        generate_request, generate_response, is_empty_final)
@@ -572,6 +573,23 @@ async def model_traffic(plane: DataPlane, call: Call) -> Reply:
     return Reply(200, body, {"Content-Type": JSON})
 
 
+async def model_lineage(plane: DataPlane, call: Call) -> Reply:
+    """What a notebook served a version from (repository/lineage.py): the version named, else
+    the newest on disk; ``"lineage": null`` for a version served without one. User data: the
+    model-repository group's, as the traffic is."""
+    model, version = call.params["model"], _version(call)
+    record, version = await plane.offload(True, _read_lineage, plane.engine.repository, model,
+                                          version)
+    return json_reply({"name": model, "version": str(version), "lineage": record})
+
+
+def _read_lineage(repository: Any, model: str, version: str) -> tuple[dict | None, int]:
+    number = int(version) if version else max(repository.versions_on_disk(model), default=0)
+    if not number:
+        raise NotFound(f"model '{model}' has no version in the model repository")
+    return read_lineage(repository.version_dir(model, number)), number
+
+
 async def openai_models(plane: DataPlane, call: Call) -> Reply:
     try:
         if "model" in call.params:
@@ -684,6 +702,8 @@ ROUTES: list[Route] = [
           ADMIN),
     Route(rf"v2/models/{_MODEL}/traffic", "ModelTraffic", MODEL_REPOSITORY,
           {"GET": model_traffic, "POST": model_traffic}, ADMIN),
+    Route(rf"v2/models/{_MODEL}{_VERSION}/lineage", "ModelLineage", MODEL_REPOSITORY,
+          {"GET": model_lineage}, ADMIN),
     Route(rf"v2/models/{_MODEL}{_VERSION}/?", "ModelMetadata", METADATA, {"GET": model_metadata}),
     Route(r"v2/repository/index", "RepositoryIndex", MODEL_REPOSITORY, {"POST": repository_index}, ADMIN),
     Route(rf"v2/repository/models/{_MODEL}/load", "RepositoryLoad", MODEL_REPOSITORY,

@@ -19,6 +19,7 @@ from .ensemble import StepSpec, ensemble_artifact, ensemble_config
 from .golden import PromotionRefused, PromotionResult, encode
 from .handle import ServedModel
 from .knobs import Knobs, apply_knobs
+from .lineage import gather as gather_lineage, lineage_file
 from .traffic import capture_body, traffic_frame
 
 _announced: set[int] = set()
@@ -85,17 +86,20 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     elif golden is not None:
         cases = encode(golden, json.loads(artifact.config_json()))
         lifecycle = {"golden": cases, "atol": atol, "rtol": rtol}
-    return _upload(name, artifact, lifecycle)
+    return _upload(name, artifact, lifecycle, source=obj)
 
 
-def _upload(name: str, artifact: Any, lifecycle: dict | None = None) -> ServedModel:
+def _upload(name: str, artifact: Any, lifecycle: dict | None = None, source: Any = None) -> ServedModel:
     """The repository load request every notebook model goes through: a new version,
-    loaded before the old one retires."""
+    loaded before the old one retires, with its lineage (kernel/lineage.py: ``source`` is
+    what was served, the golden set the lifecycle's)."""
     conn = connection()
     client = TritonHTTP(conn)
     started = time.monotonic()
+    record = gather_lineage(source, (lifecycle or {}).get("golden"))
     try:
-        client.load(name, artifact.config_json(), artifact.files, lifecycle=lifecycle)
+        client.load(name, artifact.config_json(), lineage_file(artifact.files, record),
+                    lifecycle=lifecycle)
     except InvalidArgument as err:
         if lifecycle is None or "golden" not in lifecycle:
             raise
@@ -153,6 +157,14 @@ def rollback(name: str) -> ServedModel:
 def history(name: str) -> list[dict]:
     """Loads, promotions, refusals and rollbacks of ``name``, oldest first."""
     return _client().history(name)
+
+
+def lineage(name: str, version: int | None = None) -> dict | None:
+    """What ``version`` of ``name`` (None: the newest on disk) was served from: cell or
+    function source, execution count, Python, packages and their hash, git commit, golden
+    set's hash; None for a version served without one."""
+    path = TritonHTTP._model_path(name, str(version) if version else "") + "/lineage"
+    return _client().get_json(path, what=f"lineage of '{name}'")["lineage"]
 
 
 def models() -> list[dict]:

@@ -116,6 +116,13 @@ class ServedModel:
         """Loads, promotions, refusals and rollbacks of this model, oldest first."""
         return self._client.history(self.name)
 
+    def lineage(self, version: int | None = None) -> dict | None:
+        """What ``version`` (None: this handle's) was served from (kernel/lineage.py): cell and
+        function source, execution count, Python, packages and their hash, git commit, golden
+        set's hash; None for a version served without one."""
+        path = f"{self._client._model_path(self.name, str(version or self.version))}/lineage"
+        return self._client.get_json(path, what=f"lineage of '{self.name}'")["lineage"]
+
     # ---- its traffic (the server's engine/capture.py) -----------------------------------
     def capture(self, fraction: float = 1.0, max_rows: int = 10_000, *,
                 max_bytes: int | None = None, capture: bool = True, clear: bool = False) -> dict:

@@ -171,6 +171,7 @@ class TritonMagics(Magics):
                         f" (served: {r['served']})" if r.get("served") is not None else ""
                     print(f"{r.get('time', '')[:19]:<20} {r.get('action', ''):<9} version "
                           f"{r.get('version')}{was}")
+                _print_lineage(rest[0], records)
                 return None
             if command == "rollback":
                 handle = api.rollback(rest[0])
@@ -193,6 +194,39 @@ class TritonMagics(Magics):
             raise UsageError(str(err)) from None
         raise UsageError("%triton list | status NAME | load NAME | unload NAME | history NAME | "
                          "rollback NAME | dashboard [NAME] | connection")
+
+
+#: versions whose lineage ``%triton history`` shows, the newest the history names
+_LINEAGE_SHOWN = 20
+
+
+def _print_lineage(name: str, records: list[dict]) -> None:
+    """One line a version the history names (the newest ``_LINEAGE_SHOWN``): what it was
+    served from (kernel/lineage.py); ``handle.lineage(v)`` has the sources and packages."""
+    versions = list(dict.fromkeys(r["version"] for r in reversed(records)
+                                  if isinstance(r.get("version"), int)))[:_LINEAGE_SHOWN]
+    lines = []
+    for version in sorted(versions):
+        try:
+            record = api.lineage(name, version)
+        except TritonError:           # pruned since, or no longer readable
+            record = None
+        lines.append(f"  version {version}: " + (_lineage_line(record) if record else
+                                                  "no lineage (not served from a notebook)"))
+    if lines:
+        print("lineage:")
+        print("\n".join(lines))
+
+
+def _lineage_line(r: dict) -> str:
+    cell = f"cell [{r['execution_count']}]" if r.get("execution_count") is not None else "no cell"
+    what = "function source" if r.get("function_source") else \
+        "cell source" if r.get("cell_source") else "no source"
+    git = f"git {r['git_commit'][:12]}" if r.get("git_commit") else "no git commit"
+    golden = f"golden {r['golden_hash'][:12]}" if r.get("golden_hash") else "no golden set"
+    return (f"{r.get('time', '')[:19]} {cell}, {what}, Python {r.get('python')}, "
+            f"{len(r.get('packages') or [])} packages {str(r.get('packages_hash'))[:12]}, "
+            f"{git}, {golden}")
 
 
 def _unquote(text: str) -> str:

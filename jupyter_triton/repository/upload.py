@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ..protocol.errors import InvalidArgument
 from .layout import MAX_NAME_BYTES, MAX_VERSION, fits_file_name, is_version_dir_name
+from .lineage import LINEAGE_FILENAME, check as check_lineage
 
 FILE_PREFIX = "file:"
 MAX_UPLOAD_BYTES = 16 << 30
@@ -43,6 +44,8 @@ def parse_upload_files(model_name: str, files: Mapping[str, object],
         if total > max_bytes:
             raise InvalidArgument(f"model '{model_name}': uploaded files exceed the limit of "
                                   f"{max_bytes} bytes")
+        if str(path) == LINEAGE_FILENAME:
+            check_lineage(model_name, version, data)
         by_version.setdefault(version, []).append(UploadedFile(version, path, data))
     for version, uploaded in by_version.items():
         _check_no_file_dir_clash(model_name, version, uploaded)
