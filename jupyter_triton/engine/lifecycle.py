@@ -97,6 +97,8 @@ class ModelLifecycle(OnDemand, Rollout):
         self.repository = Repository(Path(options.model_repository))
         self._entries: dict[str, Entry] = {}
         self._started = False
+        # while start() loads what it loads, unset (a request that comes then waits for it)
+        self._start_done: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None
         self._unloading: set[asyncio.Task] = set()
         # strict readiness: the models the server was asked to serve (at start, or loaded
@@ -118,6 +120,13 @@ class ModelLifecycle(OnDemand, Rollout):
 
     # ---- the engine's own lifecycle ------------------------------------------------------
     async def start(self) -> None:
+        self._start_done = asyncio.Event()
+        try:
+            await self._start()
+        finally:
+            self._start_done.set()
+
+    async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.repository.recover)
         mode = self.options.model_control_mode

@@ -54,6 +54,14 @@ class OnDemand:
                 if self.residency.enabled:
                     self.residency.touch(name)
                 return self._version(name, version)
+            if self._start_done is not None and not self._start_done.is_set():
+                # the Jupyter server answers while the engine still loads the models named at
+                # start: a request for one of them waits for that, not a 404
+                try:
+                    await asyncio.wait_for(self._start_done.wait(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    raise _retry_later("the server is still loading its models") from None
+                continue
             if not await self._loadable(name):
                 return self._version(name, version)
             await self._on_demand(name, deadline - time.monotonic())
