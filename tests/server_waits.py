@@ -36,3 +36,15 @@ def wait_for_queued(model_version, count: int, seconds: float = 10) -> None:
         time.sleep(0.01)
     assert model_version.pending_count == count, \
         f"{model_version.name}: {model_version.pending_count} requests queued, not {count}"
+
+
+def wait_for_inferences(client: httpclient.InferenceServerClient, model: str, count: int,
+                        seconds: float = 30) -> dict:
+    """Until ``model``'s statistics count ``count`` inferences (a stream's last response can
+    reach its caller before the model that sent it has counted it); returns those statistics."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = client.get_inference_statistics(model)["model_stats"][0]
+        if stats["inference_count"] >= count or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)

@@ -14,6 +14,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
+from server_waits import wait_for_inferences
 from test_backend_python import ADD_SUB_CONFIG, ADD_SUB_MODEL_PY, THREAD_MODE
 from test_python_decoupled import REPEAT_CONFIG, REPEAT_MODEL_PY
 from triton_example_models import (BLS_DECOUPLED_SYNC_PY, BLS_SYNC_PY, SQUARE_INT32_CONFIG,
@@ -229,7 +230,7 @@ def test_the_bls_decoupled_sync_examples_calls(tmp_path, mode):
             result = client.infer("bls_decoupled_sync", [tensor], request_id="1",
                                   outputs=[httpclient.InferRequestedOutput("SUM")])
             assert result.as_numpy("SUM").tolist() == [k * k]
-        stats = client.get_inference_statistics("square_int32")["model_stats"][0]
+        stats = wait_for_inferences(client, "square_int32", 4)
         assert stats["inference_count"] == 4   # each BLS stream counted by the model it reached
     finally:
         server.close()
@@ -250,7 +251,7 @@ def test_nvidias_bls_decoupled_sync_example_runs_unchanged(tmp_path, mode):
             '"localhost:8000"': f'"127.0.0.1:{server.http_port}"'})
         assert run.returncode == 0, run.stdout + run.stderr
         assert "PASS: BLS Decoupled Sync" in run.stdout
-        stats = client.get_inference_statistics("square_int32")["model_stats"][0]
+        stats = wait_for_inferences(client, "square_int32", 4)
         assert stats["inference_count"] == 4   # each BLS stream counted by the model it reached
     finally:
         server.close()
