@@ -29,15 +29,24 @@ import ctypes
 import logging
 import struct
 import zlib
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import grpc
 
 from .admission import ResourceExhausted
 from .h2_connection import H2Connection, H2Events, H2Stream, hpack_int, hpack_literal
 
-if TYPE_CHECKING:
-    from .grpc_h2 import H2GrpcServer
+
+
+class CallServer(Protocol):
+    """What the calls of a connection read of their server (grpc_h2.H2GrpcServer)."""
+    active: int
+    admit: Any
+    budget: Any
+    limits: Any
+    max_concurrent_rpcs: int
+    max_receive: int
+    services: Any
 
 # (service, method, the call's headers) -> None to admit, or (status, details) to refuse
 Admit = Callable[[str, str, list], "tuple[grpc.StatusCode, str] | None"]
@@ -226,7 +235,7 @@ _EOF = object()
 class GrpcCalls(H2Events):
     """The calls of one connection: ``h2`` (made here) raises its events on this object."""
 
-    def __init__(self, server: "H2GrpcServer", loop: asyncio.AbstractEventLoop,
+    def __init__(self, server: CallServer, loop: asyncio.AbstractEventLoop,
                  on_output: Callable[[], None] | None = None) -> None:
         self.server = server
         self.loop = loop

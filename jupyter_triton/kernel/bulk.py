@@ -20,7 +20,7 @@ import itertools
 import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -28,8 +28,16 @@ from ..progress import Progress, Quiet
 from ..protocol.errors import InvalidArgument, TritonError
 from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 
-if TYPE_CHECKING:
-    from .handle import ServedModel
+
+
+class Mappable(Protocol):
+    """What ``run_map`` asks of the handle it maps over (handle.ServedModel)."""
+    name: str
+    _client: Any
+
+    def metadata(self) -> dict: ...
+    def config(self) -> dict: ...
+    def _text_model(self, meta: dict) -> bool: ...
 
 #: unfinished runs by key (``resume="<key>"``); a finished run leaves
 _RUNS: dict[str, "Bulk"] = {}
@@ -87,7 +95,7 @@ class BulkInterrupted(KeyboardInterrupt):
         self.bulk = bulk
 
 
-def run_map(handle: "ServedModel", items: Any, *, chunk_size: int | None = None,
+def run_map(handle: Mappable, items: Any, *, chunk_size: int | None = None,
             concurrency: int = 4, priority: int | str = "bulk", progress: bool = True,
             resume: "Bulk | str | None" = None) -> Any:
     """``handle.map``: see the module's text."""
