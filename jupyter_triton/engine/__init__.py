@@ -100,12 +100,14 @@ class Engine(ModelLifecycle):
             if capture is not None:
                 return await capture.infer(self, request)
         if not uses_shared_memory(request):
-            mv = await self.resident_version(request.model_name, request.model_version)
+            mv = (self.serving_version(request.model_name, request.model_version)
+              or await self.resident_version(request.model_name, request.model_version))
             if mv.response_cache is None:
                 return await mv.infer(request)
             return await mv.response_cache.infer(mv, request)       # engine/cache.py
         await resolve_inputs(request, self.shared_memory)
-        mv = await self.resident_version(request.model_name, request.model_version)
+        mv = (self.serving_version(request.model_name, request.model_version)
+              or await self.resident_version(request.model_name, request.model_version))
         response = await (mv.infer(request) if mv.response_cache is None else
                           mv.response_cache.infer(mv, request))
         await place_outputs(response, request, self.shared_memory)
@@ -124,7 +126,8 @@ class Engine(ModelLifecycle):
             finally:
                 await traced.aclose()
             return
-        mv = await self.resident_version(request.model_name, request.model_version)
+        mv = (self.serving_version(request.model_name, request.model_version)
+              or await self.resident_version(request.model_name, request.model_version))
         shm = uses_shared_memory(request)
         if shm:
             await resolve_inputs(request, self.shared_memory)

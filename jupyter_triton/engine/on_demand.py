@@ -40,6 +40,16 @@ class OnDemand:
         bound = 1 if self.residency.budget_bytes else self.residency.max_models
         self._cold_slots = asyncio.Semaphore(min(MAX_COLD_LOADS, bound) if bound else MAX_COLD_LOADS)
 
+    def serving_version(self, name: str, version: str = "") -> ModelVersion | None:
+        """The version a request for ``name`` runs on when the model is serving (the data
+        path's case: no coroutine, no clock); None when ``resident_version`` must decide."""
+        entry = self._entries.get(name)
+        if entry is None or not entry.serving:
+            return None
+        if self.residency.enabled:
+            self.residency.touch(name)
+        return self._version(name, version)
+
     async def resident_version(self, name: str, version: str = "") -> ModelVersion:
         """The version a request for ``name`` runs on: every inference route's lookup (v2
         infer and streams, gRPC, the OpenAI routes). A model that is serving answers at once;
@@ -49,11 +59,9 @@ class OnDemand:
         Triton's NotFound, and no state is kept for the name."""
         deadline = time.monotonic() + self.on_demand_wait_secs
         for _ in range(8):     # a model loaded for us may be evicted before we run: ask again
-            entry = self._entries.get(name)
-            if entry is not None and entry.serving:
-                if self.residency.enabled:
-                    self.residency.touch(name)
-                return self._version(name, version)
+            served = self.serving_version(name, version)
+            if served is not None:
+                return served
             if self._start_done is not None and not self._start_done.is_set():
                 # the Jupyter server answers while the engine still loads the models named at
                 # start: a request for one of them waits for that, not a 404
