@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
 
 from jupyter_triton.engine import Engine, EngineOptions  # noqa: E402
-from jupyter_triton.engine.histograms import latency_histograms  # noqa: E402
-from jupyter_triton.engine.statistics import ModelStatistics  # noqa: E402
+from jupyter_triton.engine.observation.histograms import latency_histograms  # noqa: E402
+from jupyter_triton.engine.observation.statistics import ModelStatistics  # noqa: E402
 from jupyter_triton.protocol.types import InferRequest, InferTensor  # noqa: E402
 
 ROUNDS = 7

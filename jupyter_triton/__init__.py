@@ -1,7 +1,7 @@
 """jupyter_triton: NVIDIA Triton's serving model, native to Jupyter."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401  (the public name)
 
 
 def _jupyter_server_extension_points() -> list[dict]:

@@ -333,7 +333,7 @@ def _trace_config(args: argparse.Namespace) -> list[str]:
         if flag is not None:
             old.append(f"{setting}={flag}")
     config = old + list(args.trace_config)
-    from .engine.trace import Tracing, parse_trace_config
+    from .engine.observation.trace import Tracing, parse_trace_config
     from .protocol.errors import TritonError
     try:
         Tracing(parse_trace_config(config)).close()     # refused here, not as a traceback later
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         # Like tritonserver: no line per request unless asked (it costs the event loop ~5%).
         logging.getLogger("tornado.access").setLevel(logging.WARNING)
     if args.command == "serve":
-        from .engine.server_log import SERVER_LOG       # the logging extension's settings
+        from .engine.observation.server_log import SERVER_LOG       # the logging extension's settings
         SERVER_LOG.install(log_file=args.log_file, info=args.log_info, warning=args.log_warning,
                            error=args.log_error, verbose_level=args.log_verbose,
                            log_format=args.log_format)

@@ -13,13 +13,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.backends.base import Backend, InstanceSpec, ModelFiles
-from jupyter_triton.engine import timer
-from jupyter_triton.engine.batcher import DEFAULT_MAX_QUEUE_SIZE, DynamicBatcher
-from jupyter_triton.engine.instances import Instance, InstancePool
-from jupyter_triton.engine.rate_limiter import RateLimiter, instance_resources
-from jupyter_triton.engine.scheduler import Pending
-from jupyter_triton.engine.statistics import ModelStatistics, failure_reason
-from jupyter_triton.engine.warmup import warmup_samples
+from jupyter_triton.engine.batching import timer
+from jupyter_triton.engine.batching.batcher import DEFAULT_MAX_QUEUE_SIZE, DynamicBatcher
+from jupyter_triton.engine.batching.instances import Instance, InstancePool
+from jupyter_triton.engine.batching.rate_limiter import RateLimiter, instance_resources
+from jupyter_triton.engine.batching.scheduler import Pending
+from jupyter_triton.engine.observation.statistics import ModelStatistics, failure_reason
+from jupyter_triton.engine.lifecycle.warmup import warmup_samples
 from jupyter_triton.protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
 from jupyter_triton.protocol.types import InferRequest
 

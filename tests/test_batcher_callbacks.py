@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 
-from jupyter_triton.engine.batcher import DynamicBatcher
-from jupyter_triton.engine.pending import Pending
+from jupyter_triton.engine.batching.batcher import DynamicBatcher
+from jupyter_triton.engine.batching.pending import Pending
 from jupyter_triton.protocol.types import InferRequest
 
 from test_batcher import batcher, occupy, pending, run

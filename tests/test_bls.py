@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jupyter_triton.backends.base import Backend
-from jupyter_triton.engine.bls import MAX_BLS_DEPTH, MAX_BLS_IN_FLIGHT
+from jupyter_triton.engine.composition.bls import MAX_BLS_DEPTH, MAX_BLS_IN_FLIGHT
 from jupyter_triton.protocol.errors import (DeadlineExceeded, Internal, InvalidArgument,
                                             TritonError, Unavailable)
 from jupyter_triton.protocol.types import InferRequest, InferTensor
@@ -131,7 +131,7 @@ class Models(Backend):
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch) -> Path:
-    import jupyter_triton.engine.lifecycle as lifecycle
+    import jupyter_triton.engine.lifecycle.control as lifecycle
     import jupyter_triton.engine.model as model
     from conftest import build_repository
     real = model.backend_class
@@ -194,7 +194,7 @@ def test_a_model_reads_a_decoupled_models_stream(repo, tmp_path):
 
 
 def test_a_bls_stream_read_slowly_holds_back_its_callee_and_loses_nothing(repo, tmp_path, monkeypatch):
-    import jupyter_triton.engine.bls as bls
+    import jupyter_triton.engine.composition.bls as bls
     monkeypatch.setattr(bls, "STREAM_BUFFER", 3)
 
     async def main(engine):
@@ -251,7 +251,7 @@ def test_bls_from_the_event_loop_is_refused(repo, tmp_path):
 
 def test_bls_after_the_server_loop_closed_is_unavailable(tmp_path):
     from jupyter_triton.engine import Engine, EngineOptions
-    from jupyter_triton.engine.bls import ModelCalls
+    from jupyter_triton.engine.composition.bls import ModelCalls
     loop = asyncio.new_event_loop()
     engine = Engine(EngineOptions(model_repository=tmp_path))
     calls = ModelCalls(engine.server_calls, "caller", loop)

@@ -22,7 +22,7 @@ from onnx_models import linear
 from python_models import THREAD_MODE, request, sleepy_model
 from test_cli_options import one_row, serve, stop
 
-from jupyter_triton.engine.busy_poll import BusyPoll
+from jupyter_triton.engine.batching.busy_poll import BusyPoll
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WINDOW_S = 0.4      # long beside a request (~1 ms), short beside the test

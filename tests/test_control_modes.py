@@ -80,7 +80,7 @@ def test_poll_mode_retries_a_version_once_its_files_change(model_repo, caplog):
     reason; while its files stay as they are it is tried again only after a back-off and
     its error is logged once (tritonserver 2.51 tries and logs at every poll); it is served
     at the first poll after they change. Nothing in the repository is moved or deleted."""
-    caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle")
+    caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle.control")
 
     def failures() -> int:
         return sum("failed to load model 'linear'" in r.getMessage() for r in caplog.records)
@@ -144,7 +144,7 @@ def test_poll_mode_tries_unchanged_files_again_after_a_back_off(model_repo, tmp_
     """A failure outside the model's files (here: a service it needs) heals without
     touching the repository, as with Triton's poller, which tries at every poll; here the
     tries back off (1, 2, 4, ... polls) and the error is logged once."""
-    caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle")
+    caplog.set_level(logging.WARNING, logger="jupyter_triton.engine.lifecycle.control")
     service = tmp_path / "service-is-up"
     (model_repo / "needs" / "1").mkdir(parents=True)
     (model_repo / "needs" / "1" / "model.py").write_text(NEEDS_SERVICE_PY % str(service))
@@ -154,7 +154,7 @@ def test_poll_mode_tries_unchanged_files_again_after_a_back_off(model_repo, tmp_
         time.sleep(1.0)                    # about 20 polls
         assert not client.is_model_ready("needs")
         logged = [r.getMessage() for r in caplog.records
-                  if r.name == "jupyter_triton.engine.lifecycle" and "needs" in r.getMessage()]
+                  if r.name == "jupyter_triton.engine.lifecycle.control" and "needs" in r.getMessage()]
         assert len(logged) == 2, logged             # its version, then the model: once each
         tries = [r for r in caplog.records if r.name == "jupyter_triton.backends.python.backend"
                  and "initialize failed" in r.getMessage()]

@@ -16,10 +16,10 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.backends.base import Backend, InstanceSpec, ModelFiles
-from jupyter_triton.engine.batcher import DynamicBatcher
-from jupyter_triton.engine.instances import Instance, InstancePool
-from jupyter_triton.engine.scheduler import Pending
-from jupyter_triton.engine.statistics import ModelStatistics
+from jupyter_triton.engine.batching.batcher import DynamicBatcher
+from jupyter_triton.engine.batching.instances import Instance, InstancePool
+from jupyter_triton.engine.batching.scheduler import Pending
+from jupyter_triton.engine.observation.statistics import ModelStatistics
 from jupyter_triton.protocol.errors import Unavailable
 from jupyter_triton.protocol.types import InferRequest
 

@@ -13,7 +13,7 @@ from google.protobuf import text_format
 from tritonclient.utils import InferenceServerException
 
 from conftest import build_repository, serve
-from jupyter_triton.engine.ensemble import plan
+from jupyter_triton.engine.composition.ensemble import plan
 from jupyter_triton.protocol.errors import InvalidArgument, Unavailable
 from onnx_models import linear
 

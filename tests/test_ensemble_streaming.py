@@ -19,7 +19,7 @@ from google.protobuf import text_format
 
 from decoupled_models import write_model, write_words
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.engine.ensemble import plan
+from jupyter_triton.engine.composition.ensemble import plan
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.standalone import start_in_thread
 

@@ -20,7 +20,7 @@ from jupyter_triton.engine import EngineOptions
 from jupyter_triton.engine.shared_memory import SharedMemoryRegistry
 from jupyter_triton.frontends.grpc import start_grpc_server
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
-from jupyter_triton.engine.trace import Tracing
+from jupyter_triton.engine.observation.trace import Tracing
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
 
 

@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import build_repository
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.engine.server_log import SERVER_LOG
+from jupyter_triton.engine.observation.server_log import SERVER_LOG
 from jupyter_triton.standalone import start_in_thread
 
 pytestmark = pytest.mark.timeout(120)

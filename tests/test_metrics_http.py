@@ -267,7 +267,7 @@ def test_no_histograms_unless_asked(server, counted):
 
 
 def test_recent_quantiles_cover_the_last_window_only():
-    from jupyter_triton.engine.histograms import Histogram
+    from jupyter_triton.engine.observation.histograms import Histogram
     from jupyter_triton.protocol.quantiles import RecentQuantiles
     h = Histogram((1.0, 10.0, 100.0))
     recent = RecentQuantiles(seconds=60)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from jupyter_triton.config.formats import config_from_json
-from jupyter_triton.engine.simulation import Arrival, ClosedLoop, simulate
+from jupyter_triton.engine.batching.simulation import Arrival, ClosedLoop, simulate
 from jupyter_triton.planning import ServiceModel
 from jupyter_triton.planning.capacity import CapacityPlan, Load, summarize
 from jupyter_triton.planning.service import (BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls,

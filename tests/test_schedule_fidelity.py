@@ -17,8 +17,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.engine.model import ModelVersion
 from jupyter_triton.engine.options import EngineOptions
-from jupyter_triton.engine.rate_limiter import RateLimiter, resource_limits
-from jupyter_triton.engine.simulation import Arrival, simulate
+from jupyter_triton.engine.batching.rate_limiter import RateLimiter, resource_limits
+from jupyter_triton.engine.batching.simulation import Arrival, simulate
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.types import InferRequest, InferTensor
 from python_models import SLEEPY_MODEL_PY, THREAD_MODE, executions

@@ -14,7 +14,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.engine.simulation import Arrival, ClosedLoop, simulate
+from jupyter_triton.engine.batching.simulation import Arrival, ClosedLoop, simulate
 from jupyter_triton.standalone import start_in_thread
 from python_models import request, sleepy_model
 

@@ -11,7 +11,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.engine.statistics import ModelStatistics
+from jupyter_triton.engine.observation.statistics import ModelStatistics
 from jupyter_triton.frontends.metrics import exposition, metrics_registry
 
 from test_batcher import batcher, pending, submit_all

@@ -93,7 +93,7 @@ def _model(root: Path, name: str, mbs: int = 0, extra: str = "") -> None:
 
 @pytest.fixture
 def repeat_backend(monkeypatch):
-    import jupyter_triton.engine.lifecycle as lifecycle
+    import jupyter_triton.engine.lifecycle.control as lifecycle
     import jupyter_triton.engine.model as model
     real = model.backend_class
     pick = lambda name: Repeat if name == "python" else real(name)   # noqa: E731
@@ -360,7 +360,7 @@ def test_a_fast_model_waits_for_a_slow_reader_past_max_buffered_responses(tmp_pa
 
 
 def test_a_reader_that_stalls_past_the_wait_ends_the_request(tmp_path, repeat_backend, monkeypatch):
-    import jupyter_triton.engine.streaming as streaming
+    import jupyter_triton.engine.composition.streaming as streaming
     monkeypatch.setattr(streaming, "SEND_WAIT_SECONDS", 0.2)
     _model(tmp_path / "models", "repeat",
            extra='parameters { key: "max_buffered_responses" value: { string_value: "2" } }')

@@ -385,7 +385,7 @@ parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{mode}" }} }}
 
 
 def test_recent_traces_are_bounded(monkeypatch, repo: Path):
-    import jupyter_triton.engine.trace as trace_module
+    import jupyter_triton.engine.observation.trace as trace_module
     monkeypatch.setattr(trace_module, "RECENT_TRACES", 3)
     server = start(repo, "level=TENSORS", "rate=1")
     try:

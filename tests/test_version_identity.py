@@ -313,7 +313,7 @@ def test_version_numbers_are_bounded_as_triton_bounds_them(tmp_path: Path):
 def test_lifecycle_numbers_are_numbers_and_booleans_booleans():
     """The same rule for the other lifecycle keys: a boolean is no version number or tolerance,
     and a version is one the repository could hold."""
-    from jupyter_triton.engine.promotion import parse_promotion, rollback_requested
+    from jupyter_triton.engine.lifecycle.promotion import parse_promotion, rollback_requested
     from jupyter_triton.protocol.errors import InvalidArgument
     golden = [{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [1]}],
                "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [1], "data": [2]}]}]

@@ -2,8 +2,17 @@
 for every frontend (HTTP, gRPC, metrics). Runs on the server's asyncio loop; never executes
 a model on it.
 
-This module is the data plane and the model queries; loading, unloading, polling and
-stopping live in ``lifecycle``; the operator's options in ``options``."""
+This module is the data plane and the model queries. The rest lives in rooms, each a
+subpackage with its own note:
+
+- ``batching/``: schedulers, the dynamic batcher, instances, clocks, the simulator
+- ``lifecycle/``: the model table, on-demand loads, residency, rollouts, warm-up
+- ``composition/``: ensembles, BLS, decoupled streams, sequences
+- ``observation/``: statistics, trace, logging, traffic capture
+
+and beside them ``model`` (one loaded version), ``validation`` (a request against its
+config), ``response``, ``shared_memory``, ``cache`` (the response cache) and ``options``
+(the operator's)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,18 +22,18 @@ from typing import AsyncGenerator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .. import __version__
+from .._version import __version__
 from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
-from .bls import Bls
-from .capture import TrafficCapture
-from .lifecycle import ModelLifecycle
+from .composition.bls import Bls
+from .observation.capture import TrafficCapture
+from .lifecycle.control import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
-from .residency import opted_in
+from .lifecycle.residency import opted_in
 from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs, uses_shared_memory
-from .trace import Tracing, parse_trace_config
+from .observation.trace import Tracing, parse_trace_config
 
 # Advertised only because each works end to end (perf_analyzer reads this list).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)",

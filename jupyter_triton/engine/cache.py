@@ -34,7 +34,7 @@ from ..protocol.types import InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from .model import ModelVersion
-    from .statistics import ModelStatistics
+    from .observation.statistics import ModelStatistics
 
 #: request parameters that only say how to schedule or encode, not what to compute
 _NOT_IN_KEY = frozenset({"priority", "timeout", "binary_data_output", "headers"})

@@ -18,22 +18,22 @@ from ..backends.devices import resolve_kind
 from ..backends.signature import int_parameter
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.types import InferRequest, InferResponse, RequestedOutput
-from .batcher import DynamicBatcher
-from .bls import Bls
-from .busy_poll import BusyPoll
-from .ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
-from .instances import Instance, InstancePool, run_in_daemon_thread
-from .memory import LoadProbe
-from .rate_limiter import RateLimiter, instance_resources
+from .batching.batcher import DynamicBatcher
+from .composition.bls import Bls
+from .batching.busy_poll import BusyPoll
+from .composition.ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
+from .batching.instances import Instance, InstancePool, run_in_daemon_thread
+from .lifecycle.memory import LoadProbe
+from .batching.rate_limiter import RateLimiter, instance_resources
 from .response import OutputPlan, build_response
-from .pending import Pending
-from .scheduler import DirectScheduler, Scheduler
-from .sequence import SequenceBatcher, check_supported
-from .statistics import ModelStatistics, failure_reason, mark_failure
-from .streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, CollectingSender,
+from .batching.pending import Pending
+from .batching.scheduler import DirectScheduler, Scheduler
+from .composition.sequence import SequenceBatcher, check_supported
+from .observation.statistics import ModelStatistics, failure_reason, mark_failure
+from .composition.streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, CollectingSender,
                         ResponseStream, decoupled_refusal)
 from .validation import InputPlan, check_request
-from .warmup import warmup_samples
+from .lifecycle.warmup import warmup_samples
 
 log = logging.getLogger(__name__)
 

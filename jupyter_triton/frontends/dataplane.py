@@ -31,8 +31,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from ..config import config_to_json
 from ..engine import Engine
-from ..engine.capture import traffic_json
-from ..engine.streaming import DecoupledRefused
+from ..engine.observation.capture import traffic_json
+from ..engine.composition.streaming import DecoupledRefused
 from ..model_logs import model_logs
 from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
 from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
@@ -41,7 +41,7 @@ from ..repository.lineage import read as read_lineage
 from . import openai, openai_embeddings
 from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_events,
                        generate_request, generate_response, is_empty_final)
-from ..engine.trace import trace_context
+from ..engine.observation.trace import trace_context
 from . import observability
 from .admission import Admission, BodyTicket
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,

@@ -24,12 +24,12 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from ..engine import Engine
-from ..engine.streaming import DecoupledRefused
+from ..engine.composition.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unsupported
 from ..protocol.grpc_codec import (RequestPlans, ResponsePlans, check_model_version,
                                    decode_grpc_request, parameter_value,
                                    parse_infer_request)
-from ..engine.trace import trace_context
+from ..engine.observation.trace import trace_context
 from . import grpc_health, observability
 from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                    SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)

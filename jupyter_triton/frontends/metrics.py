@@ -22,11 +22,11 @@ from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.samples import Sample
 
 from ..engine import Engine
-from ..engine.memory import metric_samples as memory_samples
+from ..engine.lifecycle.memory import metric_samples as memory_samples
 from ..engine.model import ModelVersion
 from ..engine.cache import metric_values as cache_metric_values
-from ..engine.histograms import FAMILIES as HISTOGRAM_FAMILIES
-from ..engine.statistics import FAILURE_REASONS, step_metric_values
+from ..engine.observation.histograms import FAMILIES as HISTOGRAM_FAMILIES
+from ..engine.observation.statistics import FAILURE_REASONS, step_metric_values
 from ..model_metrics import custom_metric_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

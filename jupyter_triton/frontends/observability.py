@@ -9,7 +9,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2 as pb
 
 from ..engine import Engine
-from ..engine.server_log import SERVER_LOG
+from ..engine.observation.server_log import SERVER_LOG
 from ..protocol.errors import InvalidArgument, NotFound, TritonError
 
 

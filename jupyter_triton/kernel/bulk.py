@@ -216,7 +216,7 @@ def _priority(priority: int | str, config: Mapping[str, Any], name: str) -> int:
 def _inputs(items: Any, meta: Mapping[str, Any], text: bool, name: str
             ) -> tuple[dict[str, np.ndarray], int]:
     """The whole input as arrays by input name, all with the same first dimension."""
-    from .handle import _to_numpy
+    from ..protocol.datatypes import as_numpy
     specs = meta.get("inputs", [])
     if isinstance(items, (str, bytes)):
         raise InvalidArgument("map: items is one string; pass a list of them")
@@ -247,7 +247,7 @@ def _inputs(items: Any, meta: Mapping[str, Any], text: bool, name: str
         value = values[spec["name"]]
         if spec["datatype"] == "BYTES" and isinstance(value, Sequence) and not isinstance(value, np.ndarray):
             value = [v.encode("utf-8") if isinstance(v, str) else v for v in value]
-        array = _to_numpy(value, spec["datatype"])
+        array = as_numpy(value, spec["datatype"])
         if array.ndim == 0:
             raise InvalidArgument(f"map: input '{spec['name']}' is a scalar; map takes a "
                                   f"sequence of items along the first dimension")

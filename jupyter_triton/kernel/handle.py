@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..hub import HUB_TOKEN, in_hub
-from ..protocol.datatypes import triton_to_numpy
+from ..protocol.datatypes import as_numpy, triton_to_numpy
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from .artifacts import TEXT_INPUT, TEXT_OUTPUT
 from .client import TritonHTTP
@@ -177,7 +177,7 @@ class ServedModel:
         added_batch = False
         inputs = {}
         for spec in specs:
-            value = _to_numpy(values[spec["name"]], spec["datatype"])
+            value = as_numpy(values[spec["name"]], spec["datatype"])
             if max_batch and value.ndim == len(spec["shape"]) - 1:
                 value, added_batch = value[np.newaxis], True
             inputs[spec["name"]] = value
@@ -268,7 +268,7 @@ class ServedModel:
             value = values[spec["name"]]
             if text and isinstance(value, str):
                 value = np.array([value.encode("utf-8")], dtype=np.object_)
-            value = _to_numpy(value, spec["datatype"])
+            value = as_numpy(value, spec["datatype"])
             tensor = grpcclient.InferInput(spec["name"], list(value.shape), spec["datatype"])
             tensor.set_data_from_numpy(value)
             tensors.append(tensor)
@@ -403,14 +403,6 @@ class Sequence:
 
 def _event_outputs(event: dict) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in event.items() if k not in ("model_name", "model_version")}
-
-
-def _to_numpy(value: Any, datatype: str) -> np.ndarray:
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    if datatype == "BYTES":
-        return np.asarray(value, dtype=np.object_)
-    return np.asarray(value, dtype=triton_to_numpy(datatype))
 
 
 def _tensor_text(t: dict) -> str:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config.formats import config_from_json
-from ..engine import simulation as sim
+from ..engine.batching import simulation as sim
 from ..progress import progress as show_progress
 from ..protocol.errors import InvalidArgument, TritonError, Unavailable
 from ..kernel.client import TritonHTTP

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..engine.simulation import Arrival, ClosedLoop
+from ..engine.batching.simulation import Arrival, ClosedLoop
 from ..protocol.errors import InvalidArgument
 
 #: arrivals per open-loop simulation unless a class says otherwise: enough for a p99

@@ -73,6 +73,15 @@ def is_valid_datatype(dt: str) -> bool:
     return dt in DATATYPES
 
 
+def as_numpy(value, datatype: str) -> np.ndarray:
+    """A user's value (list, array, torch tensor) as the array a ``datatype`` input sends."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if datatype == "BYTES":
+        return np.asarray(value, dtype=np.object_)
+    return np.asarray(value, dtype=triton_to_numpy(datatype))
+
+
 def triton_to_numpy(dt: str) -> np.dtype:
     """The numpy dtype a tensor of Triton type ``dt`` has inside the server."""
     try:

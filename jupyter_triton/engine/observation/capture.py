@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..protocol.errors import InvalidArgument, NotFound, TritonError
-from ..protocol.http_codec import tensor_to_json
-from ..protocol.types import InferRequest, InferResponse, InferTensor
+from ...protocol.errors import InvalidArgument, NotFound, TritonError
+from ...protocol.http_codec import tensor_to_json
+from ...protocol.types import InferRequest, InferResponse, InferTensor
 
 if TYPE_CHECKING:
-    from . import Engine
+    from .. import Engine
 
 DEFAULT_MAX_ROWS = 10_000
 DEFAULT_MAX_BYTES = 16 << 20

@@ -11,13 +11,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ..protocol.errors import TritonError, Unavailable
-from .model import UNAVAILABLE, ModelVersion, VersionStatus
+from ...protocol.errors import TritonError, Unavailable
+from ..model import UNAVAILABLE, ModelVersion, VersionStatus
 from .residency import (EVICTED_REASON, EVICT_WAIT_SECS, FAILED_RETRY_SECS, MAX_COLD_LOADS,
                         ON_DEMAND_WAIT_SECS, RETRY_AFTER_SECS, idle, opted_in, pinned)
 
 if TYPE_CHECKING:
-    from .lifecycle import Entry   # noqa: F401
+    from .control import Entry   # noqa: F401
 
 log = logging.getLogger(__name__)
 

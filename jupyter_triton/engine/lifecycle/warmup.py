@@ -14,8 +14,8 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import deserialize_bytes_tensor
 
-from ..protocol.datatypes import config_to_triton, triton_to_numpy
-from ..protocol.errors import InvalidArgument
+from ...protocol.datatypes import config_to_triton, triton_to_numpy
+from ...protocol.errors import InvalidArgument
 
 Tensors = dict[str, np.ndarray]
 

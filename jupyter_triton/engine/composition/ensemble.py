@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Awaitable, Call
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol import errors
-from ..protocol.errors import Internal, InvalidArgument, TritonError
-from ..protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
-from .scheduler import Pending, Scheduler
+from ...protocol import errors
+from ...protocol.errors import Internal, InvalidArgument, TritonError
+from ...protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
+from ..batching.scheduler import Pending, Scheduler
 from .streaming import DecoupledRefused
 
 if TYPE_CHECKING:
-    from .statistics import ModelStatistics
+    from ..observation.statistics import ModelStatistics
 
 ENSEMBLE_PLATFORM = "ensemble"
 BACKEND = "ensemble"   # the engine's backend name for an ensemble: it has no runtime

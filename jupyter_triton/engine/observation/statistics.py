@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..protocol.errors import Cancelled
+from ...protocol.errors import Cancelled
 
 #: Triton's ``reason`` label values of ``nv_inference_request_failure``.
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")

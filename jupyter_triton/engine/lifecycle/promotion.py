@@ -14,10 +14,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..protocol.datatypes import triton_to_numpy
-from ..protocol.errors import InvalidArgument
-from ..protocol.types import InferRequest, InferTensor
-from ..repository.layout import MAX_VERSION, is_version_dir_name
+from ...protocol.datatypes import triton_to_numpy
+from ...protocol.errors import InvalidArgument
+from ...protocol.types import InferRequest, InferTensor
+from ...repository.layout import MAX_VERSION, is_version_dir_name
 
 LIFECYCLE_FILE = "file:lifecycle.json"
 KEYS = ("golden", "atol", "rtol", "promote", "rollback", "canary")

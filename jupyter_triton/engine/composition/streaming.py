@@ -21,11 +21,11 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
-from ..protocol.types import InferRequest, InferResponse
+from ...protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
+from ...protocol.types import InferRequest, InferResponse
 
 if TYPE_CHECKING:
-    from .statistics import ModelStatistics
+    from ..observation.statistics import ModelStatistics
 
 #: responses a stream buffers before its sender waits for the reader
 DEFAULT_MAX_BUFFERED = 256

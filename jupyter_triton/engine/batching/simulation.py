@@ -51,13 +51,13 @@ from typing import Callable, Sequence
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.errors import TritonError
+from ...protocol.errors import TritonError
 from .batcher import DynamicBatcher
 from .clock import VirtualClock, VirtualLoop
-from .model import instance_specs
+from ..model import instance_specs
 from .pending import Pending
 from .scheduler import DirectScheduler
-from .statistics import ModelStatistics
+from ..observation.statistics import ModelStatistics
 
 __all__ = ["Arrival", "ClosedLoop", "Outcome", "ServiceTime", "SimResult", "simulate"]
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..protocol.types import InferRequest
+from ...protocol.types import InferRequest
 
 if TYPE_CHECKING:
-    from .streaming import ResponseStream
+    from ..composition.streaming import ResponseStream
 
 
 @dataclass(eq=False)

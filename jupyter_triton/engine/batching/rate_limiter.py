@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.errors import InvalidArgument
+from ...protocol.errors import InvalidArgument
 
 
 def instance_resources(group: mc.ModelInstanceGroup, device_id: int = 0) -> dict[str, int]:

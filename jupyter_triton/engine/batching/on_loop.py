@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..protocol.errors import Internal
+from ...protocol.errors import Internal
 
 if TYPE_CHECKING:
     from .instances import Instance, InstancePool

@@ -19,26 +19,26 @@ from typing import TYPE_CHECKING, Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..backends import ModelFiles, backend_class, backend_name
-from ..backends.devices import resolve_kind
-from ..config import fill_defaults, validate_config
-from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
-from ..repository import PendingUpload, Repository
-from .busy_poll import BusyPoll
-from .cache import ResponseCache
-from .ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
-from .histograms import latency_histograms
-from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
-from .options import EngineOptions
+from ...backends import ModelFiles, backend_class, backend_name
+from ...backends.devices import resolve_kind
+from ...config import fill_defaults, validate_config
+from ...protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from ...repository import PendingUpload, Repository
+from ..batching.busy_poll import BusyPoll
+from ..cache import ResponseCache
+from ..composition.ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
+from ..observation.histograms import latency_histograms
+from ..model import READY, UNAVAILABLE, ModelVersion, VersionStatus
+from ..options import EngineOptions
 from .on_demand import OnDemand
 from .promotion import canary_fraction, lifecycle_parameters, parse_promotion, rollback_requested
-from .rate_limiter import RateLimiter
+from ..batching.rate_limiter import RateLimiter
 from .residency import Residency
 from .rollout import Canary, Rollout, canary_running
 
 if TYPE_CHECKING:
-    from ..protocol.types import InferRequest, InferResponse
-    from .bls import Bls
+    from ...protocol.types import InferRequest, InferResponse
+    from ..composition.bls import Bls
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ModelLifecycle(OnDemand, Rollout):
         if mode != "none" or any(Path(self.options.model_repository).glob("*/*/model.py")):
             # python models may come (uploads, %%serve) or are here: their workers are forked
             # from a template process; starting it now spares the first one its start (~1 s)
-            from ..backends.python.launch import prestart
+            from ...backends.python.launch import prestart
             prestart()
         names = self.repository.model_names()
         if mode == "explicit":
@@ -250,7 +250,7 @@ class ModelLifecycle(OnDemand, Rollout):
     async def _plain_load(self, name: str, config: str | None, files: dict[str, bytes] | None) -> None:
         if files and config is None:
             raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
-        from ..repository import check_model_name
+        from ...repository import check_model_name
         check_model_name(name)
         entry = self._entries.setdefault(name, Entry(name))
         try:

@@ -28,12 +28,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..protocol.errors import DeadlineExceeded, Internal, InvalidArgument, TritonError, Unavailable
-from ..protocol.types import InferRequest, InferResponse
-from .trace import bls_parent
+from ...protocol.errors import DeadlineExceeded, Internal, InvalidArgument, TritonError, Unavailable
+from ...protocol.types import InferRequest, InferResponse
+from ..observation.trace import bls_parent
 
 if TYPE_CHECKING:
-    from . import Engine
+    from .. import Engine
 
 MAX_BLS_DEPTH = 8
 MAX_BLS_IN_FLIGHT = 64

@@ -28,10 +28,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping
 
-from ..protocol.errors import InvalidArgument, Unsupported
+from ...protocol.errors import InvalidArgument, Unsupported
 
 if TYPE_CHECKING:
-    from ..protocol.types import InferRequest, InferResponse
+    from ...protocol.types import InferRequest, InferResponse
 
 log = logging.getLogger(__name__)
 

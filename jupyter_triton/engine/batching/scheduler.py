@@ -12,10 +12,10 @@ from typing import Any, Callable, Protocol
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..backends.signature import int_parameter
-from ..protocol.errors import InvalidArgument, Unavailable
+from ...backends.signature import int_parameter
+from ...protocol.errors import InvalidArgument, Unavailable
 from .pending import Pending
-from .statistics import mark_failure
+from ..observation.statistics import mark_failure
 
 __all__ = ["DEFAULT_MAX_QUEUE_SIZE", "DirectScheduler", "Pending", "Pool", "Scheduler",
            "default_max_queue_size", "queue_full"]

@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..config.padding import padding
-from ..protocol.errors import Internal, InvalidArgument, Unavailable
+from ...config.padding import padding
+from ...protocol.errors import Internal, InvalidArgument, Unavailable
 from .clock import MONOTONIC, Clock
 from .pending import Pending
 from .scheduler import DEFAULT_MAX_QUEUE_SIZE, Pool, Scheduler, default_max_queue_size
-from .statistics import ModelStatistics, mark_failure
+from ..observation.statistics import ModelStatistics, mark_failure
 
 if TYPE_CHECKING:
     from .instances import Deferred

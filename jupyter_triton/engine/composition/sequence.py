@@ -41,12 +41,12 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.datatypes import config_to_triton, triton_to_numpy
-from ..protocol.errors import Internal, InvalidArgument, Unavailable, Unsupported
-from ..protocol.types import InferRequest
-from .instances import Instance, InstancePool
-from .scheduler import Pending, Scheduler, default_max_queue_size, queue_full
-from .statistics import ModelStatistics, mark_failure
+from ...protocol.datatypes import config_to_triton, triton_to_numpy
+from ...protocol.errors import Internal, InvalidArgument, Unavailable, Unsupported
+from ...protocol.types import InferRequest
+from ..batching.instances import Instance, InstancePool
+from ..batching.scheduler import Pending, Scheduler, default_max_queue_size, queue_full
+from ..observation.statistics import ModelStatistics, mark_failure
 
 log = logging.getLogger(__name__)
 

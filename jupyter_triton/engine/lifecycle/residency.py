@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable
 from tritonclient.grpc import model_config_pb2 as mc
 
 if TYPE_CHECKING:
-    from .model import ModelVersion
+    from ..model import ModelVersion
 
 #: config.pbtxt ``parameters { key: "residency" value: { string_value: "pinned" } }``
 RESIDENCY_PARAMETER, PINNED = "residency", "pinned"

@@ -24,7 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
-    from ..protocol.types import InferRequest
+    from ...protocol.types import InferRequest
     from .trace import Trace
 
 log = logging.getLogger(__name__)

@@ -10,14 +10,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..config import CONFIG_FILENAME
-from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
-from ..repository import PendingUpload
-from .model import READY, UNAVAILABLE, ModelVersion, VersionStatus
+from ...config import CONFIG_FILENAME
+from ...protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from ...repository import PendingUpload
+from ..model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from .promotion import Promotion, compare, golden_request
 
 if TYPE_CHECKING:
-    from .lifecycle import Entry
+    from .control import Entry
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Rollout:
         output matches, switch the version policy to it (new version READY before the old
         one retires). Otherwise the upload is set aside and InvalidArgument says, per case,
         what differed; what served keeps serving."""
-        from ..repository import check_model_name
+        from ...repository import check_model_name
         check_model_name(name)
         if files and config is None:
             raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
@@ -149,7 +149,7 @@ class Rollout:
         version to it, with its own statistics, until a promotion (``golden`` with
         ``promote: <its version>``) serves it or ``canary: 0`` stops it. Until then the upload
         is not committed: a restart serves what served before."""
-        from ..repository import check_model_name
+        from ...repository import check_model_name
         check_model_name(name)
         loop = asyncio.get_running_loop()
         entry = self._entry(name)
@@ -217,7 +217,7 @@ class Rollout:
 
     def _restore_config(self, name: str, text: str | None) -> None:
         if text is not None and self._config_text(name) != text:
-            from ..config import parse_config
+            from ...config import parse_config
             self.repository.write_config(name, parse_config(text, name, CONFIG_FILENAME))
 
     async def rollback(self, name: str) -> None:
@@ -246,7 +246,7 @@ class Rollout:
                                f"the model repository")
 
             def pin_previous() -> None:
-                from ..config import parse_config
+                from ...config import parse_config
                 config = (parse_config(previous_config, name, CONFIG_FILENAME) if previous_config
                           else self.repository.read_config(name))
                 # until a newer version comes (an upload, one copied in): repository/pins.py

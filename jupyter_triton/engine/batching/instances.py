@@ -27,18 +27,18 @@ from collections import deque
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..backends.base import Backend
-from ..protocol.errors import Internal, TritonError
+from ...backends.base import Backend
+from ...protocol.errors import Internal, TritonError
 
-from .bls import executing
+from ..composition.bls import executing
 from .on_loop import OnLoopBatch
-from .statistics import StatPadding, mark_failure
+from ..observation.statistics import StatPadding, mark_failure
 from .timer import precise_thread_sleep
 
 if TYPE_CHECKING:
     from .pending import Pending
     from .rate_limiter import RateLimiter
-    from .statistics import ModelStatistics
+    from ..observation.statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
 

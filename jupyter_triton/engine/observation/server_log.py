@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from ..protocol.errors import InvalidArgument, Unsupported
+from ...protocol.errors import InvalidArgument, Unsupported
 
 FORMATS = ("default", "ISO8601")
 _LETTER = {logging.DEBUG: "V", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
