@@ -1,4 +1,4 @@
-"""check_request keeps the input shapes it accepted (InputPlan.accepted): a repeat skips the
+"""InputPlan.check keeps the input shapes it accepted (InputPlan.accepted): a repeat skips the
 checks, and every refusal is still the one the full checks give."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from jupyter_triton.engine.validation import InputPlan, check_request
+from jupyter_triton.engine.model import InputPlan
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.types import InferRequest, InferTensor
 
@@ -29,17 +29,17 @@ def _request(rows_a: int, rows_b: int, shape_type=tuple) -> InferRequest:
 def test_repeats_are_accepted_reshaped_and_disagreements_still_refused() -> None:
     plan = InputPlan(CONFIG)
     for _ in range(3):
-        inputs, rows = check_request(CONFIG, _request(3, 3), plan)
+        inputs, rows = plan.check(_request(3, 3))
         assert rows == 3 and inputs["B"].shape == (3, 1, 2)
     assert len(plan.accepted) == 2
-    inputs, rows = check_request(CONFIG, _request(2, 2, list), plan)
+    inputs, rows = plan.check(_request(2, 2, list))
     assert rows == 2 and len(plan.accepted) == 2          # a list shape: checked, not kept
-    check_request(CONFIG, _request(5, 5), plan)
+    plan.check(_request(5, 5))
     for shapes in ((3, 5), (5, 3)):                        # both shapes known, not together
         with pytest.raises(InvalidArgument, match="disagree on the batch size") as cached:
-            check_request(CONFIG, _request(*shapes), plan)
+            plan.check(_request(*shapes))
         with pytest.raises(InvalidArgument) as fresh:
-            check_request(CONFIG, _request(*shapes), InputPlan(CONFIG))
+            InputPlan(CONFIG).check(_request(*shapes))
         assert str(cached.value) == str(fresh.value)
 
 
@@ -53,4 +53,4 @@ def test_a_refused_input_is_refused_every_time(tensor, words) -> None:
     b = InferTensor("B", "INT32", (1, 2), np.zeros((1, 2), np.int32))
     for _ in range(2):
         with pytest.raises(InvalidArgument, match=words):
-            check_request(CONFIG, InferRequest("m", inputs=[tensor, b]), plan)
+            plan.check(InferRequest("m", inputs=[tensor, b]))

@@ -10,9 +10,9 @@ subpackage with its own note:
 - ``composition/``: ensembles, BLS, decoupled streams, sequences
 - ``observation/``: statistics, trace, logging, traffic capture
 
-and beside them ``model`` (one loaded version), ``validation`` (a request against its
-config), ``response``, ``shared_memory``, ``cache`` (the response cache) and ``options``
-(the operator's)."""
+and beside them ``model`` (one loaded version: a request checked against its config, its
+response built), ``classification`` (Triton's extension), ``shared_memory``, ``cache`` (the
+response cache) and ``options`` (the operator's)."""
 from __future__ import annotations
 
 import asyncio
@@ -284,6 +284,17 @@ class Engine(ModelLifecycle):
         else:
             versions = self.models()
         return {"model_stats": [mv.stats.to_json() for mv in versions]}
+
+    def serving_version(self, name: str, version: str = "") -> ModelVersion | None:
+        """The version a request for ``name`` runs on when the model is serving (the data
+        path's case: no coroutine, no clock); None when ``resident_version``
+        (engine/lifecycle/on_demand.py) must decide: not loaded, evicted, still loading."""
+        entry = self._entries.get(name)
+        if entry is None or not entry.serving:
+            return None
+        if self.residency.enabled:
+            self.residency.touch(name)
+        return self._version(name, version)
 
     def _version(self, name: str, version: str = "") -> ModelVersion:
         entry = self._entries.get(name)

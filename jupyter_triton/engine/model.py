@@ -1,4 +1,6 @@
-"""One loaded version of a model: its instances, its scheduler, its statistics, its state."""
+"""One loaded version of a model: its instances, its scheduler, its statistics, its state,
+and its config as each request meets it: the inputs a request is checked against before it
+is queued (``InputPlan``), the outputs its response is built from (``OutputPlan``)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,29 +12,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends import InstanceSpec, ModelFiles, backend_class
 from ..backends.base import BackendDead
 from ..backends.devices import resolve_kind
 from ..backends.signature import int_parameter
+from ..config.padding import padding
+from ..protocol.datatypes import config_to_triton, triton_to_numpy
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
-from ..protocol.types import InferRequest, InferResponse, RequestedOutput
+from ..protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from .batching.batcher import DynamicBatcher
+from .classification import classify
 from .composition.bls import Bls
 from .batching.busy_poll import BusyPoll
 from .composition.ensemble import BACKEND as ENSEMBLE_BACKEND, EnsembleScheduler, InferFn, LookupConfig, plan
 from .batching.instances import Instance, InstancePool, run_in_daemon_thread
 from .lifecycle.memory import LoadProbe
 from .batching.rate_limiter import RateLimiter, instance_resources
-from .response import OutputPlan, build_response
 from .batching.pending import Pending
 from .batching.scheduler import DirectScheduler, Scheduler
 from .composition.sequence import SequenceBatcher, check_supported
 from .observation.statistics import ModelStatistics, failure_reason, mark_failure
 from .composition.streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, CollectingSender,
                         ResponseStream, decoupled_refusal)
-from .validation import InputPlan, check_request
 from .lifecycle.warmup import warmup_samples
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,216 @@ def instance_specs(config: mc.ModelConfig) -> list[tuple[InstanceSpec, mc.ModelI
     return specs
 
 
+# ---- the config as each request meets it -----------------------------------------------
+
+MAX_DIM = 1 << 32      # the codecs' element limit: no dimension of a real tensor exceeds it
+
+_BATCH_NOTE = (". NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+               "dimension to be prepended to each input shape. If you want to specify the full "
+               "shape including the batch dim in your input dims config, try setting "
+               "max_batch_size to zero. See the model configuration docs for more info on "
+               "max_batch_size.")
+
+
+class InputPlan:
+    """A version's inputs as each request is checked against them, with Triton's error text,
+    before the request is queued: a bad request never reaches a batch (and never fails the
+    good requests batched with it). Computed once per loaded version (protobuf field access
+    and enum names cost microseconds on every request otherwise)."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.model = config.name
+        self.max_batch_size = config.max_batch_size
+        self.expected = {i.name: i for i in config.input}
+        self.required = [n for n, i in self.expected.items() if not i.optional]
+        self.datatypes = {i.name: config_to_triton(mc.DataType.Name(i.data_type)) for i in config.input}
+        self.dims = {i.name: list(i.dims) for i in config.input}
+        lead = [-1] if config.max_batch_size > 0 else []
+        self.full = {name: lead + dims for name, dims in self.dims.items()}
+        self.reshape = {i.name: list(i.reshape.shape) for i in config.input if i.HasField("reshape")}
+        self.known_outputs = frozenset(o.name for o in config.output)
+        # ragged_batching "pad" with max_length (config/padding.py): input -> (its length
+        # dimension, the longest length it may have)
+        pad = padding(config)
+        self.max_length = ({name: (axis, pad.max_length) for name, axis in pad.axes.items()}
+                           if pad is not None and pad.max_length else {})
+        # (name, datatype, shape) of inputs found valid -> their batch rows (0: unbatched):
+        # clients repeat a few shapes, each checked once (bounded: shapes come from clients).
+        self.accepted: dict[tuple, int] = {}
+
+    def check(self, request: InferRequest) -> tuple[dict[str, np.ndarray], int]:
+        """The backend's input dict (reshaped where the config says so) and the request's
+        batch size; raises InvalidArgument."""
+        model = self.model
+        expected = self.expected
+        given = {t.name: t for t in request.inputs}
+        for name in given:
+            if name not in expected:
+                raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
+        for required in self.required:      # (a loop: any() over a generator costs more)
+            if required not in given:
+                missing = [n for n, i in expected.items() if n not in given and not i.optional]
+                raise InvalidArgument(
+                    f"{_rid(request)}expected {len(expected)} inputs but got {len(given)} inputs "
+                    f"for model '{model}'. Got input(s) {sorted(given)}, but missing required "
+                    f"input(s) {missing}. Please provide all required input(s).")
+        max_batch_size = self.max_batch_size
+        batch = 0
+        inputs: dict[str, np.ndarray] = {}
+        accepted = self.accepted
+        for name, tensor in given.items():
+            key = (name, tensor.datatype, tensor.shape) if type(tensor.shape) is tuple else None
+            rows = accepted.get(key) if key is not None else None
+            if rows is None:
+                rows = self._check_input(request, name, tensor, batch)
+                if key is not None:
+                    if len(accepted) >= 64:
+                        accepted.clear()
+                    accepted[key] = rows
+            elif batch and rows != batch:
+                raise _disagree(model, name, rows, batch)
+            batch = rows
+            data = tensor.data
+            target = self.reshape.get(name)
+            if target is not None:
+                lead = [batch] if max_batch_size > 0 else []
+                data = data.reshape(lead + target)
+            inputs[name] = data
+        known_outputs = self.known_outputs
+        for out in request.outputs or ():
+            if out.name not in known_outputs:
+                raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{model}'")
+        return inputs, (batch if max_batch_size > 0 else 1)
+
+    def _check_input(self, request: InferRequest, name: str, tensor: InferTensor, batch: int) -> int:
+        """Raise unless ``tensor`` fits input ``name``; its batch rows (0: unbatched model).
+        ``batch``: the rows of the inputs checked before it (0: none)."""
+        model, max_batch_size = self.model, self.max_batch_size
+        want = self.datatypes[name]
+        if tensor.datatype != want:
+            raise InvalidArgument(
+                f"{_rid(request)}inference input '{name}' data-type is '{tensor.datatype}', but "
+                f"model '{model}' expects '{want}'")
+        shape = tuple(int(d) for d in tensor.shape)
+        if any(d < 0 or d > MAX_DIM for d in shape):
+            # requests made in-process (ensemble steps, python models' BLS) skip the codecs'
+            # checks: an absurd dimension must still be a 400, not numpy's error later
+            raise InvalidArgument(
+                f"input '{name}' of model '{model}' has shape {_fmt(shape)}: each dimension "
+                f"must be between 0 and {MAX_DIM}")
+        if max_batch_size > 0:
+            if not shape:
+                raise InvalidArgument(
+                    f"inference input '{name}' of model '{model}' has no batch dimension; "
+                    f"expected shape {_fmt([-1] + self.dims[name])}")
+            rows = shape[0]
+            if batch and rows != batch:
+                raise _disagree(model, name, rows, batch)
+            if rows < 1 or rows > max_batch_size:
+                raise InvalidArgument(
+                    f"{_rid(request)}inference request batch-size must be <= {max_batch_size} "
+                    f"for '{model}'" if rows > 0 else
+                    f"{_rid(request)}inference request batch-size must be >= 1 for '{model}'")
+        full = self.full[name]
+        if not _matches(shape, full):
+            raise InvalidArgument(
+                f"{_rid(request)}unexpected shape for input '{name}' for model '{model}'. "
+                f"Expected {_fmt(full)}, got {_fmt(shape)}" + (_BATCH_NOTE if max_batch_size > 0 else ""))
+        limit = self.max_length.get(name)
+        if limit is not None and shape[limit[0]] > limit[1]:
+            raise InvalidArgument(
+                f"{_rid(request)}input '{name}' of model '{model}' has length {shape[limit[0]]} "
+                f"(shape {_fmt(shape)}), longer than the model allows: max_length {limit[1]}")
+        return shape[0] if max_batch_size > 0 else 0
+
+
+class OutputPlan:
+    """A version's outputs as each response is built from what its backend returned: only
+    the requested outputs, in the config's datatypes, with Triton's classification extension
+    (engine/classification.py). Computed once per loaded version.
+
+    ``max_output_size`` (bytes, 0: no bound): outputs together larger than this fail the
+    request with Unavailable before anything is encoded."""
+
+    def __init__(self, config: mc.ModelConfig, version: int, model_dir: Path,
+                 max_output_size: int = 0) -> None:
+        self.model = config.name
+        self.version = str(version)
+        self.model_dir = model_dir
+        self.max_output_size = max_output_size
+        self.names = [o.name for o in config.output]
+        self.by_name = {o.name: o for o in config.output}
+        self.datatypes = {o.name: config_to_triton(mc.DataType.Name(o.data_type)) for o in config.output}
+        self.dtypes = {name: triton_to_numpy(dt) for name, dt in self.datatypes.items()}
+        self.reshape = {o.name: list(o.dims) for o in config.output if o.HasField("reshape")}
+        self.batched = config.max_batch_size > 0
+
+    def build(self, request: InferRequest, outputs: dict[str, np.ndarray]) -> InferResponse:
+        model = self.model
+        max_output_size = self.max_output_size
+        wanted = request.outputs
+        tensors = []
+        total = 0
+        for item in self.names if wanted is None else wanted:
+            if wanted is None:
+                name, params = item, None
+            else:
+                name, params = item.name, item.parameters
+            if name not in outputs:
+                raise Internal(f"model '{model}' did not produce output '{name}'")
+            datatype = self.datatypes[name]
+            value = outputs[name]
+            if type(value) is not np.ndarray:
+                value = np.asarray(value)
+            dims = self.reshape.get(name)
+            if dims is not None and value.ndim:
+                lead = [value.shape[0]] if self.batched else []
+                value = value.reshape(lead + dims)
+            want = self.dtypes[name]
+            if value.dtype is not want and value.dtype != want:
+                value = value.astype(want)
+            k = int(params.get("classification", 0) or 0) if params else 0
+            if k:
+                value, datatype = classify(value, k, self.batched, self.model_dir, self.by_name[name])
+            if max_output_size:
+                total += _nbytes(value)
+                if total > max_output_size:
+                    raise Unavailable(
+                        f"model '{model}' returned outputs larger than the server's limit of "
+                        f"{max_output_size} bytes (at output '{name}'); the limit is the engine "
+                        f"option max_output_size")
+            tensors.append(InferTensor(name, datatype, value.shape, value))
+        return InferResponse(model, self.version, request.id, tensors)
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+def _matches(shape: tuple[int, ...], dims: list[int]) -> bool:
+    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+def _rid(request: InferRequest) -> str:
+    # tritonserver 2.51 opens its request-validation errors with the request's id
+    return f"[request id: {request.id or '<id_unknown>'}] "
+
+
+def _nbytes(value: np.ndarray) -> int:
+    if value.dtype != object:
+        return int(value.nbytes)
+    # BYTES: what the wire carries, a 4-byte length and the bytes of each element
+    return sum(4 + (len(v) if isinstance(v, (bytes, str)) else 8) for v in value.flat)
+
+
+def _disagree(model: str, name: str, rows: int, batch: int) -> InvalidArgument:
+    return InvalidArgument(
+        f"inputs of model '{model}' disagree on the batch size: input '{name}' has "
+        f"{rows}, another input has {batch}")
+
+
+# ---- one loaded version ---------------------------------------------------------------
+
 class ModelVersion:
     # engine/cache.py's ModelCache when the config enables the server's response cache
     response_cache = None
@@ -99,8 +313,8 @@ class ModelVersion:
         self.model_dir = model_dir
         self.rate_limiter = rate_limiter
         self.stats = ModelStatistics(self.name, str(version))
-        self._inputs = InputPlan(config)        # the config as each request is checked against it
-        self._outputs = OutputPlan(config)
+        self._inputs = InputPlan(config)
+        self._outputs = OutputPlan(config, version, model_dir, max_output_size)
         self.status = VersionStatus(LOADING)
         self.pool: InstancePool | None = None
         self.scheduler: Scheduler | None = None
@@ -229,7 +443,7 @@ class ModelVersion:
             raise decoupled_refusal(self.name, self.version)
         start = time.monotonic_ns()
         try:
-            inputs, rows = check_request(self.config, request, self._inputs)
+            inputs, rows = self._inputs.check(request)
             priority, timeout_ns = _schedule_params(request) if request.parameters else (0, 0)
         except TritonError as err:          # Triton counts refused requests too (reason OTHER)
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
@@ -251,8 +465,7 @@ class ModelVersion:
         try:
             await self.scheduler.submit(pending)
             outputs = await future
-            response = build_response(self.config, self.version, self.model_dir, request, outputs,
-                                      self.max_output_size, self._outputs)
+            response = self._outputs.build(request, outputs)
         except asyncio.CancelledError as err:
             future.cancel()
             self.stats.record_failure(failure_reason(err), time.monotonic_ns() - start)
@@ -280,8 +493,7 @@ class ModelVersion:
             # the model sent, as Triton's do (a decoupled model's responses often differ)
             request = dataclasses.replace(request, outputs=[
                 RequestedOutput(name) for name in self._outputs.names if name in outputs])
-        return build_response(self.config, self.version, self.model_dir, request, outputs,
-                              self.max_output_size, self._outputs)
+        return self._outputs.build(request, outputs)
 
     def _positive_parameter(self, key: str, default: int) -> int:
         value = int_parameter(self.config, key)
@@ -303,7 +515,7 @@ class ModelVersion:
             raise Unavailable(f"Request for unknown model: '{self.name}' version {self.version} is not at ready state")
         start = time.monotonic_ns()
         try:
-            inputs, rows = check_request(self.config, request, self._inputs)
+            inputs, rows = self._inputs.check(request)
             priority, timeout_ns = _schedule_params(request) if request.parameters else (0, 0)
             if len(self._streams) >= self.max_open_streams:
                 raise mark_failure(Unavailable(

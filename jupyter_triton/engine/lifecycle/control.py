@@ -90,6 +90,7 @@ class ModelLifecycle(OnDemand, Rollout):
     response_cache: ResponseCache | None
     server_calls: "Bls | None" = None      # the Engine's; what loaded models call models with
     _version: Callable[[str, str], ModelVersion]
+    serving_version: Callable[[str, str], "ModelVersion | None"]
     infer: Callable[["InferRequest"], "InferResponse"]
 
     def __init__(self, options: EngineOptions) -> None:

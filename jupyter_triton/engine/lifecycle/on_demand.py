@@ -40,16 +40,6 @@ class OnDemand:
         bound = 1 if self.residency.budget_bytes else self.residency.max_models
         self._cold_slots = asyncio.Semaphore(min(MAX_COLD_LOADS, bound) if bound else MAX_COLD_LOADS)
 
-    def serving_version(self, name: str, version: str = "") -> ModelVersion | None:
-        """The version a request for ``name`` runs on when the model is serving (the data
-        path's case: no coroutine, no clock); None when ``resident_version`` must decide."""
-        entry = self._entries.get(name)
-        if entry is None or not entry.serving:
-            return None
-        if self.residency.enabled:
-            self.residency.touch(name)
-        return self._version(name, version)
-
     async def resident_version(self, name: str, version: str = "") -> ModelVersion:
         """The version a request for ``name`` runs on: every inference route's lookup (v2
         infer and streams, gRPC, the OpenAI routes). A model that is serving answers at once;
