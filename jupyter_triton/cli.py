@@ -227,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--torch-format", choices=("torchscript", "onnx"), default="torchscript",
                         help="what torch.export programs and torch modules become for Triton: "
                              "TorchScript (its pytorch backend) or ONNX (its onnxruntime backend)")
+    export.add_argument("--pack-env", action="store_true",
+                        help="pack the Python environment each python-backend model needs "
+                             "(copied from this one) beside it and set EXECUTION_ENV_PATH")
+    export.add_argument("--pack-env-pin", action="append", default=[], metavar="<requirement>",
+                        help="with --pack-env: install this version instead of this environment's "
+                             "(e.g. 'numpy<2' for Triton 2.51's python backend); repeatable")
     return parser
 
 
@@ -282,7 +288,8 @@ def _export(args: argparse.Namespace) -> int:
     try:
         report = export_repository(args.model_repository, args.output, args.model or None,
                                    args.all_versions, args.kserve_name, args.storage_uri,
-                                   torch_format=args.torch_format)
+                                   torch_format=args.torch_format, pack_env=args.pack_env,
+                                   pack_env_pins=args.pack_env_pin)
     except TritonError as err:
         print(f"jupyter-triton export: {err}", file=sys.stderr)
         return 2

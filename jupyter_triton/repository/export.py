@@ -7,7 +7,8 @@ destination is written to a temporary folder and renamed into place, never over 
 Our own torch forms (a ``torch.export`` program, a pickled ``torch.nn.Module`` callable) are
 written as TorchScript or ONNX, checked against the original first (``torch_convert``): an
 exported program that cannot be converted faithfully stops the export with the reason; a
-module callable that cannot stays a python-backend model, with a note."""
+module callable that cannot stays a python-backend model, with a note. With ``pack_env`` a
+python-backend model gets the environment it needs packed beside it (``pack_env``)."""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ from ..progress import progress as show_progress
 from ..protocol.errors import InvalidArgument
 from . import Repository
 from .layout import is_hidden
+from .pack_env import ARCHIVE, ENV_PARAMETER, build_archive, needed_modules
 from .torch_convert import FORMATS, ConversionRefused, Converted, convert, convertible_source
 
 _SKIPPED_FILES = {CONFIG_FILENAME}          # inside version dirs: our per-version copy
@@ -54,10 +56,13 @@ class ExportReport:
 def export_repository(source: Path, destination: Path, models: list[str] | None = None,
                       all_versions: bool = False, kserve_name: str = "",
                       storage_uri: str = "", torch_format: str = "torchscript",
-                      progress: bool = True) -> ExportReport:
+                      progress: bool = True, pack_env: bool = False,
+                      pack_env_pins: list[str] = ()) -> ExportReport:
     """``torch_format``: what torch models become, ``torchscript`` (Triton's pytorch backend)
     or ``onnx`` (its onnxruntime backend). ``progress``: a bar (a notebook) or a line on stderr
-    (elsewhere) as each model starts."""
+    (elsewhere) as each model starts. ``pack_env``: each python-backend model gets the Python
+    environment its files need packed beside it (``pack_env_pins``: versions to install
+    instead of this environment's, e.g. ``numpy<2`` for Triton 2.51)."""
     if torch_format not in FORMATS:
         raise InvalidArgument(f"unknown torch export format '{torch_format}': one of {', '.join(FORMATS)}")
     destination = Path(destination)
@@ -77,7 +82,8 @@ def export_repository(source: Path, destination: Path, models: list[str] | None 
         with show_progress(len(names), f"export to {destination}", progress) as bar:
             for name in names:
                 bar.update(len(exported), f"{name}:")
-                exported.append(_export_model(repo, name, staging / name, all_versions, torch_format))
+                exported.append(_export_model(repo, name, staging / name, all_versions, torch_format,
+                                              list(pack_env_pins) if pack_env else None))
         os.rename(staging, destination)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -88,7 +94,7 @@ def export_repository(source: Path, destination: Path, models: list[str] | None 
 
 
 def _export_model(repo: Repository, name: str, out: Path, all_versions: bool,
-                  torch_format: str) -> ExportedModel:
+                  torch_format: str, pack_pins: list[str] | None) -> ExportedModel:
     config = repo.read_config(name)            # validates: Triton's own proto and rules
     versions = repo.versions_on_disk(name) if all_versions else repo.select_versions(name, config)
     model = ExportedModel(name, versions)
@@ -97,8 +103,6 @@ def _export_model(repo: Repository, name: str, out: Path, all_versions: bool,
     converted = _convert_torch(name, config, {v: src / str(v) for v in versions}, torch_format, model)
     if converted:
         config = next(iter(converted.values())).config
-    # Written from the parsed proto: what Triton reads is exactly what validated here.
-    (out / CONFIG_FILENAME).write_text(config_to_pbtxt(config))
     for v in versions:
         version_dir = src / str(v)
         if v in converted:
@@ -112,13 +116,34 @@ def _export_model(repo: Repository, name: str, out: Path, all_versions: bool,
                     or (at_root and n in _SKIPPED_FILES)}
 
         shutil.copytree(version_dir, out / str(v), ignore=ignore)
-        if (version_dir / "model.pkl").exists() and not any("not converted" in n for n in model.notes):
+        if (version_dir / "model.pkl").exists() and not any("not converted" in n for n in model.notes) \
+                and pack_pins is None:
             model.notes.append(f"version {v} is a notebook callable (model.pkl): Triton's python "
-                               f"backend needs cloudpickle and numpy in its Python environment")
+                               f"backend needs cloudpickle and numpy in its Python environment "
+                               f"(or export with --pack-env)")
     for extra in sorted(p.name for p in src.iterdir()
                         if p.is_file() and p.name != CONFIG_FILENAME and not is_hidden(p.name)):
         shutil.copy2(src / extra, out / extra)   # e.g. the labels file a label_filename names
+    if pack_pins is not None and config.backend == "python":
+        _pack_env(config, out, versions, pack_pins, model)
+    # Written from the parsed proto: what Triton reads is exactly what validated here.
+    (out / CONFIG_FILENAME).write_text(config_to_pbtxt(config))
     return model
+
+
+def _pack_env(config, out: Path, versions: list[int], pins: list[str], model: ExportedModel) -> None:
+    """Pack what the exported versions need and point the config at it; a model that already
+    names its own environment keeps it."""
+    if ENV_PARAMETER in config.parameters:
+        model.notes.append(f"keeps its own {ENV_PARAMETER}: "
+                           f"{config.parameters[ENV_PARAMETER].string_value}")
+        return
+    if (out / ARCHIVE).exists():
+        raise InvalidArgument(f"model '{config.name}' has a file named {ARCHIVE}: the packed "
+                              f"environment would replace it; rename that file to export with --pack-env")
+    modules = set().union(*(needed_modules(out / str(v)) for v in versions))
+    model.notes.extend(build_archive(modules, out / ARCHIVE, pins))
+    config.parameters[ENV_PARAMETER].string_value = f"$$TRITON_MODEL_DIRECTORY/{ARCHIVE}"
 
 
 def _convert_torch(name: str, config, version_dirs: dict[int, Path], torch_format: str,
