@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -35,9 +35,9 @@ from .batching.pending import Pending
 from .batching.scheduler import DirectScheduler, Scheduler
 from .composition.sequence import SequenceBatcher, check_supported
 from .observation.statistics import ModelStatistics, failure_reason, mark_failure
-from .composition.streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, CollectingSender,
-                        ResponseStream, decoupled_refusal)
-from .lifecycle.warmup import warmup_samples
+from .composition.streaming import (DEFAULT_MAX_BUFFERED, DEFAULT_MAX_OPEN_STREAMS, ResponseStream,
+                        decoupled_refusal)
+from .lifecycle.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,8 @@ class ModelVersion:
         self.pool = InstancePool(instances, self.stats, self.rate_limiter)
         self.pool.decoupled = self.decoupled
         try:
-            await self._warmup(instances)
+            self.stats.record_warmup(await warm_up(self.config, self.model_dir, instances,
+                                                   self.decoupled))
         except BaseException:
             await loop.run_in_executor(None, self.pool.close)   # no worker outlives a failed load
             raise
@@ -415,26 +416,6 @@ class ModelVersion:
         self.load_seconds = time.monotonic() - start
         self.stats.load_seconds = self.load_seconds
         self.status = VersionStatus(READY)
-
-    async def _warmup(self, instances: list[Instance]) -> None:
-        samples = warmup_samples(self.config, self.model_dir)
-        if not samples:
-            return
-        loop = asyncio.get_running_loop()
-        start = time.monotonic_ns()
-        for inst in instances:
-            for sample in samples:
-                for _ in range(sample.count):
-                    if self.decoupled:
-                        results = await loop.run_in_executor(
-                            inst.thread, _warmup_decoupled, inst.backend, self.name, sample.requests())
-                    else:
-                        results = await loop.run_in_executor(inst.thread, inst.backend.execute,
-                                                             sample.requests())
-                    failed = [r for r in results if isinstance(r, BaseException)]
-                    if failed:
-                        raise failed[0]
-        self.stats.record_warmup(time.monotonic_ns() - start)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         if self.status.state != READY or self.scheduler is None:
@@ -636,8 +617,3 @@ def _schedule_params(request: InferRequest) -> tuple[int, int]:
         raise InvalidArgument("request parameters 'priority' and 'timeout' must not be negative")
     return priority, timeout_us * 1000
 
-
-def _warmup_decoupled(backend: Any, model: str, requests: list[dict]) -> list:
-    senders = [CollectingSender() for _ in requests]
-    backend.execute_decoupled(requests, [InferRequest(model, id="warmup") for _ in requests], senders)
-    return [s.error for s in senders if s.error is not None]

@@ -7,8 +7,11 @@ length-prefixed serialization for TYPE_STRING, read from ``<model_dir>/warmup/``
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -16,6 +19,11 @@ from tritonclient.utils import deserialize_bytes_tensor
 
 from ...protocol.datatypes import config_to_triton, triton_to_numpy
 from ...protocol.errors import InvalidArgument
+from ...protocol.types import InferRequest
+from ..composition.streaming import CollectingSender
+
+if TYPE_CHECKING:
+    from ..batching.instances import Instance
 
 Tensors = dict[str, np.ndarray]
 
@@ -110,3 +118,33 @@ def _read(model_dir: Path, filename: str, name: str, where: str) -> bytes:
     except OSError as err:
         raise InvalidArgument(f"{where}: input '{name}' cannot read input_data_file "
                               f"'{filename}': {err.strerror}") from None
+
+
+async def warm_up(config: mc.ModelConfig, model_dir: Path, instances: list["Instance"],
+                  decoupled: bool) -> int:
+    """Run every sample on every instance, on its own thread, before the version is READY;
+    the nanoseconds it took (0: no samples). Raises the first failure: the load fails."""
+    samples = warmup_samples(config, model_dir)
+    if not samples:
+        return 0
+    loop = asyncio.get_running_loop()
+    start = time.monotonic_ns()
+    for inst in instances:
+        for sample in samples:
+            for _ in range(sample.count):
+                if decoupled:
+                    results = await loop.run_in_executor(
+                        inst.thread, _warmup_decoupled, inst.backend, config.name, sample.requests())
+                else:
+                    results = await loop.run_in_executor(inst.thread, inst.backend.execute,
+                                                         sample.requests())
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
+    return time.monotonic_ns() - start
+
+
+def _warmup_decoupled(backend: Any, model: str, requests: list[dict]) -> list:
+    senders = [CollectingSender() for _ in requests]
+    backend.execute_decoupled(requests, [InferRequest(model, id="warmup") for _ in requests], senders)
+    return [s.error for s in senders if s.error is not None]
