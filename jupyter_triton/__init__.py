@@ -23,7 +23,7 @@ def serve(obj, name: str, *, max_batch_size: int | None = None,
           priority_levels: int | None = None, warmup: int | None = None, example=None,
           inputs=None, outputs=None, config: str = "", decoupled: bool | None = None,
           sequence: bool = False, golden=None, atol: float = 1e-8, rtol: float = 1e-5,
-          canary: float | None = None):
+          canary: float | None = None, stage: bool = False):
     """Serve a model, module or function as ``name``; see ``jupyter_triton.kernel.api.serve``."""
     from .kernel.api import serve as _serve
     return _serve(obj, name, max_batch_size=max_batch_size,
@@ -31,7 +31,7 @@ def serve(obj, name: str, *, max_batch_size: int | None = None,
                   instances=instances, kind=kind, gpus=gpus, priority_levels=priority_levels,
                   warmup=warmup, example=example, inputs=inputs, outputs=outputs, config=config,
                   decoupled=decoupled, sequence=sequence, golden=golden, atol=atol, rtol=rtol,
-                  canary=canary)
+                  canary=canary, stage=stage)
 
 
 def ensemble(name: str, steps, *, max_batch_size: int | None = None, config: str = ""):

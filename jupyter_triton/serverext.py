@@ -60,7 +60,8 @@ _READ_GROUPS = frozenset({HEALTH, METADATA, MODEL_CONFIG, STATISTICS})
 # those that load or unload a model: code execution, an action of its own; a model's captured
 # traffic and a version's lineage are user data, for whoever may load models (reading it too).
 _READ_ROUTES = frozenset({"RepositoryIndex"})
-_EXECUTE_ROUTES = frozenset({"RepositoryLoad", "RepositoryUnload", "ModelTraffic", "ModelLineage"})
+_EXECUTE_ROUTES = frozenset({"RepositoryLoad", "RepositoryUnload", "ModelTraffic", "ModelShadow",
+                             "ModelLineage"})
 
 
 def api_group(handler: type) -> str:

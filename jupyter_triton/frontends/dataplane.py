@@ -573,6 +573,16 @@ async def model_traffic(plane: DataPlane, call: Call) -> Reply:
     return Reply(200, body, {"Content-Type": JSON})
 
 
+async def model_shadow(plane: DataPlane, call: Call) -> Reply:
+    """A model's shadow of a staged version (engine/observation/shadow.py): GET its report,
+    POST ``{"version": v, "fraction": f}`` to start it or ``{"version": null}`` to stop."""
+    model = call.params["model"]
+    traffic = plane.engine.traffic
+    if call.method == "POST":
+        return json_reply(traffic.shadow_control(plane.engine, model, await plane.json_body(call)))
+    return json_reply(traffic.shadow_report(model))
+
+
 async def model_lineage(plane: DataPlane, call: Call) -> Reply:
     """What a notebook served a version from (repository/lineage.py): the version named, else
     the newest on disk; ``"lineage": null`` for a version served without one. User data: the
@@ -702,6 +712,8 @@ ROUTES: list[Route] = [
           ADMIN),
     Route(rf"v2/models/{_MODEL}/traffic", "ModelTraffic", MODEL_REPOSITORY,
           {"GET": model_traffic, "POST": model_traffic}, ADMIN),
+    Route(rf"v2/models/{_MODEL}/shadow", "ModelShadow", MODEL_REPOSITORY,
+          {"GET": model_shadow, "POST": model_shadow}, ADMIN),
     Route(rf"v2/models/{_MODEL}{_VERSION}/lineage", "ModelLineage", MODEL_REPOSITORY,
           {"GET": model_lineage}, ADMIN),
     Route(rf"v2/models/{_MODEL}{_VERSION}/?", "ModelMetadata", METADATA, {"GET": model_metadata}),

@@ -48,7 +48,7 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
           inputs: Sequence[TensorSpec] | None = None, outputs: Sequence[TensorSpec] | None = None,
           config: str = "", decoupled: bool | None = None, sequence: bool = False,
           golden: Sequence[tuple[Any, Any]] | None = None, atol: float = 1e-8,
-          rtol: float = 1e-5, canary: float | None = None) -> ServedModel:
+          rtol: float = 1e-5, canary: float | None = None, stage: bool = False) -> ServedModel:
     """Serve ``obj`` as model ``name``: a new version, loaded before the old one retires.
 
     ``obj``: an ONNX model, a torch module, a TorchScript module, a TensorRT engine, a
@@ -69,6 +69,10 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     ``canary``: instead, the new version takes this fraction of the requests that name no
     version (with its own statistics) until ``handle.promote(version, golden=...)`` serves
     it or ``handle.stop_canary()`` sets it aside; returns a handle on the canary version.
+    ``stage``: the new version is loaded staged: callable by its version only, the served
+    version keeps serving; the served model's ``handle.shadow(version)`` sends it a copy of
+    live requests, ``handle.promote(version, shadow_max_diff=...)`` serves it. Returns a
+    handle on the staged version (a canary at fraction 0: ``stop_canary()`` sets it aside).
     """
     artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
                               max_batch_size=max_batch_size, decoupled=decoupled, sequence=sequence)
@@ -78,6 +82,12 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
         instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config))
     artifact.config = model_config
     lifecycle = None
+    if stage:
+        if golden is not None or canary is not None:
+            raise InvalidArgument("a staged version is promoted later, with its golden set or "
+                                  "its shadow report: handle.promote(version, ...); "
+                                  "stage=True takes no golden or canary")
+        canary = 0.0
     if canary is not None:
         if golden is not None:
             raise InvalidArgument("a canary is promoted with its golden set later: "

@@ -53,9 +53,20 @@ def _batched(value: Any, spec: dict, batching: bool) -> np.ndarray:
     return array
 
 
-def encode(golden: Sequence[tuple[Any, Any]], config: dict) -> list[dict]:
+def from_traffic(frame: Any) -> list[tuple[dict, dict]]:
+    """Captured traffic (``handle.traffic()``'s DataFrame) as golden cases: each request
+    that was answered (status 200), its inputs and the outputs served to it."""
+    rows = frame[frame["status"] == 200] if len(frame) else frame
+    return [(dict(r["inputs"]), dict(r["outputs"])) for _, r in rows.iterrows()
+            if r["inputs"] and r["outputs"]]
+
+
+def encode(golden: Any, config: dict) -> list[dict]:
     """``golden`` against the model's config (its JSON: ``input``, ``output``,
-    ``max_batch_size``): inputs and outputs by name, or by position in the config's order."""
+    ``max_batch_size``): inputs and outputs by name, or by position in the config's order.
+    A DataFrame of captured traffic (``handle.traffic()``) is read with ``from_traffic``."""
+    if hasattr(golden, "iterrows") and {"inputs", "outputs", "status"} <= set(golden.columns):
+        golden = from_traffic(golden)
     if not golden:
         raise InvalidArgument("the golden set is empty: give [(inputs, expected), ...]")
     batching = int(config.get("max_batch_size", 0) or 0) > 0
@@ -86,6 +97,7 @@ class PromotionResult:
     cases: int
     failed: list[dict] = field(default_factory=list)
     message: str = ""
+    shadow_max_diff: float | None = None    # the shadow report's bound it was promoted within
 
     @classmethod
     def refused(cls, model: str, err: TritonError, cases: int) -> "PromotionResult":
@@ -101,8 +113,10 @@ class PromotionResult:
 
     def summary(self) -> str:
         if self.promoted:
-            return (f"'{self.model}' version {self.version} promoted: "
-                    f"{self.cases} golden case(s) matched")
+            held = [f"{self.cases} golden case(s) matched"] if self.cases else []
+            if self.shadow_max_diff is not None:
+                held.append(f"shadow within max |diff| {self.shadow_max_diff:g}")
+            return f"'{self.model}' version {self.version} promoted: {', '.join(held)}"
         if not self.failed:
             return f"'{self.model}': promotion refused: {self.message}"
         lines = [f"'{self.model}' version {self.version} NOT promoted: {len(self.failed)} of "

@@ -85,21 +85,54 @@ class ServedModel:
                          for e in lines)
 
     # ---- its lifecycle -----------------------------------------------------------------
-    def promote(self, version: int, golden: Sequence[tuple[Any, Any]], *, atol: float = 1e-8,
-                rtol: float = 1e-5) -> PromotionResult:
-        """Serve ``version`` (on the server's disk, not served now) only if it answers every
-        golden case ``(inputs, expected)`` within ``atol``/``rtol``: the server loads it staged,
-        runs the cases, and switches its version policy to it only if all match. A refusal
-        comes back as the result's per-case diff, not as an exception."""
-        config = self._client.config(self.name)
-        cases = encode(golden, config)
+    def promote(self, version: int, golden: Any = None, *, atol: float = 1e-8,
+                rtol: float = 1e-5, shadow_max_diff: float | None = None) -> PromotionResult:
+        """Serve ``version`` (on the server's disk, or staged, not served now) only if it
+        answers every golden case ``(inputs, expected)`` within ``atol``/``rtol`` and, with
+        ``shadow_max_diff``, only if its shadow report (``shadow_report()``) shows no output
+        further than that from the served answers. ``golden`` may be captured traffic
+        (``traffic(n=200)``: each request's inputs and the outputs served to it). The server
+        checks both and switches its version policy only if all hold. A refusal comes back
+        as the result (its diff, or the output and its difference), not as an exception."""
+        if golden is None and shadow_max_diff is None:
+            raise InvalidArgument("promote() needs a golden set, a shadow_max_diff, or both")
+        lifecycle: dict[str, Any] = {"promote": int(version)}
+        cases: list = []
+        if golden is not None:
+            cases = encode(golden, self._client.config(self.name))
+            lifecycle.update({"golden": cases, "atol": atol, "rtol": rtol})
+        if shadow_max_diff is not None:
+            lifecycle["shadow_max_diff"] = shadow_max_diff
         try:
-            self._client.load(self.name, lifecycle={"golden": cases, "atol": atol, "rtol": rtol,
-                                                    "promote": int(version)})
+            self._client.load(self.name, lifecycle=lifecycle)
         except InvalidArgument as err:
             return PromotionResult.refused(self.name, err, len(cases))
         self.version = int(version)
-        return PromotionResult(self.name, int(version), True, len(cases))
+        return PromotionResult(self.name, int(version), True, len(cases),
+                               shadow_max_diff=shadow_max_diff)
+
+    # ---- shadow traffic (the server's engine/observation/shadow.py) --------------------
+    def shadow(self, version: int | None, fraction: float = 1.0) -> dict | None:
+        """Send a copy of ``fraction`` of this model's served requests to its staged
+        ``version`` (``serve(..., stage=True)``); its answers never reach a client, and a
+        slow or failing one never delays or fails the served answer. ``None`` (or False)
+        stops, keeping the report. Returns the report (``shadow_report``)."""
+        if version is False:
+            version = None
+        body = json.dumps({"version": version, "fraction": fraction}).encode()
+        doc = json.loads(self._client.request("POST", self._shadow_path(), body,
+                                              what=f"shadow of '{self.name}'")[2])
+        return doc["shadow"]
+
+    def shadow_report(self) -> dict | None:
+        """How the shadowed version's answers compare with the served ones, per output:
+        ``compared``, ``max_abs_diff``, ``agreement`` (argmax, [batch, classes] outputs),
+        ``cosine_distance`` (mean, max; vectors); and ``latency_ms`` of both versions
+        (p50, p99). None when no shadow ran."""
+        return self._client.get_json(self._shadow_path(), what=f"shadow of '{self.name}'")["shadow"]
+
+    def _shadow_path(self) -> str:
+        return self._client._model_path(self.name) + "/shadow"
 
     def stop_canary(self) -> None:
         """End this model's canary: its version is set aside, all requests go to the

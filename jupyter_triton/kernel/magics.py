@@ -84,13 +84,17 @@ class TritonMagics(Magics):
                                "version is served only if it answers every case")
     @argument("--atol", type=float, default=1e-8, help="absolute tolerance of the golden check")
     @argument("--rtol", type=float, default=1e-5, help="relative tolerance of the golden check")
+    @argument("--stage", action="store_true",
+              help="load the new version staged: callable by its version only, the served one "
+                   "keeps serving (handle.shadow, handle.promote)")
     @cell_magic
     def serve(self, line: str, cell: str):
         """Serve the cell's value (a model, a module or a function) on the inference server.
 
         Every run is a new version; the server loads it before it retires the old one. With
         ``--golden NAME`` it is served only if it answers the golden set; otherwise the
-        refusal's diff is shown and the served version stays.
+        refusal's diff is shown and the served version stays. With ``--stage`` it is loaded
+        beside the served version, which keeps serving, until a promotion.
         """
         args = parse_argstring(self.serve, line)
         value = self._run_cell_value(cell)
@@ -109,7 +113,8 @@ class TritonMagics(Magics):
                 inputs=self._user_var(args.inputs, "--inputs"),
                 outputs=self._user_var(args.outputs, "--outputs"), config=_unquote(args.config),
                 decoupled=args.decoupled, sequence=args.sequence,
-                golden=self._user_var(args.golden, "--golden"), atol=args.atol, rtol=args.rtol)
+                golden=self._user_var(args.golden, "--golden"), atol=args.atol, rtol=args.rtol,
+                stage=args.stage)
         except PromotionRefused as refused:
             return refused.result          # shown as its diff; the cell does not fail
         except (ArtifactError, TritonError) as err:

@@ -223,7 +223,7 @@ class ModelLifecycle(OnDemand, Rollout):
         rollback = rollback_requested(lifecycle)
         entry = self._entries.get(name)
         if entry is not None and entry.canary is not None and not (
-                "canary" in lifecycle or "golden" in lifecycle):
+                "canary" in lifecycle or "golden" in lifecycle or "shadow_max_diff" in lifecycle):
             raise canary_running(name, entry)
         if "canary" in lifecycle:
             if set(lifecycle) - {"canary"}:
@@ -235,7 +235,7 @@ class ModelLifecycle(OnDemand, Rollout):
                 raise InvalidArgument(f"failed to load '{name}': 'rollback' takes no config, "
                                       f"files or golden set")
             await self.rollback(name)
-        elif "golden" in lifecycle:
+        elif "golden" in lifecycle or "shadow_max_diff" in lifecycle:
             await self.promote(name, parse_promotion(lifecycle), config, files)
         elif "promote" in lifecycle or "atol" in lifecycle or "rtol" in lifecycle:
             raise InvalidArgument(f"failed to load '{name}': 'promote', 'atol' and 'rtol' "

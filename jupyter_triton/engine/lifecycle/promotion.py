@@ -20,7 +20,7 @@ from ...protocol.types import InferRequest, InferTensor
 from ...repository.layout import MAX_VERSION, is_version_dir_name
 
 LIFECYCLE_FILE = "file:lifecycle.json"
-KEYS = ("golden", "atol", "rtol", "promote", "rollback", "canary")
+KEYS = ("golden", "atol", "rtol", "promote", "rollback", "canary", "shadow_max_diff")
 #: golden cases one promotion may carry
 MAX_CASES = 1000
 
@@ -37,6 +37,7 @@ class Promotion:
     atol: float = 1e-8
     rtol: float = 1e-5
     version: int | None = None       # an on-disk version to promote (no upload)
+    shadow_max_diff: float | None = None    # its shadow report's bound (observation/shadow.py)
 
 
 def lifecycle_parameters(parameters: Mapping[str, Any] | None,
@@ -56,13 +57,16 @@ def lifecycle_parameters(parameters: Mapping[str, Any] | None,
 
 
 def parse_promotion(params: Mapping[str, Any]) -> Promotion:
-    golden = params.get("golden")
+    shadow_max_diff = (_tolerance(params, "shadow_max_diff", 0.0)
+                       if "shadow_max_diff" in params else None)
+    golden = params.get("golden", [] if shadow_max_diff is not None else None)
     if isinstance(golden, (str, bytes)):
         try:
             golden = json.loads(golden)
         except (ValueError, RecursionError) as err:
             raise InvalidArgument(f"load parameter 'golden' is not JSON: {err}") from None
-    if not isinstance(golden, list) or not golden or len(golden) > MAX_CASES:
+    if not isinstance(golden, list) or len(golden) > MAX_CASES or \
+            not (golden or shadow_max_diff is not None):
         raise InvalidArgument(f"load parameter 'golden' must be a list of 1 to {MAX_CASES} "
                               "cases, each {\"inputs\": [tensor...], \"outputs\": [tensor...]} "
                               "with tensors as in a v2 JSON inference request")
@@ -86,7 +90,7 @@ def parse_promotion(params: Mapping[str, Any]) -> Promotion:
             raise InvalidArgument(f"load parameter 'promote' must be a version number, "
                                   f"not {version!r}")
     return Promotion(cases, _tolerance(params, "atol", 1e-8), _tolerance(params, "rtol", 1e-5),
-                     version)
+                     version, shadow_max_diff)
 
 
 def rollback_requested(params: Mapping[str, Any]) -> bool:

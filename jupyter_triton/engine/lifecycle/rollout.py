@@ -14,6 +14,7 @@ from ...config import CONFIG_FILENAME
 from ...protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ...repository import PendingUpload
 from ..model import READY, UNAVAILABLE, ModelVersion, VersionStatus
+from ..observation.shadow import check as check_shadow
 from .promotion import Promotion, compare, golden_request
 
 if TYPE_CHECKING:
@@ -86,6 +87,16 @@ class Rollout:
                 promotion.version == entry.canary.version else None
             if entry.canary is not None and canary is None:
                 raise canary_running(name, entry)
+            if promotion.shadow_max_diff is not None:
+                # before anything changes: refused, the version stays staged and shadowed
+                try:
+                    check_shadow(self.traffic.shadow_report(name)["shadow"], name,
+                                 promotion.version, promotion.shadow_max_diff)
+                except InvalidArgument as err:
+                    await loop.run_in_executor(None, self._record, name, {
+                        "action": "refused", "version": promotion.version, "served": before,
+                        "reason": str(err)[:4000]})
+                    raise
             entry.canary = None           # its requests go back to what served
             if canary is not None:
                 pending = canary.pending
@@ -154,7 +165,7 @@ class Rollout:
         loop = asyncio.get_running_loop()
         entry = self._entry(name)
         async with entry.lock:
-            if fraction == 0:
+            if fraction == 0 and not files:
                 if entry.canary is None:
                     raise InvalidArgument(f"failed to stop the canary of '{name}': none is running")
                 stopped = entry.canary
@@ -180,10 +191,13 @@ class Rollout:
                 await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
                 entry.status[target] = VersionStatus(UNAVAILABLE, f"canary failed to load: {err}"[:2000])
                 raise
+            # at fraction 0 a staged version: callable by explicit version, shadowed, promoted
             entry.canary = Canary(target, fraction, pending)
-            entry.status[target] = VersionStatus(READY, f"canary: {fraction:g} of the requests")
+            entry.status[target] = VersionStatus(READY, f"canary: {fraction:g} of the requests"
+                                                 if fraction else "staged: not served until promoted")
             await loop.run_in_executor(None, self._record, name, {
-                "action": "canary", "version": target, "served": self._served(entry),
+                "action": "canary" if fraction else "staged", "version": target,
+                "served": self._served(entry),
                 "fraction": fraction})
 
     async def _end_canary(self, entry: Entry, reason: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from collections import deque
@@ -23,9 +24,12 @@ import numpy as np
 from ...protocol.errors import InvalidArgument, NotFound, TritonError
 from ...protocol.http_codec import tensor_to_json
 from ...protocol.types import InferRequest, InferResponse, InferTensor
+from .shadow import Shadow, parse_shadow
 
 if TYPE_CHECKING:
     from .. import Engine
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_ROWS = 10_000
 DEFAULT_MAX_BYTES = 16 << 20
@@ -126,15 +130,47 @@ class Capture:
                 "rows": len(self.rows), "bytes": self.bytes}
 
 
+@dataclass
+class Tap:
+    """What ``Engine.infer`` hands a tapped model's request to: its capture, its shadow
+    (observation/shadow.py), or both. The shadow's copy leaves only once the served answer
+    is there, and nothing it does reaches that answer."""
+    capture: Capture | None = None
+    shadow: Shadow | None = None
+
+    async def infer(self, engine: "Engine", request: InferRequest) -> InferResponse:
+        if self.shadow is None:
+            return await self.capture.infer(engine, request)
+        request.captured = True
+        start = time.monotonic_ns()
+        response = await (self.capture.infer(engine, request) if self.capture is not None
+                          else engine.infer(request))
+        try:
+            self.shadow.offer(engine, request, response, (time.monotonic_ns() - start) / 1000)
+        except Exception:           # the served answer goes out whatever the copy did
+            log.exception("model '%s': shadow copy failed", request.model_name)
+        return response
+
+
 class TrafficCapture:
-    """Every model's capture, the engine's (``engine.traffic``). ``active``: the models being
-    captured now, the one thing ``Engine.infer`` looks at; ``samples``: every sample, also
-    those whose capture stopped (readable until cleared)."""
+    """Every model's tap, the engine's (``engine.traffic``). ``active``: the models captured
+    or shadowed now, the one thing ``Engine.infer`` looks at; ``samples`` and ``shadows``:
+    every capture and shadow, also those stopped (readable until cleared or replaced)."""
 
     def __init__(self, known: Callable[[str], bool]) -> None:
         self.known = known          # whether a name is a model of this server
-        self.active: dict[str, Capture] = {}
+        self.active: dict[str, Tap] = {}
         self.samples: dict[str, Capture] = {}
+        self.shadows: dict[str, Shadow] = {}
+
+    def _retap(self, model: str) -> None:
+        capture, shadow = self.samples.get(model), self.shadows.get(model)
+        tap = Tap(capture if capture is not None and capture.on else None,
+                  shadow if shadow is not None and shadow.on else None)
+        if tap.capture is None and tap.shadow is None:
+            self.active.pop(model, None)
+        else:
+            self.active[model] = tap
 
     def control(self, model: str, body: Any) -> dict:
         """``POST v2/models/{m}/traffic``: ``{"capture": true, "fraction": 1.0, "max_rows":
@@ -144,14 +180,14 @@ class TrafficCapture:
         on, settings, clear = parse_control(body)
         self._check(model)
         if on:
-            capture = self.samples[model] = self.active[model] = Capture(settings)
+            capture = self.samples[model] = Capture(settings)
         else:
-            self.active.pop(model, None)
             capture = self.samples.pop(model, None) if clear else self.samples.get(model)
-            if capture is not None and not clear:
+            if capture is not None:
                 capture.on = False
-            if clear or capture is None:
-                return {"model_name": model, "capture": None}
+        self._retap(model)
+        if capture is None or clear:
+            return {"model_name": model, "capture": None}
         return {"model_name": model, "capture": capture.to_json()}
 
     def read(self, model: str) -> tuple[dict, list[Captured]]:
@@ -162,8 +198,34 @@ class TrafficCapture:
             return {"model_name": model, "capture": None}, []
         return {"model_name": model, "capture": capture.to_json()}, list(capture.rows)
 
+    def shadow_control(self, engine: "Engine", model: str, body: Any) -> dict:
+        """``POST v2/models/{m}/shadow``: ``{"version": 2, "fraction": 1.0}`` sends a copy of
+        that share of the served requests to staged version 2 (a new report);
+        ``{"version": null}`` stops and keeps the report. Returns ``shadow_report``."""
+        version, fraction = parse_shadow(body)
+        self._check(model)
+        if version is None:
+            shadow = self.shadows.get(model)
+            if shadow is not None:
+                shadow.on = False
+        else:
+            engine._version(model, str(version))   # 404 / 503, as an infer naming it hears
+            if any(mv.name == model and mv.version == version for mv in engine.models()):
+                raise InvalidArgument(f"shadow: version {version} of '{model}' is the one "
+                                      f"served; shadow a staged version (serve(..., stage=True))")
+            self.shadows[model] = Shadow(version, fraction)
+        self._retap(model)
+        return self.shadow_report(model)
+
+    def shadow_report(self, model: str) -> dict:
+        """``GET v2/models/{m}/shadow``: the shadow's state and, per output, how the staged
+        version's answers compare with the served ones (observation/shadow.py)."""
+        self._check(model)
+        shadow = self.shadows.get(model)
+        return {"model_name": model, "shadow": shadow.to_json() if shadow is not None else None}
+
     def _check(self, model: str) -> None:
-        if model not in self.samples and not self.known(model):
+        if model not in self.samples and model not in self.shadows and not self.known(model):
             raise NotFound(f"Request for unknown model: '{model}' is not found")
 
 
