@@ -1,14 +1,16 @@
 """The HTTP codec's shortcuts keep its answers: a repeated JSON header decoded from what the
-first decode found (``_PLANS``), and the response header written by orjson where json would
-write the same bytes (``_encode_header``)."""
+first decode found (``http_codec._PLANS``), and the response header written by orjson where
+json would write the same bytes (``json_tensors.encode_header``), in full and from a plan."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from jupyter_triton.protocol import http_codec
+from jupyter_triton.protocol import binary_data, http_codec, json_tensors
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
@@ -89,13 +91,15 @@ def test_json_values_and_nested_parameters_are_not_kept() -> None:
     assert not http_codec._PLANS
 
 
-def _by_json(response: InferResponse, request: InferRequest) -> tuple[bytes, int | None]:
-    saved = http_codec._encode_header
-    http_codec._encode_header = lambda doc, plain: saved(doc, False)
-    try:
-        return encode_infer_response(response, request)
-    finally:
-        http_codec._encode_header = saved
+def _by_json(response: InferResponse, request: InferRequest, monkeypatch: pytest.MonkeyPatch
+             ) -> tuple[bytes, int | None]:
+    """The response encoded in full, every header written by json."""
+    def by_json(doc, plain):
+        return json_tensors.encode_header(doc, False)
+
+    with monkeypatch.context() as m:
+        m.setattr(binary_data, "encode_header", by_json)
+        return binary_data.encode_response(response, request)
 
 
 @pytest.mark.parametrize("name, rid, params, out_params, data", [
@@ -111,9 +115,39 @@ def _by_json(response: InferResponse, request: InferRequest) -> tuple[bytes, int
 ])
 @pytest.mark.parametrize("binary", [True, False])
 def test_the_response_header_is_what_json_writes(name, rid, params, out_params, data,
-                                                 binary) -> None:
+                                                 binary, monkeypatch) -> None:
     dt = {"f": "FP32", "i": "INT64", "O": "BYTES"}[data.dtype.kind]
     response = InferResponse(name, "1", rid, [InferTensor("Y", dt, data.shape, data, out_params)],
                              params)
     request = InferRequest(name, outputs=[RequestedOutput("Y", {"binary_data": binary})])
-    assert encode_infer_response(response, request) == _by_json(response, request)
+    http_codec._RESPONSE_PLANS.clear()
+    by_json = _by_json(response, request, monkeypatch)
+    assert encode_infer_response(response, request) == by_json      # in full, the plan learnt
+    assert encode_infer_response(response, request) == by_json      # from the plan
+
+
+def test_a_repeated_binary_request_is_decoded_and_answered_by_its_plans_alone() -> None:
+    """The fast path of a repeat (an id, binary in and out) runs in protocol/http_codec.py
+    only: the files one inference calls into do not grow with the codec's modules."""
+    header = {"id": "r1", "inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": 16}}],
+              "outputs": [{"name": "Y", "parameters": {"binary_data": True}}]}
+    body, length = _binary(header, np.zeros(4, np.float32))
+    protocol = Path(http_codec.__file__).parent
+    called: set[str] = set()
+
+    def record(frame, event, arg) -> None:
+        if event == "call" and Path(frame.f_code.co_filename).parent == protocol:
+            called.add(Path(frame.f_code.co_filename).name)
+
+    for step in range(2):
+        if step:
+            sys.setprofile(record)
+        try:
+            request = decode_infer_request(body, length, "m", "")
+            response = InferResponse("m", "1", "", [InferTensor("Y", "FP32", (1, 4),
+                                                                request.inputs[0].data)])
+            encode_infer_response(response, request)
+        finally:
+            sys.setprofile(None)
+    assert called == {"http_codec.py"}

@@ -13,7 +13,8 @@ import tritonclient.http as httpclient
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.protocol import http_codec
-from jupyter_triton.protocol.http_codec import _encode_response, encode_infer_response
+from jupyter_triton.protocol.binary_data import encode_response
+from jupyter_triton.protocol.http_codec import encode_infer_response
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from test_grpc_response_plans import _ARRAYS, CONFIG, MODEL, _RNG
 
@@ -25,7 +26,7 @@ def _response(rid: str, outputs, model: str = "m", version="1") -> InferResponse
 
 def _same(resp: InferResponse, request: InferRequest):
     got = encode_infer_response(resp, request)
-    assert got == _encode_response(resp, request)
+    assert got == encode_response(resp, request)
     return got
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol import http_codec
-from jupyter_triton.protocol.http_codec import _encode_response, decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.binary_data import encode_response
+from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 
@@ -123,11 +124,11 @@ def test_json_outputs_written_from_a_plan_are_what_the_full_encoder_writes():
             resp = InferResponse("m", "1", rid, [
                 InferTensor("A", "FP32", (3,), a), InferTensor("B", "INT64", (2,), np.array([1, -2])),
                 InferTensor("C", "FP32", (2, 2), c.reshape(2, 2))])
-            assert encode_infer_response(resp, request) == _encode_response(resp, request)
+            assert encode_infer_response(resp, request) == encode_response(resp, request)
     assert len(http_codec._RESPONSE_PLANS) == 1
     for data in (np.array([True, False]), rng.standard_normal(big)):
         resp = InferResponse("m", "1", "", [InferTensor("Y", "BOOL" if data.dtype == bool else "FP64",
                                                         data.shape, data)])
         for _ in range(2):
             got = encode_infer_response(resp, InferRequest("m"))
-            assert got == _encode_response(resp, InferRequest("m")) and got[1] is None
+            assert got == encode_response(resp, InferRequest("m")) and got[1] is None

@@ -16,7 +16,8 @@ from onnx import TensorProto
 from conftest import serve
 from jupyter_triton.protocol.datatypes import round_to_bf16
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.http_codec import _may_hold_big_integer, decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.http_codec import decode_infer_request, encode_infer_response
+from jupyter_triton.protocol.json_tensors import may_hold_big_integer
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
 from onnx_models import identity
 
@@ -151,7 +152,7 @@ def test_json_tensors_through_the_server(identity_server):
     (b"", False),
 ])
 def test_only_integers_past_64_bits_keep_a_document_from_orjson(text, big):
-    assert _may_hold_big_integer(text) is big
+    assert may_hold_big_integer(text) is big
 
 
 def test_floats_as_rapidjson_writes_them_decode_as_json_read_them():

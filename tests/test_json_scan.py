@@ -1,5 +1,5 @@
-"""The JSON path's scan for integers past 64 bits (protocol/http_codec.py
-``_may_hold_big_integer``): a document with one is parsed by json (orjson would read it as
+"""The JSON path's scan for integers past 64 bits (protocol/json_tensors.py
+``may_hold_big_integer``): a document with one is parsed by json (orjson would read it as
 a float); the scan says so exactly when a run of 20 or more digits stands between two
 delimiters, or one of 19 or more after a minus sign (below -2**63), not after a point or an
 exponent's e, nor before one."""
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.http_codec import _may_hold_big_integer, decode_infer_request
+from jupyter_triton.protocol.http_codec import decode_infer_request
+from jupyter_triton.protocol.json_tensors import may_hold_big_integer
 
 # The rule, said as a regular expression (too slow for the request path: 10x the scan).
 _RULE = re.compile(rb"((?<![0-9.eE])[0-9]{20,}|-[0-9]{19,})(?![0-9.eE])")
@@ -26,7 +27,7 @@ def test_the_scan_follows_the_rule_on_many_random_documents() -> None:
     found = 0
     for _ in range(20000):
         doc = b"".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 12)))
-        assert _may_hold_big_integer(doc) == bool(_RULE.search(doc)), doc
+        assert may_hold_big_integer(doc) == bool(_RULE.search(doc)), doc
         found += bool(_RULE.search(doc))
     assert 1000 < found < 19000         # both answers were asked many times
 
@@ -41,7 +42,7 @@ def test_the_scan_follows_the_rule_on_many_random_documents() -> None:
     (b"[-1234567890123456789.5]", False),
 ])
 def test_documents_with_and_without_an_integer_past_64_bits(doc, big) -> None:
-    assert _may_hold_big_integer(doc) is big
+    assert may_hold_big_integer(doc) is big
 
 
 def test_a_json_request_with_a_big_integer_is_refused_in_its_words_and_floats_pass() -> None:

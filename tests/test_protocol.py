@@ -21,8 +21,8 @@ from jupyter_triton.protocol.datatypes import (
     numpy_to_triton, round_to_bf16, serialize_bytes_tensor, triton_to_config, triton_to_numpy)
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.grpc_codec import decode_grpc_request, encode_grpc_response
-from jupyter_triton.protocol.http_codec import (decode_infer_request, decode_raw_infer_request,
-                                                encode_error, encode_infer_response)
+from jupyter_triton.protocol import (decode_infer_request, decode_raw_infer_request, encode_error,
+                                     encode_infer_response)
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 # One sample array per datatype, as a client would hold it.
@@ -586,7 +586,7 @@ def _large(data_text: bytes, shape: list[int], dt: str = "FP32", extra: bytes = 
 
 
 def test_large_json_decodes_exactly_as_small_json():
-    from jupyter_triton.protocol.http_codec import SLICED_MIN
+    from jupyter_triton.protocol.json_slices import SLICED_MIN
     x = (np.arange(400_000) % 97 / 8 - 6).astype(np.float32)
     body = _large(",".join(map(repr, x.tolist())).encode(), [100_000, 4],
                   extra=b'"parameters":{"pad":[' + b"1," * 40_000 + b'2]},')

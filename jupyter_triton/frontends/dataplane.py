@@ -35,7 +35,7 @@ from ..engine.observation.capture import traffic_json
 from ..engine.composition.streaming import DecoupledRefused
 from ..model_logs import model_logs
 from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
-from ..protocol.http_codec import decode_infer_request, decode_raw_infer_request, encode_infer_response
+from ..protocol import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
 from ..repository.lineage import read as read_lineage
 from . import openai, openai_embeddings

@@ -24,7 +24,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, TritonError
-from ..protocol.http_codec import check_request_parameters, json_data_to_array
+from ..protocol.json_tensors import json_data_to_array
+from ..protocol.v2_rules import check_request_parameters
 from ..protocol.types import InferRequest, InferResponse, InferTensor
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..protocol.errors import InvalidArgument
-from ..protocol.http_codec import tensor_from_json
+from ..protocol.json_tensors import tensor_from_json
 
 COLUMNS = ["time", "model_version", "id", "trace_id", "latency_ms", "status", "error",
            "inputs", "outputs"]

@@ -13,8 +13,8 @@ __all__ = [
 from .datatypes import (config_to_triton, deserialize_bytes_tensor, element_size,
                         numpy_to_triton, serialize_bytes_tensor, triton_to_config,
                         triton_to_numpy)
-from .http_codec import (decode_infer_request, decode_raw_infer_request, encode_error,
-                         encode_infer_response)
+from .binary_data import decode_raw_infer_request
+from .http_codec import decode_infer_request, encode_error, encode_infer_response
 
 __all__ += [
     "config_to_triton", "deserialize_bytes_tensor", "element_size", "numpy_to_triton",

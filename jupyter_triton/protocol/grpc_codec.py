@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2
 from .datatypes import (DATATYPES, element_count, tensor_from_wire, tensor_to_wire,
                         tensor_wire_buffer, wire_dtype)
 from .errors import InvalidArgument
-from .http_codec import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
+from .v2_rules import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
 
 _INT64_MAX = (1 << 63) - 1

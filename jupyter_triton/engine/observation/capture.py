@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ...protocol.errors import InvalidArgument, NotFound, TritonError
-from ...protocol.http_codec import tensor_to_json
+from ...protocol.json_tensors import tensor_to_json
 from ...protocol.types import InferRequest, InferResponse, InferTensor
 from .shadow import Shadow, parse_shadow
 
@@ -231,7 +231,7 @@ class TrafficCapture:
 
 def traffic_json(state: dict, rows: list[Captured]) -> bytes:
     """``GET v2/models/{m}/traffic``'s body: the capture's state and its rows, oldest first,
-    tensors as v2 JSON (protocol/http_codec.tensor_to_json). Non-finite floats are spelled
+    tensors as v2 JSON (protocol/json_tensors.tensor_to_json). Non-finite floats are spelled
     NaN / Infinity, as Python's json reads them."""
     requests = [{"time": r.time, "model_version": r.model_version, "id": r.id,
                  "trace_id": r.trace_id, "latency_us": r.latency_us, "status": r.status,
