@@ -15,18 +15,15 @@ per worker), so no thread waits for the worker and nothing hops back to the loop
 cannot be done without waiting (a restart's ``initialize``, a region to replace, unload), a
 thread runs ``execute``: it reads until the batch is done and hands side messages on. A
 decoupled model's worker has a reader thread of its own, because its responses come after
-execute has returned.
+execute has returned (``decoupled.DecoupledWorker``). Regions lent for one message are
+``loans``; the worker's stdout and stderr, ``worker_logs``.
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
-import itertools
-import json
 import logging
 import os
-import queue
-import re
 import select
 import signal
 import socket
@@ -35,15 +32,14 @@ import time
 import weakref
 from typing import Any, Callable
 
-from ...model_logs import LOGS
 from . import launch
 from .envs import PackedEnv
-from .messages import (LOGGER_MARK, READ_CHUNK, SHM_MESSAGE_BYTES, SIDE, AutoCompleted, BlsCall,
-                       CancelQuery, CancelReply, Channel, DecoupledReturned, Execute, ExecuteDecoupled,
-                       Failed, Finalize, Grow, LoanAsk, LoanDone, LoanReply, OutputRegion, Release,
-                       Response, Results, payload_bytes)
-from .shm import SharedMemoryFull, ShmRegion, stage, stage_into, sweep_once
+from .loans import Loans
+from .messages import (SIDE, BlsCall, Channel, Execute, Failed, Finalize, Grow, LoanAsk, LoanDone,
+                       LoanReply, OutputRegion, Release, Results)
+from .shm import SharedMemoryFull, ShmRegion, stage_into, sweep_once
 from .stub import RequestData, ResponseError, StubError
+from .worker_logs import read_output
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +59,23 @@ class WorkerTimeout(Exception):
         self.seconds = seconds
 
 
-def _unexpected(msg: Any) -> StubError:
+def unexpected(msg: Any) -> StubError:
     """``Failed``'s error, or a StubError naming what a confused worker sent."""
     if type(msg) is Failed:
         return StubError(*msg.error)
     return StubError("execute", f"the python worker answered {type(msg).__name__}")
+
+
+def filled(chan: Channel, events: list) -> bool:
+    """After a poll on a worker's socket and pidfd: True when the socket gave more bytes,
+    False when the worker is gone (only the pidfd fired: a child it forked may still hold
+    the socket open, so end-of-file alone is not to be waited for)."""
+    if any(fd == chan.fd for fd, _ in events):
+        try:
+            return chan.fill()
+        except OSError:
+            pass
+    return False
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -82,9 +90,6 @@ def describe_exit(exitcode: int | None) -> str:
         return f"exit code {exitcode}, {sig}{hint}"
     return f"exit code {exitcode}"
 
-
-_ALIVE = object()
-_DIED = ("died",)
 
 _LIVE: "weakref.WeakSet[WorkerProcess]" = weakref.WeakSet()
 
@@ -102,7 +107,7 @@ def _stop_all() -> None:
 class WorkerProcess:
     """The server's handle on one worker process and the two regions it reads and writes."""
 
-    def __init__(self, model_py: str, args: dict[str, str], label: str, decoupled: bool = False,
+    def __init__(self, model_py: str, args: dict[str, str], label: str,
                  side: Callable[["WorkerProcess", Any], None] | None = None, blas_threads: int = 0,
                  env: PackedEnv | None = None, poll_us: int = 0) -> None:
         self.model_py = model_py
@@ -114,7 +119,6 @@ class WorkerProcess:
         #: the model's packed environment (EXECUTION_ENV_PATH), else forked from the template
         self.env = env
         self.ready = False
-        self.decoupled = decoupled
         #: why open decoupled requests are failed when the worker ends: (kind, message),
         #: set by whoever kills it on purpose before the kill
         self.end_reason: tuple[str, str] | None = None
@@ -126,15 +130,12 @@ class WorkerProcess:
         self._in: ShmRegion | None = None
         self._out: ShmRegion | None = None
         self._send_lock = threading.Lock()
-        # Decoupled models only: a reader thread owns the socket once the worker is ready.
+        # Decoupled models only (``DecoupledWorker``): a reader thread owns the socket once
+        # the worker is ready.
         self._reader: threading.Thread | None = None
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._exitcode: Any = _ALIVE
-        self._sinks: dict[int, Any] = {}
-        self._keys = itertools.count(1)
         self._logs: threading.Thread | None = None
-        # regions lent for tensors that travel with a message (BLS, decoupled responses)
-        self._loans: dict[str, ShmRegion] = {}
+        #: regions lent for tensors that travel with a message (BLS, decoupled responses)
+        self.loans = Loans(label)
         self._closed = False
         self._watch: LoopWatch | None = None    # the event loop reading it (watch)
 
@@ -148,7 +149,7 @@ class WorkerProcess:
         self._sock, out_r, err_r, self._process = launch.start(
             "serve", self.model_py, self.args, self.blas_threads, self.env, self.poll_us)
         self._logs = threading.Thread(
-            target=_read_output, args=(self.label, self.args.get("model_name", ""),
+            target=read_output, args=(self.label, self.args.get("model_name", ""),
                                        self.args.get("model_version", ""), out_r, err_r),
             daemon=True, name=f"triton-python-output-{self.label}")
         self._logs.start()
@@ -165,10 +166,6 @@ class WorkerProcess:
         if type(msg) is Failed:
             raise StubError(*msg.error)
         self.ready = True
-        if self.decoupled:
-            self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                            name=f"triton-python-reader-{self.label}")
-            self._reader.start()
 
     def _stage_inputs(self, requests: list[RequestData], all_outputs: list[str] | None) -> list:
         staged, end, metas = self._plan_inputs(requests, all_outputs)
@@ -224,7 +221,7 @@ class WorkerProcess:
 
     def _results(self, msg: Any) -> list[dict | ResponseError]:
         if type(msg) is not Results:
-            raise _unexpected(msg)
+            raise unexpected(msg)
         items = msg.items
         groups = [item for item in items if type(item) is list]
         tensors = self._out.read_many(groups)
@@ -272,93 +269,23 @@ class WorkerProcess:
             return                  # the loop has closed: its readers went with it
         detached.wait(2.0)
 
-    def execute_decoupled(self, requests: list[RequestData], sinks: list[Any],
-                          timeout: float | None = None, all_outputs: list[str] | None = None) -> None:
-        """A decoupled batch: returns when the model's execute has returned; request ``i``'s
-        responses reach ``sinks[i].deliver(outputs, error, final)`` from the reader thread,
-        and ``sinks[i].fail(kind, message)`` closes it if the worker ends first. Raises as
-        ``execute`` does."""
-        metas = self._stage_inputs(requests, all_outputs)
-        keys = []
-        for sink in sinks:
-            key = next(self._keys)
-            self._sinks[key] = sink
-            keys.append(key)
-        self._send(ExecuteDecoupled(self._in.name if self._in is not None else "", metas, keys))
-        msg = self._recv("execute", timeout)
-        if type(msg) is not DecoupledReturned:
-            raise _unexpected(msg)
-
     @property
     def closed(self) -> bool:
         """Closed, or its process has ended."""
         process = self._process
         return self._closed or process is None or not process.is_alive()
 
-    def open_requests(self) -> int:
-        """Decoupled requests whose final response has not been sent yet."""
-        return len(self._sinks)
-
-    def _read_loop(self) -> None:
-        chan, sinks, replies = self._chan, self._sinks, self._replies
-        poll = select.poll()
-        poll.register(chan.fd, select.POLLIN)
-        poll.register(self._process.sentinel, select.POLLIN)
-        try:
-            while True:
-                msg = chan.take()
-                if msg is not None:
-                    kind = type(msg)
-                    if kind is Response:
-                        key, outputs, error, final = msg
-                        if type(outputs) is tuple:
-                            outputs = self._take_loan(outputs)
-                        sink = sinks.pop(key, None) if final else sinks.get(key)
-                        if sink is not None:
-                            sink.deliver(outputs, error, final)
-                    elif kind is CancelQuery:
-                        sink = sinks.get(msg.key)
-                        self._send(CancelReply(msg.call_id, True if sink is None else sink.cancelled()))
-                    elif kind in SIDE:
-                        self._side_message(msg)
-                    else:
-                        replies.put(msg)
-                    continue
-                events = poll.poll()
-                if any(fd == chan.fd for fd, _ in events):
-                    try:
-                        if chan.fill():
-                            continue
-                    except OSError:
-                        pass
-                break
-        except BaseException:   # a bug here must not leave requests open forever
-            log.exception("python worker %s: reader failed", self.label)
-        finally:
-            self._exitcode = self._reap()
-            replies.put(_DIED)
-            kind, message = self.end_reason or (
-                "died", f"the python worker died ({describe_exit(self._exitcode)})")
-            while sinks:
-                _, sink = sinks.popitem()
-                try:
-                    sink.fail(kind, message)
-                except Exception:
-                    log.exception("python worker %s: failing an open request", self.label)
-
     def _side_message(self, msg: Any) -> None:
         kind = type(msg)
         if kind is LoanAsk:     # the worker wants a region for tensors it is about to send
-            self._send(LoanReply(msg.call_id, self._lend(msg.nbytes)))
+            self._send(LoanReply(msg.call_id, self.loans.lend(msg.nbytes)))
             return
-        if kind is LoanDone:    # it has read the region it was sent
-            region = self._loans.pop(msg.region, None)
-            if region is not None:
-                region.close()
+        if kind is LoanDone:
+            self.loans.returned(msg.region)
             return
         if kind is BlsCall and type(msg.spec[2]) is tuple:
             spec = list(msg.spec)
-            spec[2] = self._take_loan(spec[2])
+            spec[2] = self.loans.take(spec[2])
             msg = msg._replace(spec=tuple(spec))
         if self._side is not None:
             try:
@@ -396,52 +323,11 @@ class WorkerProcess:
         except WorkerDied:
             pass
 
-    def pack(self, tensors: dict | None) -> Any:
-        """Tensors for a message to the worker: inline when small, else in a region lent to
-        it (it says ``("af", name)`` once read; the region goes with the worker otherwise)."""
-        if not tensors or payload_bytes(tensors) < SHM_MESSAGE_BYTES:
-            return tensors
-        staged, end = stage(tensors)
-        try:
-            region = ShmRegion.create(end)
-        except SharedMemoryFull:
-            return tensors            # no room: the socket carries them
-        refs = region.write(staged)
-        self._keep(region)
-        return ("shm", region.name, refs)
-
-    def _lend(self, nbytes: int) -> str | None:
-        try:
-            region = ShmRegion.create(nbytes)
-        except SharedMemoryFull:
-            return None
-        self._keep(region)
-        return region.name
-
-    def _keep(self, region: ShmRegion) -> None:
-        self._loans[region.name] = region
-        if self._closed:   # closed meanwhile (a BLS answer racing the worker's end)
-            self._loans.pop(region.name, None)
-            region.close()
-
-    def _take_loan(self, packed: tuple) -> dict:
-        _, name, refs = packed
-        region = self._loans.pop(name, None)
-        if region is None:   # never lent (a confused worker): no tensors rather than a dead reader
-            log.error("python worker %s: tensors in region %s, which it was not lent", self.label, name)
-            return {}
-        try:
-            return region.read(refs)
-        finally:
-            region.close()
-
     def _recv(self, what: str, timeout: float | None = None, deadline: float | None = None) -> Any:
         """The next message; ``WorkerTimeout`` (after killing the worker) past ``deadline``
         (or ``timeout`` seconds from now), ``WorkerDied`` when the worker goes."""
         if deadline is None and timeout:
             deadline = time.monotonic() + timeout
-        if self._reader is not None:
-            return self._recv_queued(what, timeout, deadline)
         chan = self._chan
         while True:
             msg = chan.take()
@@ -458,33 +344,8 @@ class WorkerProcess:
                     self._reap()
                     raise WorkerTimeout(what, timeout or 0)
                 continue
-            # Only the sentinel fired: the worker is gone (a child it forked may still hold
-            # the socket open, so end-of-file alone is not to be waited for).
-            if any(fd == chan.fd for fd, _ in events):
-                try:
-                    if chan.fill():
-                        continue
-                except OSError:
-                    pass
-            raise WorkerDied(self._reap())
-
-    def _recv_queued(self, what: str, timeout: float | None, deadline: float | None) -> Any:
-        if self._exitcode is not _ALIVE:
-            raise WorkerDied(self._exitcode)
-        try:
-            msg = self._replies.get(timeout=None if deadline is None
-                                    else max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            if self.end_reason is None:
-                self.end_reason = ("timeout", f"{what} did not finish within {timeout or 0:g} s; "
-                                   "the worker was killed")
-            self.kill()
-            self._reader.join(10)
-            raise WorkerTimeout(what, timeout or 0) from None
-        if msg is _DIED:
-            self._replies.put(_DIED)   # for whoever asks next
-            raise WorkerDied(self._exitcode)
-        return msg
+            if not filled(chan, events):
+                raise WorkerDied(self._reap())
 
     def kill(self) -> None:
         """SIGKILL now; safe from another thread while a batch waits on this worker."""
@@ -570,8 +431,7 @@ class WorkerProcess:
                 region.close()
                 setattr(self, attr, None)
         self._closed = True
-        while self._loans:
-            self._loans.popitem()[1].close()
+        self.loans.close()
         _LIVE.discard(self)
 
 
@@ -730,100 +590,3 @@ class LoopWatch:
         if error is not None and not isinstance(error, (StubError, SharedMemoryFull)):
             self.detach()           # a thread takes the worker over (restart, region set-up)
         done(outputs, error)
-
-
-_WORKER_LOG_LINE = re.compile(r"^\S+ \S+ \[python backend worker \d+\] (INFO|WARNING|ERROR|DEBUG|CRITICAL) ")
-_LOG_LEVEL_NAMES = {"DEBUG": "VERBOSE", "CRITICAL": "ERROR"}
-
-
-def _read_output(label: str, model: str, version: str, out_r: int, err_r: int) -> None:
-    """A worker's stdout and stderr, line by line: to the server's own streams as before, and
-    into the model's log lines."""
-    streams = {out_r: ("stdout", bytearray()), err_r: ("stderr", bytearray())}
-    poll = select.poll()
-    for fd in streams:
-        poll.register(fd, select.POLLIN)
-    try:
-        while streams:
-            for fd, _ in poll.poll():
-                source, pending = streams[fd]
-                try:
-                    chunk = os.read(fd, READ_CHUNK)
-                except OSError:
-                    chunk = b""
-                if chunk:
-                    pending += chunk
-                    if b"\n" not in chunk:
-                        continue
-                    done, _, rest = bytes(pending).rpartition(b"\n")
-                    pending[:] = rest
-                    _emit(label, model, version, source, done.decode("utf-8", "replace") + "\n")
-                    continue
-                if pending:
-                    _emit(label, model, version, source, pending.decode("utf-8", "replace") + "\n")
-                poll.unregister(fd)
-                os.close(fd)
-                del streams[fd]
-    except Exception:
-        log.exception("python worker %s: reading its output failed", label)
-
-
-def _emit(label: str, model: str, version: str, source: str, text: str) -> None:
-    raw = []
-    for line in text.rstrip("\n").split("\n"):   # not splitlines(): it splits at \x1c-\x1e too
-        if source == "stderr" and line.startswith(LOGGER_MARK):   # a pb_utils.Logger line
-            level, _, message = line[len(LOGGER_MARK):].partition("\t")
-            try:
-                message = json.loads(message)
-            except ValueError:
-                pass
-            LOGS.record(model, version, level, str(message), "logger", label)
-            continue
-        raw.append(line)
-        match = _WORKER_LOG_LINE.match(line) if source == "stderr" else None
-        level = (_LOG_LEVEL_NAMES.get(match.group(1), match.group(1)) if match
-                 else "INFO" if source == "stdout" else "WARNING")
-        LOGS.record(model, version, level, line, source, label, to_server_log=False)
-    if not raw:
-        return
-    # The server's own fd, as the worker wrote to it before its output was read here: a
-    # terminal, a log file, or whatever captures the server's output sees the same bytes.
-    data = memoryview(("\n".join(raw) + "\n").encode("utf-8", "replace"))
-    try:
-        while data:
-            data = data[os.write(1 if source == "stdout" else 2, data):]
-    except OSError:
-        pass
-
-
-def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeout: float | None = None,
-                            env: PackedEnv | None = None) -> dict:
-    """Run ``auto_complete_config`` in a short-lived worker, so model.py's imports and
-    side effects stay out of the server process."""
-    sock, out_r, err_r, process = launch.start("auto_complete", model_py, (module, config_json),
-                                               env=env)
-    output = threading.Thread(target=_read_output, args=("auto_complete", "", "", out_r, err_r),
-                              daemon=True, name="triton-python-output-auto-complete")
-    output.start()
-    chan = Channel(sock.fileno())
-    try:
-        ready = select.poll()
-        ready.register(sock.fileno(), select.POLLIN)
-        if not ready.poll(None if timeout is None else int(timeout * 1000) + 1):
-            process.kill()
-            raise WorkerTimeout("auto_complete_config", timeout or 0)
-        try:
-            msg = chan.recv()
-        except (EOFError, OSError):
-            process.join(5)
-            raise WorkerDied(process.exitcode) from None
-        if type(msg) is not AutoCompleted:
-            raise _unexpected(msg)
-        return msg.config
-    finally:
-        sock.close()
-        process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join(2)
-        output.join(2)

@@ -1,0 +1,214 @@
+"""What a running model asks of this server: BLS calls (``pb_utils.InferenceRequest(...)
+.exec()`` / ``exec(decoupled=True)`` / ``async_exec()``) and custom metrics
+(``pb_utils.MetricFamily``), with its ``pb_utils.Logger`` lines in thread mode.
+
+A worker process sends them as side messages; a BLS call then runs on a pool thread through
+``Backend.server_calls`` (the engine bounds depth and calls in flight) and its responses go
+back over the worker's socket. In thread mode the model's own thread does the call
+(``ModelCalls`` is the stub's host there). A BLS call's depth, and the trace it goes on
+with, come from the batch of its caller (``batch``; a decoupled model's last batch's
+``depth``, since it calls on after execute has returned).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+
+from ...model_logs import LOGS
+from ...protocol.datatypes import numpy_to_triton
+from ...protocol.errors import Cancelled, InvalidArgument, NotFound, TritonError, Unavailable, Unsupported
+from ...protocol.types import InferRequest, InferTensor, RequestedOutput
+from . import messages
+from . import triton_python_backend_utils as pb_utils
+from .stub import bls_response, bls_spec
+from .worker import WorkerProcess
+
+if TYPE_CHECKING:
+    from .backend import PythonBackend
+
+# model_metrics (prometheus_client, ~100 ms to import) is imported where it is used: every
+# worker process imports this package and never needs it.
+log = logging.getLogger(__name__)
+
+_PB_CODE_BY_ERROR: dict[type, int] = {
+    InvalidArgument: pb_utils.TritonError.INVALID_ARG, NotFound: pb_utils.TritonError.NOT_FOUND,
+    Unavailable: pb_utils.TritonError.UNAVAILABLE, Unsupported: pb_utils.TritonError.UNSUPPORTED,
+    Cancelled: pb_utils.TritonError.CANCELLED}
+
+
+def _pb_error(err: BaseException) -> tuple[int, str]:
+    if isinstance(err, TritonError):
+        code = next((c for cls, c in _PB_CODE_BY_ERROR.items() if isinstance(err, cls)),
+                    pb_utils.TritonError.INTERNAL)
+        return code, str(err)
+    return pb_utils.TritonError.INTERNAL, f"{type(err).__name__}: {err}"
+
+
+_BLS_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_BLS_POOL_LOCK = threading.Lock()
+#: BLS calls of worker processes run on these threads (the engine bounds each caller's
+#: calls in flight; past the pool's size they queue here)
+BLS_THREADS = 32
+
+
+def _bls_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _BLS_POOL
+    if _BLS_POOL is None:
+        with _BLS_POOL_LOCK:
+            if _BLS_POOL is None:
+                _BLS_POOL = concurrent.futures.ThreadPoolExecutor(BLS_THREADS, thread_name_prefix="triton-bls")
+    return _BLS_POOL
+
+
+class ModelCalls:
+    """One instance's model's calls into the server."""
+
+    def __init__(self, backend: "PythonBackend") -> None:
+        self.backend = backend
+        #: the batch executing: BLS calls of it take their depth and trace from it
+        self.batch: list | None = None
+        #: a decoupled model's last batch's depth (it calls on after execute has returned)
+        self.depth = 0
+        self._streams: dict[tuple[int, int], Any] = {}
+
+    # -- from a worker process ------------------------------------------------------------
+
+    def side_message(self, worker: WorkerProcess, msg: Any) -> None:
+        """A worker's message that is not an answer: BLS calls, custom metrics. Never blocks:
+        it runs on the thread that waits for a batch, or on a decoupled worker's reader."""
+        kind = type(msg)
+        if kind is messages.BlsCall:
+            _bls_pool().submit(self._bls_for_worker, worker, *msg)
+        elif kind is messages.BlsDropped:
+            stream = self._streams.pop((id(worker), msg.call_id), None)
+            if stream is not None:
+                stream.close()
+        elif kind is messages.Metric:
+            call_id, op, args = msg
+            from ... import model_metrics
+            try:
+                result, ok = model_metrics.apply(op, args, self.backend), True
+            except (model_metrics.MetricError, TypeError, ValueError) as err:
+                result, ok = str(err), False
+                if not call_id:
+                    log.warning("%s: custom metric %s failed: %s", self.backend._who, op, err)
+            if call_id:
+                worker.send_side(messages.MetricReply(call_id, ok, result))
+        else:
+            log.warning("%s: unexpected %s from the worker", self.backend._who, kind.__name__)
+
+    def _bls_for_worker(self, worker: WorkerProcess, call_id: int, decoupled: bool, spec: tuple) -> None:
+        """On a BLS pool thread: run one call of a worker's model and relay its responses."""
+        key = (id(worker), call_id)
+        seq = 0
+        try:
+            results = self._bls_results(spec, decoupled,
+                                        lambda stream: self._streams.__setitem__(key, stream))
+            for outputs, error, final in results:
+                if worker.closed:      # the caller is gone: stop (and cancel) its stream
+                    results.close()
+                    break
+                worker.send_side(messages.BlsReply((call_id, seq), worker.loans.pack(outputs), error, final))
+                seq += 1
+        finally:
+            self._streams.pop(key, None)
+
+    # -- from the model's own thread (thread mode) ----------------------------------------
+
+    def metric_call(self, op: str, args: tuple, what: str) -> Any:
+        from ... import model_metrics
+        try:
+            return model_metrics.apply(op, args, self.backend)
+        except (model_metrics.MetricError, TypeError, ValueError) as err:
+            raise pb_utils.TritonModelException(f"{what}: {err}") from None
+
+    def metric_send(self, op: str, args: tuple) -> None:
+        self.metric_call(op, args, f"Failed to {op} metric value")
+
+    def model_log(self, level: str, message: str) -> None:
+        backend = self.backend
+        LOGS.record(backend.files.model_name, str(backend.files.version), level, message, "logger",
+                    backend.instance.name)
+
+    def bls_exec(self, request: "pb_utils.InferenceRequest", decoupled: bool) -> Any:
+        results = self._bls_results(bls_spec(request), decoupled)
+        if not decoupled:
+            outputs, error, _ = next(results)
+            return bls_response(outputs, error)
+        return (bls_response(outputs, error) for outputs, error, _ in results)
+
+    # -- one BLS call -----------------------------------------------------------------------
+
+    def _bls_results(self, spec: tuple, decoupled: bool,
+                     register: Callable[[Any], None] | None = None) -> Iterator[tuple]:
+        """``(outputs, error, final)`` of one BLS call, the last with ``final``; errors as
+        ``(pb_utils code, message)``, never raised (Triton puts them in the response)."""
+        try:
+            calls = self.backend.server_calls
+            if calls is None:
+                raise Unavailable(f"{self.backend._who}: BLS needs a server; this instance has none")
+            request, timeout_s = self._bls_request(spec)
+            if not decoupled:
+                response = calls.infer(request, timeout_s)
+                yield {t.name: t.data for t in response.outputs}, None, True
+                return
+            stream = calls.infer_stream(request, timeout_s)
+            if register is not None:
+                register(stream)
+            final = False
+            try:
+                for response in stream:
+                    final = bool(response.final)
+                    error = response.error
+                    if error is not None:
+                        yield None, _pb_error(error), final
+                    else:
+                        yield {t.name: t.data for t in response.outputs}, None, final
+                    if final:
+                        break
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
+            if not final:   # the stream ended without a final response: end it for the model
+                yield None, None, True
+        except Exception as err:
+            if not isinstance(err, TritonError):
+                log.exception("%s: BLS call failed", self.backend._who)
+            yield None, _pb_error(err), True
+
+    def _bls_request(self, spec: tuple) -> tuple[InferRequest, float | None]:
+        model, version, inputs, names, request_id, correlation_id, flags, timeout_us, params = spec
+        if not model:
+            raise InvalidArgument("BLS request without a model_name")
+        try:
+            parameters = json.loads(params) if params else {}
+        except ValueError:
+            raise InvalidArgument(f"BLS request to model '{model}': parameters are not JSON") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"BLS request to model '{model}': parameters must be a JSON object")
+        if correlation_id:
+            parameters["sequence_id"] = correlation_id
+        if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+            parameters["sequence_start"] = True
+        if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+            parameters["sequence_end"] = True
+        tensors = []
+        for name, array in inputs.items():
+            array = np.asarray(array)
+            tensors.append(InferTensor(name, numpy_to_triton(array.dtype), tuple(array.shape), array))
+        batch = self.batch
+        depth = (self.depth if batch is None
+                 else max((getattr(r, "bls_depth", 0) for r in batch), default=0)) + 1
+        request = InferRequest(model, version, id=request_id or "", inputs=tensors,
+                               outputs=[RequestedOutput(n) for n in names] or None,
+                               parameters=parameters, bls_depth=depth)
+        # a traced caller's trace goes on in its BLS calls (engine/trace.py reads it)
+        request.trace_parent = next((r.trace for r in batch if r.trace is not None), None)
+        return request, (timeout_us / 1e6 if timeout_us else None)
+
