@@ -32,7 +32,7 @@ from .lifecycle.control import ModelLifecycle
 from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
 from .lifecycle.residency import opted_in
-from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs, uses_shared_memory
+from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs
 from .observation.trace import Tracing, parse_trace_config
 
 # Advertised only because each works end to end (perf_analyzer reads this list).
@@ -108,7 +108,7 @@ class Engine(ModelLifecycle):
             capture = self.traffic.active.get(request.model_name)
             if capture is not None:
                 return await capture.infer(self, request)
-        if not uses_shared_memory(request):
+        if not request.shared_memory:        # the codec's mark: a tensor names a region
             mv = (self.serving_version(request.model_name, request.model_version)
               or await self.resident_version(request.model_name, request.model_version))
             if mv.response_cache is None:
@@ -137,7 +137,7 @@ class Engine(ModelLifecycle):
             return
         mv = (self.serving_version(request.model_name, request.model_version)
               or await self.resident_version(request.model_name, request.model_version))
-        shm = uses_shared_memory(request)
+        shm = request.shared_memory
         if shm:
             await resolve_inputs(request, self.shared_memory)
         responses = mv.infer_stream(request)

@@ -10,7 +10,8 @@ size first, so a truncated region is a 400 that names it.
 
 Inputs and outputs name a region with the parameters ``shared_memory_region``,
 ``shared_memory_byte_size`` and (optional) ``shared_memory_offset``. The codecs leave such an
-input's ``data`` as None; ``resolve_inputs`` fills it before the model runs, and
+input's ``data`` as None and mark the request (``InferRequest.shared_memory``): the engine
+comes here for marked requests only. ``resolve_inputs`` fills it before the model runs, and
 ``place_outputs`` writes each output asked for in a region there and leaves its ``data`` None,
 which the encoders send as no data (an empty ``raw_output_contents`` entry over gRPC, as Triton
 does) and no added parameters: Triton adds none, and perf_analyzer's HTTP client requires
@@ -236,17 +237,6 @@ class SharedMemoryRegistry:
 
 # -- requests ------------------------------------------------------------------------------
 
-def uses_shared_memory(request: InferRequest) -> bool:
-    # (loops, not any() over generators: asked of every request, mostly of empty dicts)
-    for t in request.inputs:
-        if REGION in t.parameters:
-            return True
-    for o in request.outputs or ():
-        if REGION in o.parameters:
-            return True
-    return False
-
-
 def _placement(params: dict[str, Any], what: str) -> tuple[str, int, int]:
     region = params.get(REGION)
     if not isinstance(region, str):
@@ -326,5 +316,4 @@ async def place_outputs(response: InferResponse, request: InferRequest,
         store()
 
 
-__all__ = ["SharedMemoryRegistry", "AlreadyExists", "uses_shared_memory", "resolve_inputs",
-           "place_outputs"]
+__all__ = ["SharedMemoryRegistry", "AlreadyExists", "resolve_inputs", "place_outputs"]

@@ -205,9 +205,11 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
     raw_index = {i: k for k, i in enumerate(in_body)}
 
     inputs = []
+    shared = False
     for inp, name, dt, shape, tparams, i in specs:
         if "shared_memory_region" in tparams:
             arr = None      # the engine reads it from the region (engine/shared_memory.py)
+            shared = True
         elif len(raw):
             buf = raw[raw_index[i]]
             plain = _PLAIN.get(dt)
@@ -230,6 +232,7 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
             outputs.append(RequestedOutput(out.name, {}))
             continue
         oparams = _params(out.parameters)
+        shared = shared or "shared_memory_region" in oparams
         cls = oparams.get("classification")
         if cls is not None and (isinstance(cls, bool) or not isinstance(cls, int) or cls < 0):
             raise InvalidArgument(
@@ -237,7 +240,10 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
                 "non-negative integer")
         outputs.append(RequestedOutput(out.name, oparams))
 
-    return InferRequest(model, req.model_version, req.id, inputs, outputs or None, parameters)
+    request = InferRequest(model, req.model_version, req.id, inputs, outputs or None, parameters)
+    if shared:
+        request.shared_memory = True
+    return request
 
 
 def encode_grpc_response(resp: InferResponse, request: InferRequest
@@ -319,7 +325,8 @@ def _plan(raw: bytes, message: service_pb2.ModelInferRequest, request: InferRequ
           max_head: int) -> tuple | None:
     contents = message.raw_input_contents
     inputs = request.inputs
-    if not contents or len(contents) != len(inputs) or not scalar_values(request.parameters):
+    if (not contents or len(contents) != len(inputs) or not scalar_values(request.parameters)
+            or request.shared_memory):      # (decoded in full: a plan would not mark it)
         return None
     frames = [_RAW_INPUT_TAG + _varint(len(c)) for c in contents]
     start = len(raw) - sum(len(f) + len(c) for f, c in zip(frames, contents))

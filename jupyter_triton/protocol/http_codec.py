@@ -52,7 +52,7 @@ def _plain_view(dt: str, shape: tuple[int, ...], span: tuple[int, int] | None
 
 def _from_plan(plan: tuple, view: memoryview, model_name: str, model_version: str
                ) -> InferRequest:
-    request_id, parameters, specs, outputs = plan
+    request_id, parameters, specs, outputs, shared = plan
     inputs = []
     for name, dt, shape, tparams, span, plain in specs:
         if plain is not None:       # a view at its offset: its size was checked with the plan's
@@ -61,10 +61,13 @@ def _from_plan(plan: tuple, view: memoryview, model_name: str, model_version: st
             arr = None if span is None else \
                 tensor_from_wire(view[span[0]:span[1]], dt, shape, name, model_name)
         inputs.append(InferTensor(name, dt, shape, arr, dict(tparams) if tparams else {}))
-    return InferRequest(model_name, model_version, request_id, inputs,
-                        [RequestedOutput(name, dict(params) if params else {})
-                         for name, params in outputs] if outputs is not None else None,
-                        dict(parameters) if parameters else {})
+    request = InferRequest(model_name, model_version, request_id, inputs,
+                          [RequestedOutput(name, dict(params) if params else {})
+                           for name, params in outputs] if outputs is not None else None,
+                          dict(parameters) if parameters else {})
+    if shared:
+        request.shared_memory = True
+    return request
 
 
 def decode_infer_request(body: bytes | memoryview, header_length: int | None, model_name: str,
@@ -125,6 +128,9 @@ def _decode_document(doc: Any, view: memoryview, header_length: int, model_name:
     from the plan and the body alone, then its tensors built."""
     checked = check_document(doc, header_length, len(view), model_name, max_elements)
     specs, outputs = checked.inputs, checked.outputs
+    # whether a tensor names a shared memory region: the request's mark for the engine
+    shared = any("shared_memory_region" in tparams for _, _, _, tparams, _, _ in specs) or \
+        any("shared_memory_region" in o.parameters for o in outputs or ())
     if key is not None and scalar_values(checked.parameters) and all(
             (span is not None or "shared_memory_region" in tparams) and scalar_values(tparams)
             for _, _, _, tparams, _, span in specs) and all(
@@ -134,7 +140,8 @@ def _decode_document(doc: Any, view: memoryview, header_length: int, model_name:
         _PLANS[key] = (checked.id, dict(checked.parameters),
                        [(name, dt, shape, dict(tparams), span, _plain_view(dt, shape, span))
                         for name, dt, shape, tparams, _, span in specs],
-                       None if outputs is None else [(o.name, dict(o.parameters)) for o in outputs])
+                       None if outputs is None else [(o.name, dict(o.parameters)) for o in outputs],
+                       shared)
 
     inputs = []
     for name, dt, shape, tparams, data, span in specs:
@@ -147,8 +154,11 @@ def _decode_document(doc: Any, view: memoryview, header_length: int, model_name:
             arr = tensor_from_wire(view[span[0]:span[1]], dt, shape, name, model_name)
         inputs.append(InferTensor(name=name, datatype=dt, shape=shape, data=arr,
                                   parameters=tparams))
-    return InferRequest(model_name=model_name, model_version=model_version, id=checked.id,
-                        inputs=inputs, outputs=outputs, parameters=checked.parameters)
+    request = InferRequest(model_name=model_name, model_version=model_version, id=checked.id,
+                           inputs=inputs, outputs=outputs, parameters=checked.parameters)
+    if shared:
+        request.shared_memory = True
+    return request
 
 
 # -- responses -------------------------------------------------------------------------

@@ -45,6 +45,10 @@ class InferRequest:
     trace = None
     # engine/capture.py: set once a captured model's request went through its capture
     captured = False
+    # set by the codec that decoded it where a tensor names a shared memory region (an
+    # input's data is then None): only such a request has the engine read or write regions
+    # (engine/shared_memory.py); requests made in-process never name one
+    shared_memory = False
 
 
 @dataclass
