@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -19,13 +20,16 @@ import pytest
 import tritonclient.http as httpclient
 
 import jupyter_triton as jt
+from test_ensemble_graph import run_node, walk
 from jupyter_triton.engine import EngineOptions
 try:
     from jupyter_triton.frontends.admission import AccessPolicy, Restriction
 except ImportError:             # before frontends.auth moved into frontends.admission
     from jupyter_triton.frontends.auth import AccessPolicy, Restriction
 from jupyter_triton.kernel import discovery
+from jupyter_triton.kernel.discovery import Connection
 from jupyter_triton.standalone import start_in_thread
+from jupyter_triton.widgets.dashboard import Dashboard
 
 SECRET = "s3cret"
 # the model-repository group (load, traffic, shadow) needs this header; inference is open
@@ -127,7 +131,26 @@ def wait_for_report(handle, done, seconds: float = 60) -> dict:
         time.sleep(0.02)
 
 
-def test_a_staged_version_is_shadowed_then_promoted_only_within_its_diff(server):
+def dashboard_shows(server, report: dict, tmp_path: Path) -> None:
+    """The model's dashboard reads the report (the kernel's poller) and draws it (its
+    dashboard.js, run in node where there is one)."""
+    dash = Dashboard(Connection(server.url + "/", token=SECRET), model="scale", poll_kernel=False)
+    try:
+        shown = dash.poller.poll_once().shadow
+    finally:
+        dash.close()
+    assert shown["outputs"] == report["outputs"] and shown["version"] == report["version"]
+    if shutil.which("node") is None:
+        return
+    box = run_node(tmp_path, f"console.log(JSON.stringify(m.shadowTable({json.dumps(shown)})));\n")
+    cells = {n["attrs"]["data-output"]: [c["text"] for c in n["children"]]
+             for n in walk(box) if "data-output" in n["attrs"]}
+    assert cells == {OUT: [OUT, "20", "0.0100", "100.0 %", cells[OUT][4]]}
+    title = next(n["text"] for n in walk(box) if n["attrs"].get("class") == "jt-card-title")
+    assert title == f"shadow of v{report['version']} · 20 compared · 0 dropped · 0 failed"
+
+
+def test_a_staged_version_is_shadowed_then_promoted_only_within_its_diff(server, tmp_path):
     served = jt.serve(double, "scale", example=X)
     staged = jt.serve(nudged, "scale", example=X, stage=True)
     assert staged.version == served.version + 1
@@ -152,8 +175,9 @@ def test_a_staged_version_is_shadowed_then_promoted_only_within_its_diff(server)
     for side in ("served", "shadow"):
         latency = report["latency_ms"][side]
         assert latency["count"] == 20 and 0 < latency["p50"] <= latency["p99"]
-    # the same report over HTTP, for other clients
+    # the same report over HTTP, for other clients, and on the model's dashboard
     assert route(server, "GET")[1]["shadow"]["outputs"] == report["outputs"]
+    dashboard_shows(server, report, tmp_path)
 
     # too tight a bound: refused, naming the output and its difference; nothing changes
     refused = served.promote(staged.version, shadow_max_diff=0.001)

@@ -401,6 +401,34 @@ function overview(rows) {
   return t;
 }
 
+// A model's shadow report (GET v2/models/{m}/shadow): how its staged version's answers to a
+// copy of the live requests compare with the served ones, per output, and both latencies.
+export function shadowTable(report) {
+  const box = el("div", { class: "jt-shadow", "data-version": report.version });
+  const state = report.enabled ? "" : " (stopped)";
+  box.appendChild(el("div", { class: "jt-card-title" },
+    `shadow of v${report.version}${state} · ${report.requests_compared} compared · ` +
+    `${report.requests_dropped} dropped · ${report.errors} failed`));
+  const lat = report.latency_ms || {};
+  const side = (name) => lat[name] ? `${name} p50 ${fmt(lat[name].p50, " ms")} · p99 ${fmt(lat[name].p99, " ms")}` : "";
+  box.appendChild(el("div", { class: "jt-shadow-latency" }, [side("served"), side("shadow")].filter(Boolean).join(" | ")));
+  const t = el("table", { class: "jt-overview" });
+  const head = el("tr");
+  for (const h of ["output", "compared", "max |diff|", "agreement", "cosine distance"]) head.appendChild(el("th", {}, h));
+  t.appendChild(head);
+  for (const [name, d] of Object.entries(report.outputs || {})) {
+    const r = el("tr", { "data-output": name });
+    const agreement = d.agreement === null ? "–" : `${(100 * d.agreement).toFixed(1)} %`;
+    const cosine = d.cosine_distance ? d.cosine_distance.mean.toPrecision(3) : "–";
+    for (const v of [name, String(d.compared), d.max_abs_diff.toPrecision(3), agreement, cosine])
+      r.appendChild(el("td", {}, v));
+    t.appendChild(r);
+  }
+  box.appendChild(t);
+  if (report.last_error) box.appendChild(el("div", { class: "jt-label" }, `last error: ${report.last_error}`));
+  return box;
+}
+
 const LOG_TAIL = 200;
 
 // One line of the logs tab, as figures.py's log_line() (and handle.logs()) writes it.
@@ -452,6 +480,7 @@ function render({ model, el: host, request }) {
     if (!only) body.appendChild(overview(rows));
     const shown = only ? rows : rows.filter(f => f.inferences > 0).slice(0, 8);
     for (const f of shown) body.appendChild(card(f, history.get(f.key)));
+    if (only && snap.shadow) body.appendChild(shadowTable(snap.shadow));
     const when = new Date(snap.t * 1000).toLocaleTimeString();
     const err = model.get("error");
     status.textContent = `${only || "all models"} · ${from === "browser" ? "live from the browser" : "from the kernel"} · ${when}` + (err && from === "kernel" ? ` · ${err}` : "");
@@ -498,7 +527,7 @@ function render({ model, el: host, request }) {
   const logsPath = only ? `v2/models/${encodeURIComponent(only)}/logs` : null;
   const statsPath = only ? `v2/models/${encodeURIComponent(only)}/stats` : "v2/models/stats";
   const headers = cfg && cfg.token ? { Authorization: `token ${cfg.token}` } : {};
-  let metricsOk = true;
+  let metricsOk = true, shadowOk = !!only;
   const configs = new Map();          // "model/version" -> its graph (null: not an ensemble)
 
   async function fetchOnce() {
@@ -540,7 +569,14 @@ function render({ model, el: host, request }) {
         if (m.ok) pending = parsePending(await m.text()); else metricsOk = false;
       } catch (e) { metricsOk = false; }
     }
-    return { t: Date.now() / 1000, model_stats: stats, pending, graphs, composing };
+    let shadow = null;
+    if (shadowOk) {
+      try {
+        const s = await get(`v2/models/${encodeURIComponent(only)}/shadow`);
+        if (s.ok) shadow = (await s.json()).shadow; else shadowOk = false;
+      } catch (e) { shadowOk = false; }
+    }
+    return { t: Date.now() / 1000, model_stats: stats, pending, graphs, composing, shadow };
   }
 
   async function readLogs() {

@@ -21,7 +21,7 @@ import anywidget
 import traitlets
 
 from .figures import LatencyWindows, ModelFigures, Snapshot, figures, html_table, log_line, text_table
-from .poller import StatsPoller, describe_error, logs_url, stats_url
+from .poller import StatsPoller, describe_error, logs_url, shadow_url, stats_url
 
 HERE = pathlib.Path(__file__).parent
 
@@ -69,7 +69,8 @@ class Dashboard(anywidget.AnyWidget):
         self.poller = StatsPoller(stats_url(connection.url, model), connection.headers, self._on_snapshot,
                                   interval=interval, metrics_url=metrics_url, on_error=self._on_error,
                                   duration=duration, logs_url=logs_url(connection.url, model) if model else None,
-                                  logs_wanted=lambda: self.tab == "logs")
+                                  logs_wanted=lambda: self.tab == "logs",
+                                  shadow_url=shadow_url(connection.url, model) if model else None)
         try:
             self._on_snapshot(self.poller.poll_once(with_logs=True))   # something to show at once
         except Exception as err:

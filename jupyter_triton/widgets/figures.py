@@ -31,10 +31,12 @@ class Snapshot:
     # the models its steps run on that ``model_stats`` lacks (a one-model dashboard)
     graphs: dict[str, dict] = field(default_factory=dict)
     composing: list[dict] = field(default_factory=list)
+    # a one-model dashboard: its shadow report (``GET v2/models/{m}/shadow``), None: none ran
+    shadow: dict | None = None
 
     def to_json(self) -> dict:
         return {"t": self.t, "model_stats": self.model_stats, "pending": self.pending,
-                "graphs": self.graphs, "composing": self.composing}
+                "graphs": self.graphs, "composing": self.composing, "shadow": self.shadow}
 
 
 def ensemble_graph(config: dict) -> dict:

@@ -34,18 +34,26 @@ def logs_url(server_url: str, model: str) -> str:
     return f"{server_url}v2/models/{urllib.parse.quote(model, safe='')}/logs"
 
 
+def shadow_url(server_url: str, model: str) -> str:
+    """``{server_url}v2/models/{model}/shadow``: its shadow report (None when none ran)."""
+    return f"{server_url}v2/models/{urllib.parse.quote(model, safe='')}/shadow"
+
+
 class StatsPoller:
     """Polls until ``stop()``, ``duration`` seconds, or ``max_polls`` readings, whichever
     comes first. ``paused`` (an Event) skips readings while set: the browser is polling.
     With ``logs_url``, a reading also takes the model's last log lines while ``logs_wanted()``
-    (a view shows its logs tab)."""
+    (a view shows its logs tab). With ``shadow_url``, a reading also takes the model's shadow
+    report."""
 
     def __init__(self, url: str, headers: dict[str, str], on_snapshot: Callable[[Snapshot], None],
                  *, interval: float = 1.0, metrics_url: str | None = None,
                  on_error: Callable[[str], None] | None = None, duration: float = 3600.0,
                  timeout: float = 5.0, logs_url: str | None = None,
-                 logs_wanted: Callable[[], bool] = lambda: False) -> None:
+                 logs_wanted: Callable[[], bool] = lambda: False,
+                 shadow_url: str | None = None) -> None:
         self.url, self.headers, self.metrics_url = url, dict(headers), metrics_url
+        self.shadow_url = shadow_url
         self.logs_url, self.logs_wanted = logs_url, logs_wanted
         self.on_snapshot, self.on_error = on_snapshot, on_error
         self.interval, self.duration, self.timeout = max(0.1, interval), duration, timeout
@@ -82,10 +90,16 @@ class StatsPoller:
                 # the statistics were read: show them, and say why the lines are missing
                 logs = [{"time": "", "version": "", "level": "ERROR", "source": "dashboard",
                          "message": describe_error(err).replace("statistics", "logs", 1)}]
+        shadow = None
+        if self.shadow_url:
+            try:
+                shadow = json.loads(self._get(self.shadow_url)).get("shadow")
+            except (OSError, ValueError):
+                self.shadow_url = None      # a server without the route: not asked again
         stats = body.get("model_stats", [])
         graphs, composing = self._ensembles(stats)
         return Snapshot(t=t, model_stats=stats, pending=pending, logs=logs, graphs=graphs,
-                        composing=composing)
+                        composing=composing, shadow=shadow)
 
     def _ensembles(self, stats: list[dict]) -> tuple[dict[str, dict], list[dict]]:
         """The graph of each ensemble among ``stats`` (its config, read once a version) and
