@@ -735,8 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="+",
                         choices=("ours", "tritonserver", "pytriton", "jupyter", "jupyter-tornado"),
                         default=["ours", "tritonserver", "pytriton", "jupyter", "jupyter-tornado"])
-    parser.add_argument("--skip", nargs="+", choices=("json", "many"), default=[],
-                        help="leave out the JSON-tensor rows or the many-models row")
+    parser.add_argument("--skip", nargs="+", choices=("json", "many", "text"), default=[],
+                        help="leave out the JSON-tensor rows, the many-models row or the text-lengths "
+                             "row (text_lengths.py)")
     parser.add_argument("--pytriton-venv", type=Path,
                         default=Path(os.environ.get("PYTRITON_VENV") or os.environ.get("JUPYTER_TRITON_PYTRITON_VENV")
                                      or DEFAULT_PYTRITON_VENV),
@@ -847,6 +848,12 @@ def main(argv: list[str] | None = None) -> int:
             summarize(row)
         sizes = {1} | {b for r in rows if r.model == ONNX_MODEL for m in r.rounds for b in m.batch_sizes}
         raw = time_raw(onnx, sorted(sizes))
+        text: list = []
+        text_notes: list[str] = []
+        if "text" not in args.skip:
+            import text_lengths     # its own script too; imports this module's servers
+            text = text_lengths.run(workdir, 3.0 if args.quick else 10.0, 1.0 if args.quick else 3.0,
+                                    peer_python if "tritonserver" in args.targets else None, dist, text_notes)
     info["loadavg_at_end"] = os.getloadavg()
     elapsed = time.monotonic() - started
     ratios = peer_ratios(rows)
@@ -861,10 +868,13 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [asdict(r) | {"key": r.key} for r in rows],
         "ratios_vs_tritonserver": triton_ratios, "ratios_vs_pytriton": ratios, "aims": aims, "notes": notes,
         "onnx_alone_us": {b: round(t * 1e6, 1) for b, t in raw.items()},
+        "text_lengths": [asdict(r) for r in text],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(payload, indent=1) + "\n")
     table = markdown(payload, rows)
+    if text:
+        table += "\n## Texts of different lengths (text_lengths.py)\n\n" + text_lengths.markdown(text, text_notes)
     (out_dir / "bench.md").write_text(table)
     log("")
     log(table)
