@@ -11,13 +11,14 @@ import time
 from typing import Any, Sequence
 
 from ..protocol.errors import InvalidArgument
-from .artifacts import TensorSpec, build_artifact
+from .artifacts import ArtifactError, TensorSpec, build_artifact
 from .client import TritonHTTP
 from .discovery import IN_KERNEL, Connection
 from .discovery import connection as _discover
 from .ensemble import StepSpec, ensemble_artifact, ensemble_config
 from .golden import PromotionRefused, PromotionResult, encode
 from .handle import ServedModel
+from .huggingface import is_text_embedder, text_embedder
 from .knobs import Knobs, apply_knobs
 from .lineage import gather as gather_lineage, lineage_file
 from .traffic import capture_body, traffic_frame
@@ -52,7 +53,9 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     """Serve ``obj`` as model ``name``: a new version, loaded before the old one retires.
 
     ``obj``: an ONNX model, a torch module, a TorchScript module, a TensorRT engine, a
-    callable or model.py source (see ``jupyter_triton.kernel.artifacts``). ``example``: a
+    callable or model.py source (see ``jupyter_triton.kernel.artifacts``); a Hugging Face
+    ``(transformers_model, tokenizer)`` or a ``SentenceTransformer`` is served as a tokenize ->
+    encode ensemble, ``name`` behind ``v1/embeddings`` (``kernel/huggingface.py``). ``example``: a
     batch of inputs (an array, a tuple of them or a dict by name); ``inputs``/``outputs``:
     ``[("x", "FP32", [-1, 4])]``. The knobs are config.pbtxt fields; ``config`` is more
     config.pbtxt text merged on top.
@@ -74,13 +77,17 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
     live requests, ``handle.promote(version, shadow_max_diff=...)`` serves it. Returns a
     handle on the staged version (a canary at fraction 0: ``stop_canary()`` sets it aside).
     """
-    artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
-                              max_batch_size=max_batch_size, decoupled=decoupled, sequence=sequence)
-    model_config = apply_knobs(artifact, Knobs(
+    knobs = Knobs(
         max_batch_size=max_batch_size, preferred_batch_sizes=list(preferred_batch_sizes or []),
         max_queue_delay_us=max_queue_delay_us, priority_levels=priority_levels,
-        instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config))
-    artifact.config = model_config
+        instances=instances, kind=kind, gpus=gpus, warmup=warmup, config=config)
+    if is_text_embedder(obj):
+        return _serve_text_embedder(obj, name, knobs, {
+            "example": example, "inputs": inputs, "outputs": outputs, "decoupled": decoupled,
+            "sequence": sequence, "golden": golden, "canary": canary, "stage": stage})
+    artifact = build_artifact(obj, name, example=example, inputs=inputs, outputs=outputs,
+                              max_batch_size=max_batch_size, decoupled=decoupled, sequence=sequence)
+    artifact.config = apply_knobs(artifact, knobs)
     lifecycle = None
     if stage:
         if golden is not None or canary is not None:
@@ -97,6 +104,22 @@ def serve(obj: Any, name: str, *, max_batch_size: int | None = None,
         cases = encode(golden, json.loads(artifact.config_json()))
         lifecycle = {"golden": cases, "atol": atol, "rtol": rtol}
     return _upload(name, artifact, lifecycle, source=obj)
+
+
+def _serve_text_embedder(obj: Any, name: str, knobs: Knobs, unused: dict[str, Any]) -> ServedModel:
+    """A Hugging Face model with its tokenizer, or a SentenceTransformer (kernel/huggingface.py):
+    its tokenizer and its encoder (the knobs are the encoder's), then their ensemble."""
+    given = [key for key, value in unused.items() if value is not None and value is not False]
+    if given:
+        raise ArtifactError(f"model '{name}': a Hugging Face embedder is served as a tokenize -> "
+                            f"encode ensemble of its own tensors; {', '.join(given)} do(es) not apply")
+    embedder = text_embedder(obj, name, knobs.max_batch_size)
+    embedder.encoder.config = apply_knobs(embedder.encoder, knobs)
+    for part in (embedder.tokenizer, embedder.encoder):
+        _upload(part.config.name, part, source=obj)
+    handle = ensemble(name, embedder.steps)
+    handle.notes.extend(embedder.notes)
+    return handle
 
 
 def _upload(name: str, artifact: Any, lifecycle: dict | None = None, source: Any = None) -> ServedModel:
