@@ -19,10 +19,10 @@ from ...protocol.errors import DeadlineExceeded, Internal, InvalidArgument
 from ..base import ModelFiles
 from . import launch
 from .envs import PackedEnv, packed_env
-from .messages import AutoCompleted, Channel
+from .messages import AutoCompleted, Channel, ProtocolError
 from .model_config import INITIALIZE_TIMEOUT, execution_mode, model_py_path, timeout_parameter, triton_config_json
 from .stub import StubError, module_name, run_auto_complete_config
-from .worker import WorkerDied, WorkerTimeout, describe_exit, unexpected
+from .worker import WorkerDied, WorkerTimeout, how_it_ended, unexpected
 from .worker_logs import read_output
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def auto_complete(config: mc.ModelConfig, files: ModelFiles) -> mc.ModelConfig:
             f"model '{files.model_name}': TritonPythonModel.auto_complete_config failed: "
             f"{err.message}") from None
     except WorkerDied as err:
-        raise Internal(f"python worker for model '{files.model_name}' died ({describe_exit(err.exitcode)}) "
+        raise Internal(f"python worker for model '{files.model_name}' {how_it_ended(err)} "
                        "while running auto_complete_config") from None
     except WorkerTimeout as err:
         raise DeadlineExceeded(
@@ -95,6 +95,10 @@ def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeou
         except (EOFError, OSError):
             process.join(5)
             raise WorkerDied(process.exitcode) from None
+        except ProtocolError as err:
+            process.kill()
+            process.join(5)
+            raise WorkerDied(process.exitcode, str(err)) from None
         if type(msg) is not AutoCompleted:
             raise unexpected(msg)
         return msg.config

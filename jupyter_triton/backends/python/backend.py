@@ -75,7 +75,7 @@ from .model_config import (BLAS_THREADS, EXECUTE_TIMEOUT, EXECUTION_MODE, FINALI
                            triton_config_json)
 from .shm import SharedMemoryFull
 from .stub import ModelStub, OrphanCloser, RequestData, ResponseError, StubError
-from .worker import LoopWatch, NeedsThread, WorkerDied, WorkerProcess, WorkerTimeout, describe_exit
+from .worker import LoopWatch, NeedsThread, WorkerDied, WorkerProcess, WorkerTimeout, how_it_ended
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class PythonBackend(Backend):
             raise self._load_error(err) from None
         except WorkerDied as err:
             worker.close()
-            raise Internal(f"python worker for {self._who} died ({describe_exit(err.exitcode)}) "
+            raise Internal(f"python worker for {self._who} {how_it_ended(err)} "
                            "during initialize") from None
         except WorkerTimeout as err:
             worker.close(0)
@@ -434,7 +434,7 @@ class PythonBackend(Backend):
             if self._closing:
                 return Unavailable(f"{self._who} was unloaded while executing {count} request(s)")
             return self._on_death(
-                f"python worker for {self._who} died ({describe_exit(err.exitcode)}) while "
+                f"python worker for {self._who} {how_it_ended(err)} while "
                 f"executing {count} request(s)")
         raise err
 

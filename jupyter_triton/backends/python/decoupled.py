@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from ...protocol.errors import DeadlineExceeded, TritonError, Unavailable
 from ..base import ResponseSender
 from . import triton_python_backend_utils as pb_utils
-from .messages import SIDE, CancelQuery, CancelReply, DecoupledReturned, ExecuteDecoupled, Response
+from .messages import (SIDE, CancelQuery, CancelReply, DecoupledReturned, ExecuteDecoupled, ProtocolError,
+                       Response)
 from .stub import ModelStub, OrphanCloser, RequestData, ResponseError
 from .worker import WorkerDied, WorkerProcess, WorkerTimeout, describe_exit, filled, unexpected
 
@@ -157,7 +158,11 @@ class DecoupledWorker(WorkerProcess):
         poll.register(self._process.sentinel, select.POLLIN)
         try:
             while True:
-                msg = chan.take()
+                try:
+                    msg = chan.take()
+                except ProtocolError as err:
+                    self.refuse(err)
+                    break
                 if msg is not None:
                     kind = type(msg)
                     if kind is Response:
@@ -197,7 +202,7 @@ class DecoupledWorker(WorkerProcess):
         if deadline is None and timeout:
             deadline = time.monotonic() + timeout
         if self._exitcode is not _ALIVE:
-            raise WorkerDied(self._exitcode)
+            raise WorkerDied(self._exitcode, self.refused)
         try:
             msg = self._replies.get(timeout=None if deadline is None
                                     else max(0.0, deadline - time.monotonic()))
@@ -210,5 +215,5 @@ class DecoupledWorker(WorkerProcess):
             raise WorkerTimeout(what, timeout or 0) from None
         if msg is _DIED:
             self._replies.put(_DIED)   # for whoever asks next
-            raise WorkerDied(self._exitcode)
+            raise WorkerDied(self._exitcode, self.refused)
         return msg

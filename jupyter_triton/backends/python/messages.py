@@ -19,11 +19,18 @@ that message: ``LoanAsk`` -> ``LoanReply`` when the worker sends, ``LoanDone`` o
 has read what the server sent. The server creates and unlinks every region, so a worker that
 dies leaks nothing.
 
+The worker runs the model's code, which may write anything on its socket: the server loads a
+worker's pickles with an allow-list of the globals the protocol carries (those a numpy array
+or scalar pickles as), and a message that names anything else, has a kind nobody sends or
+the wrong fields is a ``ProtocolError``, never an object built in the server. The worker
+loads the server's messages as they are.
+
 A model's ``pb_utils.Logger`` lines travel on the worker's stderr (read by the server at
 once, where the socket is read only while a batch runs), marked with ``LOGGER_MARK``.
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import select
@@ -230,12 +237,41 @@ def payload_bytes(tensors: dict) -> int:
 _new = tuple.__new__
 
 
+class ProtocolError(Exception):
+    """A message the protocol does not carry (from a worker: a model that wrote on its socket)."""
+
+
+#: the globals a worker's message may name: what numpy arrays (object arrays too) and numpy
+#: scalars pickle as, in numpy 2's spelling and numpy 1's (a packed environment may hold either)
+ALLOWED_GLOBALS = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"),
+})
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in ALLOWED_GLOBALS:
+            raise ProtocolError(f"the message names {module}.{name}, which the protocol does not carry")
+        return super().find_class(module, name)
+
+
+def _loads_allowed(data: bytes) -> Any:
+    return _AllowListUnpickler(io.BytesIO(data)).load()
+
+
 class Channel:
     """Length-prefixed pickles over one socket, with raw ``os.read``/``os.write`` (no
-    ``multiprocessing.Connection`` layers, no selector built per wait)."""
+    ``multiprocessing.Connection`` layers, no selector built per wait). The server's end
+    loads what it reads through the allow-list; ``trust_peer`` (the worker's end) loads the
+    server's messages as they are."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, trust_peer: bool = False) -> None:
         self.fd = fd
+        self._loads = pickle.loads if trust_peer else _loads_allowed
         self._buf = bytearray()
         self._ready: Any = None    # a poll object on fd, made at the first _poll
 
@@ -247,17 +283,28 @@ class Channel:
             sent += os.write(self.fd, memoryview(frame)[sent:])
 
     def take(self) -> Any:
-        """The next whole message already read, or ``None``; ``KeyError`` for a kind
-        nobody sends (not our worker)."""
+        """The next whole message already read, or ``None``; ``ProtocolError`` for one the
+        protocol does not carry (the frame is dropped: the next one reads as it should)."""
         buf = self._buf
         if len(buf) < 4:
             return None
         end = 4 + _LEN.unpack_from(buf)[0]
         if len(buf) < end:
             return None
-        msg = _new(_BY_KIND[buf[4]], pickle.loads(bytes(buf[5:end])))
+        cls = _BY_KIND.get(buf[4]) if end > 4 else None
+        data = bytes(buf[5:end])
         del buf[:end]
-        return msg
+        if cls is None:
+            raise ProtocolError("a message of a kind nobody sends")
+        try:
+            fields = self._loads(data)
+        except ProtocolError:
+            raise
+        except Exception as err:
+            raise ProtocolError(f"a {cls.__name__} message that does not load: {err}") from None
+        if type(fields) is not tuple or len(fields) != len(cls._fields):
+            raise ProtocolError(f"a {cls.__name__} message without its {len(cls._fields)} fields")
+        return _new(cls, fields)
 
     def fill(self) -> bool:
         """One read; False at end-of-file."""

@@ -36,7 +36,7 @@ from . import launch
 from .envs import PackedEnv
 from .loans import Loans
 from .messages import (SIDE, BlsCall, Channel, Execute, Failed, Finalize, Grow, LoanAsk, LoanDone,
-                       LoanReply, OutputRegion, Release, Results)
+                       LoanReply, OutputRegion, ProtocolError, Release, Results)
 from .shm import SharedMemoryFull, ShmRegion, stage_into, sweep_once
 from .stub import RequestData, ResponseError, StubError
 from .worker_logs import read_output
@@ -45,9 +45,12 @@ log = logging.getLogger(__name__)
 
 
 class WorkerDied(Exception):
-    def __init__(self, exitcode: int | None) -> None:
-        super().__init__(f"worker died (exit code {exitcode})")
+    def __init__(self, exitcode: int | None, refused: str | None = None) -> None:
+        super().__init__(f"worker died (exit code {exitcode})" if refused is None
+                         else f"worker killed: {refused}")
         self.exitcode = exitcode
+        #: why the server killed it, when it sent what the protocol does not carry
+        self.refused = refused
 
 
 class WorkerTimeout(Exception):
@@ -76,6 +79,13 @@ def filled(chan: Channel, events: list) -> bool:
         except OSError:
             pass
     return False
+
+
+def how_it_ended(err: WorkerDied) -> str:
+    """"died (exit code ...)", or why the server killed it."""
+    if err.refused is not None:
+        return f"was killed for a message the protocol does not carry ({err.refused})"
+    return f"died ({describe_exit(err.exitcode)})"
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -137,6 +147,8 @@ class WorkerProcess:
         #: regions lent for tensors that travel with a message (BLS, decoupled responses)
         self.loans = Loans(label)
         self._closed = False
+        #: set when it sent what the protocol does not carry (it was killed for it)
+        self.refused: str | None = None
         self._watch: LoopWatch | None = None    # the event loop reading it (watch)
 
     @property
@@ -314,7 +326,7 @@ class WorkerProcess:
             with self._send_lock:
                 self._chan.send(msg)
         except (BrokenPipeError, ConnectionResetError, OSError):
-            raise WorkerDied(self._reap()) from None
+            raise WorkerDied(self._reap(), self.refused) from None
 
     def send_side(self, msg: Any) -> None:
         """An answer to a side message (BLS), from any thread; a dead worker is not an error."""
@@ -330,7 +342,10 @@ class WorkerProcess:
             deadline = time.monotonic() + timeout
         chan = self._chan
         while True:
-            msg = chan.take()
+            try:
+                msg = chan.take()
+            except ProtocolError as err:
+                raise self.refuse(err) from None
             if msg is not None:
                 if type(msg) in SIDE:
                     self._side_message(msg)
@@ -345,7 +360,20 @@ class WorkerProcess:
                     raise WorkerTimeout(what, timeout or 0)
                 continue
             if not filled(chan, events):
-                raise WorkerDied(self._reap())
+                raise WorkerDied(self._reap(), self.refused)
+
+    def refuse(self, err: ProtocolError) -> WorkerDied:
+        """A message the protocol does not carry: the model wrote on the socket, and what
+        comes after it cannot be trusted to be an answer. Kill the worker; its batch fails as
+        one whose worker died (and it is restarted, or given up on)."""
+        self.refused = str(err)
+        died = WorkerDied(None, self.refused)
+        if self.end_reason is None:
+            self.end_reason = ("died", f"the python worker {how_it_ended(died)}")
+        log.error("python worker %s: %s; killing it", self.label, err)
+        self.kill()
+        died.exitcode = self._reap()
+        return died
 
     def kill(self) -> None:
         """SIGKILL now; safe from another thread while a batch waits on this worker."""
@@ -550,6 +578,8 @@ class LoopWatch:
                 else:
                     self._end(worker._results(msg), None)
                     return True
+        except ProtocolError as err:
+            self._end(None, worker.refuse(err))
         except Exception as err:     # StubError (Failed), SharedMemoryFull, a confused worker
             self._end(None, err)
         return True

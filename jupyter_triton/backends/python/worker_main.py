@@ -47,7 +47,8 @@ from . import triton_python_backend_utils as pb_utils
 from .messages import (LOGGER_MARK, REPLIES, SHM_MESSAGE_BYTES, AutoCompleted, BlsCall, BlsDropped,
                        BlsReply, CancelQuery, Channel, DecoupledReturned, Execute, ExecuteDecoupled,
                        Failed, Finalize, Finalized, Grow, LoanAsk, LoanDone, Metric, OutputRegion,
-                       Ready, Release, Released, Response, Results, Start, payload_bytes)
+                       ProtocolError, Ready, Release, Released, Response, Results, Start,
+                       payload_bytes)
 from .shm import ShmRegion, stage, stage_into
 from .stub import (ModelStub, OrphanCloser, RequestData, ResponseError, StubError, bls_response, bls_spec,
                    run_auto_complete_config)
@@ -82,10 +83,10 @@ def worker_main(fd: int, out_fd: int, err_fd: int, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    chan = Channel(fd)
+    chan = Channel(fd, trust_peer=True)   # the server's messages
     try:
         start = chan.recv()
-    except (EOFError, OSError, ValueError, KeyError):
+    except (EOFError, OSError, ValueError, ProtocolError):
         return
     if type(start) is not Start:
         return
@@ -216,7 +217,7 @@ class _Demux:
                 cond.release()
                 try:
                     msg = self.chan.recv(poll_until)
-                except (EOFError, OSError, KeyError):
+                except (EOFError, OSError, ProtocolError):
                     msg = None
                 finally:
                     cond.acquire()
