@@ -24,6 +24,17 @@ function histogram(m) {
 }
 
 // (responses sent, first responses, their ns) from response_stats (decoupled models)
+// ragged_batching "pad": padded tokens / request tokens over the interval (since load where
+// nothing ran in it); null where the model does not pad. figures.py's padding_waste.
+function paddingWaste(p, m) {
+  const now = m.padding;
+  if (!now) return null;
+  const before = (p && p.padding) || {};
+  const sent = (now.request_tokens || 0) - (before.request_tokens || 0);
+  if (sent > 0) return ((now.batch_tokens || 0) - (before.batch_tokens || 0)) / sent;
+  return now.request_tokens > 0 ? (now.batch_tokens || 0) / now.request_tokens : null;
+}
+
 function responses(m) {
   let sent = 0, first = 0, firstNs = 0;
   for (const [index, row] of Object.entries(m.response_stats || {})) {
@@ -172,6 +183,7 @@ export function figures(prev, cur, windows) {
       graph: graphs[m.name] || null,
       latency: recentQuantiles(windows, key, m, cur.t),
       lastRequestS: m.last_inference > 0 ? Math.max(0, cur.t - m.last_inference / 1e3) : null,
+      paddingWaste: paddingWaste(ok ? p : null, m),
     };
   });
 }
@@ -347,6 +359,8 @@ function card(f, hist) {
   stat("jt-pending", "pending", f.pending === null ? "–" : String(f.pending));
   stat("jt-failures", "failed", String(f.failures));
   stat("jt-inferences", "inferences", f.inferences.toLocaleString("en-US"));
+  if (f.paddingWaste !== null && f.paddingWaste !== undefined)
+    stat("jt-padding", "padding waste (padded / sent tokens)", f.paddingWaste.toFixed(2));
   if (f.decoupled) {
     stat("jt-responses", "responses/req", fmt(f.responsesPerRequest));
     stat("jt-first-response", "1st response µs", fmt(f.firstResponseUs));

@@ -99,6 +99,9 @@ class ModelFigures:
     # seconds from the last request's end to this reading (the statistics' last_inference);
     # None before the first request
     last_request_s: float | None = None
+    # ragged_batching "pad": tokens the padded batches held / tokens the requests sent, over
+    # the interval (since load where nothing ran in it); None where the model does not pad
+    padding_waste: float | None = None
 
     @property
     def key(self) -> str:
@@ -118,6 +121,21 @@ def batch_histogram(stats: dict) -> dict[int, int]:
         if n:
             hist[int(row["batch_size"])] = n
     return dict(sorted(hist.items()))
+
+
+def padding_waste(prev: dict | None, cur: dict) -> float | None:
+    """Padded tokens over request tokens (the statistics' ``padding``): over the interval
+    where both readings have them and the model ran, else since the model was loaded."""
+    now = cur.get("padding")
+    if not now:
+        return None
+    before = (prev or {}).get("padding") or {}
+    padded = int(now.get("batch_tokens", 0)) - int(before.get("batch_tokens", 0))
+    sent = int(now.get("request_tokens", 0)) - int(before.get("request_tokens", 0))
+    if sent > 0:
+        return padded / sent
+    total = int(now.get("request_tokens", 0))
+    return int(now.get("batch_tokens", 0)) / total if total > 0 else None
 
 
 def response_counts(stats: dict) -> tuple[int, int, int]:
@@ -253,7 +271,8 @@ def model_figures(prev: dict | None, cur: dict, dt: float, pending: int | None =
         execution_count=int(cur.get("execution_count", 0)),
         batch_sizes=batch_histogram(cur), pending=pending, decoupled=decoupled,
         responses_per_request=per_request, first_response_us=first_us,
-        steps=step_figures(prev, cur, usable))
+        steps=step_figures(prev, cur, usable),
+        padding_waste=padding_waste(prev if usable else None, cur))
 
 
 def last_request_s(stats: dict, now: float) -> float | None:
@@ -307,6 +326,13 @@ def latency_text(f: ModelFigures, unit: str = " ms") -> list[str]:
             f" ({q['window']})" for kind, q in f.latency.items()]
 
 
+def padding_text(f: ModelFigures) -> str:
+    """The padding line ("" where the model does not pad)."""
+    if f.padding_waste is None:
+        return ""
+    return f"padding waste {f.padding_waste:.2f} (padded tokens / request tokens)"
+
+
 def last_request_text(f: ModelFigures) -> str:
     """When the last request ended, as the dashboard says it ("" before the first)."""
     if f.last_request_s is None:
@@ -343,6 +369,7 @@ def text_table(rows: list[ModelFigures]) -> str:
                      f"{_fmt(f.queue_us):>10}{_fmt(f.compute_us):>12}{pending:>9}{f.failures:>8}{stream}  {hist}")
         lines += [f"  {s.label:<26} {s.mean_text():>10}  {s.runs} runs, {s.failures} failed"
                   for s in f.steps]
+        lines += [f"  {padding_text(f)}"] if f.padding_waste is not None else []
         lines += [f"  {last_request_text(f)}"] if f.last_request_s is not None else []
         lines += [f"  {line}" for line in latency_text(f)] if f.latency is not None else []
     if rows and all(f.latency is None for f in rows):
@@ -367,8 +394,9 @@ def html_table(rows: list[ModelFigures], title: str = "Triton models") -> str:
             text = f"{step.label}: {step.mean_text(' µs')}, {step.runs} runs, {step.failures} failed"
             body.append(f"<tr class='jt-step'><td></td><td colspan='{len(cols) - 1}'>"
                         f"{html.escape(text)}</td></tr>")
-        if f.latency is not None or f.last_request_s is not None:
+        if f.latency is not None or f.last_request_s is not None or f.padding_waste is not None:
             lines = (latency_text(f) if f.latency is not None else []) + \
+                ([padding_text(f)] if f.padding_waste is not None else []) + \
                 ([last_request_text(f)] if f.last_request_s is not None else [])
             body.append(f"<tr class='jt-latency'><td></td><td colspan='{len(cols) - 1}'>"
                         + "<br>".join(html.escape(line) for line in lines) + "</td></tr>")
