@@ -205,8 +205,12 @@ def test_a_failing_or_blocked_shadow_never_fails_or_delays_the_served_answer(ser
         np.testing.assert_array_equal(answer, (X + i) * 2)
     report = wait_for_report(served, lambda r: r["errors"] == 5)
     assert "the staged version fails" in report["last_error"] and report["outputs"] == {}
+    served.stop_canary()                    # the staged version set aside: its shadow ends
+    assert infer(server)[1] == str(served.version)
+    report = served.shadow_report()
+    assert report["enabled"] is False and report["errors"] == 5 and report["requests_sent"] == 5
+    assert report["last_error"].startswith("shadow stopped:")
     assert served.shadow(None)["enabled"] is False
-    served.stop_canary()                    # the staged version set aside
 
     armed, gate, started = (str(tmp_path / f) for f in ("armed", "gate", "started"))
     blocked = jt.serve(gated(armed, gate, started), "scale", example=X, stage=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...protocol.errors import InvalidArgument, TritonError
-from ...protocol.types import InferRequest, InferResponse, InferTensor
+from ...protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 if TYPE_CHECKING:
     from .. import Engine
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 16
 #: latencies kept per side for the percentiles
 LATENCY_WINDOW = 2048
+#: outputs past this many bytes are compared off the event loop, which serves the answers
+COMPARE_ON_LOOP_BYTES = 1 << 20
 
 
 @dataclass
@@ -105,8 +107,14 @@ class Shadow:
               served_us: float) -> None:
         """After the served answer: send a copy of ``request`` to the staged version, in a
         task of its own, if this request is sampled and a slot is free."""
-        if response.model_version == str(self.version):
-            return              # the staged version answered itself (named, or promoted)
+        if not self.on or response.model_version == str(self.version):
+            return              # stopped, or the staged version answered itself (named, or promoted)
+        try:                    # set aside, or unloaded: the shadow ends with it
+            engine._version(request.model_name, str(self.version))
+        except TritonError as err:
+            self.on = False
+            self.last_error = f"shadow stopped: {err}"[:500]
+            return
         self.seen += 1
         if self.fraction < 1.0 and random.random() >= self.fraction:
             return
@@ -114,8 +122,13 @@ class Shadow:
             self.dropped += 1
             return
         self.served_latency.append(served_us)
+        # the outputs asked for, as asked (a classification too), never into a client's region
+        outputs = None if request.outputs is None else [
+            RequestedOutput(o.name, {k: v for k, v in o.parameters.items()
+                                     if not k.startswith("shared_memory_")})
+            for o in request.outputs]
         copy = InferRequest(model_name=request.model_name, model_version=str(self.version),
-                            id=request.id, inputs=_copies(request.inputs),
+                            id=request.id, inputs=_copies(request.inputs), outputs=outputs,
                             parameters=dict(request.parameters))
         copy.captured = True    # its own copy is neither captured nor shadowed again
         served = {t.name: t.data.copy() for t in response.outputs if t.data is not None}
@@ -139,6 +152,12 @@ class Shadow:
         self.shadow_latency.append((time.monotonic_ns() - start) / 1000)
         self.compared += 1
         answered = {t.name: t.data for t in response.outputs if t.data is not None}
+        if sum(a.nbytes for a in served.values()) <= COMPARE_ON_LOOP_BYTES:
+            self._compare(served, answered)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self._compare, served, answered)
+
+    def _compare(self, served: dict[str, np.ndarray], answered: dict[str, Any]) -> None:
         for name, want in served.items():
             got = answered.get(name)
             diff = self.outputs.setdefault(name, OutputDiff())
