@@ -160,6 +160,19 @@ def test_a_sentence_transformer_from_a_serve_cell_answers_as_its_encode(kernel_s
     np.testing.assert_allclose(embed_v2(kernel_server, "st_emb", [long_text])["embedding"][0],
                                st.encode([long_text])[0], atol=1e-4, rtol=1e-4)
 
+    # a Matryoshka cut: encode's truncate_dim is the served width
+    st.truncate_dim = 8
+    jt.serve(st, "st_cut")
+    got = embed_v2(kernel_server, "st_cut", TEXTS[:3])["embedding"]
+    assert got.shape == (3, 8)
+    np.testing.assert_allclose(got, st.encode(TEXTS[:3]), atol=1e-4, rtol=1e-4)
+    # a default prompt encode would prepend is refused, not dropped
+    st.truncate_dim = None
+    st.prompts = {"query": "query: "}
+    st.default_prompt_name = "query"
+    with pytest.raises(ArtifactError, match="prompt 'query'"):
+        jt.serve(st, "st_prompt")
+
 
 def test_bad_text_is_a_400_and_unused_arguments_are_refused(kernel_server):
     model, tokenizer = tiny_bert(), tiny_tokenizer()

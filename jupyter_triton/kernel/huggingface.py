@@ -138,14 +138,15 @@ def text_embedder(obj: Any, name: str, max_batch_size: int | None) -> TextEmbedd
         raise ArtifactError(f"model '{name}': a Hugging Face embedder batches texts: "
                             f"max_batch_size must be at least 1")
     if kind == "sentence-transformers":
-        tokenizer, lowercase = obj.tokenizer, bool(getattr(obj[0], "do_lower_case", False))
+        tokenizer, lowercase = _sentence_tokenizer(obj, name)
         max_length = _limit(obj.max_seq_length, tokenizer, None)
-        module, pooling = _torch_encoder(torch, obj, True), _pooling_note(obj)
+        module = _torch_encoder(torch, obj, True, getattr(obj, "truncate_dim", None))
+        pooling = _pooling_note(obj)
     elif kind == "transformers":
         model, tokenizer = obj
         lowercase = False
         max_length = _limit(None, tokenizer, getattr(model.config, "max_position_embeddings", None))
-        module = _torch_encoder(torch, model, False)
+        module = _torch_encoder(torch, model, False, None)
         pooling = "last_hidden_state mean-pooled over the attention mask"
     else:
         raise ArtifactError(f"model '{name}': not a Hugging Face text embedder; serve "
@@ -182,10 +183,25 @@ def _pooling_note(st: Any) -> str:
     return " + ".join(names) if names else "the token embeddings"
 
 
-def _torch_encoder(torch, inner: Any, sentence_transformer: bool):
+def _sentence_tokenizer(st: Any, name: str) -> tuple[Any, bool]:
+    """The Hugging Face tokenizer of a SentenceTransformer and whether it lowercases first;
+    ArtifactError for what its encode does that the tokenizer step would not."""
+    tokenizer = getattr(st, "tokenizer", None)
+    if not hasattr(tokenizer, "save_pretrained") or not hasattr(st[0], "auto_model"):
+        raise ArtifactError(f"model '{name}': the SentenceTransformer's first module is not a "
+                            f"Hugging Face Transformer with its tokenizer "
+                            f"({type(st[0]).__name__}); only those are served")
+    if getattr(st, "default_prompt_name", None):
+        raise ArtifactError(f"model '{name}': the SentenceTransformer prepends the prompt "
+                            f"'{st.default_prompt_name}' to every text; set "
+                            f"default_prompt_name = None (clients then send it themselves)")
+    return tokenizer, bool(getattr(st[0], "do_lower_case", False))
+
+
+def _torch_encoder(torch, inner: Any, sentence_transformer: bool, truncate_dim: int | None):
     """``inner`` as a torch module from token ids to one vector a text: a SentenceTransformer's
-    whole module chain, or a transformers model's last hidden state mean-pooled over the
-    attention mask."""
+    whole module chain (cut to its ``truncate_dim`` as its encode cuts), or a transformers
+    model's last hidden state mean-pooled over the attention mask."""
 
     class Encoder(torch.nn.Module):
         def __init__(self) -> None:
@@ -195,7 +211,8 @@ def _torch_encoder(torch, inner: Any, sentence_transformer: bool):
         def forward(self, input_ids, attention_mask):
             if sentence_transformer:
                 features = {IDS: input_ids, MASK: attention_mask}
-                return self.inner(features)["sentence_embedding"]
+                embedding = self.inner(features)["sentence_embedding"]
+                return embedding[:, :truncate_dim] if truncate_dim else embedding
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask)
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
             mask = attention_mask.unsqueeze(-1).to(hidden.dtype)

@@ -89,7 +89,8 @@ class TritonMagics(Magics):
                    "keeps serving (handle.shadow, handle.promote)")
     @cell_magic
     def serve(self, line: str, cell: str):
-        """Serve the cell's value (a model, a module or a function) on the inference server.
+        """Serve the cell's value (a model, a module or a function) on the inference server;
+        ``model, tokenizer`` (Hugging Face) or a SentenceTransformer serves a text embedder.
 
         Every run is a new version; the server loads it before it retires the old one. With
         ``--golden NAME`` it is served only if it answers the golden set; otherwise the
