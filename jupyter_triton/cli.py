@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Coroutine
 
 from .engine import CONTROL_MODES, EngineOptions
-from .frontends.auth import MODEL_REPOSITORY, AccessPolicy, Restriction
+from .frontends.admission import MODEL_REPOSITORY, AccessPolicy, Restriction
 from .frontends.grpc_options import KEEPALIVE_FLAGS, GrpcTLS, http2_limits
 from .frontends.limits import HTTP2Limits
 from .protocol.errors import InvalidArgument, TritonError

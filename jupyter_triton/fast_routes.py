@@ -6,7 +6,8 @@ Only what needs nothing of Jupyter but its answers is taken: a GET, HEAD or POST
 route under ``base_url``, with a header credential (``Authorization: token|Bearer <t>``) that
 Jupyter's own prepare() would accept for that route's API group, no cookie, no Origin (browsers:
 CORS and XSRF are Jupyter's), no query (``?token=``), no chunked body, on a Host that Jupyter's
-own ``check_host`` allows. Everything else, from the first such request on its connection, is
+own ``check_host`` allows: the server's admission decides, at this lane's door, as the tornado
+routes' door would for such a request. Everything else, from the first such request on its connection, is
 Jupyter's as before. Claimed replies carry Jupyter's default headers (Server, X-Content-Type-
 Options, Content-Security-Policy, the configured ``headers``), are counted in Jupyter's
 request-duration metric, and failures are logged as Jupyter logs them.
@@ -22,9 +23,9 @@ from typing import Callable
 
 import tornado
 
-from .frontends import auth
-from .frontends.auth import AccessPolicy
+from .frontends.admission import AccessPolicy, Door, bearer
 from .frontends.dataplane import DataPlane, Reply, Route
+from .protocol.errors import PermissionDenied, Unauthenticated
 from .frontends.http import SETTINGS_KEY
 from .frontends.shared_port import ClaimedMessage, SharedPort
 from .jupyter_auth import (CACHE_KEY, jupyter_token_verifier, observe_duration, probe,
@@ -41,13 +42,10 @@ class JupyterPort(SharedPort):
     """The fast lane of one Jupyter server; its body deadline is the routes' own setting, as
     the tornado routes read it per request."""
 
-    def __init__(self, state, access: AccessPolicy, *args, **kwargs) -> None:
+    def __init__(self, state, door: Door, *args, **kwargs) -> None:
         self.state = state
-        # the routes' plane, but with the credentials this lane claims by: what a request may
-        # see besides its route's own group is asked of them (tornado's handlers answer it
-        # for theirs, whose plane leaves the credentials to Jupyter)
-        super().__init__(DataPlane(state.engine, admission=state.plane.admission, access=access,
-                                   strict_content_type=state.strict_content_type), *args, **kwargs)
+        super().__init__(DataPlane(state.engine, admission=state.plane.admission, door=door),
+                         *args, **kwargs)
 
     @property
     def body_timeout(self) -> float:
@@ -86,10 +84,9 @@ def start(extension, serverapp, handler_class: type,
     # Jupyter's token only where Jupyter's own prepare() would check it as the verifier does.
     verify = (jupyter_token_verifier(identity, serverapp.authorizer)
               if stock_token_auth(identity) else None)
-    policy = AccessPolicy(tokens=extension.own_credentials().tokens, verify=verify)
     hosts: set[str] = settings[CACHE_KEY]["hosts"]
 
-    def host_allowed(host: str) -> bool:
+    def host_allowed(host: str, _: object = None) -> bool:
         if host in hosts:
             return True
         try:
@@ -98,20 +95,34 @@ def start(extension, serverapp, handler_class: type,
             log.debug("Host check of %r could not be asked; left to Jupyter", host, exc_info=True)
             return False
 
-    def claims(m: ClaimedMessage, route: Route) -> bool:
-        headers = m.headers
-        if m.method not in CLAIMED_METHODS or "cookie" in headers or "origin" in headers:
-            return False
-        credential = auth.bearer(headers)
-        if not credential:
-            return False
-        groups = policy.groups_of(credential)
-        return (groups is not None and route.api_group in groups
-                and route.methods.get("GET" if m.method == "HEAD" else m.method) is not None
-                and host_allowed(headers.get("host", "")))
-
+    # Only credentials that need no handler to be judged: ours, and the Jupyter token where
+    # Jupyter's own prepare() would check it as the verifier does.
+    door = Door("fast-lane", access=AccessPolicy(tokens=extension.own_credentials().tokens,
+                                                 verify=verify), hosts=host_allowed)
     state = settings[SETTINGS_KEY]
-    lane = JupyterPort(state, policy, http_server, settings.get("base_url", "/"), claims,
+    admission = state.plane.admission
+
+    def claims(m: ClaimedMessage, route: Route) -> bool:
+        """Whether the lane serves ``m``: what only Jupyter's handlers answer (browsers'
+        cookies and Origin, a method the route lacks) is theirs; so is a request this door
+        refuses for who it is or its Host (Jupyter's door refuses it with Jupyter's words)."""
+        headers = m.headers
+        if m.method not in CLAIMED_METHODS or "cookie" in headers or "origin" in headers \
+                or not bearer(headers) \
+                or route.methods.get("GET" if m.method == "HEAD" else m.method) is None:
+            return False
+        length = headers.get("content-length")
+        try:
+            m.ticket = admission.admit(door, route.api_group, m.method, headers,
+                                       int(length) if length is not None else None,
+                                       op=route.name)
+        except (PermissionDenied, Unauthenticated):
+            return False
+        except Exception:       # noqa: BLE001 - its size or budget: the lane answers it
+            pass
+        return True
+
+    lane = JupyterPort(state, door, http_server, settings.get("base_url", "/"), claims,
                        served=_served(settings, extension.log, handler_labels),
                        fixed_headers=fixed,
                        idle_timeout=http_server.conn_params.header_timeout or 3600.0)

@@ -1,6 +1,7 @@
 """What the extension asks of the Jupyter server it runs in, for every listener of it: the
 names its settings are kept under, whether a credential is one Jupyter's identity provider and
-authorizer accept (and which API groups that reaches), and Jupyter's request-duration metric.
+authorizer accept (and which API groups that reaches: what the admission's policies ask of
+Jupyter; the decision is ``frontends.admission``'s), and Jupyter's request-duration metric.
 
 ``serverext`` (the tornado routes) and ``fast_routes`` (the fast lane on Jupyter's port) both
 read from here; neither reaches into the other.
@@ -18,23 +19,14 @@ from jupyter_server.auth.authorizer import AllowAllAuthorizer, Authorizer
 from jupyter_server.prometheus import log_functions as jupyter_prometheus
 from tornado import httputil, web
 
-from .frontends.auth import (GROUPS, HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG,
-                             MODEL_REPOSITORY, SHARED_MEMORY, STATISTICS, TRACE)
+from .frontends.admission import ACTION_OF_GROUP, AUTH_RESOURCE, GROUPS
 
 log = logging.getLogger(__name__)
 _quiet = logging.getLogger(__name__ + ".probe")
 _quiet.addHandler(logging.NullHandler())
 _quiet.propagate = False
 
-AUTH_RESOURCE = "jupyter_triton"
-ACCESS_KEY = "jupyter_triton_access"        # settings key of our own credentials' policy
 CACHE_KEY = "jupyter_triton_auth_cache"     # settings key of what auth finds constant
-READ, WRITE, EXECUTE = "read", "write", "execute"
-# The authorizer action that reaches each API group where a credential is judged for all of
-# its calls at once (gRPC, the data port): loading a model runs code ("execute").
-ACTION_OF_GROUP = {HEALTH: READ, METADATA: READ, MODEL_CONFIG: READ, STATISTICS: READ,
-                   INFERENCE: WRITE, SHARED_MEMORY: WRITE, TRACE: WRITE, LOGGING: WRITE,
-                   MODEL_REPOSITORY: EXECUTE}
 
 
 def new_cache() -> dict:

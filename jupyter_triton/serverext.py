@@ -1,16 +1,14 @@
 """The Jupyter server extension: one Engine in the server, the v2 routes under base_url.
 
-Auth: every v2 route goes through Jupyter's identity provider and authorizer (resource
-``jupyter_triton``), checked in ``prepare`` so that no route can forget it. The authorizer
-is asked for "read" (health, metadata, config, statistics, the repository index), "write"
-(inference and other data-plane calls) or "execute" (load and unload: loading a model runs
-its code). Two credentials of our own are accepted besides Jupyter's, checked first: scoped
-inference keys (``INFERENCE_SCOPE`` of ``frontends.auth``: never load/unload, never shared
-memory registration) and the
-per-server token that kernels inherit (every v2 route, never the rest of Jupyter). The gRPC
-port and the HTTP data port take the same credentials in a header, and Jupyter's are asked of
-its identity provider and authorizer there too (``server_access``). Every listener shares the
-server's one admission (``frontends.admission``): one bytes-in-flight budget.
+Auth: every v2 route is admitted in ``prepare`` (so that no route can forget it) by the
+server's one admission (``frontends.admission``), at the door of these routes: our own
+credentials first (scoped inference keys: never load/unload, never shared memory
+registration; the per-server token that kernels inherit: every v2 route, never the rest of
+Jupyter), then Jupyter's own identity provider and authorizer (resource ``jupyter_triton``:
+"read", "write", or "execute" for load and unload, since loading a model runs its code),
+asked through the hook this module gives the admission. The gRPC port and the HTTP data port
+are doors of the same admission, taking the same credentials in a header
+(``server_access``), under one bytes-in-flight budget.
 """
 from __future__ import annotations
 
@@ -37,62 +35,13 @@ from tornado import httputil, routing, web
 from traitlets import Bool, Float, Int, List, TraitError, Unicode, default, validate
 
 from .engine import CONTROL_MODES, Engine, EngineOptions
-from .frontends import auth
-from .jupyter_auth import (ACCESS_KEY, AUTH_RESOURCE, CACHE_KEY, EXECUTE, READ, WRITE,
-                           JupyterIdentity, default_headers, new_cache, observe_duration,
-                           stock_token_auth)
-from .frontends.auth import (GROUPS, HEALTH, INFERENCE, INFERENCE_SCOPE, METADATA, MODEL_CONFIG,
-                             MODEL_REPOSITORY, STATISTICS, AccessPolicy)
-from .frontends.admission import Admission
+from .jupyter_auth import (CACHE_KEY, JupyterIdentity, default_headers, new_cache,
+                           observe_duration, stock_token_auth)
+from .frontends.admission import (AUTH_RESOURCE, GROUPS, INFERENCE_SCOPE, AccessPolicy, Admission,
+                                  Caller, Door)
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 
 ENV_URL, ENV_TOKEN = "JUPYTER_TRITON_URL", "JUPYTER_TRITON_TOKEN"
-KEY_USER = "jupyter_triton-key"
-
-# The API group of each route class, for route classes that do not (yet) carry ``api_group``.
-_GROUP_OF = {"HealthLive": HEALTH, "HealthReady": HEALTH, "ModelReady": HEALTH,
-             "ServerMetadata": METADATA, "ModelMetadata": METADATA, "NotFoundRoute": METADATA,
-             "ModelConfig": MODEL_CONFIG, "ModelStats": STATISTICS, "ModelInfer": INFERENCE,
-             "RepositoryIndex": MODEL_REPOSITORY, "RepositoryLoad": MODEL_REPOSITORY,
-             "RepositoryUnload": MODEL_REPOSITORY}
-_READ_GROUPS = frozenset({HEALTH, METADATA, MODEL_CONFIG, STATISTICS})
-# Route classes (by their Triton-spelled names) whose POST changes nothing ("read"), and
-# those that load or unload a model: code execution, an action of its own; a model's captured
-# traffic and a version's lineage are user data, for whoever may load models (reading it too).
-_READ_ROUTES = frozenset({"RepositoryIndex"})
-_EXECUTE_ROUTES = frozenset({"RepositoryLoad", "RepositoryUnload", "ModelTraffic", "ModelShadow",
-                             "ModelLineage"})
-
-
-def api_group(handler: type) -> str:
-    """The Triton API group a route belongs to (the strictest one when unknown)."""
-    group = getattr(handler, "api_group", None)
-    if group:
-        return group
-    for cls in handler.__mro__:
-        if cls.__name__ in _GROUP_OF:
-            return _GROUP_OF[cls.__name__]
-    return MODEL_REPOSITORY
-
-
-def auth_action(handler: type, method: str) -> str:
-    """The Jupyter authorizer action of a route: load/unload are "execute" (they run code)."""
-    if handler.__name__ in _EXECUTE_ROUTES:
-        return EXECUTE
-    if handler.__name__ in _READ_ROUTES or api_group(handler) in _READ_GROUPS:
-        return READ
-    return READ if method in ("GET", "HEAD", "OPTIONS") else WRITE
-
-
-class _ScopedAuthorizer:
-    """What a request authenticated by an inference key or the server token may do."""
-
-    def __init__(self, groups: frozenset[str]) -> None:
-        self.groups = groups
-
-    def is_authorized(self, handler, user, action, resource) -> bool:
-        return resource == AUTH_RESOURCE and api_group(type(handler)) in self.groups
-
 
 def _shows_debug(logger: logging.Logger) -> bool:
     """Whether a DEBUG record of ``logger`` reaches any handler that would write it."""
@@ -176,12 +125,7 @@ class TritonJupyterHandler(JupyterHandler):
     """Host base class for the v2 mixins on the Jupyter server."""
 
     auth_resource = AUTH_RESOURCE
-    _key_authorizer: _ScopedAuthorizer | None = None
     _triton_authorized = False
-
-    @property
-    def authorizer(self):
-        return self._key_authorizer or super().authorizer
 
     def set_default_headers(self) -> None:
         # Jupyter's default headers (X-Content-Type-Options, the configured headers, the
@@ -210,7 +154,7 @@ class TritonJupyterHandler(JupyterHandler):
         # Jupyter's prepare checks _xsrf before it refuses a request it found no user for, so a
         # POST with no credential would be told about a form field: say what is missing.
         if getattr(self, "_jupyter_current_user", ...) is None:
-            raise web.HTTPError(403, _authentication_required(api_group(type(self))))
+            raise web.HTTPError(403, _authentication_required(self.route.api_group))
         super().check_xsrf_cookie()
 
     def check_host(self) -> bool:
@@ -227,14 +171,6 @@ class TritonJupyterHandler(JupyterHandler):
                 hosts.clear()
             hosts.add(host)
         return allowed
-
-    def reaches(self, group: str) -> bool:
-        """Whether this request's caller may use API ``group`` besides this route's (asked by
-        the data plane before it shows what only that group may read)."""
-        if self._key_authorizer is not None:
-            return group in self._key_authorizer.groups
-        action = EXECUTE if group == MODEL_REPOSITORY else READ if group in _READ_GROUPS else WRITE
-        return bool(self.authorizer.is_authorized(self, self.current_user, action, AUTH_RESOURCE))
 
     def _jupyter_token_user(self, credential: str) -> User | None:
         """The user Jupyter's identity provider would find for a request that carries the
@@ -291,24 +227,28 @@ class TritonJupyterHandler(JupyterHandler):
                          status, self.request.request_time())
 
     async def prepare(self) -> None:
-        group = api_group(type(self))
-        action = auth_action(type(self), self.request.method or "")
-        credential = auth.bearer(self.request.headers)
-        own: AccessPolicy = self.settings[ACCESS_KEY]
-        groups = own.groups_of(credential) if credential else None
-        state: FrontendState = self.settings[SETTINGS_KEY]
-        if groups is not None:
-            if not self.check_host():
-                raise web.HTTPError(403)
-            self._key_authorizer = _ScopedAuthorizer(groups)
-            self.current_user = self._jupyter_current_user = User(username=KEY_USER)
-        elif state.allow_anonymous_inference and group in INFERENCE_SCOPE and not credential \
-                and not self.get_cookie(self.cookie_name or "", None):
-            if not self.check_host():
-                raise web.HTTPError(403)
-            self.current_user = self._jupyter_current_user = User(username="anonymous")
-            self._key_authorizer = _ScopedAuthorizer(INFERENCE_SCOPE)
-        elif credential and (user := self._jupyter_token_user(credential)) is not None:
+        # The body of a route that does not stream it is here already: admitted at its size.
+        length = getattr(self, "_length", None) if self.route.streams_body \
+            else len(self.request.body or b"")
+        ticket = self._ticket = self.state.plane.admit(
+            self.route, self.request.method or "GET", self.request.headers, length, self)
+        if ticket.pending is not None:
+            await ticket.pending
+        caller = ticket.caller
+        if caller is not None and caller.authorize is None:     # ours, not a Jupyter user
+            self.current_user = self._jupyter_current_user = User(username=caller.name)
+        self._triton_authorized = True
+
+    def on_finish(self) -> None:
+        if self._ticket is not None:    # refused by tornado after prepare (405), or served
+            self._ticket.release()
+        super().on_finish()
+
+    async def jupyter_caller(self, credential: str) -> Caller | None:
+        """Who Jupyter's identity provider finds for this request (the Jupyter token in its
+        Authorization header, a login cookie, a JupyterHub token), with its authorizer's
+        answers; None: nobody (the admission's ``IdentityHook.identify``)."""
+        if credential and (user := self._jupyter_token_user(credential)) is not None:
             # jupyter_server's JupyterHandler.prepare, step by step, for this one case.
             CallContext.set(CallContext.JUPYTER_HANDLER, self)
             if not self.check_host():
@@ -320,20 +260,33 @@ class TritonJupyterHandler(JupyterHandler):
                 self.check_xsrf_cookie()
         else:
             try:
-                await super().prepare(_redirect_to_login=False)
+                await JupyterHandler.prepare(self, _redirect_to_login=False)
             except web.HTTPError as err:     # Jupyter's bare 403 for a request with no user
                 if (err.status_code == 403 and err.log_message is None
                         and self.current_user is None and self.check_host()):
-                    raise web.HTTPError(403, _authentication_required(group)) from None
+                    return None
                 raise
             if self.current_user is None:
-                raise web.HTTPError(403, _authentication_required(group))
-        if not self.authorizer.is_authorized(self, self.current_user, action, AUTH_RESOURCE):
-            raise web.HTTPError(403, f"not authorized to {action} {AUTH_RESOURCE}"
-                                     + (f" (this credential does not reach the '{group}' API; "
-                                        "inference keys never reach load/unload)"
-                                        if self._key_authorizer else ""))
-        self._triton_authorized = True
+                return None
+        user, authorizer = self.current_user, self.authorizer
+        return Caller(getattr(user, "username", ""), authorize=lambda group, action:
+                      authorizer.is_authorized(self, user, action, AUTH_RESOURCE))
+
+
+class _JupyterSide:
+    """Jupyter's own identity, as the admission asks it of a request on Jupyter's port
+    (``frontends.admission.IdentityHook``), through its tornado handler."""
+
+    def signed_in(self, handler: TritonJupyterHandler | None) -> bool:
+        return handler is not None and \
+            handler.get_cookie(handler.cookie_name or "", None) is not None
+
+    async def identify(self, handler: TritonJupyterHandler, credential: str) -> Caller | None:
+        return await handler.jupyter_caller(credential)
+
+
+def _jupyter_host(host: str, handler: TritonJupyterHandler | None) -> bool:
+    return handler is not None and bool(handler.check_host())
 
 
 def _authentication_required(group: str) -> str:
@@ -536,18 +489,24 @@ class JupyterTriton(ExtensionApp):
             max_loaded_models=self.max_loaded_models, load_on_demand=self.load_on_demand,
             busy_poll_us=self.busy_poll_us))
         self.server_token = secrets.token_urlsafe(32)
-        # The server's one admission: the tornado routes, the fast lane, the data port and
-        # gRPC share its bytes-in-flight budget; its credentials are set at start, once
+        # The server's one admission, which every listener asks (the tornado routes, the fast
+        # lane, the data port, gRPC); its server-wide credentials are set at start, once
         # Jupyter's identity provider and authorizer can be asked (server_access).
         self.admission = Admission(self.own_credentials(), max_input_size=self.http_max_input_size,
-                                   max_inflight_bytes=self.max_inflight_bytes)
+                                   max_inflight_bytes=self.max_inflight_bytes,
+                                   identity=_JupyterSide())
+        # The tornado routes' door: ours first, then Jupyter's own (cookies and all); anonymous
+        # inference where allowed, for a request with no credential and no login.
+        own = self.own_credentials()
+        if self.allow_anonymous_inference:
+            own.anonymous = INFERENCE_SCOPE
         self.settings[SETTINGS_KEY] = FrontendState(
             engine=self.engine, max_input_size=self.http_max_input_size,
             inference_keys=frozenset(self.inference_keys), server_token=self.server_token,
             allow_anonymous_inference=self.allow_anonymous_inference,
             max_inflight_bytes=self.max_inflight_bytes, body_timeout=self.body_timeout,
-            admission=self.admission)
-        self.settings[ACCESS_KEY] = self.own_credentials()
+            admission=self.admission,
+            door=Door("jupyter", access=own, hosts=_jupyter_host, jupyter=True))
         self.settings[CACHE_KEY] = new_cache()
 
     def own_credentials(self) -> AccessPolicy:
@@ -633,7 +592,8 @@ class JupyterTriton(ExtensionApp):
         if self.http_data_port >= 0:
             from .frontends.dataplane import DataPlane
             from .frontends.fasthttp import HTTPFront
-            plane = DataPlane(self.engine, admission=self.admission, strict_content_type=True)
+            plane = DataPlane(self.engine, admission=self.admission,
+                              door=Door("data", strict_content_type=True))
             self._data_front = HTTPFront(plane, access_log=False, body_timeout=self.body_timeout)
             self.bound_http_data_port = await self._data_front.listen(self.http_data_address,
                                                                       self.http_data_port)

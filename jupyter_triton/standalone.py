@@ -15,14 +15,14 @@ from prometheus_client import CollectorRegistry
 from tornado import httpserver, netutil, web
 
 from .engine import Engine, EngineOptions
-from .frontends.auth import STATISTICS, AccessPolicy
+from .frontends.admission import STATISTICS, AccessPolicy, Admission, Door
 from .frontends.dataplane import DataPlane
 from .frontends.fasthttp import HTTPFront
 from .frontends.grpc_options import GrpcTLS
 from .frontends.http import SETTINGS_KEY, FrontendState, route_table
 from .frontends.limits import HTTP2Limits
 from .frontends.metrics import exposition, metrics_registry
-from .protocol.errors import PermissionDenied, TritonError
+from .protocol.errors import TritonError
 
 HTTP_FRONTS = ("fast", "tornado")
 # A client that stops sending mid-body must not hold a connection (and its buffer) forever.
@@ -37,18 +37,16 @@ class _Standalone(web.RequestHandler):
 
 class _Metrics(web.RequestHandler):
     """Prometheus text. Model names and counts are the ``statistics`` group's (Triton has no
-    group of its own for metrics): where the HTTP port needs a credential, so does this."""
+    group of its own for metrics): where the HTTP port needs a credential, so does this. The
+    server's admission decides, at this port's door."""
 
-    def initialize(self, registry: CollectorRegistry, access: AccessPolicy | None = None,
-                   allowed_hosts: frozenset[str] | None = None) -> None:
-        self.registry, self.access, self.allowed_hosts = registry, access, allowed_hosts
+    def initialize(self, registry: CollectorRegistry, admission: Admission, door: Door) -> None:
+        self.registry, self.admission, self.door = registry, admission, door
 
     def prepare(self) -> None:
         try:
-            if self.allowed_hosts is not None and self.request.host.lower() not in self.allowed_hosts:
-                raise PermissionDenied(f"Host '{self.request.host}' is not this server's address")
-            if self.access is not None:
-                self.access.check(STATISTICS, self.request.headers)
+            self.admission.admit(self.door, STATISTICS, "GET", self.request.headers, 0,
+                                 op="Metrics").release()
         except TritonError as err:
             self.set_status(err.status)
             self.set_header("Content-Type", "application/json")
@@ -174,8 +172,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
             registry = metrics_registry(engine)
             sockets = netutil.bind_sockets(metrics_port, address=host)
             result.metrics_port = sockets[0].getsockname()[1]
-            guard = {"registry": registry, "access": access,
-                     "allowed_hosts": _loopback_hosts(host, result.metrics_port) if check_host else None}
+            guard = {"registry": registry, "admission": plane.admission, "door": Door(
+                "metrics", hosts=_loopback_hosts(host, result.metrics_port) if check_host else None)}
             mapp = web.Application([(r"/metrics", _Metrics, guard)], **quiet)
             result._servers.append(_serve_on(mapp, sockets, 1024 * 1024))
         if http_front == "fast":

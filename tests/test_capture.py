@@ -17,7 +17,7 @@ from tornado.httpclient import HTTPClientError
 from conftest import INFER_KEY, TOKEN, W
 from onnx_models import identity
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.frontends.auth import AccessPolicy, Restriction
+from jupyter_triton.frontends.admission import AccessPolicy, Restriction
 from jupyter_triton.kernel import api
 from jupyter_triton.kernel.discovery import Connection
 from jupyter_triton.kernel.handle import ServedModel

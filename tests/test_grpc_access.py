@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import W
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.frontends.auth import GROUPS, INFERENCE_SCOPE, AccessPolicy, Restriction
+from jupyter_triton.frontends.admission import GROUPS, INFERENCE_SCOPE, AccessPolicy, Restriction
 from onnx_models import linear
 
 ADMIN, INFER = "admin-token-1", "infer-key-1"

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from conftest import INFER_KEY, in_thread
 from jupyter_triton.engine import Engine, EngineOptions
-from jupyter_triton.frontends.auth import HEALTH, AccessPolicy, Restriction
+from jupyter_triton.frontends.admission import HEALTH, AccessPolicy, Restriction
 from jupyter_triton.frontends.grpc import start_grpc_server
 
 SERVING, NOT_SERVING = hpb.HealthCheckResponse.SERVING, hpb.HealthCheckResponse.NOT_SERVING

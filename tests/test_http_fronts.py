@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import BOTH_FRONTS, W
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.frontends.auth import INFERENCE_SCOPE, AccessPolicy
+from jupyter_triton.frontends.admission import INFERENCE_SCOPE, AccessPolicy
 from jupyter_triton.standalone import start_in_thread
 
 GOOD = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",

@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 
 from conftest import W
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.frontends.auth import INFERENCE_SCOPE, AccessPolicy
+from jupyter_triton.frontends.admission import INFERENCE_SCOPE, AccessPolicy
 
 VENV = Path(os.environ.get("JUPYTER_TRITON_KSERVE_VENV")
             or Path.home() / ".cache" / "jupyter-triton-bench" / "kserve-venv")

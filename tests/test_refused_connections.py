@@ -13,7 +13,7 @@ import pytest
 
 from conftest import BOTH_FRONTS, TOKEN, in_thread
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.frontends.auth import INFERENCE_SCOPE, AccessPolicy
+from jupyter_triton.frontends.admission import INFERENCE_SCOPE, AccessPolicy
 
 ROW = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                               "data": [1.0] * 16}]}).encode()

@@ -43,9 +43,8 @@ from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_
                        generate_request, generate_response, is_empty_final)
 from ..engine.observation.trace import trace_context
 from . import observability
-from .admission import Admission, BodyTicket
-from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
-                   SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
+from .admission import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
+                        SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, Admission, BodyTicket, Door)
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +59,6 @@ class RequestTimeout(TritonError):
     """A client that did not send its whole body in time (the connection is closed)."""
     status = 408
     grpc_code = "DEADLINE_EXCEEDED"
-
-
-class UnsupportedMediaType(TritonError):
-    status = 415
-    grpc_code = "INVALID_ARGUMENT"
 
 
 @dataclass
@@ -95,16 +89,15 @@ def error_reply(err: TritonError | str, status: int | None = None) -> Reply:
 @dataclass
 class Call:
     """One request as the data plane sees it. ``headers`` is any mapping answering
-    lower-case names (tornado's HTTPHeaders, or the fast front's dict). ``reaches``: whether
-    the caller may use an API group, where the skin's host decided who the caller is (the
-    Jupyter handlers); None: the plane's access policy is asked."""
+    lower-case names (tornado's HTTPHeaders, or the fast front's dict); ``context``: what the
+    skin's host is asked who the caller is through (a Jupyter handler; see ``admit``)."""
     method: str
     path: str
     params: dict[str, str]
     headers: Mapping[str, str]
     body: bytes | list[bytes] = b""
     ticket: "BodyTicket | None" = None
-    reaches: Callable[[str], bool] | None = None
+    context: Any = None
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name)
@@ -117,41 +110,42 @@ Operation = Callable[["DataPlane", Call], Awaitable[Reply]]
 class Route:
     pattern: str                 # relative to the mount point, tornado's regex syntax
     name: str                    # the handler class name the tornado skin gives it
-    api_group: str               # frontends.auth group: what credential reaches it
+    api_group: str               # admission's API group: what credential reaches it
     methods: dict[str, Operation]
     scope: str = "infer"         # serverext's older split: "infer" | "admin"
     streams_body: bool = False   # the body is received under the infer route's own cap
 
 
 class DataPlane:
-    """The engine behind every HTTP skin, under the server's ``admission`` (one is made from
-    the other arguments when none is given: a server of this one listener). ``access``: this
-    listener's credential policy where it is not the admission's (None: the admission's)."""
+    """The engine behind every HTTP skin, under the server's ``admission`` at the listener's
+    ``door`` (an admission is made from the other arguments when none is given: a server of
+    this one listener)."""
 
     def __init__(self, engine: Engine, *, access: AccessPolicy | None = None,
                  max_input_size: int = 64 * 1024 * 1024, max_inflight_bytes: int | None = None,
                  allowed_hosts: frozenset[str] | None = None,
-                 strict_content_type: bool = False, admission: Admission | None = None) -> None:
+                 strict_content_type: bool = False, admission: Admission | None = None,
+                 door: Door | None = None) -> None:
         self.engine = engine
         if admission is None:
             admission = Admission(access, max_input_size=max_input_size,
-                                  max_inflight_bytes=max_inflight_bytes, allowed_hosts=allowed_hosts)
+                                  max_inflight_bytes=max_inflight_bytes)
             access = None
         self.admission = admission
-        self.access = access if access is not None else admission.access
+        self.door = door if door is not None else Door(
+            "http", access=access, hosts=allowed_hosts, strict_content_type=strict_content_type)
         self.max_input_size = admission.max_input_size
         self.budget = admission.budget
-        self.strict_content_type = strict_content_type
         self._codec_pool: ThreadPoolExecutor | None = None
 
     @property
-    def allowed_hosts(self) -> frozenset[str] | None:
-        """The Host values accepted (the admission's: every listener of the server's)."""
-        return self.admission.allowed_hosts
+    def allowed_hosts(self):
+        """The Host values this plane's door accepts."""
+        return self.door.hosts
 
     @allowed_hosts.setter
     def allowed_hosts(self, hosts: frozenset[str] | None) -> None:
-        self.admission.allowed_hosts = hosts
+        self.door.hosts = hosts
 
     # -- routing ---------------------------------------------------------------------------
     def match(self, path: str) -> tuple[Route, dict[str, str]]:
@@ -177,59 +171,25 @@ class DataPlane:
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, route: Route, method: str, headers: Mapping[str, str],
-              content_length: int | None, body_limit: int | None = None) -> "BodyTicket":
-        """Everything that can be refused before a body byte is read; returns the ticket
-        under which the body is received (release it when done).
-
-        A credential that only its issuer can judge (a JupyterHub token, first seen) is asked
-        of it from here on, while the body arrives under the cap and the budget; ``handle``
-        waits for the answer before anything else (``ticket.pending``)."""
-        admission = self.admission
-        admission.check_host(headers)
-        if self.strict_content_type and method == "POST":
-            ctype = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-            if ctype and ctype not in (JSON, OCTET):
-                raise UnsupportedMediaType(
-                    f"Content-Type '{ctype}' is not accepted: send {JSON} or {OCTET}")
-        access = self.access
-        group = route.api_group
-        if access.open_to_all(group):
-            credential = None
-        else:
-            credential = access.unresolved(group, headers) if access.resolve else None
-            if credential:
-                access.check_restrictions(group, headers)
-            else:
-                access.check(group, headers)
-        cap = self.max_input_size if body_limit is None else body_limit
-        if content_length is not None and content_length > cap:
-            raise InvalidArgument(
-                f"request body of {content_length} bytes exceeds the maximum input size of "
-                f"{cap} bytes (--http-max-input-size)")
-        ticket = admission.take(content_length or 0)
-        if credential:
-            ticket.pending = asyncio.ensure_future(access.authenticate(route.api_group, headers))
-            # A request refused or gone before it was served never reads the answer.
-            ticket.pending.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return ticket
-
-    def receive(self, ticket: "BodyTicket", received: int, chunk: int) -> None:
-        """Account ``chunk`` more bytes of a body (``received`` so far, before it) whose
-        length was not announced; refuse it past the cap or the bytes-in-flight limit."""
-        if received + chunk > self.max_input_size:
-            raise InvalidArgument(
-                f"request body exceeds the maximum input size of {self.max_input_size} bytes "
-                "(--http-max-input-size)")
-        ticket.grow(chunk)
+              content_length: int | None, context: Any = None) -> BodyTicket:
+        """The admission's decision on a head of ``route`` (``Admission.admit``): the ticket
+        the body is received under (release it when done), or the refusal raised. A credential
+        only its issuer can judge is asked while the body arrives; ``handle`` waits for the
+        answer before anything else (``ticket.pending``)."""
+        return self.admission.admit(self.door, route.api_group, method, headers,
+                                    content_length, op=route.name, context=context)
 
     # -- one request ---------------------------------------------------------------------------
     async def handle(self, route: Route, call: Call) -> Reply:
         """The Reply for ``call``; never raises (except CancelledError when the skin cancels
         a request whose client went away)."""
         try:
-            if call.ticket is None:
-                size = _body_size(call.body)
-                call.ticket = self.admit(route, call.method, call.headers, size)
+            ticket = call.ticket
+            if ticket is None:
+                call.ticket = self.admit(route, call.method, call.headers, _body_size(call.body),
+                                         call.context)
+            elif ticket.held < (size := _body_size(call.body)):      # admitted before its body
+                ticket.receive(size - ticket.held)
             if call.ticket.pending is not None:
                 await call.ticket.pending
             op = route.methods.get(call.method) or (
@@ -252,13 +212,7 @@ class DataPlane:
     def reaches(self, call: Call, group: str) -> bool:
         """Whether ``call``'s caller may use API ``group`` too (what an answer shows beyond
         the route's own group: statistics show the lifecycle history to those who may load)."""
-        if call.reaches is not None:
-            return call.reaches(group)
-        try:
-            self.access.check(group, call.headers)
-        except TritonError:
-            return False
-        return True
+        return self.admission.reaches(self.door, call.ticket, group, call.headers)
 
     def refuse(self, err: Exception) -> Reply:
         """The Reply for an error a skin met outside ``handle`` (admission, body)."""

@@ -3,15 +3,16 @@ Protocols, serving ``frontends.dataplane``. Tornado's pure-Python HTTP/1.1 costs
 microseconds of event-loop CPU a request; this costs a fraction of that.
 
 What it keeps from tornado's server, as the tornado skin does: keep-alive (HTTP/1.0 only when
-asked), pipelined requests answered in order, a body cap (``DataPlane.admit``), a body
+asked), pipelined requests answered in order, a body cap, a body
 deadline and an idle timeout, Content-Length and chunked bodies, ``Expect: 100-continue``,
-HEAD, a client that hangs up cancelling its request, and a graceful close.
+HEAD, a client that hangs up cancelling its request, and a graceful close. What is admitted
+(Host, credentials, body cap, bytes in flight) is the server's admission's to decide
+(``frontends.admission``), asked once per head.
 
 What a peer may send is bounded by ``limits.HTTP1Limits`` (nginx's defences, counted as the
 bytes arrive, before the parser has a whole head): the request line (414), each header line,
 all header lines and their count (431), the head's time (``header_timeout``), the body
-(``DataPlane.admit`` / ``receive``, chunked ones included, refused as soon as they pass the
-cap), idle keep-alive time, the number of connections, and the replies a peer leaves unread
+(the admission's ticket, chunked ones included, refused as soon as they pass the cap), idle keep-alive time, the number of connections, and the replies a peer leaves unread
 (past ``max_pending_reply_bytes`` it is not read; with no progress for ``send_timeout`` it is
 dropped). Only HTTP/1.0 and 1.1 are served. A refusal is a Triton error reply, then a close.
 """
@@ -493,7 +494,8 @@ class _Connection(asyncio.Protocol):
         try:
             length = m.headers.get("content-length")
             m.length = int(length) if length is not None else None
-            m.ticket = self.plane.admit(m.route, m.method, m.headers, m.length)
+            if m.ticket is None:        # (the fast lane on Jupyter's port admits as it claims)
+                m.ticket = self.plane.admit(m.route, m.method, m.headers, m.length)
         except ValueError:
             m.refused = error_reply(InvalidArgument("malformed Content-Length"))
         except Exception as err:
@@ -516,7 +518,7 @@ class _Connection(asyncio.Protocol):
             # A chunked body is counted as it comes: past the cap (or the bytes in flight)
             # it is refused now, not read through to its end.
             try:
-                self.plane.receive(m.ticket, m.size, len(body))
+                m.ticket.receive(len(body))
             except TritonError as err:
                 raise _Refused(err) from None
         m.size += len(body)

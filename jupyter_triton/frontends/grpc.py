@@ -2,7 +2,8 @@
 (frontends/grpc_h2.py; grpc.aio's server is not used: it had none of that front's
 protections against hostile peers, and cost three times its CPU per RPC).
 
-Every RPC is a thin skin: check access, decode, one engine call, encode. Errors are rendered
+Every RPC is a thin skin: decode, one engine call, encode; the server's admission decided on
+the call's HEADERS (``admit_on_headers``: the port's door) before it came. Errors are rendered
 once, in ``_rpc``: a TritonError aborts with its own status code and message; anything else
 is logged here and reaches the client as INTERNAL with its message only.
 
@@ -31,9 +32,9 @@ from ..protocol.grpc_codec import (RequestPlans, ResponsePlans, check_model_vers
                                    parse_infer_request)
 from ..engine.observation.trace import trace_context
 from . import grpc_health, observability
-from .auth import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
-                   SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy)
-from .admission import Admission, BodyBudget, ResourceExhausted
+from .admission import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
+                        SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, Admission, BodyBudget,
+                        Door, ResourceExhausted)
 from .dataplane import decoupled_unsupported
 from .grpc_h2 import Admit, Charged, H2GrpcServer, serve_h2
 from .grpc_options import GrpcTLS
@@ -75,15 +76,13 @@ def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 def _rpc(group: str) -> Callable[[Callable], Callable]:
-    """Run a unary RPC of Triton's API ``group``: check the caller's access, then map errors
-    to gRPC statuses."""
+    """A unary RPC of Triton's API ``group`` (what the admission is asked on its HEADERS),
+    its errors mapped to gRPC statuses."""
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         async def wrapper(self: "GRPCInferenceService", request: Any,
                           context: grpc.aio.ServicerContext):
             try:
-                if not self._open(group):       # (an open group: no coroutine to await)
-                    await self.authenticate(group, context)
                 return await method(self, request, context)
             except TritonError as err:
                 await context.abort(grpc.StatusCode[err.grpc_code], str(err))
@@ -108,44 +107,15 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Triton's inference service; ``engine`` is jupyter_triton.engine.Engine's public API."""
 
     def __init__(self, engine: Engine, max_elements: int | None = None,
-                 access: AccessPolicy | None = None,
                  max_inflight_bytes: int = DEFAULT_INFLIGHT_MESSAGES * DEFAULT_MAX_INPUT_SIZE,
                  admission: Admission | None = None) -> None:
-        """``access`` None: open. ``admission``: the server's, whose bytes-in-flight budget
-        the inference RPCs share with its other listeners (else one of their own)."""
+        """``admission``: the server's, whose bytes-in-flight budget the inference RPCs share
+        with its other listeners (else one of their own)."""
         self.engine = engine
-        self.access = access
         self.inflight = admission.budget if admission is not None else BodyBudget(max_inflight_bytes)
         self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
         self._plans = RequestPlans()
         self._responses = ResponsePlans()
-
-    def _open(self, group: str) -> bool:
-        return self.access is None or self.access.open_to_all(group)
-
-    def authorize(self, group: str, context: grpc.aio.ServicerContext) -> None:
-        """Raise Unauthenticated / PermissionDenied unless the caller may reach ``group``,
-        with what is known now (``authenticate`` also asks a credential's issuer)."""
-        if not self._open(group):
-            self.access.check(group, _headers(context))
-
-    async def authenticate(self, group: str, context: grpc.aio.ServicerContext) -> None:
-        """``authorize``, where a credential not known yet (a JupyterHub token first seen)
-        is asked of Jupyter's identity provider first."""
-        if not self._open(group):
-            await self.access.authenticate(group, _headers(context))
-
-    def admit_headers(self, group: str, headers: dict[str, str]) -> None:
-        """What can be refused when a call's HEADERS arrive: everything ``authorize`` refuses,
-        except a credential that only its issuer can judge (``authenticate`` asks it before
-        the call is served)."""
-        if self._open(group):
-            return
-        access = self.access
-        if access.unresolved(group, headers):
-            access.check_restrictions(group, headers)
-        else:
-            access.check(group, headers)
 
     # -- health and metadata ----------------------------------------------------------
     @_rpc(HEALTH)
@@ -278,10 +248,6 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         A client that goes away cancels every request of the stream still running. With
         Triton's ``triton_grpc_error: true`` metadata, the first error ends the stream with
         its gRPC status instead of travelling on it."""
-        try:
-            await self.authenticate(INFERENCE, context)
-        except TritonError as err:
-            await context.abort(grpc.StatusCode[err.grpc_code], str(err))
         grpc_error = dict(context.invocation_metadata() or ()).get(
             "triton_grpc_error", "").lower() == "true"
         carrier = trace_context(_headers(context)) if self.engine.tracing.on else None
@@ -471,20 +437,33 @@ def api_groups(service: GRPCInferenceService) -> dict[str, str]:
             for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
 
 
-def admit_on_headers(service: GRPCInferenceService, groups: dict[str, dict[str, str]]) -> Admit:
-    """The h2 front's ``admit``: the service's access asked on a call's HEADERS, before its
-    body is read, for the API group of its method (``groups``: service -> method -> group).
-    The handlers ask again (grpc.aio has no such hook); an open group costs a set lookup."""
-    def admit(name: str, method: str, headers: list) -> tuple[grpc.StatusCode, str] | None:
+class _Headers:
+    """A call's header list as the mapping the admission reads (keys arrive lower-case;
+    binary ``-bin`` values are never credentials)."""
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.pairs:
+            if k == key and isinstance(v, str):
+                return v
+        return default
+
+    def items(self):
+        return ((k, v) for k, v in self.pairs if isinstance(v, str) and not k.endswith("-bin"))
+
+
+def admit_on_headers(admission: Admission, door: Door,
+                     groups: dict[str, dict[str, str]]) -> Admit:
+    """The h2 front's ``admit``: the admission's decision on a call's HEADERS, before its
+    body is read, for the API group of its method (``groups``: service -> method -> group)."""
+    def admit(name: str, method: str, headers: list):
         group = groups.get(name, {}).get(method)
-        if group is None or service._open(group):
+        if group is None:
             return None
-        try:
-            service.admit_headers(group, {key: value for key, value in headers
-                                          if isinstance(value, str) and not key.endswith("-bin")})
-        except TritonError as err:
-            return grpc.StatusCode[err.grpc_code], str(err)
-        return None
+        return admission.admit(door, group, "POST", _Headers(headers), op=method)
     return admit
 
 
@@ -512,20 +491,23 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     ``grpc.health.v1.Health`` (frontends/grpc_health.py) under the same access policy.
     """
     limit = max_receive_message_size or engine.options.max_input_size or DEFAULT_MAX_INPUT_SIZE
-    service = GRPCInferenceService(
-        engine, access=access, admission=admission,
-        max_inflight_bytes=max_inflight_bytes or DEFAULT_INFLIGHT_MESSAGES * limit)
+    if admission is None:
+        admission = Admission(max_input_size=limit, max_inflight_bytes=max_inflight_bytes
+                              or DEFAULT_INFLIGHT_MESSAGES * limit)
+    # The port's own policy (tritonserver's --grpc-restricted-protocol), not the HTTP port's.
+    door = Door("grpc", access=access if access is not None else AccessPolicy.open())
+    service = GRPCInferenceService(engine, admission=admission)
     limits = limits or HTTP2Limits()
     services = {SERVICE_NAME: method_handlers(service),
                 grpc_health.SERVICE_NAME: grpc_health.method_handlers(
-                    grpc_health.HealthService(engine, service.authenticate))}
+                    grpc_health.HealthService(engine))}
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         groups = {SERVICE_NAME: api_groups(service),
-                  grpc_health.SERVICE_NAME: dict.fromkeys(services[grpc_health.SERVICE_NAME], HEALTH)}
-        admit = admit_on_headers(service, groups) if access is not None else None
+                  grpc_health.SERVICE_NAME: grpc_health.API_GROUPS}
         return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
-                              limits=limits, admit=admit, ssl=ssl.ssl_context() if ssl else None,
+                              limits=limits, admit=admit_on_headers(admission, door, groups),
+                              ssl=ssl.ssl_context() if ssl else None,
                               budget=service.inflight)
     except OSError as err:
         raise OSError(f"could not bind the gRPC server to {address}: {err}") from None

@@ -3,7 +3,7 @@ carries and what the server does with it, on the engine's loop. The handlers are
 frontends/grpc.py's ``method_handlers(service)``; the asyncio protocol that moves the bytes
 is frontends/grpc_h2.py.
 
-- a call starts on its HEADERS: its method found, its credentials checked (``admit``) before
+- a call starts on its HEADERS: its method found, the server's admission asked (``admit``) before
   any of its body is taken, the server's RPC cap applied;
 - messages are framed by their 5-byte prefix (compressed flag, length). Each is admitted when
   its prefix arrives, before its body: within its connection's allowance of bytes charged to
@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 import grpc
 
+from ..protocol.errors import TritonError
 from .admission import ResourceExhausted
 from .h2_connection import H2Connection, H2Events, H2Stream, hpack_int, hpack_literal
 
@@ -48,8 +49,9 @@ class CallServer(Protocol):
     max_receive: int
     services: Any
 
-# (service, method, the call's headers) -> None to admit, or (status, details) to refuse
-Admit = Callable[[str, str, list], "tuple[grpc.StatusCode, str] | None"]
+# (service, method, the call's headers) -> the admission's ticket (None: nothing held), or
+# the TritonError it refuses the call with
+Admit = Callable[[str, str, list], Any]
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +211,8 @@ class _Head:
 class _Call(H2Stream):
     """A stream as a gRPC call: its messages, its handler, what it holds."""
     __slots__ = ("buf", "messages", "queue", "task", "handler", "method", "encoding",
-                 "writable", "held", "admitted", "paid", "reserved", "charged", "paid_at")
+                 "writable", "held", "admitted", "paid", "reserved", "charged", "paid_at",
+                 "ticket")
 
     def __init__(self, sid: int, window: int, recv_window: int) -> None:
         H2Stream.__init__(self, sid, window, recv_window)   # not super(): a call per stream
@@ -227,6 +230,7 @@ class _Call(H2Stream):
         self.reserved = 0               # wire bytes of messages within the allowance, untaken
         self.charged = 0                # bytes of the budget held for messages not handed over
         self.paid_at = 0.0              # when the arriving charged message was admitted
+        self.ticket: Any = None         # the admission's, held until the call is over
 
 
 _EOF = object()
@@ -336,6 +340,8 @@ class GrpcCalls(H2Events):
             self.budget.give(st.charged)
             st.charged = 0
         st.admitted = 0
+        if st.ticket is not None:
+            st.ticket.release()
         queue = st.queue
         if queue is not None:
             while not queue.empty():
@@ -427,9 +433,10 @@ class GrpcCalls(H2Events):
             return self._reply_error(st, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         admit = self.server.admit
         if admit is not None:
-            refused = admit(service, method, st.head.headers)
-            if refused is not None:     # before any of the body: the client is told to stop
-                return self._reply_error(st, *refused)
+            try:
+                st.ticket = admit(service, method, st.head.headers)
+            except TritonError as err:  # before any of the body: the client is told to stop
+                return self._reply_error(st, grpc.StatusCode[err.grpc_code], str(err))
         if self.server.active >= self.server.max_concurrent_rpcs:
             return self._reply_error(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      "Concurrent RPC limit exceeded!")
@@ -448,6 +455,15 @@ class GrpcCalls(H2Events):
             return await asyncio.to_thread(_inflate, message, limit)
         return _inflate(message, limit)
 
+    @staticmethod
+    async def _admitted(st: _Call) -> None:
+        """The admission's answer on a credential it asked its issuer about (a JupyterHub
+        token first seen), before the handler runs."""
+        try:
+            await st.ticket.pending
+        except TritonError as err:
+            raise _Abort(grpc.StatusCode[err.grpc_code], str(err)) from None
+
     async def _unary(self, st: _Call) -> None:
         handler = st.handler
         if len(st.messages) != 1:
@@ -464,6 +480,8 @@ class GrpcCalls(H2Events):
                     message = await self._inflated(message)
                     self._paid(st, paid)
                     paid = 0
+            if st.ticket is not None and st.ticket.pending is not None:
+                await self._admitted(st)
             request = handler.request_deserializer(message) if handler.request_deserializer \
                 else message
             call = handler.unary_unary(request, _Context(st.head.metadata()))
@@ -516,6 +534,8 @@ class GrpcCalls(H2Events):
         started = False
         responses = None
         try:
+            if st.ticket is not None and st.ticket.pending is not None:
+                await self._admitted(st)
             responses = handler.stream_stream(requests(), _Context(st.head.metadata()))
             async for response in responses:
                 if failed:

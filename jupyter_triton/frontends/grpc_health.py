@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2 as hpb
 
 from ..engine import Engine
-from ..protocol.errors import TritonError
-from .auth import HEALTH
+from .admission import HEALTH
 
 SERVICE_NAME = "grpc.health.v1.Health"
-# Every method of the service is the HEALTH group (what an admission hook asks about).
+# Every method of the service is the HEALTH group (what the admission is asked on a call's
+# HEADERS, before the service sees it: frontends/grpc.py's admit_on_headers).
 API_GROUPS = {"Check": HEALTH, "Watch": HEALTH}
 WATCH_INTERVAL_S = 0.5
 
@@ -35,19 +35,11 @@ SERVING = hpb.HealthCheckResponse.SERVING
 NOT_SERVING = hpb.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = hpb.HealthCheckResponse.SERVICE_UNKNOWN
 
-# (Triton API group, the call's context) -> None, or raises a TritonError
-Authorize = Callable[[str, Any], Awaitable[None]]
-
-
 class HealthService:
-    """``grpc.health.v1.Health`` over the engine; ``authorize`` is the gRPC port's access
-    check (GRPCInferenceService.authenticate: a credential first seen is asked of its issuer),
-    awaited before anything is answered."""
+    """``grpc.health.v1.Health`` over the engine."""
 
-    def __init__(self, engine: Engine, authorize: Authorize | None = None,
-                 watch_interval: float = WATCH_INTERVAL_S) -> None:
+    def __init__(self, engine: Engine, watch_interval: float = WATCH_INTERVAL_S) -> None:
         self.engine = engine
-        self.authorize = authorize
         self.watch_interval = watch_interval
         self._listed: tuple[float, frozenset[str]] = (float("-inf"), frozenset())
 
@@ -71,17 +63,8 @@ class HealthService:
             self._listed = (now, names)
         return names
 
-    async def _admit(self, context: Any) -> None:
-        if self.authorize is None:
-            return
-        try:
-            await self.authorize(HEALTH, context)
-        except TritonError as err:
-            await context.abort(grpc.StatusCode[err.grpc_code], str(err))
-
     async def Check(self, request: hpb.HealthCheckRequest, context: Any
                     ) -> hpb.HealthCheckResponse:
-        await self._admit(context)
         status = self.status(request.service)
         if status == SERVICE_UNKNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND,
@@ -93,7 +76,6 @@ class HealthService:
                     ) -> AsyncIterator[hpb.HealthCheckResponse]:
         """Registered as a stream-stream method (see ``method_handlers``): the client's one
         request comes through ``requests``."""
-        await self._admit(context)
         request = None
         async for request in requests:
             break

@@ -23,8 +23,7 @@ from tornado.iostream import StreamClosedError
 
 from ..engine import Engine
 from ..protocol.errors import TritonError
-from .admission import Admission
-from .auth import AccessPolicy
+from .admission import AccessPolicy, Admission, Door
 from .dataplane import (ADMIN, INFER, BodyTicket, Call, DataPlane, Reply, RequestTimeout, Route,
                         error_reply)
 from .dataplane import ROUTES as PLANE_ROUTES
@@ -51,13 +50,14 @@ class FrontendState:
     allowed_hosts: frozenset[str] | None = None
     strict_content_type: bool = False
     admission: Admission | None = None
+    door: Door | None = None                # with ``admission``: these routes' door
 
     @cached_property
     def plane(self) -> DataPlane:
         if self.admission is not None:
-            return DataPlane(self.engine, admission=self.admission,
-                             access=self.access if self.access is not None else AccessPolicy.open(),
-                             strict_content_type=self.strict_content_type)
+            return DataPlane(self.engine, admission=self.admission, door=self.door or Door(
+                "http", access=self.access if self.access is not None else AccessPolicy.open(),
+                strict_content_type=self.strict_content_type))
         return DataPlane(self.engine, access=self.access, max_input_size=self.max_input_size,
                          max_inflight_bytes=self.max_inflight_bytes,
                          allowed_hosts=self.allowed_hosts,
@@ -70,6 +70,7 @@ class V2Handler:
     route: Route
     api_group: str
     scope = INFER
+    _ticket: BodyTicket | None = None       # where the host admitted the request (Jupyter's)
 
     @property
     def state(self) -> FrontendState:
@@ -82,13 +83,8 @@ class V2Handler:
     async def _serve(self, body: bytes | list[bytes], ticket=None, **params: str | None) -> None:
         call = Call(self.request.method or "GET", self.request.path,
                     {k: v for k, v in params.items() if v is not None},
-                    self.request.headers, body, ticket, self._reaches())
+                    self.request.headers, body, ticket or self._ticket, self)
         self.write_reply(await self.state.plane.handle(self.route, call))
-
-    def _reaches(self) -> Callable[[str], bool] | None:
-        # a host that judged the caller itself (the Jupyter handlers' ``reaches``) says
-        # which API groups it reaches; otherwise the data plane's access policy does
-        return getattr(self, "reaches", None)
 
     def write_reply(self, reply: Reply) -> None:
         self.set_status(reply.status)
@@ -135,7 +131,6 @@ class StreamedBody(V2Handler):
 
     _task: asyncio.Future | None = None
     _deadline: object | None = None
-    _ticket: BodyTicket | None = None
     _body_ended = False
 
     def finish(self, chunk=None):
@@ -167,8 +162,9 @@ class StreamedBody(V2Handler):
                 await result
             if self._finished:
                 return
-            self._ticket = plane.admit(self.route, self.request.method or "POST",
-                                       self.request.headers, self._length)
+            if self._ticket is None:
+                self._ticket = plane.admit(self.route, self.request.method or "POST",
+                                           self.request.headers, self._length, self)
         except (web.HTTPError, TritonError) as err:
             if self._length is None or self._length > plane.max_input_size:
                 raise           # answered now; the connection closes (finish)
@@ -185,7 +181,7 @@ class StreamedBody(V2Handler):
             return
         if self._length is None:
             try:
-                self.state.plane.receive(self._ticket, self._received, len(chunk))
+                self._ticket.receive(len(chunk))
             except TritonError as err:      # answered once the body has ended
                 self._body_error, self._chunks = err, []
                 return
@@ -212,7 +208,7 @@ class StreamedBody(V2Handler):
         body = chunks[0] if len(chunks) == 1 else chunks
         call = Call(self.request.method or "POST", self.request.path,
                     {k: v for k, v in params.items() if v is not None},
-                    self.request.headers, body, self._ticket, self._reaches())
+                    self.request.headers, body, self._ticket, self)
         # A task of its own, so that a client hanging up cancels it (see on_connection_close).
         self._task = asyncio.ensure_future(self.state.plane.handle(self.route, call))
         try:

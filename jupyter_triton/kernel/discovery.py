@@ -218,7 +218,7 @@ def start_in_kernel(repository: str | Path | None = None) -> Connection:
     else:
         repo = Path(tempfile.mkdtemp(prefix="jupyter_triton-"))
         atexit.register(shutil.rmtree, repo, ignore_errors=True)   # it dies with the kernel
-    from ..frontends.auth import GROUPS, AccessPolicy
+    from ..frontends.admission import GROUPS, AccessPolicy
     token = secrets.token_urlsafe(32)
     access = AccessPolicy(tokens={token: GROUPS})
     server = standalone.start_in_thread(
