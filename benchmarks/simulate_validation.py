@@ -13,9 +13,9 @@ CPU a request, which ``measure`` reads as the loop's work, would count its polli
    saturating burst (8 clients in a process of their own) for the instance's hand-off per
    batch, the server's event-loop CPU per request (its main thread's, /proc: the script
    passes the server's pid, as a notebook finds its server's) and the stalls the machine
-   imposed (see ``planning.service``);
+   imposed (see ``planning.bursts``);
 2. the overhead a client of the load generator sees beyond one execution, calibrated at
-   c=1 with that generator (``planning.service.calibrate_overhead``); the simulation takes
+   c=1 with that generator (``planning.sweep.calibrate_overhead``); the simulation takes
    the event loop's turn and the hand-off out of it and spends the rest side by side, drawn
    per request with the spread of the one-client burst's round trips, and stalls its event
    loop as often and as long as the bursts saw;
@@ -32,7 +32,7 @@ Writes benchmarks/results/simulate_validation.md and .json (``--append`` keeps e
 runs in the json and shows every run in the md). Aim per row: throughput and p50 within
 15 %, p99 within 30 %. Each simulated row pools ``SIM_REPLICAS`` replicas (seeded
 simulations sharing its requests); where they disagree materially the row is metastable
-(``planning.capacity.metastable``: two states that each last, chance deciding which one a run
+(``planning.rows.metastable``: two states that each last, chance deciding which one a run
 shows) and the table gives the replicas' range. A row counts within the aim when each measured
 figure is within its aim of the pooled figure, or, for a metastable row, of the replicas'
 range (some figure between the least and the most of the replicas' and the pooled is within
@@ -66,9 +66,12 @@ from jupyter_triton.kernel.client import TritonHTTP  # noqa: E402
 from jupyter_triton.kernel.discovery import Connection  # noqa: E402
 from jupyter_triton.kernel import tune as tu  # noqa: E402
 from jupyter_triton.planning import Load, simulate  # noqa: E402
-from jupyter_triton.planning.capacity import CapacityPlan, _measure, parallel_ns  # noqa: E402
-from jupyter_triton.planning.service import (Burst, ServiceModel, _fit_stalls, _thread_cpu_ns,  # noqa: E402
-                                             calibrate_overhead)
+from jupyter_triton.planning.api import _measure, parallel_ns  # noqa: E402
+from jupyter_triton.planning.bursts import Burst, _thread_cpu_ns  # noqa: E402
+from jupyter_triton.planning.capacity import CapacityPlan  # noqa: E402
+from jupyter_triton.planning.fitting import _fit_stalls  # noqa: E402
+from jupyter_triton.planning.service import ServiceModel  # noqa: E402
+from jupyter_triton.planning.sweep import calibrate_overhead  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_PY = '''
@@ -422,7 +425,7 @@ def render(runs: list[dict]) -> str:
            "From run 24 each simulated row pools 5 replicas (seeded simulations of 1600 requests each,",
            "8000 in all as before; `simulate()` pools 3 by default), and a row is metastable (`meta`)",
            "where its replicas' mean batch or throughput spans more than 15 % of the pooled figure (or",
-           "3 / sqrt(1600) = 7.5 %, what the draws alone move it, if more: `planning.capacity.metastable`);",
+           "3 / sqrt(1600) = 7.5 %, what the draws alone move it, if more: `planning.rows.metastable`);",
            "its `sim` cells then show [least-most] over the replicas and the pooled figure. **Counting",
            "rule**: a row is within the aim when each measured figure (throughput, p50, p99) is within",
            "its aim of the pooled figure or, for a metastable row, of some value in that range (a",
@@ -682,7 +685,7 @@ BASE = {"name": "embedder", "backend": "python", "max_batch_size": 16, "dynamic_
 
 def refit_stalls(service: ServiceModel) -> None:
     """The stalls' lengths (or, where they cannot give it, the holds' scale) fitted again to
-    the saturating burst's p99 with this checkout's model (``planning.service._fit_stalls``,
+    the saturating burst's p99 with this checkout's model (``planning.fitting._fit_stalls``,
     as ``measure`` does), from the lengths as the burst saw them (the stored ones over their
     stored scale; not recoverable at scale 0)."""
     if not service.burst_p99_ns or (service.stall_ns and service.stall_scale <= 0):

@@ -21,7 +21,7 @@ from jupyter_triton.kernel import api, discovery
 from jupyter_triton.planning import (Load, ServiceModel, TrafficClass, bursty, from_trace, measure,
                                      poisson, simulate)
 from jupyter_triton.planning.capacity import LOOP_MODELLED, CapacityPlan
-from jupyter_triton.planning.service import sweep_sizes
+from jupyter_triton.planning.sweep import sweep_sizes
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -84,7 +84,7 @@ def measured_rows() -> list[dict]:
 
 
 def test_compare_is_a_table_that_notes_configs_within_noise(plan):
-    from jupyter_triton.planning.capacity import Comparison
+    from jupyter_triton.planning.render import Comparison
     side = plan.compare(measured_rows())
     assert isinstance(side, Comparison) and len(side) == 2
     assert [(r["max_queue_delay_us"], r["concurrency"]) for r in side] == [(0, 1), (1, 1)]  # dicts still

@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 import jupyter_triton as jt
 from jupyter_triton.kernel.client import TritonHTTP
 from jupyter_triton.planning import measure
-from jupyter_triton.planning.service import binary_request, request_body
+from jupyter_triton.planning.sweep import binary_request, request_body
 from test_capacity_planning import kernel_server  # noqa: F401 -- the fixture: a server in this process
 
 pytestmark = pytest.mark.timeout(90)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_triton.planning.capacity import CapacityPlan, Load, describe_range, replica_range
+from jupyter_triton.planning.capacity import CapacityPlan, Load
+from jupyter_triton.planning.rows import describe_range, replica_range
 from jupyter_triton.planning.service import ServiceModel
 
 pytestmark = pytest.mark.timeout(60)

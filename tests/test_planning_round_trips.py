@@ -102,7 +102,8 @@ def test_holds_fitted_to_the_bursts_tail_where_no_stall_gives_it():
     client's holds: the holds come as often as gives that p99 at the burst's load (the clients'
     and the server's CPU competing for the cores). A p99 the simulation already gives, or one
     that even the most holds do not give: as one client's."""
-    from jupyter_triton.planning.service import BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls
+    from jupyter_triton.planning.bursts import BURST_CLIENTS, Burst
+    from jupyter_triton.planning.fitting import FIT_REQUESTS, _fit_stalls
     trips = round_trips()
 
     def burst_p99(s: ServiceModel) -> float:

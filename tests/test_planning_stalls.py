@@ -1,7 +1,8 @@
-"""What the simulation takes from ``measure``'s two bursts (planning/service.py) and how it uses
-it (engine/simulation.py): stalls that come with the requests, so a lighter load meets fewer
-a second; the event loop's CPU split into a part per request and a part per batch; a stall as
-long as the least hold it left, scaled until the simulated burst has the burst's own p99.
+"""What the simulation takes from ``measure``'s two bursts (planning/bursts.py, fitting.py) and
+how it uses it (engine/simulation.py): stalls that come with the requests, so a lighter load
+meets fewer a second; the event loop's CPU split into a part per request and a part per batch;
+a stall as long as the least hold it left, scaled until the simulated burst has the burst's own
+p99.
 No server here: the bursts' figures are given, what is checked is the arithmetic on them."""
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 from jupyter_triton.config.formats import config_from_json
 from jupyter_triton.engine.batching.simulation import Arrival, ClosedLoop, simulate
 from jupyter_triton.planning import ServiceModel
-from jupyter_triton.planning.capacity import CapacityPlan, Load, summarize
-from jupyter_triton.planning.service import (BURST_CLIENTS, FIT_REQUESTS, Burst, _fit_stalls,
-                                             _split_by_load, _stalls)
+from jupyter_triton.planning.bursts import BURST_CLIENTS, Burst, _stalls
+from jupyter_triton.planning.capacity import CapacityPlan, Load
+from jupyter_triton.planning.fitting import FIT_REQUESTS, _fit_stalls, _split_by_load
+from jupyter_triton.planning.rows import summarize
 from test_simulation import MS, US, config, fixed
 
 pytestmark = pytest.mark.timeout(90)

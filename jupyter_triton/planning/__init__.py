@@ -1,10 +1,13 @@
-"""Capacity planning: a model's measured execution times (``service``), traffic
-(``traffic``) and the engine's own batcher on a virtual clock answer what a config does under
-load before it is deployed (``capacity.simulate``)."""
+"""Capacity planning: a model's measured execution times (``sweep`` measures, with its
+``bursts`` and their ``fitting``, into a ``service`` model), traffic (``traffic``) and the
+engine's own batcher on a virtual clock answer what a config does under load before it is
+deployed (``api.simulate``: a ``capacity`` plan, its ``rows``, shown by ``render``)."""
 from __future__ import annotations
 
-from .capacity import Answer, BulkEffect, CapacityPlan, Load, simulate
-from .service import ServiceModel, measure
+from .api import simulate
+from .capacity import Answer, BulkEffect, CapacityPlan, Load
+from .service import ServiceModel
+from .sweep import measure
 from .traffic import TrafficClass, bursty, closed, from_trace, mix, poisson
 
 __all__ = ["Answer", "BulkEffect", "CapacityPlan", "Load", "ServiceModel", "TrafficClass", "bursty",

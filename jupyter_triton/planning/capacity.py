@@ -1,6 +1,7 @@
-"""``jupyter_triton.simulate``: what a batching config does under traffic the user does not
-have yet, answered in seconds by the engine's own dynamic batcher on a virtual clock
-(``engine.simulation``) fed with the model's measured execution times (``service``).
+"""The capacity plan behind ``jupyter_triton.simulate`` (``api``): what a batching config does
+under traffic the user does not have yet, answered in seconds by the engine's own dynamic
+batcher on a virtual clock (``engine.simulation``) fed with the model's measured execution
+times (``service``).
 
 For every ``max_batch_size`` x ``max_queue_delay_us`` x ``instances`` of the grid and every
 load (open-loop Poisson ``qps``, closed-loop ``concurrency``, or named ``traffic``), a few
@@ -24,19 +25,16 @@ wake-ups), drawn per request with the spread of the body of the one-client burst
 meanwhile (a group of clients answered together comes back late together: how closed-loop
 clients split by a short delay regroup; ``ServiceModel.holds``), more of them under load;
 closed-loop clients start spread over one c=1 round trip (a row's first replica: all at once);
-the loop stalls as the machine
-stalled the server in ``measure``'s bursts (some a second, some a request).
+the loop stalls as the machine stalled the server in ``measure``'s bursts (some a second, some
+a request). A row's figures and what they say: ``rows``; how the plan looks: ``render``.
 """
 from __future__ import annotations
 
-import base64
 import copy
 import dataclasses
 import html
 import inspect
 import json
-import math
-import statistics as stats_
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -44,19 +42,16 @@ from typing import Any, Sequence
 from ..config.formats import config_from_json
 from ..engine.batching import simulation as sim
 from ..progress import progress as show_progress
-from ..protocol.errors import InvalidArgument, TritonError, Unavailable
+from ..protocol.errors import InvalidArgument, Unavailable
 from ..kernel.client import TritonHTTP
 from ..kernel.discovery import Connection
-from . import traffic as tr
-from .service import ServiceModel, measure
-from ..kernel.tune import legend_outside, png_bytes, series_style, temporary
+from . import render, traffic as tr
+from .render import COLUMNS, Comparison, knobs_text
+from .rows import (REPLICA_FIGURES, describe_range, metastable, noise_note, pool_replicas, summarize,
+                   within_noise)
+from .service import ServiceModel
+from ..kernel.tune import png_bytes
 
-COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
-           "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts", "metastable")
-COMPARE_COLUMNS = ("max_batch_size", "max_queue_delay_us", "concurrency", "measured_throughput",
-                   "simulated_throughput", "measured_p50_ms", "simulated_p50_ms", "measured_p99_ms",
-                   "simulated_p99_ms", "measured_mean_batch", "simulated_mean_batch", "simulated_range")
-TEMP_SUFFIX = "__sim"
 #: an open-loop load is kept up with when this share of it is served (the rest: queue growth)
 KEPT_UP = 0.95
 #: whether engine.simulation models the server's event loop as a stage requests take in turn
@@ -67,14 +62,6 @@ LOOP_MODELLED = "loop_ns" in inspect.signature(sim.simulate).parameters
 #: which one a run stays in, and how long, is chance: one run would show one of them as if it
 #: were the answer, replicas that disagree show that it is not
 REPLICAS = 3
-#: replicas disagree materially where a figure's range (max - min) over the pooled figure
-#: exceeds this, or 3 / sqrt(n) for replicas of n requests if more (what the draws alone move a
-#: figure of n requests: a stable row's mean batch and throughput spread 2 to 8 % at 1600
-#: requests a replica, up to 12 % at 333 near saturation), well short of the two states at c=4
-#: (2.0 against 3 to 4 rows a batch, a third more throughput)
-METASTABLE = {"mean_batch": 0.15, "throughput": 0.15}
-#: each replica's figures kept in its row
-REPLICA_FIGURES = ("throughput", "p50_ms", "p99_ms", "mean_batch")
 
 
 @dataclass(frozen=True)
@@ -104,148 +91,8 @@ class Answer:
         return f"Answer({self.config}): {self.why}"
 
     def _repr_html_(self) -> str:
-        knobs = html.escape(_knobs(self.config)) if self.config else "none"
+        knobs = html.escape(knobs_text(self.config)) if self.config else "none"
         return f"<p><b>{knobs}</b>: {html.escape(self.why)}</p>"
-
-
-def _knobs(config: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in config.items())
-
-
-def _q(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def summarize(result: sim.SimResult) -> dict:
-    """A simulation's figures: client-seen latency percentiles (ms; an Outcome runs from the
-    client's send to its receipt, the delay outside the server included: the simulation
-    draws it per request), throughput (answers per second over the run), mean batch,
-    refusals, and the same per traffic class."""
-
-    def figures(outcomes: list[sim.Outcome]) -> dict:
-        ok = sorted((o.end_ns - o.arrival_ns) / 1e6
-                    for o in outcomes if o.status == "ok")
-        span = result.duration_ns / 1e9 or 1e-9
-        return {"throughput": len(ok) / span, "p50_ms": _q(ok, 0.50), "p95_ms": _q(ok, 0.95),
-                "p99_ms": _q(ok, 0.99), "mean_ms": stats_.fmean(ok) if ok else float("nan"),
-                "rejected": sum(o.status == "rejected" for o in outcomes),
-                "timeouts": sum(o.status == "timeout" for o in outcomes), "requests": len(outcomes)}
-    row = figures(result.requests)
-    rows = [b[1] for b in result.batches]
-    row["mean_batch"] = stats_.fmean(rows) if rows else 0.0
-    hist: dict[int, int] = {}
-    for r in rows:
-        hist[r] = hist.get(r, 0) + 1
-    row["batch_histogram"] = dict(sorted(hist.items()))
-    classes = sorted({o.cls for o in result.requests})
-    if classes != [""]:
-        row["classes"] = {c: figures([o for o in result.requests if o.cls == c]) for c in classes}
-    return row
-
-
-def _pooled(results: Sequence[sim.SimResult]) -> sim.SimResult:
-    """Replicas as one run: their requests and batches together, their durations end to end."""
-    return sim.SimResult([o for r in results for o in r.requests], [b for r in results for b in r.batches],
-                         sum(r.duration_ns for r in results))
-
-
-def replica_range(row: dict, figure: str) -> tuple[float, float]:
-    """The least and the most of ``figure`` over a row's replicas (the pooled figure when the
-    row has none)."""
-    values = [r[figure] for r in row.get("replicas") or [row]]
-    return min(values), max(values)
-
-
-def draw_noise(row: dict) -> float:
-    """What the draws alone move a figure of a replica's requests, as a share of it (1/sqrt(n))."""
-    return 1 / math.sqrt(max(1.0, row["requests"] / len(row.get("replicas") or [row])))
-
-
-def metastable(row: dict) -> bool:
-    """Whether a row's replicas disagree materially (``METASTABLE``) on mean batch or throughput."""
-    noise = 3 * draw_noise(row)
-    for figure, share in METASTABLE.items():
-        lo, hi = replica_range(row, figure)
-        if row[figure] and (hi - lo) / row[figure] > max(share, noise):
-            return True
-    return False
-
-
-def describe_range(row: dict) -> str:
-    """A metastable row's replica ranges in words; "" for a stable one."""
-    if not row.get("metastable"):
-        return ""
-    (b0, b1), (t0, t1), (p0, p1) = (replica_range(row, f) for f in ("mean_batch", "throughput", "p99_ms"))
-    return (f"metastable: replicas form batches of {b0:.2f} to {b1:.2f}, serve {t0:.0f} to {t1:.0f} "
-            f"infer/s, p99 {p0:.2f} to {p1:.2f} ms")
-
-
-def noise_range(row: dict, figure: str) -> tuple[float, float]:
-    """Where another run may put a row's ``figure``: its replicas' range, widened by what the
-    draws alone move it (``draw_noise``)."""
-    lo, hi = replica_range(row, figure)
-    return lo * (1 - draw_noise(row)), hi * (1 + draw_noise(row))
-
-
-def within_noise(a: dict, b: dict) -> bool:
-    """Whether two rows are within noise of each other: their p99s' and their throughputs'
-    ``noise_range`` overlap (another seed, or a measurement, may rank either first)."""
-    return all(max(noise_range(a, f)[0], noise_range(b, f)[0])
-               <= min(noise_range(a, f)[1], noise_range(b, f)[1]) for f in ("p99_ms", "throughput"))
-
-
-def noise_note(a: dict, b: dict) -> str:
-    """Two rows within noise of each other, in words."""
-    (a0, a1), (b0, b1) = noise_range(a, "p99_ms"), noise_range(b, "p99_ms")
-    n = len(a.get("replicas") or [a])
-    return (f"{_label(a)} and {_label(b)} at {a['load']} are within noise of each other: their p99 "
-            f"over {n} replicas and what the draws move it, {a0:.2f} to {a1:.2f} ms and {b0:.2f} to "
-            f"{b1:.2f} ms, overlap, their throughputs' too; another run may rank either first")
-
-
-def _label(row: dict) -> str:
-    return f"b{row['max_batch_size']} d{row['max_queue_delay_us']}us" + \
-        (f" x{row['instances']}" if "instances" in row else "")
-
-
-class Comparison(list):
-    """``compare``'s rows (dicts, measured beside simulated) shown as a table, with ``notes``:
-    the compared configs whose simulations are within noise of each other."""
-
-    def __init__(self, rows: list[dict], notes: list[str]) -> None:
-        super().__init__(rows)
-        self.notes = notes
-
-    def _repr_html_(self) -> str:
-        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
-        return (_table_html(self, COMPARE_COLUMNS)
-                + (f"<p><small>within noise:</small></p><ul>{notes}</ul>" if notes else ""))
-
-    def __repr__(self) -> str:
-        if not self:
-            return "Comparison(no measured row without failures)"
-        width = [max(len(c), *(len(_show(r, c)) for r in self)) for c in COMPARE_COLUMNS]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(COMPARE_COLUMNS, width))]
-        lines += ["  ".join(_show(r, c).rjust(w) for c, w in zip(COMPARE_COLUMNS, width)).rstrip()
-                  for r in self]
-        return "\n".join(lines + [f"note: {n}" for n in self.notes])
-
-    def to_dataframe(self):
-        """The rows as a pandas DataFrame (pandas is not a dependency: install it for this)."""
-        import pandas as pd
-        return pd.DataFrame([{c: r.get(c) for c in COMPARE_COLUMNS} for r in self])
-
-
-def _table_html(rows: Sequence[dict], columns: Sequence[str], bold: dict | None = None) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = []
-    for r in rows:
-        style = ' style="font-weight:bold"' if r is bold else ""
-        body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(_show(r, c))}</td>" for c in columns)
-                    + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 class CapacityPlan:
@@ -375,8 +222,8 @@ class CapacityPlan:
         # Closed-loop clients start spread over one c=1 round trip, the first replica's all at
         # once: a closed loop may keep to the state its start gave it (at c=4 with a delay
         # shorter than an execution, one merged batch or two groups), and clients do start
-        # together (perf_analyzer's first four sends: within 1 ms in 2 of 10 starts, 0.8 to
-        # 7 ms apart), so the replicas show both and the row is metastable where both last.
+        # together at times (perf_analyzer's first sends: benchmarks/results/planning-notes.md), so
+        # the replicas show both and the row is metastable where both last.
         stagger = self.overhead_ns + self.loop_ns + int(service.median_ns(1)) + service.handoff_ns
         staggers = [0 if i == 0 and len(replicas) > 1 else stagger for i in range(len(replicas))]
         stalled = self.jitter and self.stalls and bool(service.stall_ns)
@@ -399,7 +246,7 @@ class CapacityPlan:
         first = (service.stall_chance, service.holds()[1] if hold_ns else 0.0)
         results = run(*first)
         if (stalled and service.stall_chance and service.burst_qps) or (hold_ns and service.hold_scale != 1):
-            pooled = _pooled(results)
+            pooled = pool_replicas(results)
             served = sum(o.status == "ok" for o in pooled.requests) / (pooled.duration_ns / 1e9 or 1e-9)
             chance, hold_rate = first
             if stalled and service.stall_chance and served > service.burst_qps > 0:
@@ -410,7 +257,7 @@ class CapacityPlan:
                 results = run(chance, hold_rate)
         row = {"max_batch_size": max_batch_size, "max_queue_delay_us": max_queue_delay_us,
                "instances": instances, "load": str(load), "kind": load.kind, "offered": load.value,
-               **summarize(_pooled(results))}
+               **summarize(pool_replicas(results))}
         row["replicas"] = [{k: figures[k] for k in REPLICA_FIGURES} for figures in map(summarize, results)]
         row["metastable"] = metastable(row)
         self._memo[key] = row
@@ -433,7 +280,7 @@ class CapacityPlan:
         if not ok:
             low = min(self.results, key=lambda r: r["p99_ms"])
             return Answer(None, None, f"no config meets a p99 of {limit:g} ms at any load; the "
-                          f"lowest p99 is {low['p99_ms']:.2f} ms ({_knobs(_config_of(low))}, "
+                          f"lowest p99 is {low['p99_ms']:.2f} ms ({knobs_text(_config_of(low))}, "
                           f"{low['load']})")
 
         def rank(r: dict) -> tuple:
@@ -554,7 +401,7 @@ class CapacityPlan:
                  if a is not b and a["load"] == b["load"] and within_noise(a, b)]
         return Comparison(out, notes)
 
-    # ---- showing -------------------------------------------------------------------------
+    # ---- showing (``render``) ------------------------------------------------------------
     def plot_png(self) -> bytes:
         """``plot_figure`` as a PNG."""
         return png_bytes(self.plot_figure())
@@ -564,73 +411,16 @@ class CapacityPlan:
         (the legend beside the plot), a metastable row's replicas' range as a cross
         (throughput across, closed loop; p99 up). Right: the batch sizes formed at the highest
         load, one step histogram per config. A matplotlib Figure on an Agg canvas."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(13, 4.2), dpi=100)
-        FigureCanvasAgg(fig)
-        ax, hx = fig.subplots(1, 2, gridspec_kw={"width_ratios": (3, 2)})
-        top = self.loads[-1] if self.loads else None
-        for i, (mbs, delay, inst) in enumerate(self.grid):
-            style = series_style(i)
-            colour = style["color"]
-            rows = [self.run(mbs, delay, inst, load) for load in self.loads]
-            x = [r["offered"] if r["kind"] == "qps" else r["throughput"] for r in rows]
-            label = f"b{mbs} d{delay}us x{inst}"
-            ax.plot(x, [r["p99_ms"] for r in rows], "-", label=label, **style)
-            ax.plot(x, [r["p50_ms"] for r in rows], ":", color=colour, marker=style["marker"],
-                    fillstyle="none")
-            for xi, r in zip(x, rows):
-                if r["metastable"]:
-                    t0, t1 = replica_range(r, "throughput") if r["kind"] != "qps" else (xi, xi)
-                    p0, p1 = replica_range(r, "p99_ms")
-                    ax.errorbar([xi], [r["p99_ms"]], xerr=[[xi - t0], [t1 - xi]],
-                                yerr=[[r["p99_ms"] - p0], [p1 - r["p99_ms"]]], color=colour, capsize=3)
-            if top is not None:
-                hist = self.run(mbs, delay, inst, top)["batch_histogram"]
-                sizes = sorted(hist)
-                hx.step(sizes, [hist[s] for s in sizes], where="mid", label=label, **style)
-        if self.slo_p99_ms is not None:
-            ax.axhline(self.slo_p99_ms, color="tab:red", linestyle="--", label=f"SLO {self.slo_p99_ms:g} ms")
-        ax.set_yscale("log")
-        kinds = {l.kind for l in self.loads}
-        ax.set_xlabel("offered load (qps)" if kinds == {"qps"} else "load (qps offered / infer/s served)")
-        ax.set_ylabel("latency (ms): p99 solid, p50 dotted")
-        ax.set_title(f"{self.model}: simulated latency against load"
-                     + (" (crosses: metastable, the replicas' range)"
-                        if any(r["metastable"] for r in self.results) else ""))
-        ax.grid(alpha=0.3)
-        legend_outside(ax, fontsize=6)
-        hx.set_xlabel("batch size (rows)")
-        hx.set_ylabel("batches")
-        hx.set_title(f"batch sizes at {top}")
-        hx.grid(alpha=0.3)
-        return fig
+        return render.plan_figure(self)
 
     def table_html(self, rows: Sequence[dict] | None = None, columns: Sequence[str] = COLUMNS) -> str:
-        rows = self.results if rows is None else rows
-        return _table_html(rows, columns, self.best().row if self.results else None)
+        return render.plan_table_html(self, rows, columns)
 
     def _repr_html_(self) -> str:
-        png = base64.b64encode(self.plot_png()).decode("ascii")
-        parts = [f"<div><h4>simulate: {html.escape(self.model)} ({len(self.results)} runs, "
-                 f"{self.seconds:.1f} s)</h4>", self.best()._repr_html_()]
-        parts.append(f'<img alt="latency against load" src="data:image/png;base64,{png}"/>')
-        parts.append(self.table_html())
-        if self.bulk is not None:
-            parts.append(self.bulk_effect()._repr_html_())
-        if self.measured is not None:
-            parts.append("<h5>measured by tune() beside simulated (closed loop)</h5>")
-            parts.append(self.compare(self.measured)._repr_html_())
-        parts.append(f"<p><small>service: {html.escape(repr(self.service))}</small></p></div>")
-        return "".join(parts)
+        return render.plan_html(self)
 
     def __repr__(self) -> str:
-        lines = [f"CapacityPlan({self.model}: {len(self.results)} simulations in {self.seconds:.2f} s)",
-                 "  ".join(f"{c:>18}" for c in COLUMNS)]
-        lines += ["  ".join(f"{_show(r, c):>18}" for c in COLUMNS).rstrip() for r in self.results]
-        lines.append(f"best: {self.best()!r}")
-        return "\n".join(lines)
+        return render.plan_text(self)
 
     # ---- acting --------------------------------------------------------------------------
     def apply(self, config: dict | Answer | None = None) -> Any:
@@ -650,7 +440,7 @@ class CapacityPlan:
         client.load(self.model, json.dumps(config), self._files)
         versions = client.metadata(self.model)["versions"]
         return ServedModel(self.model, max(int(v) for v in versions), self._connection,
-                           notes=[f"simulated: {_knobs(chosen)}"])
+                           notes=[f"simulated: {knobs_text(chosen)}"])
 
 
 @dataclass
@@ -679,157 +469,12 @@ class BulkEffect:
         return self.rows[scenario]["interactive_p95_ms"]
 
     def _repr_html_(self) -> str:
-        cols = ("scenario", "interactive_p50_ms", "interactive_p95_ms", "interactive_p99_ms",
-                "bulk_throughput", "bulk_p95_ms", "mean_batch")
-        head = "".join(f"<th>{c}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r[c]))}</td>" for c in cols) + "</tr>"
-                       for r in self.rows)
-        return (f"<h5>interactive {self.qps:g} qps with and without '{html.escape(self.bulk)}' "
-                f"({html.escape(_knobs(self.config))})</h5>"
-                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        return render.bulk_effect_html(self)
 
     def __repr__(self) -> str:
-        return "\n".join(f"{r['scenario']:>45}: interactive p95 {r['interactive_p95_ms']:.2f} ms, "
-                         f"bulk {r['bulk_throughput']:.0f} infer/s" for r in self.rows)
-
-
-def _show(row: dict, column: str) -> str:
-    """A table's cell: a metastable row's replica ranges in words under ``metastable``."""
-    if column == "metastable":
-        return describe_range(row)
-    return _cell(row.get(column))
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return "" if value is None else str(value)
+        return render.bulk_effect_text(self)
 
 
 def _config_of(row: dict) -> dict:
     return {"max_batch_size": row["max_batch_size"], "max_queue_delay_us": row["max_queue_delay_us"],
             "instances": row["instances"]}
-
-
-def _grid(values: Sequence[int] | int | None, default: int, what: str) -> list[int]:
-    if values is None:
-        return [default]
-    out = [int(values)] if isinstance(values, (int, float)) else [int(v) for v in values]
-    if not out or min(out) < 0:
-        raise InvalidArgument(f"simulate: {what} needs values >= 0")
-    return out
-
-
-# ---- the entry point ----------------------------------------------------------------------
-
-def simulate(model: Any, qps: Sequence[float] | float | None = None,
-             max_batch_size: Sequence[int] | int | None = None,
-             max_queue_delay_us: Sequence[int] | int | None = None,
-             instances: Sequence[int] | int | None = None, *,
-             concurrency: Sequence[int] | int | None = None,
-             traffic: dict[str, list] | None = None, classes: Sequence[tr.TrafficClass] = (),
-             bulk: tr.TrafficClass | None = None, slo_p99_ms: float | None = None,
-             service: ServiceModel | None = None, requests: int = tr.DEFAULT_REQUESTS,
-             seed: int = 0, overhead_us: float | None = None, loop_us: float | None = None,
-             measured: Any = None, repeats: int = 15, stalls: bool = True, replicas: int = REPLICAS,
-             files: dict[str, bytes] | None = None, connection: Connection | None = None,
-             progress: bool = True) -> CapacityPlan:
-    """Simulate every config of the grid at every load; see the module docstring.
-
-    ``model``: a served model's name or handle. Its execution times are measured once per
-    model version and config (``service`` to pass your own); a grid whose max_batch_size
-    exceeds the served one is measured on a temporary copy (``<model>__sim``) when this
-    kernel served the model (or ``files`` are given), else extrapolated. ``classes``: more
-    traffic on top of every load; ``bulk``: the class ``bulk_effect`` weighs; ``measured``:
-    a ``tune()`` result, shown beside the same configs simulated (``compare``).
-
-    ``overhead_us``: what your client sees at c=1 beyond one execution (default: what the
-    sweep's client saw; ``calibrate_overhead`` measures it for another load generator); of
-    it, ``loop_us`` (default: the server's event-loop CPU per request, measured by the
-    sweep's bursts; its part per batch, run beside the batch's execution, is the service
-    model's ``loop_batch_ns``) is work requests take in turn on the server's one event loop,
-    which spreads a batch's answers and bounds throughput, and the instance's hand-off per
-    batch is occupation of the instance; the rest is a delay requests spend side by side.
-    ``stalls``: the event loop stalls as often and as long as ``measure``'s bursts saw this
-    machine stall the server (some a second, some a request: a lighter load meets fewer; the
-    default: the tail a shared machine gives); False plans for a host of the server's own,
-    where no neighbour takes its cores. ``replicas``: independent simulations a row pools,
-    ``requests`` shared between them (a row marked metastable where they disagree).
-    ``progress``: a bar (a notebook) or text lines (elsewhere) through the measurement and the
-    simulations.
-    """
-    from ..kernel import api
-    name = model if isinstance(model, str) else model.name
-    conn = connection or api.connection()
-    client = TritonHTTP(conn)
-    base = client.config(name)
-    base_mbs = int(base.get("max_batch_size", 0) or 0)
-    if base_mbs < 1:
-        raise InvalidArgument(f"simulate '{name}': the model does not batch (max_batch_size 0)")
-    sizes = _grid(max_batch_size, base_mbs, "max_batch_size")
-    delays = _grid(max_queue_delay_us, int((base.get("dynamic_batching") or {})
-                                           .get("max_queue_delay_microseconds", 0) or 0),
-                   "max_queue_delay_us")
-    groups = base.get("instance_group") or [{}]
-    counts = _grid(instances, int(groups[0].get("count", 1) or 1), "instances")
-    if min(sizes) < 1 or min(counts) < 1 or max(counts) > 64:
-        raise InvalidArgument("simulate: max_batch_size >= 1 and instances in [1, 64]")
-    if not 1 <= requests <= 100_000:
-        raise InvalidArgument("simulate: requests must be in [1, 100000]")
-    if replicas < 1:
-        raise InvalidArgument("simulate: replicas must be 1 or more")
-    loads = [Load("qps", float(q)) for q in ([qps] if isinstance(qps, (int, float)) else qps or [])]
-    loads += [Load("concurrency", float(c)) for c in
-              ([concurrency] if isinstance(concurrency, int) else concurrency or [])]
-    loads += [Load("traffic", 0.0, label) for label in (traffic or {})]
-    if not loads:
-        raise InvalidArgument("simulate: give qps=, concurrency= or traffic=")
-    if any(l.value <= 0 for l in loads if l.kind != "traffic") or \
-            any(l.value > 1024 for l in loads if l.kind == "concurrency"):
-        raise InvalidArgument("simulate: qps must be > 0 and concurrency in [1, 1024]")
-    if files is None and name in api.uploaded:
-        files = dict(api.uploaded[name].files)
-    if service is None:
-        service = _measure(client, conn, name, base, max(sizes), files, repeats, progress=progress)
-    return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
-                        extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
-                        seed=seed, overhead_ns=None if overhead_us is None else
-                        parallel_ns(service, overhead_us, loop_us),
-                        bulk=bulk, files=files, connection=conn,
-                        loop_ns=None if loop_us is None else int(loop_us * 1000), stalls=stalls,
-                        measured=measured, replicas=replicas, progress=progress)
-
-
-def parallel_ns(service: ServiceModel, overhead_us: float, loop_us: float | None = None) -> int:
-    """The part of a client's c=1 overhead (``overhead_us``) spent side by side: less the
-    event loop's turn (``loop_us``, default the service model's) and the instance's hand-off."""
-    loop_ns = service.loop_ns if loop_us is None else int(loop_us * 1000)
-    return max(0, int(overhead_us * 1000) - loop_ns - service.handoff_ns)
-
-
-def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, largest: int,
-             files: dict[str, bytes] | None, repeats: int, server_pid: int | None = None,
-             **keywords: Any) -> ServiceModel:
-    """The served model's sweep; past its max_batch_size, a temporary copy's (``keywords``:
-    ``measure``'s)."""
-    mbs = int(base["max_batch_size"])
-    if largest <= mbs or files is None:
-        return measure(conn, name, repeats=repeats, server_pid=server_pid, **keywords)
-    temp = name + TEMP_SUFFIX
-    config = copy.deepcopy(base)
-    config.update(name=temp, max_batch_size=largest)
-    batching = dict(config.get("dynamic_batching") or {})
-    batching["max_queue_delay_microseconds"] = 0
-    batching.pop("preferred_batch_size", None)
-    config["dynamic_batching"] = batching
-    try:
-        client.load(temp, json.dumps(temporary(config, temp)), files)
-        temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid, **keywords)
-    finally:
-        try:
-            client.unload(temp)
-        except TritonError:
-            pass          # the failure that brought us here is the one to report
-    version = str(max(int(v) for v in client.metadata(name)["versions"]))
-    return dataclasses.replace(temp_service, model=name, version=version,
-                               method=temp_service.method + f", on a copy with max_batch_size {largest}")
