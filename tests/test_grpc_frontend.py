@@ -105,7 +105,7 @@ class FakeEngine:
         self._check(name)
         self.unloaded.append((name, unload_dependents))
 
-    def statistics(self, name: str = "", version: str = "") -> dict:
+    def statistics(self, name: str = "", version: str = "", history: bool = False) -> dict:
         return {"model_stats": [{
             "name": "identity", "version": "1", "last_inference": 17, "inference_count": 3,
             "execution_count": 2, "not_a_triton_field": {"x": 1},

@@ -34,7 +34,7 @@ from ..engine import Engine
 from ..engine.observation.capture import traffic_json
 from ..engine.composition.streaming import DecoupledRefused
 from ..model_logs import model_logs
-from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError, Unsupported
+from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError
 from ..protocol import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
 from ..repository.lineage import read as read_lineage
@@ -42,7 +42,7 @@ from . import openai, openai_embeddings
 from .generate import (SSE_CONTENT_TYPE, close_stream, first_response, generate_events,
                        generate_request, generate_response, is_empty_final)
 from ..engine.observation.trace import trace_context
-from . import observability
+from . import operations
 from .admission import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                         SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, Admission, BodyTicket, Door)
 
@@ -293,7 +293,7 @@ def _health(key: str, yes: bool, **more: str) -> Reply:
 
 
 async def health_live(plane: DataPlane, call: Call) -> Reply:
-    return _health("live", plane.engine.live())
+    return _health("live", operations.server_live(plane.engine))
 
 
 # tritonserver while it exits (here: the drain window of a graceful stop) answers readiness with
@@ -303,46 +303,50 @@ def _exiting(**more: str) -> Reply:
 
 
 async def health_ready(plane: DataPlane, call: Call) -> Reply:
-    if plane.engine.draining:
+    if operations.exiting(plane.engine):
         return _exiting()
-    return _health("ready", plane.engine.ready())
+    return _health("ready", operations.server_ready(plane.engine))
 
 
 async def server_metadata(plane: DataPlane, call: Call) -> Reply:
-    return json_reply(plane.engine.server_metadata())
+    return json_reply(operations.server_metadata(plane.engine))
 
 
 async def model_metadata(plane: DataPlane, call: Call) -> Reply:
-    return json_reply(plane.engine.model_metadata(call.params["model"], _version(call)))
+    return json_reply(operations.model_metadata(plane.engine, call.params["model"], _version(call)))
 
 
 async def model_ready(plane: DataPlane, call: Call) -> Reply:
     name = call.params["model"]
-    if plane.engine.draining:
+    if operations.exiting(plane.engine):
         return _exiting(name=name)
-    return _health("ready", plane.engine.model_ready(name, _version(call)), name=name)
+    return _health("ready", operations.model_ready(plane.engine, name, _version(call)), name=name)
 
 
 async def model_config(plane: DataPlane, call: Call) -> Reply:
-    return json_reply(config_to_json(plane.engine.model_config(call.params["model"], _version(call))))
+    return json_reply(config_to_json(operations.model_config(plane.engine, call.params["model"],
+                                                             _version(call))))
 
 
 async def model_stats(plane: DataPlane, call: Call) -> Reply:
     # the lifecycle history carries earlier configs and golden-set differences: only for a
     # caller who may load models (an inference key reaches statistics, not that)
-    return json_reply(plane.engine.statistics(call.params.get("model", ""), _version(call),
-                                              history=plane.reaches(call, MODEL_REPOSITORY)))
+    return json_reply(operations.statistics(plane.engine, call.params.get("model", ""),
+                                            _version(call),
+                                            history=plane.reaches(call, MODEL_REPOSITORY)))
 
 
 async def repository_index(plane: DataPlane, call: Call) -> Reply:
     body = await plane.json_body(call)
-    ready = body.get("ready", False)
-    if not isinstance(ready, bool):
-        raise InvalidArgument("'ready' must be a boolean")
-    return json_reply(plane.engine.repository_index(ready_only=ready))
+    return json_reply(operations.repository_index(plane.engine, body.get("ready", False)))
 
 
 _B64_SLICE = 4 << 20        # characters of base64 decoded per call (a multiple of 4)
+# How JSON's types are named in the repository operations' refusals
+PARAMETER_WORDS = operations.ParameterWords(
+    config="load parameter 'config' must be a JSON string",
+    file="load parameter '{key}' must be base64 text",
+    flag="unload parameter '{key}' must be a boolean")
 
 
 def _load_files(params: dict) -> dict[str, bytes]:
@@ -360,30 +364,26 @@ def _load_files(params: dict) -> dict[str, bytes]:
     return files
 
 
-async def repository_load(plane: DataPlane, call: Call) -> Reply:
+async def _repository_parameters(plane: DataPlane, call: Call) -> dict:
     params = (await plane.json_body(call)).get("parameters", {}) or {}
     if not isinstance(params, dict):
         raise InvalidArgument("'parameters' must be a JSON object")
-    config = params.get("config")
-    if config is not None and not isinstance(config, (str, dict)):
-        raise InvalidArgument("load parameter 'config' must be a JSON string")
-    if isinstance(config, dict):
-        config = json.dumps(config)
+    return params
+
+
+async def repository_load(plane: DataPlane, call: Call) -> Reply:
+    params = await _repository_parameters(plane, call)
+    if isinstance(params.get("config"), dict):      # JSON's own object, sent as it is
+        params["config"] = json.dumps(params["config"])
     files = await plane.offload(_body_size(call.body) > OFFLOAD_BYTES, _load_files, params)
-    # lifecycle keys (golden, promote, rollback, canary...) ride along as load parameters
-    await plane.engine.load_model(call.params["model"], config=config, files=files,
-                                  parameters=params)
+    await operations.load(plane.engine, call.params["model"], {**params, **files},
+                          PARAMETER_WORDS)
     return Reply(200)
 
 
 async def repository_unload(plane: DataPlane, call: Call) -> Reply:
-    params = (await plane.json_body(call)).get("parameters", {}) or {}
-    if not isinstance(params, dict):
-        raise InvalidArgument("'parameters' must be a JSON object")
-    dependents = params.get("unload_dependents", False)
-    if not isinstance(dependents, bool):
-        raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
-    await plane.engine.unload_model(call.params["model"], unload_dependents=dependents)
+    params = await _repository_parameters(plane, call)
+    await operations.unload(plane.engine, call.params["model"], params, PARAMETER_WORDS)
     return Reply(200)
 
 
@@ -419,7 +419,7 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
     try:
         response = await plane.engine.infer(request)
     except DecoupledRefused as err:
-        raise decoupled_unsupported(err, "HTTP end point") from None
+        raise operations.decoupled_unsupported(err, "HTTP end point") from None
     if _output_bytes(response) > OFFLOAD_BYTES:
         payload, json_length = await plane.offload(True, encode_infer_response, response, request)
     else:
@@ -428,18 +428,6 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
         return Reply(200, payload, {"Content-Type": JSON})
     return Reply(200, payload, {"Content-Type": OCTET,
                                 "Inference-Header-Content-Length": str(json_length)})
-
-
-class DecoupledUnsupported(Unsupported):
-    """Triton's TRITONSERVER_ERROR_UNSUPPORTED for a one-response call to a decoupled model:
-    HTTP 501, gRPC UNIMPLEMENTED."""
-    status = 501
-
-
-def decoupled_unsupported(err: DecoupledRefused, end_point: str) -> DecoupledUnsupported:
-    """The engine's refusal in Triton's words for this end point ("HTTP end point",
-    "ModelInfer RPC")."""
-    return DecoupledUnsupported(str(err).replace("inference end point", end_point, 1))
 
 
 def _output_bytes(response: InferResponse) -> int:
@@ -596,44 +584,44 @@ async def _openai(plane: DataPlane, call: Call, chat: bool) -> Reply:
 
 
 async def shm_status(plane: DataPlane, call: Call) -> Reply:
-    return json_reply(plane.engine.shared_memory.status(call.params.get("region", "")))
+    return json_reply(operations.shm_status(plane.engine, call.params.get("region", "")))
 
 
 async def shm_register(plane: DataPlane, call: Call) -> Reply:
     body = await plane.json_body(call)
-    plane.engine.shared_memory.register(call.params["region"], body.get("key"),
-                                        body.get("offset", 0), body.get("byte_size"))
+    operations.shm_register(plane.engine, call.params["region"], body.get("key"),
+                            body.get("offset", 0), body.get("byte_size"))
     return Reply(200)
 
 
 async def shm_unregister(plane: DataPlane, call: Call) -> Reply:
-    plane.engine.shared_memory.unregister(call.params.get("region", ""))
+    operations.shm_unregister(plane.engine, call.params.get("region", ""))
     return Reply(200)
 
 
 async def cuda_shm_status(plane: DataPlane, call: Call) -> Reply:
-    return json_reply(plane.engine.shared_memory.cuda_status(call.params.get("region", "")))
+    return json_reply(operations.cuda_shm_status(plane.engine, call.params.get("region", "")))
 
 
 async def cuda_shm_register(plane: DataPlane, call: Call) -> Reply:
     await plane.json_body(call)
-    plane.engine.shared_memory.cuda_register(call.params["region"])
+    operations.cuda_shm_register(plane.engine, call.params["region"])
     return Reply(200)
 
 
 async def cuda_shm_unregister(plane: DataPlane, call: Call) -> Reply:
-    plane.engine.shared_memory.cuda_unregister(call.params.get("region", ""))
+    operations.cuda_shm_unregister(plane.engine, call.params.get("region", ""))
     return Reply(200)
 
 
 async def trace_setting(plane: DataPlane, call: Call) -> Reply:
     updates = await plane.json_body(call) if call.method == "POST" else None
-    return json_reply(observability.trace_setting(plane.engine, call.params.get("model", ""), updates))
+    return json_reply(operations.trace_setting(plane.engine, call.params.get("model", ""), updates))
 
 
 async def log_settings(plane: DataPlane, call: Call) -> Reply:
     updates = await plane.json_body(call) if call.method == "POST" else None
-    return json_reply(observability.log_settings(plane.engine, updates))
+    return json_reply(operations.log_settings(updates))
 
 
 async def unknown_route(plane: DataPlane, call: Call) -> Reply:

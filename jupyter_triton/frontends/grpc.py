@@ -1,4 +1,5 @@
-"""Triton's GRPCInferenceService over the engine, served by our own HTTP/2 front
+"""Triton's GRPCInferenceService: a codec over the v2 operations it shares with HTTP
+(frontends/operations.py: decode, one operation, encode), served by our own HTTP/2 front
 (frontends/grpc_h2.py; grpc.aio's server is not used: it had none of that front's
 protections against hostile peers, and cost three times its CPU per RPC).
 
@@ -27,15 +28,13 @@ from tritonclient.grpc import service_pb2_grpc
 from ..engine import Engine
 from ..engine.composition.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, TritonError, Unsupported
-from ..protocol.grpc_codec import (RequestPlans, ResponsePlans, check_model_version,
-                                   decode_grpc_request, parameter_value,
-                                   parse_infer_request)
+from ..protocol.grpc_codec import (RequestPlans, ResponsePlans, decode_grpc_request,
+                                   parameter_value, parse_infer_request)
 from ..engine.observation.trace import trace_context
-from . import grpc_health, observability
+from . import grpc_health, operations
 from .admission import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                         SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, Admission, BodyBudget,
                         Door, ResourceExhausted)
-from .dataplane import decoupled_unsupported
 from .grpc_h2 import Admit, Charged, H2GrpcServer, serve_h2
 from .grpc_options import GrpcTLS
 from .limits import HTTP2Limits
@@ -53,6 +52,15 @@ DEFAULT_MAX_CONCURRENT_RPCS = 1024
 # decoded requests keep views of their bytes while they queue for a batch.
 DEFAULT_INFLIGHT_MESSAGES = 4
 SERVICE_NAME = "inference.GRPCInferenceService"
+
+
+# How protobuf's parameter types are named in the repository operations' refusals
+PARAMETER_WORDS = operations.ParameterWords(
+    config="load parameter 'config' of model '{model}' must be a string_param holding the "
+           "model configuration JSON",
+    file="load parameter '{key}' of model '{model}' must be a bytes_param holding the file "
+         "content",
+    flag="unload parameter '{key}' must be a bool_param")
 
 
 class _StreamFailure:
@@ -120,35 +128,32 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- health and metadata ----------------------------------------------------------
     @_rpc(HEALTH)
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=self.engine.live())
+        return pb.ServerLiveResponse(live=operations.server_live(self.engine))
 
     @_rpc(HEALTH)
     async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.engine.ready())
+        return pb.ServerReadyResponse(ready=operations.server_ready(self.engine))
 
     @_rpc(HEALTH)
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
-        check_model_version(request.version)
-        return pb.ModelReadyResponse(ready=self.engine.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(
+            ready=operations.model_ready(self.engine, request.name, request.version))
 
     @_rpc(METADATA)
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context
                              ) -> pb.ServerMetadataResponse:
-        return json_format.ParseDict(self.engine.server_metadata(), pb.ServerMetadataResponse(),
-                                     ignore_unknown_fields=True)
+        return json_format.ParseDict(operations.server_metadata(self.engine),
+                                     pb.ServerMetadataResponse(), ignore_unknown_fields=True)
 
     @_rpc(METADATA)
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context
                             ) -> pb.ModelMetadataResponse:
-        check_model_version(request.version)
-        meta = dict(self.engine.model_metadata(request.name, request.version))
-        meta["versions"] = [str(v) for v in meta.get("versions", [])]
+        meta = operations.model_metadata(self.engine, request.name, request.version)
         return json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     @_rpc(MODEL_CONFIG)
     async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
-        check_model_version(request.version)
-        config = self.engine.model_config(request.name, request.version)
+        config = operations.model_config(self.engine, request.name, request.version)
         response = pb.ModelConfigResponse()
         if config.DESCRIPTOR is response.config.DESCRIPTOR:
             response.config.CopyFrom(config)
@@ -159,8 +164,8 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc(STATISTICS)
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context
                               ) -> pb.ModelStatisticsResponse:
-        check_model_version(request.version)
-        stats = self.engine.statistics(request.name, request.version)
+        # (the lifecycle history and residency have no field in Triton's message)
+        stats = operations.statistics(self.engine, request.name, request.version)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(),
                                      ignore_unknown_fields=True)
 
@@ -178,7 +183,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 response = await self.engine.infer(infer_request)
             except DecoupledRefused as err:
-                raise decoupled_unsupported(err, "ModelInfer RPC") from None
+                raise operations.decoupled_unsupported(err, "ModelInfer RPC") from None
             return self._responses.encode(response, infer_request)     # serialised already
         finally:
             self.inflight.give(size)
@@ -311,7 +316,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context
                               ) -> pb.RepositoryIndexResponse:
         response = pb.RepositoryIndexResponse()
-        for m in self.engine.repository_index(ready_only=request.ready):
+        for m in operations.repository_index(self.engine, request.ready):
             response.models.add(**{k: str(m[k]) for k in ("name", "version", "state", "reason")
                                    if m.get(k) is not None})
         return response
@@ -319,47 +324,23 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc(MODEL_REPOSITORY)
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context
                                   ) -> pb.RepositoryModelLoadResponse:
-        config: str | None = None
-        files: dict[str, bytes] = {}
-        for key, param in request.parameters.items():
-            value = parameter_value(param)
-            if key == "config":
-                if not isinstance(value, str):
-                    raise InvalidArgument(
-                        f"load parameter 'config' of model '{request.model_name}' must be a "
-                        "string_param holding the model configuration JSON")
-                config = value
-            elif key.startswith("file:"):
-                if not isinstance(value, bytes):
-                    raise InvalidArgument(
-                        f"load parameter '{key}' of model '{request.model_name}' must be a "
-                        "bytes_param holding the file content")
-                files[key] = value
-        # lifecycle keys (golden, promote, rollback, canary...) ride along as load parameters
-        await self.engine.load_model(
-            request.model_name, config=config, files=files or None,
-            parameters={k: parameter_value(v) for k, v in request.parameters.items()
-                        if not k.startswith("file:") and k != "config"})
+        await operations.load(self.engine, request.model_name, _parameters(request.parameters),
+                              PARAMETER_WORDS)
         return pb.RepositoryModelLoadResponse()
 
     @_rpc(MODEL_REPOSITORY)
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context
                                     ) -> pb.RepositoryModelUnloadResponse:
-        unload_dependents = False
-        if "unload_dependents" in request.parameters:
-            value = parameter_value(request.parameters["unload_dependents"])
-            if not isinstance(value, bool):
-                raise InvalidArgument("unload parameter 'unload_dependents' must be a bool_param")
-            unload_dependents = value
-        await self.engine.unload_model(request.model_name, unload_dependents=unload_dependents)
+        await operations.unload(self.engine, request.model_name,
+                                _parameters(request.parameters), PARAMETER_WORDS)
         return pb.RepositoryModelUnloadResponse()
 
-    # -- shared memory: the engine's regions (engine/shared_memory.py) -------------------
+    # -- shared memory ---------------------------------------------------------------------
     @_rpc(SHARED_MEMORY)
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context
                                        ) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in self.engine.shared_memory.status(request.name):
+        for region in operations.shm_status(self.engine, request.name):
             response.regions[region["name"]].CopyFrom(
                 pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
         return response
@@ -367,43 +348,72 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc(SHARED_MEMORY)
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context) -> pb.SystemSharedMemoryRegisterResponse:
-        self.engine.shared_memory.register(request.name, request.key, request.offset,
-                                           request.byte_size)
+        operations.shm_register(self.engine, request.name, request.key, request.offset,
+                                request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_rpc(SHARED_MEMORY)
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
                                            context) -> pb.SystemSharedMemoryUnregisterResponse:
-        self.engine.shared_memory.unregister(request.name)
+        operations.shm_unregister(self.engine, request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @_rpc(SHARED_MEMORY)
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest, context
                                      ) -> pb.CudaSharedMemoryStatusResponse:
-        self.engine.shared_memory.cuda_status(request.name)     # none registered, ever
+        operations.cuda_shm_status(self.engine, request.name)   # none registered, ever
         return pb.CudaSharedMemoryStatusResponse()
 
     @_rpc(SHARED_MEMORY)
     async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest, context
                                        ) -> pb.CudaSharedMemoryRegisterResponse:
-        self.engine.shared_memory.cuda_register(request.name)
+        operations.cuda_shm_register(self.engine, request.name)
         return pb.CudaSharedMemoryRegisterResponse()
 
     @_rpc(SHARED_MEMORY)
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context) -> pb.CudaSharedMemoryUnregisterResponse:
-        self.engine.shared_memory.cuda_unregister(request.name)
+        operations.cuda_shm_unregister(self.engine, request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
 
-    # -- not offered ----------------------------------------------------------------------
-    # -- trace and logging extensions (frontends/observability.py) ------------------------
+    # -- trace and logging extensions ------------------------------------------------------
     @_rpc(TRACE)
     async def TraceSetting(self, request: pb.TraceSettingRequest, context) -> pb.TraceSettingResponse:
-        return observability.grpc_trace_setting(self.engine, request)
+        updates: dict[str, Any] = {}
+        for name, value in request.settings.items():
+            values = list(value.value)
+            # an empty value clears the setting (tritonclient sends that for None)
+            updates[name] = None if not values else values if name == "trace_level" else values[0]
+        settings = operations.trace_setting(self.engine, request.model_name,
+                                            updates if request.settings else None)
+        response = pb.TraceSettingResponse()
+        for name, value in settings.items():
+            response.settings[name].value.extend(value if isinstance(value, list) else [value])
+        return response
 
     @_rpc(LOGGING)
     async def LogSettings(self, request: pb.LogSettingsRequest, context) -> pb.LogSettingsResponse:
-        return observability.grpc_log_settings(self.engine, request)
+        updates: dict[str, Any] = {}
+        for name, value in request.settings.items():
+            choice = value.WhichOneof("parameter_choice")
+            if choice is None:
+                raise InvalidArgument(f"log setting '{name}' has no value")
+            updates[name] = getattr(value, choice)
+        response = pb.LogSettingsResponse()
+        for name, value in operations.log_settings(updates or None).items():
+            slot = response.settings[name]
+            if isinstance(value, bool):
+                slot.bool_param = value
+            elif isinstance(value, int):
+                slot.uint32_param = value
+            else:
+                slot.string_param = value
+        return response
+
+
+def _parameters(params: Any) -> dict[str, Any]:
+    """A ModelRepositoryParameter map as Python values (None: a parameter with none set)."""
+    return {key: parameter_value(param) for key, param in params.items()}
 
 
 def _serialized(response: bytes) -> bytes:
