@@ -33,12 +33,13 @@ import http.client
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -53,14 +54,15 @@ MEDIAN, SIGMA, SHORTEST = 40, 0.8, 4
 CLIENTS = 16
 MAX_BATCH = 16
 #: the batching settings every row shares (delay) and the padding row's own; main() sets them
-SETTINGS = {"delay_us": 2000, "buckets": "24,48,96,192", "budget": 2048}
+SETTINGS = {"delay_us": 2000, "buckets": "24,48,96,192", "budget": 2048, "threads": 0}
 POOL = 2048                       # distinct requests, cycled by every client from its own offset
 
 def description() -> str:
     return (f"transformer encoder ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, random weights, "
             f"ONNX), lengths log-normal median {MEDIAN} sigma {SIGMA} clipped to {SHORTEST}-{MAX_LENGTH}, "
             f"{CLIENTS} clients, binary HTTP, max_batch_size {MAX_BATCH}, "
-            f"max_queue_delay {SETTINGS['delay_us']} us")
+            f"max_queue_delay {SETTINGS['delay_us']} us, onnxruntime intra-op threads "
+            f"{SETTINGS['threads'] or 'default'}")
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -127,6 +129,7 @@ def _config(name: str, backend: str, ragged: bool, parameters: dict[str, str]) -
 
 
 MODEL_PY = '''\
+import json
 import os
 
 import numpy as np
@@ -143,6 +146,9 @@ class TritonPythonModel:
         # as our onnxruntime backend sets them: pool threads sleep between operators
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        params = json.loads(args["model_config"]).get("parameters", {})
+        if "intra_op_thread_count" in params:
+            options.intra_op_num_threads = int(params["intra_op_thread_count"]["string_value"])
         path = os.path.join(args["model_repository"], args["model_version"], "encoder.onnx")
         self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
@@ -171,14 +177,15 @@ PAD_MODEL, PLAIN_MODEL, PYTHON_MODEL = "encoder_pad", "encoder", "encoder_python
 
 
 def build_repository(root: Path, onnx: bytes) -> None:
-    pad = {"ragged_batching": "pad", "max_batch_tokens": str(SETTINGS["budget"]),
+    threads = {"intra_op_thread_count": str(SETTINGS["threads"])} if SETTINGS["threads"] else {}
+    pad = {**threads, "ragged_batching": "pad", "max_batch_tokens": str(SETTINGS["budget"]),
            "max_length": str(MAX_LENGTH)}
     if SETTINGS["buckets"]:
         pad["length_buckets"] = SETTINGS["buckets"]
     for name, backend, ragged, params, file in (
             (PAD_MODEL, "onnxruntime", False, pad, "model.onnx"),
-            (PLAIN_MODEL, "onnxruntime", False, {}, "model.onnx"),
-            (PYTHON_MODEL, "python", True, {}, "encoder.onnx")):
+            (PLAIN_MODEL, "onnxruntime", False, threads, "model.onnx"),
+            (PYTHON_MODEL, "python", True, threads, "encoder.onnx")):
         version = root / name / "1"
         version.mkdir(parents=True, exist_ok=True)
         (version / file).write_bytes(onnx)
@@ -332,6 +339,7 @@ class Result:
     requests: int = 0
     failures: int = 0
     error: str = ""
+    round_throughputs: list[float] = field(default_factory=list)
 
 
 def batch_compute_ns(stats: dict) -> float:
@@ -380,8 +388,23 @@ def measure(target: Target, model: str, bodies: list, seconds: float, warmup_s: 
     return result
 
 
+def median_result(rounds: list[Result]) -> Result:
+    """Each figure's median over the rounds that answered; the throughput of every round kept."""
+    ok = [r for r in rounds if r.requests] or rounds[:1]
+    out = Result(ok[0].label, ok[0].model, requests=sum(r.requests for r in ok),
+                 failures=sum(r.failures for r in rounds),
+                 error="; ".join(r.error for r in rounds if r.error)[:600],
+                 round_throughputs=[round(r.throughput, 1) for r in rounds])
+    for name in ("throughput", "p50_ms", "p99_ms", "mean_batch", "cpu_us_per_inference", "queue_us",
+                 "compute_us_per_execution"):
+        setattr(out, name, statistics.median(getattr(r, name) for r in ok))
+    wastes = [r.waste for r in ok if r.waste is not None]
+    out.waste = statistics.median(wastes) if wastes else None
+    return out
+
+
 def run(workdir: Path, seconds: float, warmup_s: float, peer_python: Path | None,
-        dist: tuple[Path, str, str] | None, notes: list[str]) -> list[Result]:
+        dist: tuple[Path, str, str] | None, notes: list[str], rounds: int = 1) -> list[Result]:
     repository = workdir / "repository-text"
     onnx = encoder_onnx()
     build_repository(repository, onnx)
@@ -400,14 +423,18 @@ def run(workdir: Path, seconds: float, warmup_s: float, peer_python: Path | None
             targets.append((TritonserverText(workdir, repository, PYTHON_MODEL, peer_python, dist,
                                              "tritonserver 2.51, python model.py, ragged batching"),
                             PYTHON_MODEL))
-    results = []
-    for target, model in targets:
-        log(f"text lengths: {target.label}")
-        r = measure(target, model, bodies, seconds, warmup_s)
-        log(f"  {r.throughput:7.1f} infer/s  p50 {r.p50_ms:6.1f} ms  p99 {r.p99_ms:6.1f} ms  "
-            f"batch {r.mean_batch:5.2f}  waste {r.waste if r.waste is not None else '-'}  "
-            f"CPU {r.cpu_us_per_inference:6.0f} us/inf  {r.error[:200]}")
-        results.append(r)
+    # Rounds alternate (every server in turn, then again): on a shared machine the load moves
+    # between minutes, and a server measured only at a quiet or a busy one says little.
+    measured: list[list[Result]] = [[] for _ in targets]
+    for rnd in range(1, rounds + 1):
+        for (target, model), mine in zip(targets, measured):
+            log(f"text lengths, round {rnd}: {target.label}")
+            r = measure(target, model, bodies, seconds, warmup_s)
+            log(f"  {r.throughput:7.1f} infer/s  p50 {r.p50_ms:6.1f} ms  p99 {r.p99_ms:6.1f} ms  "
+                f"batch {r.mean_batch:5.2f}  waste {r.waste if r.waste is not None else '-'}  "
+                f"CPU {r.cpu_us_per_inference:6.0f} us/inf  {r.error[:200]}")
+            mine.append(r)
+    results = [median_result(mine) for mine in measured]
     alone = alone_us_per_row(onnx)
     notes.append("onnxruntime alone (this process, no server), us per row at batch x length: "
                  + ", ".join(f"{k} {v:.0f}" for k, v in alone.items()))
@@ -421,15 +448,17 @@ def markdown(results: list[Result], notes: list[str]) -> str:
         f"{int(np.median(lengths_drawn))}, mean {lengths_drawn.mean():.0f}, p99 "
         f"{int(np.percentile(lengths_drawn, 99))}, max {lengths_drawn.max()} tokens.",
         "",
-        "| server | infer/s | p50 ms | p99 ms | mean batch | padding waste | queue us | compute us/batch | CPU us/inf | requests |",
+        "| server | infer/s (each round) | p50 ms | p99 ms | mean batch | padding waste | queue us | compute us/batch (/inf) | CPU us/inf | requests |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r.error and not r.requests:
             lines.append(f"| {r.label} | failed: {r.error[:200]} | | | | | | | | |")
             continue
         waste = f"{r.waste:.2f}" if r.waste is not None else "in model.py"
-        lines.append(f"| {r.label} | {r.throughput:.1f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | "
-                     f"{r.mean_batch:.2f} | {waste} | {r.queue_us:.0f} | {r.compute_us_per_execution:.0f} | "
+        each = ", ".join(f"{t:.0f}" for t in r.round_throughputs)
+        lines.append(f"| {r.label} | {r.throughput:.1f} ({each}) | {r.p50_ms:.1f} | {r.p99_ms:.1f} | "
+                     f"{r.mean_batch:.2f} | {waste} | {r.queue_us:.0f} | {r.compute_us_per_execution:.0f} "
+                     f"({r.compute_us_per_execution / r.mean_batch if r.mean_batch else 0:.0f}) | "
                      f"{r.cpu_us_per_inference:.0f} | "
                      f"{r.requests}{f' ({r.failures} failed)' if r.failures else ''} |")
     by = {r.model + ("@peer" if r.label.startswith("tritonserver") else ""): r for r in results if r.requests}
@@ -450,6 +479,7 @@ def markdown(results: list[Result], notes: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds per server")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before measuring")
     parser.add_argument("--pytriton-venv", type=Path,
                         default=Path(os.environ.get("PYTRITON_VENV") or os.environ.get("JUPYTER_TRITON_PYTRITON_VENV")
@@ -457,10 +487,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", default=SETTINGS["buckets"], help="length_buckets of the padding row ('': none)")
     parser.add_argument("--budget", type=int, default=SETTINGS["budget"], help="max_batch_tokens of the padding row")
     parser.add_argument("--delay-us", type=int, default=SETTINGS["delay_us"], help="max_queue_delay of every row")
+    parser.add_argument("--intra-op-threads", type=int, default=SETTINGS["threads"],
+                        help="onnxruntime's intra-op threads in every server (intra_op_thread_count; "
+                             "0: onnxruntime's default)")
     parser.add_argument("--no-peer", action="store_true", help="leave tritonserver out")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "text_lengths.md")
     args = parser.parse_args(argv)
-    SETTINGS.update(buckets=args.buckets, budget=args.budget, delay_us=args.delay_us)
+    SETTINGS.update(buckets=args.buckets, budget=args.budget, delay_us=args.delay_us,
+                    threads=args.intra_op_threads)
     started_utc = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="jt-text-") as tmp:
@@ -474,14 +508,15 @@ def main(argv: list[str] | None = None) -> int:
                 dist, why = tritonserver_dist(peer_python)
                 if dist is None:
                     notes.append(f"tritonserver skipped: {why}")
-        results = run(workdir, args.seconds, args.warmup, peer_python, dist, notes)
+        results = run(workdir, args.seconds, args.warmup, peer_python, dist, notes, args.rounds)
     command = " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT))
                         else sys.executable, *sys.argv] if argv is None else argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     text = (f"# Texts of different lengths (issue 36)\n\n`{command}` at {commit}, {started_utc}, "
             f"{os.cpu_count()} CPUs, load average at end {os.getloadavg()[0]:.1f}; "
-            f"{args.seconds:g} s measured per server after {args.warmup:g} s of load.\n\n"
+            f"{args.rounds} alternating round(s), {args.seconds:g} s measured per server and round after "
+            f"{args.warmup:g} s of load; medians over the rounds.\n\n"
             + markdown(results, notes))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
