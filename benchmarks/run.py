@@ -853,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
         if "text" not in args.skip:
             import text_lengths     # its own script too; imports this module's servers
             text = text_lengths.run(workdir, 3.0 if args.quick else 10.0, 1.0 if args.quick else 3.0,
-                                    peer_python if "tritonserver" in args.targets else None, dist, text_notes)
+                                    peer_python if "tritonserver" in args.targets else None, dist, text_notes,
+                                    rounds)
     info["loadavg_at_end"] = os.getloadavg()
     elapsed = time.monotonic() - started
     ratios = peer_ratios(rows)
