@@ -10,7 +10,7 @@ from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 from jupyter_triton.backends import onnxruntime, pytorch, tensorrt
 from jupyter_triton.backends.python import triton_python_backend_utils as pb_utils
 from jupyter_triton.backends.signature import numpy_dtype
-from jupyter_triton.kernel import artifacts
+from jupyter_triton.kernel import artifact_specs as artifacts
 from jupyter_triton.protocol import datatypes
 from jupyter_triton.protocol.datatypes import DATATYPES, TRITON_DATATYPES
 from jupyter_triton.protocol.errors import InvalidArgument
