@@ -135,6 +135,16 @@ class Engine(ModelLifecycle):
             finally:
                 await traced.aclose()
             return
+        if self.traffic.active and not request.captured:  # engine/capture.py; off: this check only
+            tap = self.traffic.active.get(request.model_name)
+            if tap is not None:
+                tapped = tap.infer_stream(self, request)
+                try:
+                    async for response in tapped:
+                        yield response
+                finally:
+                    await tapped.aclose()
+                return
         mv = (self.serving_version(request.model_name, request.model_version)
               or await self.resident_version(request.model_name, request.model_version))
         shm = request.shared_memory

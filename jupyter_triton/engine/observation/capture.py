@@ -17,7 +17,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 import numpy as np
 
@@ -98,6 +98,51 @@ class Capture:
         self._add(request, response, arrived, start, 200, "")
         return response
 
+    async def infer_stream(self, engine: "Engine", request: InferRequest
+                           ) -> AsyncGenerator[InferResponse, None]:
+        """A streamed request (decoupled model, generate_stream, gRPC stream) is one row when
+        its stream ends: each output its responses' pieces joined (streamed_outputs), the
+        status the first error response's."""
+        request.captured = True
+        self.seen += 1
+        stream = engine.infer_stream(request)
+        if self.settings.fraction < 1.0 and random.random() >= self.settings.fraction:
+            try:
+                async for response in stream:
+                    yield response
+            finally:
+                await stream.aclose()
+            return
+        arrived, start = time.time(), time.monotonic_ns()
+        pieces: list[InferResponse] = []
+        status, error, final = 200, "", False
+        try:
+            async for response in stream:
+                if response.error is None:
+                    pieces.append(response)
+                elif not error:
+                    status = getattr(response.error, "status", 500)
+                    error = str(response.error)
+                final = response.final
+                yield response
+        except (GeneratorExit, asyncio.CancelledError):
+            # closed by the front after the final response, or the client went away (the
+            # front closes or cancels the stream): what it got is the row
+            if not final and not error:
+                status, error = 499, "the client closed the stream before its end"
+            self._add(request, streamed_outputs(pieces), arrived, start, status, error)
+            raise
+        except TritonError as err:
+            self._add(request, streamed_outputs(pieces), arrived, start, err.status, str(err))
+            raise
+        except Exception as err:
+            self._add(request, streamed_outputs(pieces), arrived, start, 500,
+                      f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            await stream.aclose()
+        self._add(request, streamed_outputs(pieces), arrived, start, status, error)
+
     def _add(self, request: InferRequest, response: InferResponse | None, arrived: float,
              start: int, status: int, error: str) -> None:
         latency_us = (time.monotonic_ns() - start) / 1000
@@ -138,6 +183,14 @@ class Tap:
     capture: Capture | None = None
     shadow: Shadow | None = None
 
+    def infer_stream(self, engine: "Engine", request: InferRequest
+                     ) -> AsyncGenerator[InferResponse, None]:
+        """Streams are captured; a shadow compares whole answers and sees none of them."""
+        request.captured = True
+        if self.capture is None:
+            return engine.infer_stream(request)
+        return self.capture.infer_stream(engine, request)
+
     async def infer(self, engine: "Engine", request: InferRequest) -> InferResponse:
         if self.shadow is None:
             return await self.capture.infer(engine, request)
@@ -150,6 +203,32 @@ class Tap:
         except Exception:           # the served answer goes out whatever the copy did
             log.exception("model '%s': shadow copy failed", request.model_name)
         return response
+
+
+def streamed_outputs(pieces: list[InferResponse]) -> InferResponse | None:
+    """One response standing for a stream's: each output's pieces joined along the first
+    axis where their other dimensions agree (a token per response: the text), else the last
+    piece; None when no response carried outputs."""
+    if not pieces:
+        return None
+    if len(pieces) == 1:
+        return pieces[0]
+    joined: dict[str, list[InferTensor]] = {}
+    for response in pieces:
+        for t in response.outputs:
+            joined.setdefault(t.name, []).append(t)
+    outputs = []
+    for name, parts in joined.items():
+        arrays = [np.asarray(p.data) for p in parts if p.data is not None]
+        last = parts[-1]
+        if len(arrays) == len(parts) and all(a.ndim and a.shape[1:] == arrays[0].shape[1:]
+                                             and a.dtype == arrays[0].dtype for a in arrays):
+            data = np.concatenate(arrays)
+            outputs.append(InferTensor(name, last.datatype, tuple(data.shape), data))
+        else:
+            outputs.append(last)
+    return InferResponse(pieces[-1].model_name, pieces[-1].model_version, pieces[-1].id,
+                         outputs)
 
 
 class TrafficCapture:
