@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+import numpy as np
+import tritonclient.grpc as grpcclient
+
 from test_backend_python import THREAD_MODE
-from test_decoupled_examples import Stream, _serve, _tensor
+from test_decoupled_examples import Stream, _serve
+from test_python_bls import ECHO_CONFIG, ECHO_MODEL_PY
 from triton_example_models import add_model
 
 pytestmark = pytest.mark.timeout(180)
 
-DOUBLE_PY = '''
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor(
-            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)]) for r in requests]
-'''
-
-DOUBLE_CONFIG = '''
-name: "double"
-backend: "python"
-input [{ name: "X" data_type: TYPE_INT32 dims: [ -1 ] }]
-output [{ name: "Y" data_type: TYPE_INT32 dims: [ -1 ] }]
-'''
-
-# X[0] 0: call "double" inside execute; 1: from a thread, after execute has returned
+# X[0] 0: call "echo" (it doubles X) inside execute; 1: from a thread, after execute has returned
 RELAY_PY = '''
 import threading
 import triton_python_backend_utils as pb_utils
@@ -49,7 +37,7 @@ class TritonPythonModel:
         return None
 
     def relay(self, x, sender):
-        called = pb_utils.InferenceRequest(model_name="double", inputs=[x],
+        called = pb_utils.InferenceRequest(model_name="echo", inputs=[x],
                                            requested_output_names=["Y"]).exec()
         if called.has_error():
             sender.send(pb_utils.InferenceResponse(error=called.error()),
@@ -67,8 +55,8 @@ RELAY_CONFIG = '''
 name: "relay"
 backend: "python"
 model_transaction_policy { decoupled: true }
-input [{ name: "X" data_type: TYPE_INT32 dims: [ -1 ] }]
-output [{ name: "Y" data_type: TYPE_INT32 dims: [ -1 ] }]
+input [{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }]
+output [{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }]
 '''
 
 
@@ -76,13 +64,15 @@ output [{ name: "Y" data_type: TYPE_INT32 dims: [ -1 ] }]
 @pytest.mark.parametrize("mode, xs", [("process", ([0, 5, 6], [1, 7])), ("thread", ([0, 5, 6],))],
                          ids=["process", "thread"])
 def test_a_decoupled_model_calls_another_model(tmp_path, mode, xs):
-    add_model(tmp_path, "double", DOUBLE_PY, DOUBLE_CONFIG)
+    add_model(tmp_path, "echo", ECHO_MODEL_PY, ECHO_CONFIG)
     add_model(tmp_path, "relay", RELAY_PY, RELAY_CONFIG + (THREAD_MODE if mode == "thread" else ""))
     server = _serve(tmp_path)
     stream = Stream(server.grpc_port)
     try:
         for x in xs:
-            stream.client.async_stream_infer("relay", [_tensor("X", x, "INT32")])
+            tensor = grpcclient.InferInput("X", [len(x)], "FP32")
+            tensor.set_data_from_numpy(np.array(x, np.float32))
+            stream.client.async_stream_infer("relay", [tensor])
             (result,) = stream.take(1)
             assert result.as_numpy("Y").tolist() == [2 * v for v in x]
     finally:
