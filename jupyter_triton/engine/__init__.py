@@ -174,11 +174,11 @@ class Engine(ModelLifecycle):
 
     # ---- model queries -----------------------------------------------------------------
     def models(self) -> list[ModelVersion]:
-        return [mv for e in self._entries.values() for mv in e.serving.values()]
+        return self.table.serving_versions()
 
     def is_model(self, name: str) -> bool:
         """Whether ``name`` is a model of this server: loaded (or failed to), or on disk."""
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
         return (entry is not None and bool(entry.serving or entry.status)) or \
             name in self.repository.model_names()
 
@@ -197,9 +197,9 @@ class Engine(ModelLifecycle):
     def _evicted_config(self, name: str, version: str) -> mc.ModelConfig | None:
         """The config an evicted model served with, when its next request loads it again
         (opted in to on-demand loading; otherwise it is not loaded: Triton's 404)."""
-        if not self.residency.enabled or name in self._held_off:
+        if not self.residency.enabled or self.on_demand.held_off(name):
             return None
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
         if entry is not None and entry.serving:
             return None
         state = self.residency.models.get(name)
@@ -216,7 +216,7 @@ class Engine(ModelLifecycle):
             cfg, versions = evicted, list(self.residency.models[name].versions)
         else:
             mv = self._version(name, version)
-            cfg, versions = mv.config, sorted(self._entries[name].serving)
+            cfg, versions = mv.config, sorted(self.table.get(name).serving)
         lead = [-1] if cfg.max_batch_size > 0 else []
 
         def tensors(items) -> list[dict]:
@@ -231,10 +231,10 @@ class Engine(ModelLifecycle):
         """Triton's index; versions a failed load set aside (this run or an earlier one)
         are listed UNAVAILABLE with their reason."""
         rows = []
-        names = sorted(set(self.repository.model_names()) | set(self._entries)
+        names = sorted(set(self.repository.model_names()) | set(self.table.names())
                        | set(self.repository.set_aside_models()))
         for name in names:
-            entry = self._entries.get(name)
+            entry = self.table.get(name)
             status = dict(entry.status) if entry else {}
             if not ready_only:
                 for version, reason, where in self.repository.set_aside(name):
@@ -264,11 +264,11 @@ class Engine(ModelLifecycle):
         if self.residency.enabled:
             extra["residency"] = self.residency.to_json(self.resident_models())
         if name and history:
-            records = self.history(name)
+            records = self.rollout.history(name)
             if records:
                 extra["history"] = records
         if name:
-            entry = self._entries.get(name)
+            entry = self.table.get(name)
             if self.residency.enabled and not version and not (entry and entry.serving) \
                     and name in self.residency.models:
                 return {"model_stats": [], **extra}       # loaded before, not resident now
@@ -280,12 +280,12 @@ class Engine(ModelLifecycle):
                 try:
                     versions = [self._version(name, version)]
                 except NotFound:        # tritonserver 2.51's words (its status: 400)
-                    if name not in self._entries:
+                    if name not in self.table:
                         raise NotFound(f"requested model '{name}' is not available") from None
                     raise NotFound(f"requested model version is not available for model "
                                    f"'{name}'") from None
             else:
-                entry = self._entries.get(name)
+                entry = self.table.get(name)
                 if entry is None or not entry.serving:
                     raise NotFound(f"requested model '{name}' is not available")
                 # a canary's statistics beside the served version's, to compare them
@@ -299,7 +299,7 @@ class Engine(ModelLifecycle):
         """The version a request for ``name`` runs on when the model is serving (the data
         path's case: no coroutine, no clock); None when ``resident_version``
         (engine/lifecycle/on_demand.py) must decide: not loaded, evicted, still loading."""
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
         if entry is None or not entry.serving:
             return None
         if self.residency.enabled:
@@ -307,7 +307,8 @@ class Engine(ModelLifecycle):
         return self._version(name, version)
 
     def _version(self, name: str, version: str = "") -> ModelVersion:
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
+        # inline, not entry.known(): the data path calls nothing past this module
         if entry is None or not (entry.serving or entry.status or entry.reason):
             raise NotFound(f"Request for unknown model: '{name}' is not found")
         if version in ("", None):

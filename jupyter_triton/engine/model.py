@@ -335,6 +335,16 @@ class ModelVersion:
     def ready(self) -> bool:
         return self.status.state == READY
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, executing or streaming: what unload drains (an eviction waits
+        for it)."""
+        return not self._inflight and not self.stats.pending and not self._streams
+
+    async def wait_idle(self) -> None:
+        """Until no request is in flight (a new one may come right after)."""
+        await self._idle.wait()
+
     async def load(self) -> None:
         """Create and load every instance off the loop, warm them up, then start scheduling."""
         start = time.monotonic()

@@ -13,7 +13,7 @@ import contextvars
 import hashlib
 import itertools
 import logging
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -30,15 +30,17 @@ from ..composition.ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models
 from ..observation.histograms import latency_histograms
 from ..model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from ..options import EngineOptions
-from .on_demand import OnDemand
+from .on_demand import OnDemand, retry_later
 from .promotion import canary_fraction, lifecycle_parameters, parse_promotion, rollback_requested
 from ..batching.rate_limiter import RateLimiter
-from .residency import Residency
-from .rollout import Canary, Rollout, canary_running
+from .residency import ON_DEMAND_WAIT_SECS, Residency, pinned
+from .rollout import Rollout, canary_running
+from .table import Entry, ModelTable
 
 if TYPE_CHECKING:
     from ...protocol.types import InferRequest, InferResponse
     from ..composition.bls import Bls
+    from ..observation.capture import TrafficCapture
 
 log = logging.getLogger(__name__)
 
@@ -52,37 +54,12 @@ MAX_RETRY_POLLS = 32
 _LOADING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("loading", default=())
 
 
-@dataclass
-class Entry:
-    """Everything known about one model name."""
-    name: str
-    serving: dict[int, ModelVersion] = field(default_factory=dict)
-    status: dict[int, VersionStatus] = field(default_factory=dict)
-    # poll mode: the model's files as they were when its last load began (whether that
-    # load succeeded or failed): the poller loads the model again once they differ
-    fingerprint: str = ""
-    reason: str = ""            # why the model as a whole could not be prepared
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    changes: int = 0            # bumped whenever the versions it serves change
-    # a failed ensemble: its composing models' ``changes`` at the failure; the poller
-    # tries it again when one of them loads or goes, even if its own files did not change
-    waits_on: dict[str, int] = field(default_factory=dict)
-    failed: bool = False        # its last load failed, with this error:
-    last_error: str = ""
-    # poll mode, a failed model whose files did not change: polls between its tries and
-    # polls left before the next one
-    retry_every: int = 0
-    retry_in: int = 0
-    # versions loaded for a promotion's golden check or a canary: callable by explicit
-    # version; a canary's also takes its fraction of the requests naming no version
-    staged: dict[int, ModelVersion] = field(default_factory=dict)
-    canary: "Canary | None" = None
-
-
-class ModelLifecycle(OnDemand, Rollout):
-    """Load / unload / poll / stop for the Engine (which adds the data plane and queries);
-    loading on demand within a budget (engine/on_demand.py), promotion and rollback
-    (engine/rollout.py)."""
+class ModelLifecycle:
+    """Load / unload / poll / stop for the Engine (which adds the data plane and queries).
+    Owns the model table (``table``: lifecycle/table.py) and the two rooms that change it
+    beside the loads here: ``on_demand`` (loads a request asks for, evictions within the
+    residency budget: lifecycle/on_demand.py) and ``rollout`` (promotion, canaries,
+    rollback: lifecycle/rollout.py)."""
 
     options: EngineOptions
     repository: Repository
@@ -92,19 +69,19 @@ class ModelLifecycle(OnDemand, Rollout):
     _version: Callable[[str, str], ModelVersion]
     serving_version: Callable[[str, str], "ModelVersion | None"]
     infer: Callable[["InferRequest"], "InferResponse"]
+    traffic: "TrafficCapture"              # the Engine's; a promotion reads its shadow report
+    # how long a request waits for its model's on-demand load before a 503 (Retry-After)
+    on_demand_wait_secs: float = ON_DEMAND_WAIT_SECS
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self.repository = Repository(Path(options.model_repository))
-        self._entries: dict[str, Entry] = {}
+        self.table = ModelTable()
         self._started = False
         # while start() loads what it loads, unset (a request that comes then waits for it)
         self._start_done: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None
         self._unloading: set[asyncio.Task] = set()
-        # strict readiness: the models the server was asked to serve (at start, or loaded
-        # since); an explicit unload takes a model off the list
-        self._wanted: set[str] = set()
         # one loop, polled after any model's request (engine/busy_poll.py); None: off
         self.busy_poll = BusyPoll(options.busy_poll_us) if options.busy_poll_us > 0 else None
         # Triton's rate limiter spans models: one per engine.
@@ -115,9 +92,10 @@ class ModelLifecycle(OnDemand, Rollout):
         self._loads = itertools.count(1)        # each version load's own number
         # lifecycle as a control (engine/residency.py): off unless a bound is set
         self.residency = Residency(options.model_residency_bytes, options.max_loaded_models)
-        self._init_on_demand()                          # engine/on_demand.py
-        # models an operator unloaded: a request does not load them back
-        self._held_off: set[str] = set()
+        self.on_demand = OnDemand(self.table, self.residency, self.repository, options,
+                                  self._load_locked)
+        self.rollout = Rollout(self.table, self.repository, options, self._load_locked,
+                               self._build_version, lambda name: self.traffic.shadow_report(name))
 
     # ---- the engine's own lifecycle ------------------------------------------------------
     async def start(self) -> None:
@@ -143,14 +121,14 @@ class ModelLifecycle(OnDemand, Rollout):
         if self.residency.enabled:
             # within a budget the pinned models load first, then the others while they fit
             # (the rest on their first request, where the operator opted them in)
-            pinned = {n for n in names if self._pinned_on_disk(n)}
-            names = sorted(names, key=lambda n: n not in pinned)
+            first = {n for n in names if self._pinned_on_disk(n)}
+            names = sorted(names, key=lambda n: n not in first)
         left: list[str] = []
         for name in names:
-            if self.residency.enabled and name not in pinned and not self._fits_another():
+            if self.residency.enabled and name not in first and not self.on_demand.fits_another():
                 left.append(name)
                 continue
-            self._wanted.add(name)
+            self.table.want(name)
             try:
                 await self._load(name)
             except TritonError as err:
@@ -159,28 +137,31 @@ class ModelLifecycle(OnDemand, Rollout):
                     raise
             else:
                 if self.residency.enabled:          # measured; a pinned one is never evicted
-                    self.residency.loaded(name, self._entries[name].serving.values(), cold=False)
+                    self.residency.loaded(name, self.table.entry(name).serving.values(), cold=False)
         if left:
             log.warning("%d model(s) not loaded at start, past the residency budget: %s", len(left),
                         ", ".join(left[:20]) + (", ..." if len(left) > 20 else ""))
         if mode == "poll":
             self._poller = asyncio.ensure_future(self._poll())
         self._started = True
+        self.on_demand.open()
+
+    def _pinned_on_disk(self, name: str) -> bool:
+        try:
+            return pinned(self.repository.read_config(name))
+        except (TritonError, OSError):
+            return False
 
     async def stop(self) -> None:
         """Unload every version in parallel, bounded by ``exit_timeout_secs`` even when a
         model hangs (its requests fail with Unavailable; a stuck thread is left behind)."""
         self._started = False
+        self.on_demand.close()
         if self._poller:
             self._poller.cancel()
         bound = max(self.options.exit_timeout_secs, 0.0)
         # a canary's upload stays uncommitted: the next start sets it aside
-        versions = [mv for e in self._entries.values()
-                    for mv in (*e.serving.values(), *e.staged.values())]
-        for entry in self._entries.values():
-            entry.serving.clear()
-            entry.staged.clear()
-            entry.canary = None
+        versions = self.table.take_all()
         tasks = [asyncio.ensure_future(mv.unload(drain_seconds=bound * 0.6,
                                                  close_seconds=bound * 0.4))
                  for mv in versions] + list(self._unloading)
@@ -198,11 +179,35 @@ class ModelLifecycle(OnDemand, Rollout):
             return False
         if not self.options.strict_readiness:
             return True
-        return all(self._has_ready_version(name) for name in self._wanted)
+        return self.table.wanted_ready()
 
-    def _has_ready_version(self, name: str) -> bool:
-        entry = self._entries.get(name)
-        return entry is not None and any(mv.ready for mv in entry.serving.values())
+    async def resident_version(self, name: str, version: str = "") -> ModelVersion:
+        """The version a request for ``name`` runs on: every inference route's lookup (v2
+        infer and streams, gRPC, the OpenAI routes). A model that is serving answers at once;
+        one in the repository that is not loaded (evicted, or never asked for) and opted in
+        to on-demand loading is loaded first, once however many requests wait for it, within
+        ``on_demand_wait_secs`` (then Unavailable with ``retry_after``). Anything else raises
+        Triton's NotFound, and no state is kept for the name."""
+        deadline = time.monotonic() + self.on_demand_wait_secs
+        for _ in range(8):     # a model loaded for us may be evicted before we run: ask again
+            served = self.serving_version(name, version)
+            if served is not None:
+                return served
+            if self._start_done is not None and not self._start_done.is_set():
+                # the Jupyter server answers while the engine still loads the models named at
+                # start: a request for one of them waits for that, not a 404
+                try:
+                    await asyncio.wait_for(self._start_done.wait(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    raise retry_later("the server is still loading its models") from None
+                continue
+            if not await self.on_demand.loadable(name):
+                return self._version(name, version)
+            await self.on_demand.load(name, deadline - time.monotonic())
+        raise retry_later(f"model '{name}' was evicted again before this request could run")
+
+    def resident_models(self) -> dict[str, list[ModelVersion]]:
+        return self.table.resident()
 
     # ---- control path ------------------------------------------------------------------
     def _check_explicit(self) -> None:
@@ -221,7 +226,7 @@ class ModelLifecycle(OnDemand, Rollout):
         files = dict(files) if files else files
         lifecycle = lifecycle_parameters(parameters, files)
         rollback = rollback_requested(lifecycle)
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
         if entry is not None and entry.canary is not None and not (
                 "canary" in lifecycle or "golden" in lifecycle or "shadow_max_diff" in lifecycle):
             raise canary_running(name, entry)
@@ -229,45 +234,44 @@ class ModelLifecycle(OnDemand, Rollout):
             if set(lifecycle) - {"canary"}:
                 raise InvalidArgument(f"failed to load '{name}': 'canary' goes alone with the "
                                       f"new version's config and files")
-            await self.canary(name, canary_fraction(lifecycle), config, files)
+            await self.rollout.canary(name, canary_fraction(lifecycle), config, files)
         elif rollback:
             if config is not None or files or "golden" in lifecycle:
                 raise InvalidArgument(f"failed to load '{name}': 'rollback' takes no config, "
                                       f"files or golden set")
-            await self.rollback(name)
+            await self.rollout.rollback(name)
         elif "golden" in lifecycle or "shadow_max_diff" in lifecycle:
-            await self.promote(name, parse_promotion(lifecycle), config, files)
+            await self.rollout.promote(name, parse_promotion(lifecycle), config, files)
         elif "promote" in lifecycle or "atol" in lifecycle or "rtol" in lifecycle:
             raise InvalidArgument(f"failed to load '{name}': 'promote', 'atol' and 'rtol' "
                                   f"need a 'golden' set")
         else:
             await self._plain_load(name, config, files)
-        self._held_off.discard(name)
+        self.on_demand.release(name)
         if self.residency.enabled:
-            self.residency.loaded(name, self._entries[name].serving.values(), cold=False)
-            async with self._room:
-                await self._make_room(name, 0)
+            self.residency.loaded(name, self.table.entry(name).serving.values(), cold=False)
+            await self.on_demand.settle(name)
 
     async def _plain_load(self, name: str, config: str | None, files: dict[str, bytes] | None) -> None:
         if files and config is None:
             raise InvalidArgument(f"failed to load '{name}': load with files requires a 'config' parameter")
         from ...repository import check_model_name
         check_model_name(name)
-        entry = self._entries.setdefault(name, Entry(name))
+        entry = self.table.entry(name)
         try:
             await self._upload_and_load(name, entry, config, files)
         except TritonError as err:
             raise _load_failed(name, err) from None
         finally:
-            if not (entry.serving or entry.status or entry.reason) and not entry.lock.locked():
-                self._entries.pop(name, None)    # nothing known: no empty index row
+            if not entry.known() and not entry.lock.locked():
+                self.table.forget(name)          # nothing known: no empty index row
 
     async def _upload_and_load(self, name: str, entry: Entry, config: str | None,
                                files: dict[str, bytes] | None) -> None:
         loop = asyncio.get_running_loop()
         async with entry.lock:
-            before, before_config = self._served(entry), await loop.run_in_executor(
-                None, self._config_text, name)
+            before, before_config = entry.served(), await loop.run_in_executor(
+                None, self.rollout.config_text, name)
             pending: PendingUpload | None = None
             if config is not None or files:
                 pending = await loop.run_in_executor(
@@ -297,10 +301,10 @@ class ModelLifecycle(OnDemand, Rollout):
                         log.info("model '%s': keep_versions=%d removed versions %s", name,
                                  self.options.keep_versions, removed)
                 entry.fingerprint = await loop.run_in_executor(None, self._fingerprint_or_empty, name)
-            self._wanted.add(name)
-            after = self._served(entry)
+            self.table.want(name)
+            after = entry.served()
             if after is not None and after != before:
-                await loop.run_in_executor(None, self._record, name, {
+                await loop.run_in_executor(None, self.rollout.record, name, {
                     "action": "load", "version": after, "previous": before,
                     "previous_config": before_config})
 
@@ -319,33 +323,31 @@ class ModelLifecycle(OnDemand, Rollout):
         try:
             self.repository.model_dir(name)      # InvalidArgument for bad names
         except NotFound:
-            if name not in self._entries:
+            if name not in self.table:
                 return          # tritonserver 2.51 answers 200: nothing to unload
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
         dependents = [m for mv in (entry.serving.values() if entry else ()) if is_ensemble(mv.config)
                       for m in composing_models(mv.config)]
-        self._held_off.add(name)
+        self.on_demand.hold_off(name)
         if entry is not None and entry.canary is not None:
             async with entry.lock:
-                await self._end_canary(entry, "canary stopped: the model was unloaded")
+                await self.rollout.end_canary(entry, "canary stopped: the model was unloaded")
         await self._unload(name)
         if unload_dependents:                    # Triton: an ensemble's composing models go too
             for dependent in dict.fromkeys(dependents):
                 await self._unload(dependent)
         # a temporary copy (the tuner's, the planner's) leaves the repository with its unload
         if await asyncio.get_running_loop().run_in_executor(None, self.repository.remove_temporary, name):
-            self._entries.pop(name, None)
-            self._held_off.discard(name)
+            self.table.forget(name)
+            self.on_demand.release(name)
 
     async def _unload(self, name: str) -> None:
-        self._wanted.discard(name)
-        entry = self._entries.get(name)
+        self.table.unwant(name)
+        entry = self.table.get(name)
         if entry is None:
             return
         async with entry.lock:
-            old, entry.serving = entry.serving, {}
-            if old:
-                entry.changes += 1
+            old = entry.serve({})
             for v, mv in old.items():
                 entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
             await asyncio.gather(*(mv.unload(drain_seconds=self.options.unload_timeout_secs)
@@ -353,12 +355,9 @@ class ModelLifecycle(OnDemand, Rollout):
             for v in old:
                 entry.status[v] = VersionStatus(UNAVAILABLE, "unloaded")
 
-    def _entry(self, name: str) -> Entry:
-        return self._entries.setdefault(name, Entry(name))
-
     async def _load(self, name: str) -> None:
         self.repository.model_dir(name)
-        entry = self._entry(name)
+        entry = self.table.entry(name)
         async with entry.lock:
             await self._load_locked(name, entry)
 
@@ -403,7 +402,7 @@ class ModelLifecycle(OnDemand, Rollout):
         entry.reason = ""
         if backend == ENSEMBLE_BACKEND:
             await self._load_composing(name, config)
-            entry.waits_on = {m: self._changes(m) for m in composing_models(config)}
+            entry.waits_on = {m: self.table.changes(m) for m in composing_models(config)}
         stamp = await loop.run_in_executor(None, self._stamp, name, config, versions)
         # a version staged for promotion is served as it was checked, not loaded again
         keep = {v: mv for v, mv in {**entry.staged, **entry.serving}.items()
@@ -437,10 +436,7 @@ class ModelLifecycle(OnDemand, Rollout):
                 entry.status[v] = VersionStatus(READY)
             raise errors[0][1]
         entry.waits_on = {}
-        retired = {v: mv for v, mv in entry.serving.items() if v not in keep}
-        entry.serving = {**keep, **fresh}
-        if fresh or retired:
-            entry.changes += 1
+        retired = {v: mv for v, mv in entry.serve({**keep, **fresh}).items() if v not in keep}
         for v in entry.serving:
             entry.status[v] = VersionStatus(READY)
         for v, mv in retired.items():
@@ -449,6 +445,14 @@ class ModelLifecycle(OnDemand, Rollout):
             task = asyncio.ensure_future(mv.unload(drain_seconds=self.options.unload_timeout_secs))
             self._unloading.add(task)
             task.add_done_callback(self._unloading.discard)
+
+    async def _build_version(self, name: str, version: int) -> ModelVersion:
+        """Version ``version`` of ``name`` as the repository has it now, not loaded."""
+        loop = asyncio.get_running_loop()
+        model_dir = self.repository.model_dir(name)
+        config, backend, _ = await loop.run_in_executor(None, self._prepare, name, model_dir)
+        stamp = await loop.run_in_executor(None, self._stamp, name, config, [version])
+        return self._new_version(config, backend, version, model_dir, stamp[version])
 
     def _new_version(self, config: mc.ModelConfig, backend: str, v: int, model_dir: Path,
                      stamp: str) -> ModelVersion:
@@ -552,19 +556,19 @@ class ModelLifecycle(OnDemand, Rollout):
         loop = asyncio.get_running_loop()
         on_disk = await loop.run_in_executor(None, self.repository.fingerprints)
         for name in sorted(on_disk):
-            entry = self._entries.get(name)
+            entry = self.table.get(name)
             unchanged = entry is not None and entry.fingerprint == on_disk[name] and not any(
-                self._changes(m) != n for m, n in entry.waits_on.items())
+                self.table.changes(m) != n for m, n in entry.waits_on.items())
             if unchanged:
                 if not entry.failed:
                     continue
                 entry.retry_in -= 1
                 if entry.retry_in > 0:
                     continue
-            if not (entry is not None and entry.serving) and not self._fits_another():
+            if not (entry is not None and entry.serving) and not self.on_demand.fits_another():
                 continue          # past the budget a model loads on its first request (opted in)
             previous = entry.last_error if entry is not None else ""
-            self._wanted.add(name)
+            self.table.want(name)
             try:
                 await self._load(name)
             except (TritonError, OSError) as err:    # OSError: files going away mid-poll
@@ -573,21 +577,17 @@ class ModelLifecycle(OnDemand, Rollout):
                     "failed to load model '%s': %s", name, err)
             else:
                 if self.residency.enabled:      # measured, as a load at start
-                    self.residency.loaded(name, self._entries[name].serving.values(), cold=False)
-            entry = self._entries.get(name)
+                    self.residency.loaded(name, self.table.entry(name).serving.values(), cold=False)
+            entry = self.table.get(name)
             if entry is not None:
                 entry.retry_every = (min(max(entry.retry_every * 2, 1), MAX_RETRY_POLLS)
                                      if entry.failed and unchanged else int(entry.failed))
                 entry.retry_in = entry.retry_every
-        for name in set(self._entries) - set(on_disk):
+        for name in set(self.table.names()) - set(on_disk):
             await self._unload(name)
-            gone = self._entries.get(name)
+            gone = self.table.get(name)
             if gone is not None:
                 gone.fingerprint = ""      # the same files moved back in are a new model
-
-    def _changes(self, name: str) -> int:
-        entry = self._entries.get(name)
-        return entry.changes if entry is not None else 0
 
 
 class _Composing:

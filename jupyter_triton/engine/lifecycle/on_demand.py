@@ -9,26 +9,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ...protocol.errors import TritonError, Unavailable
-from ..model import UNAVAILABLE, ModelVersion, VersionStatus
+from ..model import UNAVAILABLE, VersionStatus
 from .residency import (EVICTED_REASON, EVICT_WAIT_SECS, FAILED_RETRY_SECS, MAX_COLD_LOADS,
-                        ON_DEMAND_WAIT_SECS, RETRY_AFTER_SECS, idle, opted_in, pinned)
+                        RETRY_AFTER_SECS, Residency, opted_in)
+from .table import Entry, ModelTable
 
 if TYPE_CHECKING:
-    from .control import Entry   # noqa: F401
+    from ...repository import Repository
+    from ..options import EngineOptions
 
 log = logging.getLogger(__name__)
 
 
 class OnDemand:
-    """Mixed into ModelLifecycle, whose entries, locks and loads it uses."""
+    """The lifecycle's loads on demand and evictions. Owns the loads under way, the one
+    eviction decision at a time, and the names an operator unloaded (held off: a request
+    does not load them back); asks ``table`` for the rows and ``load`` (the lifecycle's
+    load of one model, under its row's lock) for a load."""
 
-    # how long a request waits for its model's on-demand load before a 503 (Retry-After)
-    on_demand_wait_secs: float = ON_DEMAND_WAIT_SECS
-
-    def _init_on_demand(self) -> None:
+    def __init__(self, table: ModelTable, residency: Residency, repository: "Repository",
+                 options: "EngineOptions", load: Callable[[str, Entry], Awaitable[None]]) -> None:
+        self.table = table
+        self.residency = residency
+        self.repository = repository
+        self.options = options
+        self._load = load
+        self._open = False          # between the engine's start and its stop
         self._cold: dict[str, asyncio.Future] = {}      # on-demand loads under way, by model
         # their expected bytes, counted against the budget while they load
         self._loading: dict[str, int] = {}
@@ -37,36 +46,29 @@ class OnDemand:
         # bytes it sums are measured per load, as what the process gained meanwhile
         # (engine/memory.py), which another load in the process would blur.
         self._room = asyncio.Lock()
-        bound = 1 if self.residency.budget_bytes else self.residency.max_models
+        bound = 1 if residency.budget_bytes else residency.max_models
         self._cold_slots = asyncio.Semaphore(min(MAX_COLD_LOADS, bound) if bound else MAX_COLD_LOADS)
+        self._held_off: set[str] = set()
 
-    async def resident_version(self, name: str, version: str = "") -> ModelVersion:
-        """The version a request for ``name`` runs on: every inference route's lookup (v2
-        infer and streams, gRPC, the OpenAI routes). A model that is serving answers at once;
-        one in the repository that is not loaded (evicted, or never asked for) and opted in
-        to on-demand loading is loaded first, once however many requests wait for it, within
-        ``on_demand_wait_secs`` (then Unavailable with ``retry_after``). Anything else raises
-        Triton's NotFound, and no state is kept for the name."""
-        deadline = time.monotonic() + self.on_demand_wait_secs
-        for _ in range(8):     # a model loaded for us may be evicted before we run: ask again
-            served = self.serving_version(name, version)
-            if served is not None:
-                return served
-            if self._start_done is not None and not self._start_done.is_set():
-                # the Jupyter server answers while the engine still loads the models named at
-                # start: a request for one of them waits for that, not a 404
-                try:
-                    await asyncio.wait_for(self._start_done.wait(), max(deadline - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
-                    raise _retry_later("the server is still loading its models") from None
-                continue
-            if not await self._loadable(name):
-                return self._version(name, version)
-            await self._on_demand(name, deadline - time.monotonic())
-        raise _retry_later(f"model '{name}' was evicted again before this request could run")
+    def open(self) -> None:
+        self._open = True
 
-    async def _loadable(self, name: str) -> bool:
-        if name in self._held_off or self._started is False:
+    def close(self) -> None:
+        self._open = False
+
+    def hold_off(self, name: str) -> None:
+        self._held_off.add(name)
+
+    def release(self, name: str) -> None:
+        self._held_off.discard(name)
+
+    def held_off(self, name: str) -> bool:
+        return name in self._held_off
+
+    async def loadable(self, name: str) -> bool:
+        """Whether a request for ``name`` may load it: in the repository, opted in, not
+        held off, and not failed a moment ago."""
+        if name in self._held_off or not self._open:
             return False
         if name in self._cold:
             return True
@@ -87,7 +89,9 @@ class OnDemand:
         except (TritonError, OSError):
             return False
 
-    async def _on_demand(self, name: str, wait: float) -> None:
+    async def load(self, name: str, wait: float) -> None:
+        """Load ``name`` for a request, once however many wait; Unavailable (retry later)
+        past ``wait`` seconds."""
         load = self._cold.get(name)
         if load is None:
             load = self._cold[name] = asyncio.ensure_future(self._cold_load(name))
@@ -97,48 +101,49 @@ class OnDemand:
             # shielded: a client that goes away does not cancel the load others wait for
             await asyncio.wait_for(asyncio.shield(load), max(wait, 0.0))
         except asyncio.TimeoutError:
-            raise _retry_later(f"model '{name}' is being loaded on demand") from None
+            raise retry_later(f"model '{name}' is being loaded on demand") from None
 
     async def _cold_load(self, name: str) -> None:
         async with self._cold_slots:
-            if self._has_ready_version(name):
+            if self.table.has_ready_version(name):
                 return
-            if not self._started:
+            if not self._open:
                 raise Unavailable(f"model '{name}' cannot be loaded: the server is stopping")
             state = self.residency.of(name)      # an opted-in repository model: known now
             async with self._room:
                 await self._make_room(name, state.size)
                 self._loading[name] = state.size
-            entry = self._entry(name)
+            entry = self.table.entry(name)
             try:
                 async with entry.lock:
-                    await self._load_locked(name, entry)
+                    await self._load(name, entry)
             except BaseException:
                 state.failed_at = time.monotonic()
                 raise
             finally:
                 self._loading.pop(name, None)
-            self._wanted.add(name)
+            self.table.want(name)
             self.residency.loaded(name, entry.serving.values(), cold=True)
             log.info("model '%s' loaded on demand (%d bytes)", name, state.size)
-            async with self._room:
-                await self._make_room(name, 0)
+            await self.settle(name)
 
-    def resident_models(self) -> dict[str, list[ModelVersion]]:
-        return {n: list(e.serving.values()) for n, e in self._entries.items() if e.serving}
-
-    def _fits_another(self) -> bool:
+    def fits_another(self) -> bool:
         """One more model fits the budget without an eviction (what loads at start or by
         the poller stops here)."""
-        return not self.residency.enabled or self.residency.fits_another(self.resident_models())
+        return not self.residency.enabled or self.residency.fits_another(self.table.resident())
+
+    async def settle(self, loaded: str) -> None:
+        """After ``loaded`` loaded: evict what no longer fits beside it."""
+        async with self._room:
+            await self._make_room(loaded, 0)
 
     async def _make_room(self, incoming: str, size: int) -> None:
         """Evict what ``residency.victims`` chooses so that ``incoming`` fits."""
-        loaded = self.resident_models()
+        loaded = self.table.resident()
         self.residency.note_resident(sum(self.residency.of(n).size for n in loaded))
         # a model with a staged version (a canary, a golden check) is compared, not evicted;
         # nor is one that no request may load back (not opted in): it would be gone
-        busy = {n for n, e in self._entries.items() if e.lock.locked() or e.staged} | {
+        busy = {e.name for e in self.table.entries() if e.lock.locked() or e.staged} | {
             n for n, mvs in loaded.items()
             if not all(opted_in(mv.config, self.options.load_on_demand) for mv in mvs)}
         victims = self.residency.victims(loaded, incoming, size, busy, self._loading)
@@ -146,16 +151,16 @@ class OnDemand:
             await asyncio.gather(*(self._evict(n) for n in victims))
 
     async def _evict(self, name: str) -> None:
-        entry = self._entries.get(name)
+        entry = self.table.get(name)
         deadline = time.monotonic() + EVICT_WAIT_SECS
         while entry is not None and entry.serving and not entry.lock.locked():
-            busy = [mv for mv in entry.serving.values() if not idle(mv)]
+            busy = [mv for mv in entry.serving.values() if not mv.idle]
             if not busy:
                 break
             if time.monotonic() >= deadline:
                 return                 # still busy: it stays, over the budget for a while
             # requests take milliseconds; a new one may arrive while we wait: look again
-            waits = [asyncio.ensure_future(mv._idle.wait()) for mv in busy]
+            waits = [asyncio.ensure_future(mv.wait_idle()) for mv in busy]
             try:
                 await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 0.0))
             finally:
@@ -163,24 +168,17 @@ class OnDemand:
                     wait.cancel()
         if entry is None or entry.lock.locked() or not entry.serving:
             return
-        old, entry.serving = entry.serving, {}
-        entry.changes += 1
+        old = entry.serve({})
         for v in old:
             entry.status[v] = VersionStatus(UNAVAILABLE, EVICTED_REASON)
-        self._wanted.discard(name)
+        self.table.unwant(name)
         self.residency.evicted(name)
         log.info("model '%s' evicted (residency budget)", name)
         await asyncio.gather(*(mv.unload(drain_seconds=self.options.unload_timeout_secs)
                                for mv in old.values()))
 
-    def _pinned_on_disk(self, name: str) -> bool:
-        try:
-            return pinned(self.repository.read_config(name))
-        except (TritonError, OSError):
-            return False
 
-
-def _retry_later(message: str) -> Unavailable:
+def retry_later(message: str) -> Unavailable:
     err = Unavailable(f"{message}; retry in {RETRY_AFTER_SECS} s")
     # frontends answer it with a Retry-After header
     err.retry_after = RETRY_AFTER_SECS  # type: ignore[attr-defined]

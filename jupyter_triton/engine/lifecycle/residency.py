@@ -60,11 +60,6 @@ def version_bytes(mv: "ModelVersion") -> int:
     return sum(int(u.get("byte_size", 0)) for u in reader())
 
 
-def idle(mv: "ModelVersion") -> bool:
-    # nothing queued, executing, or streaming: the same count unload drains on
-    return not mv._inflight and not mv.stats.pending and not mv._streams
-
-
 @dataclass
 class ModelResidency:
     """What the residency control remembers of one model name, loaded or not."""
@@ -153,7 +148,7 @@ class Residency:
              if n != incoming and n not in busy and mvs
              and not any(pinned(mv.config) for mv in mvs)),
             # idle ones first, then the least recently used
-            key=lambda n: (not all(idle(mv) for mv in loaded[n]), self.of(n).last_used))
+            key=lambda n: (not all(mv.idle for mv in loaded[n]), self.of(n).last_used))
         chosen = []
         for name in candidates:
             over_bytes = self.budget_bytes and total > self.budget_bytes

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ...config import CONFIG_FILENAME
 from ...protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
@@ -18,7 +18,9 @@ from ..observation.shadow import check as check_shadow
 from .promotion import Promotion, compare, golden_request
 
 if TYPE_CHECKING:
-    from .control import Entry
+    from ...repository import Repository
+    from ..options import EngineOptions
+    from .table import Entry, ModelTable
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +40,33 @@ def canary_running(name: str, entry: "Entry") -> InvalidArgument:
 
 
 class Rollout:
-    """Mixed into ModelLifecycle, whose entries, locks and loads it uses."""
+    """Promotions, canaries and rollbacks of the models in ``table``, and their history.
+    Asks the lifecycle for a load of one model under its row's lock (``load``), a version
+    built from the repository but not loaded (``build``), and the traffic tap's shadow
+    report of a model (``shadow_report``)."""
+
+    def __init__(self, table: "ModelTable", repository: "Repository", options: "EngineOptions",
+                 load: Callable[[str, "Entry"], Awaitable[None]],
+                 build: Callable[[str, int], Awaitable[ModelVersion]],
+                 shadow_report: Callable[[str], dict]) -> None:
+        self.table = table
+        self.repository = repository
+        self.options = options
+        self._load = load
+        self._build = build
+        self._shadow_report = shadow_report
 
     def history(self, name: str) -> list[dict]:
         """Which version served after each load, promotion, refusal and rollback."""
         return self.repository.lifecycle_history(name)
 
-    def _served(self, entry: Entry) -> int | None:
-        ready = [v for v, mv in entry.serving.items() if mv.ready]
-        return max(ready) if ready else None
-
-    def _config_text(self, name: str) -> str | None:
+    def config_text(self, name: str) -> str | None:
         try:
             return (self.repository.model_dir(name) / CONFIG_FILENAME).read_text(encoding="utf-8")
         except (TritonError, OSError):
             return None
 
-    def _record(self, name: str, record: dict) -> None:
+    def record(self, name: str, record: dict) -> None:
         try:
             self.repository.record_lifecycle(name, record)
         except (TritonError, OSError) as err:      # the swap happened; only its log is short
@@ -78,10 +90,10 @@ class Rollout:
             raise InvalidArgument(f"failed to promote '{name}': give the new version's files, "
                                   f"or the version on disk to promote ('promote': <version>)")
         loop = asyncio.get_running_loop()
-        entry = self._entry(name)
+        entry = self.table.entry(name)
         async with entry.lock:
-            before, before_config = self._served(entry), await loop.run_in_executor(
-                None, self._config_text, name)
+            before, before_config = entry.served(), await loop.run_in_executor(
+                None, self.config_text, name)
             pending: PendingUpload | None = None
             canary = entry.canary if entry.canary is not None and not files and \
                 promotion.version == entry.canary.version else None
@@ -90,10 +102,10 @@ class Rollout:
             if promotion.shadow_max_diff is not None:
                 # before anything changes: refused, the version stays staged and shadowed
                 try:
-                    check_shadow(self.traffic.shadow_report(name)["shadow"], name,
+                    check_shadow(self._shadow_report(name)["shadow"], name,
                                  promotion.version, promotion.shadow_max_diff)
                 except InvalidArgument as err:
-                    await loop.run_in_executor(None, self._record, name, {
+                    await loop.run_in_executor(None, self.record, name, {
                         "action": "refused", "version": promotion.version, "served": before,
                         "reason": str(err)[:4000]})
                     raise
@@ -127,7 +139,7 @@ class Rollout:
                     await asyncio.shield(loop.run_in_executor(None, pending.commit))
                 else:
                     await loop.run_in_executor(None, self._serve_only, name, target)
-                await self._load_locked(name, entry)
+                await self._load(name, entry)
                 leftover = entry.staged.pop(target, None)    # its config changed: loaded anew
                 if leftover is not None:
                     await leftover.unload(drain_seconds=self.options.unload_timeout_secs)
@@ -137,7 +149,7 @@ class Rollout:
                     await staged.unload(drain_seconds=self.options.unload_timeout_secs)
                 if pending is not None:
                     await asyncio.shield(loop.run_in_executor(None, pending.abort, str(err)))
-                elif promotion.version is not None and self._served(entry) != target:
+                elif promotion.version is not None and entry.served() != target:
                     await loop.run_in_executor(None, self._restore_config, name, before_config)
                 if target is not None and target not in entry.serving:
                     entry.status[target] = VersionStatus(UNAVAILABLE, f"not promoted: {err}"[:2000])
@@ -145,13 +157,13 @@ class Rollout:
                 # REASON.txt are under .failed/): no history file to keep one alive
                 model_left = pending is None or not pending.created
                 if isinstance(err, InvalidArgument) and "refused" in str(err) and model_left:
-                    await loop.run_in_executor(None, self._record, name, {
+                    await loop.run_in_executor(None, self.record, name, {
                         "action": "refused", "version": target, "served": before,
                         "reason": str(err)[:4000]})
                 raise
-            self._wanted.add(name)
-            await loop.run_in_executor(None, self._record, name, {
-                "action": "promote", "version": self._served(entry), "previous": before,
+            self.table.want(name)
+            await loop.run_in_executor(None, self.record, name, {
+                "action": "promote", "version": entry.served(), "previous": before,
                 "previous_config": before_config, "golden_cases": len(promotion.cases)})
 
     async def canary(self, name: str, fraction: float, config: str | None = None,
@@ -163,23 +175,23 @@ class Rollout:
         from ...repository import check_model_name
         check_model_name(name)
         loop = asyncio.get_running_loop()
-        entry = self._entry(name)
+        entry = self.table.entry(name)
         async with entry.lock:
             if fraction == 0 and not files:
                 if entry.canary is None:
                     raise InvalidArgument(f"failed to stop the canary of '{name}': none is running")
                 stopped = entry.canary
-                await self._end_canary(entry, "canary stopped")
-                await loop.run_in_executor(None, self._record, name, {
+                await self.end_canary(entry, "canary stopped")
+                await loop.run_in_executor(None, self.record, name, {
                     "action": "canary stopped", "version": stopped.version,
-                    "served": self._served(entry)})
+                    "served": entry.served()})
                 return
             if not files or config is None:
                 raise InvalidArgument(f"failed to start a canary of '{name}': it takes the new "
                                       f"version's config and files")
             if entry.canary is not None:
                 raise canary_running(name, entry)
-            if self._served(entry) is None:
+            if entry.served() is None:
                 raise Unavailable(f"failed to start a canary of '{name}': no version of it is "
                                   f"served to compare with")
             pending = await loop.run_in_executor(
@@ -195,12 +207,12 @@ class Rollout:
             entry.canary = Canary(target, fraction, pending)
             entry.status[target] = VersionStatus(READY, f"canary: {fraction:g} of the requests"
                                                  if fraction else "staged: not served until promoted")
-            await loop.run_in_executor(None, self._record, name, {
+            await loop.run_in_executor(None, self.record, name, {
                 "action": "canary" if fraction else "staged", "version": target,
-                "served": self._served(entry),
+                "served": entry.served(),
                 "fraction": fraction})
 
-    async def _end_canary(self, entry: Entry, reason: str) -> None:
+    async def end_canary(self, entry: "Entry", reason: str) -> None:
         canary, entry.canary = entry.canary, None
         if canary is None:
             return
@@ -211,14 +223,12 @@ class Rollout:
         await asyncio.shield(loop.run_in_executor(None, canary.pending.abort, reason))
         entry.status[canary.version] = VersionStatus(UNAVAILABLE, reason)
 
-    async def _stage(self, name: str, entry: Entry, version: int) -> ModelVersion:
+    async def _stage(self, name: str, entry: "Entry", version: int) -> ModelVersion:
         loop = asyncio.get_running_loop()
-        model_dir = self.repository.model_dir(name)
+        self.repository.model_dir(name)      # a model the repository lacks: its NotFound first
         if version not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
             raise NotFound(f"model '{name}' has no version {version} in the model repository")
-        config, backend, _ = await loop.run_in_executor(None, self._prepare, name, model_dir)
-        stamp = await loop.run_in_executor(None, self._stamp, name, config, [version])
-        mv = self._new_version(config, backend, version, model_dir, stamp[version])
+        mv = await self._build(name, version)
         entry.status[version] = VersionStatus("LOADING", "staged for a golden check")
         await mv.load()
         entry.staged[version] = mv
@@ -230,7 +240,7 @@ class Rollout:
         self.repository.pin_version(name, version, self.repository.read_config(name))
 
     def _restore_config(self, name: str, text: str | None) -> None:
-        if text is not None and self._config_text(name) != text:
+        if text is not None and self.config_text(name) != text:
             from ...config import parse_config
             self.repository.write_config(name, parse_config(text, name, CONFIG_FILENAME))
 
@@ -238,9 +248,8 @@ class Rollout:
         """Serve again the version that served before the current one, with the config it
         was served with (its version policy pinned to it), in one swap: it is READY before
         the current version retires."""
-        self._check_explicit()
-        entry = self._entries.get(name)
-        current = self._served(entry) if entry is not None else None
+        entry = self.table.get(name)
+        current = entry.served() if entry is not None else None
         if current is None:
             raise Unavailable(f"failed to roll back '{name}': no version of it is being served")
         if entry.canary is not None:
@@ -254,7 +263,7 @@ class Rollout:
                                   f"served before version {current}")
         previous, previous_config = back["previous"], back.get("previous_config")
         async with entry.lock:
-            current_config = await loop.run_in_executor(None, self._config_text, name)
+            current_config = await loop.run_in_executor(None, self.config_text, name)
             if previous not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):
                 raise NotFound(f"failed to roll back '{name}': version {previous} is no longer in "
                                f"the model repository")
@@ -267,10 +276,10 @@ class Rollout:
                 self.repository.pin_version(name, previous, config)
             await loop.run_in_executor(None, pin_previous)
             try:
-                await self._load_locked(name, entry)
+                await self._load(name, entry)
             except BaseException:
                 await loop.run_in_executor(None, self._restore_config, name, current_config)
                 raise
-        await loop.run_in_executor(None, self._record, name, {
-            "action": "rollback", "version": self._served(entry), "previous": current,
+        await loop.run_in_executor(None, self.record, name, {
+            "action": "rollback", "version": entry.served(), "previous": current,
             "previous_config": current_config})
