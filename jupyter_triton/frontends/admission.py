@@ -288,14 +288,18 @@ class Admission:
         hosts = door.hosts
         if hosts is not None:
             host = _get(headers, "host")
-            if not (host.lower() in hosts if type(hosts) is frozenset else hosts(host, context)):
+            if not (hosts(host, context) if callable(hosts) else host.lower() in hosts):
                 raise PermissionDenied(f"Host '{host}' is not this server's address")
         if door.strict_content_type and method == "POST":
             ctype = _get(headers, "content-type").split(";", 1)[0].strip().lower()
             if ctype and ctype not in (JSON, OCTET):
                 raise UnsupportedMediaType(
                     f"Content-Type '{ctype}' is not accepted: send {JSON} or {OCTET}")
-        caller, wait = self._who(door, group, method, op, headers, context)
+        access = door.access or self.access
+        if group in access.anonymous and not access.restrictions:      # open: nothing to ask
+            caller, wait = None, None
+        else:
+            caller, wait = self._who(door, group, method, op, headers, context)
         cap = self.max_input_size
         if length is not None and length > cap:
             raise InvalidArgument(
