@@ -28,10 +28,10 @@ SWITCH_INTERVAL_S = 0.0005
 # millisecond covers the 500 us queue delay and a fast model's execution at one client, so
 # the loop does not sleep between a client's requests.
 BUSY_POLL_US = 1000
-# `serve` runs on uvloop where it is installed: the event loop's CPU per inference of the
-# python model is 0.91x asyncio's over HTTP and 0.81x over gRPC at c=32, 0.88x over HTTP at c=1
-# (benchmarks/loop_cpu.py). JUPYTER_TRITON_LOOP=asyncio keeps asyncio's loop (the one the
-# Jupyter server and the kernel's fallback server run on).
+# `serve` runs on uvloop where it is installed: it spends less of the event loop's CPU per
+# inference than asyncio's, over HTTP and gRPC (benchmarks/loop_cpu.py; see
+# benchmarks/results/notes-frontends.md). JUPYTER_TRITON_LOOP=asyncio keeps asyncio's loop (the
+# one the Jupyter server and the kernel's fallback server run on).
 LOOP_ENV = "JUPYTER_TRITON_LOOP"
 _DEFAULTS = EngineOptions(model_repository=".")     # the engine's defaults are the flags' defaults
 
@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.log_verbose:
-        # Like tritonserver: no line per request unless asked (it costs the event loop ~5%).
+        # Like tritonserver: no line per request unless asked (each line costs the event loop;
+        # see benchmarks/results/notes-frontends.md).
         logging.getLogger("tornado.access").setLevel(logging.WARNING)
     if args.command == "serve":
         from .engine.observation.server_log import SERVER_LOG       # the logging extension's settings

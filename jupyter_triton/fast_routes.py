@@ -1,6 +1,6 @@
 """The v2 routes' API calls on the Jupyter server's own port, served by the fast HTTP front
-(``frontends.shared_port``): tornado's HTTP/1.1 and Jupyter's handler machinery cost several
-hundred microseconds a request, most of a small inference.
+(``frontends.shared_port``): tornado's HTTP/1.1 and Jupyter's handler machinery cost most of a
+small inference's CPU (see benchmarks/results/notes-frontends.md).
 
 Only what needs nothing of Jupyter but its answers is taken: a GET, HEAD or POST of a v2/v1
 route under ``base_url``, with a header credential (``Authorization: token|Bearer <t>``) that

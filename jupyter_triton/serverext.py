@@ -195,10 +195,11 @@ class TritonJupyterHandler(JupyterHandler):
     def _log(self) -> None:
         # Jupyter's access log writes successes at DEBUG, which its default logging config
         # drops at the handler after the record and the message are built: on the data path
-        # that is ~10% of a small request's CPU. When no handler would show that line, keep
+        # that is a real part of a small request's CPU (see benchmarks/results/notes-frontends.md).
+        # When no handler would show that line, keep
         # only what it records (Jupyter's request-duration metric); otherwise, Jupyter's own.
         # A server with a log function of its own (JupyterHub's single-user server writes every
-        # request at INFO: 31,245 lines after a few load tests) gets our successes at DEBUG;
+        # request at INFO, a line per request of every load test) gets our successes at DEBUG;
         # its function still sees every error.
         log_function = self.settings.get("log_function")
         status = self.get_status()
@@ -339,7 +340,8 @@ class JupyterTriton(ExtensionApp):
                                                  "reaches").tag(config=True)
     summary_latencies = Bool(False, help="also export Triton's latency summaries").tag(config=True)
     # On by default here (tritonserver: off): the dashboard's percentiles come from them, and
-    # they cost ~3.4 us of CPU per request (benchmarks/histogram_cost.py: ~2 % of an inference)
+    # they cost a small part of an inference's CPU (benchmarks/histogram_cost.py; see
+    # benchmarks/results/notes-frontends.md)
     histogram_latencies = Bool(True, help="export latency histograms (tritonserver's "
                                "--metrics-config histogram_latencies=true; the dashboard's "
                                "p50/p99)").tag(config=True)

@@ -1,6 +1,7 @@
 """The standalone server's HTTP/1.1 front: httptools (the C parser uvicorn uses) on asyncio
-Protocols, serving ``frontends.dataplane``. Tornado's pure-Python HTTP/1.1 costs a few hundred
-microseconds of event-loop CPU a request; this costs a fraction of that.
+Protocols, serving ``frontends.dataplane``. Tornado's pure-Python HTTP/1.1 costs most of a
+small request's event-loop CPU; this costs a fraction of that (see
+benchmarks/results/notes-frontends.md).
 
 What it keeps from tornado's server, as the tornado skin does: keep-alive (HTTP/1.0 only when
 asked), pipelined requests answered in order, a body cap, a body

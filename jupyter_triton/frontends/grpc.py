@@ -1,7 +1,8 @@
 """Triton's GRPCInferenceService: a codec over the v2 operations it shares with HTTP
 (frontends/operations.py: decode, one operation, encode), served by our own HTTP/2 front
 (frontends/grpc_h2.py; grpc.aio's server is not used: it had none of that front's
-protections against hostile peers, and cost three times its CPU per RPC).
+protections against hostile peers, and cost more CPU per RPC; see
+benchmarks/results/notes-frontends.md).
 
 Every RPC is a thin skin: decode, one engine call, encode; the server's admission decided on
 the call's HEADERS (``admit_on_headers``: the port's door) before it came. Errors are rendered

@@ -10,9 +10,9 @@ frontends/grpc.py (``method_handlers``) on the engine's loop. Three layers, one 
 
 Why not grpc.aio's server: its per-RPC machinery (four completion-queue round trips through a
 poller thread and a socket, five tasks, an ``asyncio.wait`` over every pending accept) cost
-more event-loop time than the whole fast HTTP path (~300 us of server CPU per RPC against
-~110 us here, perf_analyzer at c=32). Nor the ``h2`` package: its state machine is sound but
-costs more per call than this whole front (benchmarks/h2_cost.py).
+more event-loop time than the whole fast HTTP path. Nor the ``h2`` package: its state machine
+is sound but costs more per call than this whole front (benchmarks/h2_cost.py). The figures:
+benchmarks/results/notes-frontends.md.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ __all__ = ["Admit", "Charged", "H2GrpcServer", "WINDOW_REFILL", "serve_h2"]
 # Bytes one connection's reads may bring in per loop iteration before it is paused until the
 # next: asyncio's transports read 256 KiB an iteration, uvloop's (libuv) read again until the
 # socket is drained (32 reads of 256,000 bytes in one iteration). Unpaced on uvloop, one
-# connection's 1 MiB calls were taken in faster than they ran, ~40 MiB of them admitted at
-# once. Reads smaller than a quarter of it (every read of small calls) cost two comparisons.
+# connection's 1 MiB calls were taken in faster than they ran, dozens of them admitted at
+# once (see benchmarks/results/notes-frontends.md). Reads smaller than a quarter of it (every read of small calls) cost two comparisons.
 READ_BURST = 256 * 1024
 # A connection that held this many bytes when it went: the heap is trimmed after it.
 TRIM_AFTER = 8 << 20

@@ -2,8 +2,8 @@
 (``receive_data``), events out (calls on an ``H2Events``), frames out (``data_to_send``).
 No sockets, no asyncio, no gRPC: the gRPC call layer (frontends/grpc_calls.py) sits on it and
 the asyncio protocol (frontends/grpc_h2.py) moves its bytes. Modelled on python-hyper's
-``H2Connection``; ours because that one cost four times this whole front per call
-(benchmarks/h2_cost.py).
+``H2Connection``; ours because that one cost more per call than this whole front
+(benchmarks/h2_cost.py; see benchmarks/results/notes-frontends.md).
 
 What it owns, every limit a field of ``HTTP2Limits``:
 - the preface and SETTINGS (ours sent first; the peer's initial window, frame size, push);
@@ -548,8 +548,8 @@ class H2Connection:
 
     def _head(self, block: bytes) -> Any:
         """The decoded header block. A client repeats the same block for every call of a
-        method (all fields indexed), and pure-Python HPACK was a third of the gRPC front's CPU
-        per call: a block that left the HPACK table as it found it decodes to the same
+        method (all fields indexed), and pure-Python HPACK was a large part of the gRPC front's
+        CPU per call (see benchmarks/results/notes-frontends.md): a block that left the HPACK table as it found it decodes to the same
         headers whenever the table is in that state again, so it is decoded once. The
         table's state is its newest entry (held, so compared by identity), its length and
         its size limit: entries only enter at the front, so equal states are equal tables."""
