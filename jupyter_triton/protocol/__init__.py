@@ -1,4 +1,11 @@
-"""KServe v2 / Triton protocol: types, datatypes, codecs and errors. Knows no HTTP server."""
+"""KServe v2 / Triton protocol: types, datatypes, codecs and errors. Knows no HTTP server.
+
+Layer note: the bottom layer. It owns the v2 request/response types, the JSON and binary
+tensor codecs (HTTP's and gRPC's), the datatype table and the Triton-shaped errors every other
+layer raises. It imports nothing else of the package (numpy, orjson and Triton's protobuf
+stubs only) and must not know a transport, the engine or a backend. Measured costs behind
+its codecs' choices: benchmarks/results/notes-protocol.md.
+"""
 from .errors import (Cancelled, Internal, InvalidArgument, NotFound, TritonError,
                      Unavailable, Unsupported)
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput

@@ -56,7 +56,7 @@ def _from_plan(plan: tuple, view: memoryview, model_name: str, model_version: st
     inputs = []
     for name, dt, shape, tparams, span, plain in specs:
         if plain is not None:       # a view at its offset: its size was checked with the plan's
-            arr = np.ndarray(shape, plain, view, span[0])     # (frombuffer + reshape: 1.5x)
+            arr = np.ndarray(shape, plain, view, span[0])     # (cheaper than frombuffer+reshape)
         else:
             arr = None if span is None else \
                 tensor_from_wire(view[span[0]:span[1]], dt, shape, name, model_name)

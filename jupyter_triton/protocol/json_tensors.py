@@ -75,10 +75,11 @@ def _ends_an_integer(text: bytes, start: int, digits: int) -> bool:
 def parse_json(raw: bytes) -> Any:
     if not raw:
         raise InvalidArgument("failed to parse the request JSON buffer: the document is empty")
-    # orjson parses 5-6x faster; it is stricter than json (NaN, Infinity, lone surrogates,
-    # depth past 1024), so what it refuses goes to json: the same documents are accepted as
-    # before and a refusal carries json's message, as before. One thing it reads otherwise:
-    # an integer past 64 bits becomes a float, so a document that may hold one is json's too.
+    # orjson parses faster (benchmarks/results/notes-protocol.md); it is stricter than json (NaN,
+    # Infinity, lone surrogates, depth past 1024), so what it refuses goes to json: the same
+    # documents are accepted as before and a refusal carries json's message, as before. One thing
+    # it reads otherwise: an integer past 64 bits becomes a float, so a document that may hold one
+    # is json's too.
     if not may_hold_big_integer(raw):
         try:
             return orjson.loads(raw)
@@ -154,7 +155,7 @@ def json_data_to_array(data: Any, dt: str, shape: tuple[int, ...], name: str) ->
         raise InvalidArgument(
             f"unable to parse 'data' of input '{name}': expected an array, got {json_type(data)}")
     count = element_count(shape)
-    types = set(map(type, data))        # every element's type at C speed (3x a generator)
+    types = set(map(type, data))        # every element's type at C speed, not a generator's
     values = _flatten(data, count, types)
     if len(values) != count:
         got = len(values) if values is data or len(values) < count else f"more than {count}"
@@ -308,7 +309,8 @@ def json_numbers(tensor: InferTensor) -> list[bytes] | None:
     at most _SLICED_ELEMENTS // 16 (orjson holds the GIL per call); None when a float is not
     finite (json's NaN/Infinity spelling is kept for those, through json_data).
 
-    orjson writes numpy arrays natively, 20-30x faster than tolist() + json.dumps; floats go
+    orjson writes numpy arrays natively, far faster than tolist() + json.dumps (see
+    benchmarks/results/notes-protocol.md); floats go
     as float64, so each value is written as the double the client reads (what json.dumps of
     tolist() wrote, and Triton's writer), not float32's shorter text."""
     arr = np.asarray(tensor.data)
@@ -320,7 +322,9 @@ def json_numbers(tensor: InferTensor) -> list[bytes] | None:
         if not np.isfinite(flat).all():
             return None
         flat = flat.astype(np.float64)
-        # Searching the text costs ~1 ns a byte, the test on the values a few ns an element.
+        # The text is searched and respelled only where a value lies in orjson's other spelling:
+        # the test on the values costs less than a search of their text (see
+        # benchmarks/results/notes-protocol.md).
         magnitude = np.abs(flat)
         respell = bool(((magnitude >= _RESPELLED[0]) & (magnitude < _RESPELLED[1])).any())
     step = _SLICED_ELEMENTS // 16
@@ -378,7 +382,8 @@ def plain_values(params: dict) -> bool:
 
 def encode_header(doc: dict, plain: bool) -> bytes:
     """The response's JSON header, byte for byte what ``_HEADER_ENCODER`` writes; orjson
-    writes it (10x faster) when ``plain`` says every value is one it spells the same."""
+    writes it (faster: benchmarks/results/notes-protocol.md) when ``plain`` says every value is one
+    it spells the same."""
     if plain:
         try:
             header = orjson.dumps(doc)
