@@ -1,5 +1,13 @@
 """Runtimes, one module each, found by the config's ``backend``/``platform`` spelled as Triton
-spells them, or by the artifact's file name when a config names neither."""
+spells them, or by the artifact's file name when a config names neither.
+
+Layer note: this layer owns running one model's files: load, execute (a dict of arrays in, a
+dict of arrays out), unload, and the runtime's own threads or worker processes. It may import
+``protocol`` (datatypes, errors) and ``config`` (the ModelConfig it is given); it must not
+import the engine, a frontend or the repository: scheduling, batching and HTTP are above it,
+and it is handed its files. Measured costs behind its defaults:
+benchmarks/results/notes-backends.md.
+"""
 from __future__ import annotations
 
 import importlib

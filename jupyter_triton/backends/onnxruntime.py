@@ -9,9 +9,8 @@ config entry, our addition); ``optimization.graph.level``; and
 Default (ours, not ORT's): ``session.intra_op.allow_spinning`` and
 ``session.inter_op.allow_spinning`` are "0": ORT's pool threads sleep between operators
 instead of spinning for a while, which on a machine shared with the front end (HTTP, gRPC,
-Jupyter) burns the cores it needs. Measured on 2 busy cores, a 256x256 MatMul, 500 us batch
-delay, A/B rounds: server CPU per inference 680-1,370 us instead of 820-2,470 at c=1 (same
-latency), 206-281 us instead of 450-631 at c=16, with more throughput. Set either to "1"
+Jupyter) burns the cores it needs: less server CPU per inference, for the same latency and more
+throughput (see benchmarks/results/notes-backends.md). Set either to "1"
 in ``parameters`` for ORT's spinning (a dedicated machine, many tiny operators).
 """
 from __future__ import annotations

@@ -16,13 +16,11 @@ DISABLE_OPTIMIZED_EXECUTION; and ours, OMP_WAIT_POLICY (PASSIVE by default, or A
 
 torch's intra-op threads are OpenMP's, which by default spin ~300,000 rounds after each
 parallel region before they sleep: on cores shared with the front end that spinning is
-most of the server's CPU. Measured on 2 cores, a 256x256 TorchScript Linear at c=1:
-server CPU per inference 4,800-5,300 us and compute_infer 3.6-4.9 ms with the default,
-775-1,000 us and 0.24-0.72 ms with PASSIVE. OpenMP reads its wait policy once, when torch
-is first imported; so the first model to import torch here decides it (the parameter,
-else ``$OMP_WAIT_POLICY``, else PASSIVE), and the environment is left as it was (kernels
-the server starts later keep their own default). Where torch was imported before, it is
-what it was, and a model asking otherwise logs a warning.
+most of the server's CPU, and slows the model itself (see benchmarks/results/notes-backends.md).
+OpenMP reads its wait policy once, when torch is first imported; so the first model to import
+torch here decides it (the parameter, else ``$OMP_WAIT_POLICY``, else PASSIVE), and the
+environment is left as it was (kernels the server starts later keep their own default).
+Where torch was imported before, it is what it was, and a model asking otherwise logs a warning.
 """
 from __future__ import annotations
 
