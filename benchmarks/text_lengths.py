@@ -8,7 +8,7 @@ length (no client-side padding), lengths drawn from a log-normal with median 40 
 (sigma 0.8), clipped to 4-512; 16 closed-loop clients (each sends its next request as the last
 answers), binary tensors over HTTP, the same request sequence for every server.
 
-Servers, one at a time, each started fresh:
+Servers, one at a time, each started fresh, in alternating rounds (medians reported):
 
 * ours, padding: the ONNX model with ``ragged_batching: "pad"``, ``length_buckets`` and
   ``max_batch_tokens`` (config/padding.py): requests of different lengths batch, each batch padded
@@ -21,7 +21,9 @@ Servers, one at a time, each started fresh:
 
 Per server: throughput, p50/p99 (client view), mean batch (inferences / executions, server
 statistics), padding waste (padded tokens / real tokens from our statistics; the python rows pad
-inside model.py, where no server counts it), server CPU per inference (the process tree).
+inside model.py, where no server counts it), model compute per execution and per inference,
+server CPU per inference (the process tree); then the encoder alone in onnxruntime at a few
+(batch, length), what batching can save in the model itself on the machine.
 
     .venv/bin/python benchmarks/text_lengths.py --seconds 20     # alone: results/text_lengths.md
     .venv/bin/python benchmarks/run.py                           # as a row of ./dev bench
@@ -56,6 +58,7 @@ MAX_BATCH = 16
 #: the batching settings every row shares (delay) and the padding row's own; main() sets them
 SETTINGS = {"delay_us": 2000, "buckets": "24,48,96,192", "budget": 2048, "threads": 0}
 POOL = 2048                       # distinct requests, cycled by every client from its own offset
+
 
 def description() -> str:
     return (f"transformer encoder ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, random weights, "
