@@ -48,3 +48,13 @@ def wait_for_inferences(client: httpclient.InferenceServerClient, model: str, co
         if stats["inference_count"] >= count or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def wait_until(condition, what: str, seconds: float = 30):
+    """Until ``condition()`` returns something true (returned): for what a server shows that
+    no helper above reads, such as an in-process engine's statistics."""
+    deadline = time.monotonic() + seconds
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g} s"
+        time.sleep(0.02)
+    return found

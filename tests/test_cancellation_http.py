@@ -12,6 +12,7 @@ import pytest
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
 from python_models import executions, sleepy_model
+from server_waits import served_model, wait_for_queued
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def stats(server) -> dict:
 def test_a_client_that_hangs_up_is_dropped_from_the_queue(server):
     gone = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
     gone.request("POST", "/v2/models/slow/infer", body=body(1))
-    time.sleep(0.3)                                   # queued: the batcher waits 1.5 s for 8 rows
+    wait_for_queued(served_model(server.engine, "slow"), 1)    # the batcher waits 1.5 s for 8 rows
     gone.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and stats(server)["inference_stats"]["fail"]["count"] == 0:

@@ -133,6 +133,7 @@ def test_exit_timeout_secs_bounds_the_stop_of_a_hung_model(tmp_path: Path):
     (model_dir / "1" / "model.py").write_text(HUNG_MODEL_PY)
     proc, url = serve(repo, "--load-model", "hung", "--exit-timeout-secs", "1")
     answered: list[str] = []
+    answered_at: list[float] = []
 
     def infer() -> None:
         mine = httpclient.InferenceServerClient(url, network_timeout=60)
@@ -142,6 +143,7 @@ def test_exit_timeout_secs_bounds_the_stop_of_a_hung_model(tmp_path: Path):
         except InferenceServerException as err:
             answered.append(err.message())
         finally:
+            answered_at.append(time.monotonic())
             mine.close()
 
     t = threading.Thread(target=infer)
@@ -152,8 +154,10 @@ def test_exit_timeout_secs_bounds_the_stop_of_a_hung_model(tmp_path: Path):
     assert (model_dir / "started").exists()
     start = time.monotonic()
     out = stop(proc)
-    took = time.monotonic() - start
     t.join(timeout=30)
-    assert proc.returncode == 0, out
-    assert took < 4.0, (took, out)                    # the 1 s bound, not the 5 s default
+    assert proc.returncode == 0, out              # stopped, not killed after stop()'s 30 s
     assert len(answered) == 1 and "was unloaded before the request finished" in answered[0]
+    # the server's own figure: requests in flight get 0.6 of the bound, here of the 1 s asked,
+    # not of the 5 s default (a client's clock would also count a busy machine's stalls)
+    assert "ran past 0.6 s" in answered[0], answered[0]
+    assert answered_at[0] - start >= 0.6                # and not before

@@ -63,7 +63,7 @@ def run(coro):
 
 def test_a_lone_request_waits_the_whole_delay_then_runs_on_the_instance_thread():
     async def main():
-        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 }")
+        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 1000000 }")
         p = pending(7)
         await b.submit(p)
         assert b._deferred is not None          # held by the thread, not by the loop's alarm
@@ -77,17 +77,19 @@ def test_a_lone_request_waits_the_whole_delay_then_runs_on_the_instance_thread()
     assert ids == [7] and thread == "triton-m_0_0"
     waited = start_ns - p.enqueue_ns
     # the delay, then the thread's wake-up: not a second delay (a busy machine's wake-up may
-    # take tens of ms; the timers' precision is test_batching_http's median test)
-    assert 300_000_000 <= waited < 2 * 300_000_000
-    assert stats.queue.count == 1 and 300_000_000 <= stats.queue.ns <= waited
+    # take hundreds of ms; the timers' precision is test_batching_http's median test)
+    assert 1_000_000_000 <= waited < 2 * 1_000_000_000
+    assert stats.queue.count == 1 and 1_000_000_000 <= stats.queue.ns <= waited
 
 
 def test_requests_that_arrive_while_a_batch_is_held_join_it_and_keep_the_first_deadline():
     async def main():
-        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 600000 }")
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 1500000 }")
         ps = [pending(0)]
         await b.submit(ps[0])
-        await asyncio.sleep(0.3)        # half the delay: the thread's wake-up has the rest
+        # a third of the delay: the newest one's own deadline would be 0.5 s past the first's,
+        # and a late wake-up of the loop still finds the batch held
+        await asyncio.sleep(0.5)
         for i in (1, 2):
             ps.append(pending(i))
             await b.submit(ps[-1])
@@ -98,58 +100,57 @@ def test_requests_that_arrive_while_a_batch_is_held_join_it_and_keep_the_first_d
     ps, results, log = run(main())
     [(ids, start_ns, _)] = log
     assert ids == [0, 1, 2]
-    assert start_ns - ps[0].enqueue_ns >= 600_000_000     # the oldest request's delay, in full
-    assert start_ns - ps[2].enqueue_ns < 600_000_000      # not the newest one's
+    assert start_ns - ps[0].enqueue_ns >= 1_500_000_000   # the oldest request's delay, in full
+    assert start_ns - ps[2].enqueue_ns < 1_500_000_000    # not the newest one's
     assert [int(r["OUT"].flat[0]) for r in results] == [0, 2, 4]
 
 
 def test_a_held_batch_that_reaches_the_preferred_size_leaves_at_once():
     async def main():
+        # a delay past run()'s 20 s bound: a batch that waited for it is never answered
         b, log, _ = batcher("max_batch_size: 8 dynamic_batching { preferred_batch_size: [3] "
-                            "max_queue_delay_microseconds: 5000000 }")
+                            "max_queue_delay_microseconds: 60000000 }")
         ps = []
-        start = time.monotonic()
         for i in range(3):
             ps.append(pending(i))
             await b.submit(ps[-1])
             await asyncio.sleep(0.002)
         await asyncio.gather(*(p.future for p in ps))
-        elapsed = time.monotonic() - start
         await b.close()
-        return elapsed, log
+        return log
 
-    elapsed, log = run(main())
+    log = run(main())
     assert [ids for ids, _, _ in log] == [[0, 1, 2]]
-    assert elapsed < 2.0                                  # not the 5 s delay
 
 
 def test_a_request_that_does_not_fit_sends_the_held_batch_at_once_and_waits_itself():
     async def main():
-        b, log, _ = batcher("max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 400000 }")
+        b, log, _ = batcher("max_batch_size: 4 dynamic_batching { max_queue_delay_microseconds: 2000000 }")
         first, second = pending(0, rows=2), pending(1, rows=3)
-        start = time.monotonic()
         await b.submit(first)
         await b.submit(second)
         await first.future
-        first_done = time.monotonic() - start
         await second.future
+        first_start = log[0][1] - first.enqueue_ns
         second_start = log[1][1] - second.enqueue_ns
         await b.close()
-        return first_done, second_start, log
+        return first_start, second_start, log
 
-    first_done, second_start, log = run(main())
+    first_start, second_start, log = run(main())
     assert [ids for ids, _, _ in log] == [[0], [1]]
-    assert first_done < 0.3                               # it left when [1] could not join
-    assert second_start >= 400_000_000                    # [1] waited its own full delay
+    assert first_start < 1_000_000_000                    # it left when [1] could not join, not at its 2 s
+    assert second_start >= 2_000_000_000                  # [1] waited its own full delay
 
 
 def test_a_request_that_leaves_while_held_is_not_run():
     async def main():
-        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 100000 }")
+        # the delay long beside a busy machine's stall: the batch is still held when it leaves
+        b, log, stats = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 1000000 }")
         kept, gone = pending(0), pending(1)
         await b.submit(kept)
         await b.submit(gone)
         await asyncio.sleep(0.01)
+        assert not log
         gone.future.cancel()                              # the client went away
         result = await kept.future
         await b.close()
@@ -163,7 +164,7 @@ def test_a_request_that_leaves_while_held_is_not_run():
 
 def test_a_queue_timeout_takes_the_held_batch_back_to_the_loop():
     async def main():
-        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 "
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 2000000 "
                             "default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 5000000 "
                             "allow_timeout_override: true } }")
         patient, hurried = pending(0), pending(1, timeout_us=20000)
@@ -179,26 +180,24 @@ def test_a_queue_timeout_takes_the_held_batch_back_to_the_loop():
 
     err, timed_out, ran_after, log = run(main())
     assert isinstance(err, Unavailable) and "timeout" in str(err)
-    assert 0.02 <= timed_out < 0.25                       # on its own time, not the batch's
+    assert 0.02 <= timed_out < 1.0                        # on its own time, not the batch's 2 s
     assert [ids for ids, _, _ in log] == [[0]]
-    assert ran_after >= 300_000_000
+    assert ran_after >= 2_000_000_000
 
 
 def test_unloading_takes_a_held_batch_back_fails_its_requests_and_frees_the_instance():
     async def main():
-        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 5000000 }")
+        # a delay past run()'s 20 s bound: a close that waited for the held batch never returns
+        b, log, _ = batcher("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 60000000 }")
         ps = [pending(0), pending(1)]
         for p in ps:
             await b.submit(p)
-        start = time.monotonic()
         await b.close()
-        closing = time.monotonic() - start
         outcomes = await asyncio.gather(*(p.future for p in ps), return_exceptions=True)
         await asyncio.sleep(0.05)                         # a thread that ran it would log by now
-        return closing, outcomes, log, b.pool.idle_count()
+        return outcomes, log, b.pool.idle_count()
 
-    closing, outcomes, log, idle = run(main())
-    assert closing < 1.0
+    outcomes, log, idle = run(main())
     assert all(isinstance(o, Unavailable) for o in outcomes)
     assert log == [] and idle == 1
 
@@ -276,11 +275,10 @@ def test_a_held_batch_leaves_the_queue_and_the_pending_count_as_it_starts_not_as
         for p in ps:
             stats.pending += 1                # as the engine counts a request it accepts
             await b.submit(p)
-        for _ in range(200):
-            if log:
+        for _ in range(1000):                 # until the loop has heard the thread started it
+            if all(p.started for p in ps):
                 break
             await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)             # the thread runs; the loop has heard it started
         during = (stats.queue.count, stats.pending, all(p.started for p in ps), ps[0].future.done())
         await asyncio.gather(*(p.future for p in ps))
         await b.close()

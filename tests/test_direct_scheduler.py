@@ -26,7 +26,7 @@ BOUND_2 = 'parameters { key: "default_max_queue_size" value: { string_value: "2"
 def repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("direct") / "models"
     sleepy_model(root, "direct_bounded", sleep_s=0.8, max_batch_size=1, extra=BOUND_2)
-    sleepy_model(root, "direct_hung", sleep_s=3.0, max_batch_size=1)
+    sleepy_model(root, "direct_hung", sleep_s=8.0, max_batch_size=1)
     sleepy_model(root, "direct_one", sleep_s=1.0, max_batch_size=1,
                  extra='parameters { key: "default_max_queue_size" value: { string_value: "1" } }')
     sleepy_model(root, "direct_negative", max_batch_size=1,
@@ -52,16 +52,18 @@ def client(server):
 
 
 def test_a_full_direct_queue_answers_503_at_once(server, client, repo):
-    # one runs (0.8 s), two wait (the bound is 2), the fourth finds the queue full
-    calls = [Call(1), Call(2, at=0.2), Call(3, at=0.3), Call(4, at=0.45)]
+    # one runs (2.8 s: long beside a busy machine's stalls), two wait (the bound is 2), the
+    # fourth finds the queue full
+    calls = [Call(1, extra_sleep_s=2.0), Call(2, at=0.2), Call(3, at=0.3), Call(4, at=0.45)]
     first, second, third, refused = run_calls(server, "direct_bounded", calls)
     assert refused.error is not None and refused.error.status() == "503"
     assert "Exceeds maximum queue size" in refused.error.message()
     assert "default_max_queue_size 2" in refused.error.message()
-    assert refused.elapsed < 0.3
     assert all(o.error is None for o in (first, second, third))
     assert ids_in_execution_order(repo / "direct_bounded") == [1, 2, 3]   # arrival order
-    assert model_stats(client, "direct_bounded")["inference_stats"]["fail"]["count"] == 1
+    failed = model_stats(client, "direct_bounded")["inference_stats"]["fail"]
+    # at once: the server did not hold it until the running one left (2.3 s after it came)
+    assert failed["count"] == 1 and failed["ns"] < 1e9, failed
     # the queue drained: the bound counts waiting requests, not past ones
     assert client.infer("direct_bounded", request(5)).as_numpy("OUTPUT0")[0, 0] == 5
 
@@ -74,7 +76,7 @@ def test_a_negative_bound_fails_the_load(client):
 
 
 def test_a_request_queued_behind_a_hung_execute_is_answered_by_unload(server, client):
-    # the first holds the only instance for 3 s; the second waits for it. Unload gives
+    # the first holds the only instance for 8 s; the second waits for it. Unload gives
     # requests 0.3 s: both must be answered then, the waiting one too.
     calls = [Call(1), Call(2, at=0.2)]
     unloaded: list[float] = []
@@ -102,8 +104,8 @@ def test_a_request_queued_behind_a_hung_execute_is_answered_by_unload(server, cl
     assert "unloaded" in waiting.error.message()
     assert len(unloaded) == 2, "the unload did not return"
     asked, returned = unloaded
-    # both answered once unload gave up (0.3 s): not at the end of the 3 s execute, not never
-    assert answered - asked < 1.5, answered - asked
+    # both answered once unload gave up (0.3 s): not at the end of the 8 s execute, not never
+    assert answered - asked < 5, answered - asked
     assert returned - asked < 10              # bounded, whatever the stuck thread does
 
 

@@ -458,9 +458,11 @@ def test_idle_connection_is_closed(server):
         with H2(server.grpc_port) as c:
             c.request(1, "ServerLive", extra=creds(server))
             started = time.monotonic()
-            assert_refused(c, (NO_ERROR,), timeout=6.0)
-            assert c.read_until_closed(3.0)
-            assert 1.0 < time.monotonic() - started < 6.0
+            # the waits only catch never (or tritonserver's 120 s): a busy machine's stalls
+            # lengthen what the client sees, never shorten it
+            assert_refused(c, (NO_ERROR,), timeout=15.0)
+            assert c.read_until_closed(5.0)
+            assert time.monotonic() - started > 1.0           # not before the idle time
 
     attack_once(server, attack)
 
@@ -470,7 +472,7 @@ def test_silent_connection_is_closed(server):
     def attack():
         with H2(server.grpc_port, handshake=False) as c:
             c.send(PREFACE[:10])
-            assert c.read_until_closed(6.0), "a silent connection was kept"
+            assert c.read_until_closed(15.0), "a silent connection was kept"
 
     attack_once(server, attack)
 
@@ -517,7 +519,7 @@ def test_trickled_large_messages_give_their_charge_back(budget_server):
                 c.headers(1, "ModelInfer", extra=creds(server))
                 c.send_data(1, b"\x00" + struct.pack(">L", announced) + bytes(1 << 20), stall=0.5)
             started = time.monotonic()
-            while time.monotonic() - started < 6.0 and \
+            while time.monotonic() - started < 15.0 and \
                     not all(1 in c.statuses() for c in conns):
                 for c in conns:
                     if not c.closed and 1 not in c.statuses():
@@ -535,7 +537,7 @@ def test_trickled_large_messages_give_their_charge_back(budget_server):
     attack_once(server, attack)
     assert outcome["statuses"] == ["4"] * 4, outcome     # DEADLINE_EXCEEDED, each of them
     assert outcome["reset"], "a trickling stream was answered but not reset"
-    assert 1.5 < outcome["after_s"] < 5.0, outcome
+    assert outcome["after_s"] > 1.5, outcome             # not before message_timeout
     assert outcome["served"], outcome
 
 
@@ -565,15 +567,15 @@ def test_keepalive_age_and_connection_cap():
         # keep-alive: an open stream, and no PING ACK ever
         with H2(srv.grpc_port) as c:
             c.headers(1, "ModelStreamInfer")
-            ping = c.read_until(lambda f: f.type == PING and not f.flags & ACK, 4.0)
+            ping = c.read_until(lambda f: f.type == PING and not f.flags & ACK, 8.0)
             assert ping is not None, "no keep-alive PING"
-            assert c.read_until_closed(4.0), "not closed without a PING ACK"
+            assert c.read_until_closed(8.0), "not closed without a PING ACK"
         # age: GOAWAY(NO_ERROR) after 1.5 s (answering pings), closed within the grace; the
         # age counts from the accept, so the clock starts before the connect
         started, goaway = time.monotonic(), None
         with H2(srv.grpc_port) as c:
             c.headers(1, "ModelStreamInfer")
-            while goaway is None and time.monotonic() - started < 5.0:
+            while goaway is None and time.monotonic() - started < 10.0:
                 c.read_for(0.1)
                 for f in c.frames:
                     if f.type == PING and not f.flags & ACK:
@@ -581,8 +583,8 @@ def test_keepalive_age_and_connection_cap():
                 c.frames = [f for f in c.frames if f.type != PING]
                 goaway = next((f for f in c.frames if f.type == GOAWAY), None)
             assert goaway is not None and goaway.error_code == NO_ERROR
-            assert 1.0 < time.monotonic() - started < 4.0
-            assert c.read_until_closed(4.0)
+            assert time.monotonic() - started > 1.0           # not before its age
+            assert c.read_until_closed(8.0)
         # the connection cap: 6 held open, the next closed at once
         held = [H2(srv.grpc_port) for _ in range(6)]
         try:

@@ -246,7 +246,9 @@ def test_many_copies_of_one_header_are_refused_quickly(target):
 
     def check(got: Outcome) -> None:
         assert_refused(t, got, 431, "header lines")
-        assert got.seconds < 1.5, f"answered after {got.seconds:.1f} s"
+        # refused at the limit, not after parsing 400,000 lines (a head parsed again per line
+        # never answers); generous beside a busy machine's stalls
+        assert got.seconds < 5.0, f"answered after {got.seconds:.1f} s"
 
     run_twice(t, lambda: attack(t.port, [request]), check)
 
@@ -290,7 +292,8 @@ def test_a_slow_head_is_closed_by_the_header_deadline(target):
 
     def check(got: Outcome) -> None:
         assert got.closed, got
-        assert got.seconds < LIMITS["header_timeout"] + 1.5, f"closed after {got.seconds:.1f} s"
+        # on the head's deadline, long before the 8 s its lines would take
+        assert got.seconds < LIMITS["header_timeout"] + 5.0, f"closed after {got.seconds:.1f} s"
         assert got.status == 408 and "head" in got.error(), got
 
     run_twice(t, lambda: attack(t.port, slowloris(), pace=0.2), check)
@@ -300,7 +303,7 @@ def test_idle_connections_are_closed(target):
     """A kept-alive connection after its reply, and one that never sent a byte: both closed
     after the idle (header) deadline."""
     t = target
-    deadline = LIMITS["idle_timeout"] + 1.5
+    deadline = LIMITS["idle_timeout"] + 5.0     # only catches never: a busy machine is late
 
     def idle() -> tuple[Outcome, float | None]:
         silent = socket.create_connection(("127.0.0.1", t.port))
@@ -396,7 +399,7 @@ def test_pipelined_requests_whose_replies_are_never_read(target):
         before = t.server.rss()
         box: dict[str, Outcome] = {}
         thread = threading.Thread(target=lambda: box.setdefault("got", attack(
-            t.port, iter(lambda: batch, None), timeout=LIMITS["send_timeout"] + 2.0,
+            t.port, iter(lambda: batch, None), timeout=LIMITS["send_timeout"] + 5.0,
             rcvbuf=4096)))
         thread.start()
         peak = 0.0

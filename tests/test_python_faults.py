@@ -209,7 +209,7 @@ def test_unload_with_a_hung_finalize_is_bounded(tmp_path):
         client.unload_model("faulty")
         wait_until(lambda: gone(pid), 10, "the worker stuck in finalize is killed")
         wait_until(lambda: not client.is_model_ready("faulty"), 5, "the model is unloaded")
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 15            # the waits' bound: not the 3600 s hang
     finally:
         server.close()
 
@@ -265,7 +265,7 @@ def test_backend_unload_kills_a_worker_stuck_in_execute(tmp_path):
     thread = threading.Thread(target=lambda: results.append(
         backend.execute([{"X": np.array([1], np.float32)}])), daemon=True)
     thread.start()
-    time.sleep(0.5)
+    wait_until(backend._lock.locked, 10, "the batch is executing")
     start = time.monotonic()
     backend.unload()
     assert time.monotonic() - start < 8

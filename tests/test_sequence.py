@@ -637,7 +637,7 @@ def test_a_backlogged_client_that_hangs_up_is_forgotten(repo: Path, server) -> N
     gone.request("POST", "/v2/models/acc/infer", body=json.dumps({
         "parameters": {"sequence_id": 2, "sequence_start": True},
         "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [50]}]}))
-    time.sleep(0.3)                                      # backlogged behind sequence 1
+    wait_for_queued(served_model(server.engine, "acc"), 1)    # backlogged behind sequence 1
     gone.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and \

@@ -247,7 +247,8 @@ def test_closing_the_iterator_cancels_the_request(tmp_path, repeat_backend):
             async for _ in engine.infer_stream(_request("repeat", [0], mode="until_cancelled")):
                 pass
         task = asyncio.ensure_future(read())
-        await asyncio.sleep(0.1)
+        while len(Repeat.batches) < 2 and time.monotonic() < deadline:     # its execute began
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -271,17 +272,16 @@ def test_unload_ends_a_stream_the_model_never_finishes(tmp_path, repeat_backend)
     async def main(engine):
         stream = engine.infer_stream(_request("repeat", [1, 2], mode="hang"))
         got = [await stream.__anext__(), await stream.__anext__()]
-        started = time.monotonic()
         unload = asyncio.ensure_future(engine.unload_model("repeat"))
         rest = [r async for r in stream]
         await unload
-        return got, rest, time.monotonic() - started
+        return got, rest
 
-    got, rest, took = run(main, tmp_path, unload_timeout_secs=0.3)
+    got, rest = run(main, tmp_path, unload_timeout_secs=0.3)
     assert [r.outputs[0].data.tolist() for r in got] == [[1], [2]]
     assert len(rest) == 1 and rest[0].final and isinstance(rest[0].error, Unavailable)
-    assert "unloaded" in str(rest[0].error)
-    assert took < 3
+    # ended by the 0.3 s asked, as the server says (not the 30 s default: run() bounds it)
+    assert "unloaded" in str(rest[0].error) and "past 0.3 s" in str(rest[0].error), rest[0].error
 
 
 def test_decoupled_requests_are_batched_by_the_dynamic_batcher(tmp_path, repeat_backend):
@@ -306,13 +306,20 @@ def test_first_response_histogram_counts_each_decoupled_request(tmp_path, repeat
     _model(tmp_path / "models", "repeat")
 
     async def main(engine):
+        waited_ms = []                  # each request's whole stream, as its caller saw it
         for _ in range(3):
+            start = time.monotonic()
             await _collect(engine, _request("repeat", [1, 2]))
-        return engine._version("repeat").stats.first_response_histogram()
+            waited_ms.append((time.monotonic() - start) * 1000)
+        return engine._version("repeat").stats.first_response_histogram(), waited_ms
 
-    buckets, total_ms, count = run(main, tmp_path)
+    (buckets, total_ms, count), waited_ms = run(main, tmp_path)
     assert count == 3 and buckets[-1] == (float("inf"), 3)
-    assert 0 < total_ms < 3 * 100 and buckets[0] == (100.0, 3)
+    # a first response comes within its request's stream: in milliseconds, each in a bucket
+    # at least as low as its caller's wait (a busy machine only moves both up)
+    assert 0 < total_ms <= sum(waited_ms), (total_ms, waited_ms)
+    for le, n in buckets:
+        assert n >= sum(w <= le for w in waited_ms), (buckets, waited_ms)
 
 
 def test_first_response_histogram_on_the_metrics_endpoint_when_enabled(tmp_path, repeat_backend):
