@@ -18,8 +18,8 @@ way Triton's ``DynamicBatchScheduler::GetDynamicBatch`` does:
   (``clock.alarm``: a ``timer.Alarm``, tens of microseconds late, not an asyncio timer, up
   to a millisecond late): under load (the last batch held several requests), so that
   requests the loop is still reading at the deadline join the batch, as tritonserver's
-  whole wave does (its front reads requests in parallel threads; measured at c=32 with the
-  python model: mean batch 12.5 against 8.3-9.4 when the thread left on the dot); and
+  whole wave does (its front reads requests in parallel threads; larger batches than when the
+  thread left on the dot: benchmarks/results/notes-engine.md); and
   where the thread cannot hold it (queue timeouts pending, every instance busy,
   preserve_ordering, a rate limiter, a decoupled model).
 
@@ -365,7 +365,8 @@ class DynamicBatcher(Scheduler):
             rows += size
             if rows in self.preferred_batch_sizes:
                 best = len(taken)
-        # (inline, not a call of _leave: a call costs ~25 ns a batch formed, 6 % of this at c=1)
+        # (inline, not a call of _leave: at c=1 the call is a visible part of this; see
+        # benchmarks/results/notes-engine.md)
         oldest = min(p.enqueue_ns for p in taken) if len(taken) > 1 else taken[0].enqueue_ns
         waited = now_ns - oldest
         delay_exceeded = self.delay_ns != 0 and waited >= self.delay_ns

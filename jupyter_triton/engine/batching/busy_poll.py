@@ -1,14 +1,12 @@
 """Busy polling: the event loop keeps polling, instead of sleeping, for a while after each
 request arrives (``jupyter-triton serve --busy-poll-us``).
 
-On a virtual machine a core that sleeps is handed back to the hypervisor, and waking it
-(a request from a client, the worker's answer, the queue delay's timer) costs ~45 us each,
-several times a request; a core that keeps polling sees each at once. Measured on the 2-core
-dev box, one client, the python model.py row of ``benchmarks/run.py``: 939 -> 1,212
-inferences/s with the loop polling, 1,386/s with the python worker polling too
-(``backends/python/worker_main.py``), against tritonserver's 1,087/s on the same model.py
-(tritonserver polls too: ~1.2 ms of CPU an inference at one client). The price is CPU: up to a
-core while requests keep coming, none once they stop (``window`` after the last).
+On a virtual machine a core that sleeps is handed back to the hypervisor, and waking it is
+slow, several times a request (a request from a client, the worker's answer, the queue delay's
+timer); a core that keeps polling sees each at once. At one client that is
+the difference between trailing tritonserver, which polls too, and passing it (see
+benchmarks/results/notes-engine.md). The price is CPU: up to a core while requests keep
+coming, none once they stop (``window`` after the last).
 
 The loop polls by running a callback that schedules itself: each turn the loop checks its
 sockets and timers without sleeping (asyncio and uvloop alike), then runs what is ready. Only
@@ -24,19 +22,17 @@ client's request in one batch), nothing of theirs can happen before it: the loop
 once and polls from just before the deadline instead (a ``timer.Alarm``), for the batch's
 start, its answer and the next request. A request that arrives meanwhile wakes the loop as any
 socket does, and it polls again from there. Within the window the loop keeps polling through
-the delay: a rest costs a sleeping core's wake-up, measured at one client with the 500 us
-delay and the 1 ms window: 7-10 % of the throughput for 18-25 % of the CPU. Past the window,
-with a 2 ms delay (``benchmarks/ab.py --queue-delay-us 2000``, the python model.py): CPU per
-inference 0.54 (HTTP) and 0.55 (gRPC) of what polling through the window cost at one client,
-0.50 / 0.52 at eight, throughput 0.98-1.03.
+the delay: there a rest costs a sleeping core's wake-up, more throughput than the CPU it saves
+is worth; past the window it saves CPU per inference for the same throughput (see
+benchmarks/results/notes-engine.md).
 
 A python model's worker polls for its next batch after a batch of one
 (``backends/python/worker_main.py``), for the same window. Where the dynamic batcher holds every
 batch of one for a delay past the window, the next batch cannot come in it (a request that
 arrives after the batch leaves waits out the same delay), so such a worker does not poll
-(``worker_window_us``). At one client with a 2 ms delay (``benchmarks/ab.py --queue-delay-us
-2000``, 5 rounds): CPU per inference 0.31 (HTTP) and 0.34 (gRPC) of what it was, for 3 % of the
-throughput (p50 +75 us): a client on the same machine no longer finds the worker's core awake.
+(``worker_window_us``): that saves most of the CPU per inference for a little throughput (see
+benchmarks/results/notes-engine.md), since a client on the same machine no longer finds the
+worker's core awake.
 """
 from __future__ import annotations
 
@@ -48,8 +44,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .timer import Alarm
 
-# A rest ends this long before its deadline: the alarm's lateness (37 us p50, 68 us p99
-# measured at one client), so that the loop polls again by the time the batch leaves.
+# A rest ends this long before its deadline, more than the alarm's lateness at one client
+# (benchmarks/results/notes-engine.md), so that the loop polls again by the time the batch leaves.
 REST_MARGIN_NS = 100_000
 
 

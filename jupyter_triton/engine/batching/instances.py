@@ -67,8 +67,8 @@ class Instance:
 class Deferred:
     """A batch handed to an instance's thread before its queue delay has ended: the thread
     starts it itself at ``deadline_ns``, so the batch leaves from the thread's own wake-up
-    instead of the loop's alarm and a second hop from the loop to the thread (measured at
-    c=1: ~60 us p50, ~140 us mean saved). Until the thread claims it the loop may replace
+    instead of the loop's alarm and a second hop from the loop to the thread (the latency it
+    saves: benchmarks/results/notes-engine.md). Until the thread claims it the loop may replace
     the batch (a request arrived that joins it, or left it), move the deadline (``0``: at
     once) or take the batch back; after, the batch is the thread's and runs as claimed.
     ``start_ns`` is when it was claimed: the requests' queue time ends there. ``done`` ends
@@ -89,7 +89,8 @@ class Deferred:
         self.live: list[int] | None = None      # once its start is recorded: indices still wanted
         self.check: asyncio.TimerHandle | None = None   # the loop's look for a long run (defer)
         self._state = self.OPEN
-        # Two plain locks, not a Condition (which costs ~10 us to build, once a batch): _lock
+        # Two plain locks, not a Condition (dearer to build, once a batch; see
+        # benchmarks/results/notes-engine.md): _lock
         # guards the fields; _wake is held while nobody has news for the thread, which waits
         # on it until its deadline and is woken early by a release.
         self._lock = threading.Lock()
@@ -388,8 +389,8 @@ class InstancePool:
         where a rate limiter must admit it first, nor for a decoupled model, nor where the
         loop sends the batch itself (``start_on_loop``): there the loop's alarm (a timerfd)
         sends it with no hop to hand over, while a held batch costs its thread two wake-ups
-        (the hand-over, taken while the loop holds the GIL, and the deadline): at c=1 that
-        was 10 % of the python model's throughput and 18 % of its CPU."""
+        (the hand-over, taken while the loop holds the GIL, and the deadline), which at c=1 cost
+        throughput and CPU (benchmarks/results/notes-engine.md)."""
         return (not self.decoupled and not self._on_loop and bool(self._idle)
                 and (self.rate_limiter is None or not any(i.resources for i in self.instances)))
 

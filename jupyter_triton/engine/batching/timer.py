@@ -1,15 +1,14 @@
 """A sub-millisecond alarm on the event loop (the dynamic batcher's queue delay).
 
 asyncio's timers sleep in ``epoll_wait``, which counts whole milliseconds: a 500 us
-``max_queue_delay_microseconds`` became a 1 ms sleep plus the loop's latency, ~1.3 ms in
-the queue. On Linux an ``Alarm`` is a ``timerfd`` (nanosecond deadline, CLOCK_MONOTONIC)
+``max_queue_delay_microseconds`` became a 1 ms sleep plus the loop's latency in the queue.
+On Linux an ``Alarm`` is a ``timerfd`` (nanosecond deadline, CLOCK_MONOTONIC)
 watched by the loop's own selector: the kernel makes it readable on time and
 ``epoll_wait`` returns, whatever its millisecond timeout. No thread, no spinning; one
 wake-up of the loop per deadline.
 
-Measured on the 2-core dev box (500 waits, loaded): lateness p50 ~40 us with the timerfd,
-~100 us with a timer thread handing over by ``call_soon_threadsafe``, ~700 us with
-``asyncio.wait_for`` at 500 us.
+Of the ways tried, the timerfd is the least late: a timer thread handing over by
+``call_soon_threadsafe`` and ``asyncio.wait_for`` were later (benchmarks/results/notes-engine.md).
 
 Elsewhere (no timerfd, or a loop without ``add_reader``) it falls back to ``loop.call_at``;
 kqueue (macOS) and the Proactor (Windows) already sleep with sub-millisecond timeouts.
