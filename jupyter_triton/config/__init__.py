@@ -1,4 +1,10 @@
-"""ModelConfig (Triton's own ``model_config.proto``): parse, print, validate, normalize."""
+"""ModelConfig (Triton's own ``model_config.proto``): parse, print, validate, normalize.
+
+Layer note: this layer owns what a ``config.pbtxt`` may say and how it is completed (Triton's
+defaults and rules, a padding spec), on Triton's own protobuf. It imports only ``protocol``
+(datatypes, errors); it must not import the repository, the engine, a frontend or a backend:
+those read a config, and a config does not know who reads it.
+"""
 from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as mc

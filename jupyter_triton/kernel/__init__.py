@@ -1,6 +1,14 @@
 """The notebook side: a Python API (``serve``, ``models``, ``unload``, ...) and the
 ``%%serve`` / ``%triton`` magics over it. It speaks only the v2 protocol to a server: the
-Jupyter server's extension, or one it starts inside the kernel when there is none."""
+Jupyter server's extension, or one it starts inside the kernel when there is none.
+
+Layer note: this layer owns the notebook's side (artifacts built from notebook objects, the
+client, handles, tuning) and talks to a server only through the protocol. It may import
+``protocol``, ``config``, ``repository``'s file formats, ``widgets`` and (on call)
+``planning``; it must not import the engine or a frontend, except that ``discovery`` starts
+the standalone wiring (with its admission policy) for an in-kernel server and then speaks to
+it over HTTP like any other client.
+"""
 from __future__ import annotations
 
 from .api import connection, dashboard, ensemble, load, model, models, serve, unload

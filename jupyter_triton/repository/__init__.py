@@ -21,6 +21,11 @@ under ``.failed/``, named in the lifecycle history) is never handed out again
 statistics, the S3 mirror, the history) can attribute one version's answers to another.
 Numbers are Triton's: an int64 above 0 (layout.MAX_VERSION); past the last one an upload is
 refused.
+
+Layer note: this layer owns the files (the tree, versions, history, lineage, the S3 mirror of
+it in ``remote``). It may import ``protocol`` and ``config``, and ``backends`` only inside
+``torch_convert`` (a model.pt2 is read as the pytorch backend reads it); it must not
+import the engine or a frontend: which version is served is the engine's to say.
 """
 from __future__ import annotations
 
