@@ -173,7 +173,8 @@ class H2GrpcServer:
 
     ``services``: service name -> (method name -> grpc method handler). ``admit(service,
     method, headers)`` is asked when a call's HEADERS are complete, before any of its body is
-    taken: None admits, else the ``(grpc.StatusCode, details)`` the call is refused with.
+    taken: the server's admission's ticket (held until the call is over) or None, else the
+    TritonError the call is refused with (frontends/grpc.py's ``admit_on_headers``).
     ``budget``: the server's bytes-in-flight budget (``frontends.admission``), charged with
     messages larger than a connection's allowance when their prefix arrives (see ``Charged``);
     None: one of its own, 4 x the receive limit."""
