@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Coroutine
 
 from .engine import CONTROL_MODES, EngineOptions
+from .engine.observation.server_log import ServerLog
 from .frontends.admission import MODEL_REPOSITORY, AccessPolicy, Restriction
 from .frontends.grpc_options import KEEPALIVE_FLAGS, GrpcTLS, http2_limits
 from .frontends.limits import HTTP2Limits
@@ -349,7 +350,7 @@ def _trace_config(args: argparse.Namespace) -> list[str]:
     return config
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, server_log: ServerLog) -> None:
     if args.metrics_address not in (None, args.http_address):
         logging.warning("--metrics-address is served on --http-address here")
     warn_open_repository(args)
@@ -365,14 +366,15 @@ async def _serve(args: argparse.Namespace) -> None:
     if mirror is not None:
         options = replace(options, model_repository=mirror.path)
     try:
-        await _serve_until_stopped(args, options, grpc_limits, grpc_ssl)
+        await _serve_until_stopped(args, options, grpc_limits, grpc_ssl, server_log)
     finally:
         if mirror is not None:      # its last push: an upload just made is not lost
             await asyncio.to_thread(mirror.close)
 
 
 async def _serve_until_stopped(args: argparse.Namespace, options: EngineOptions,
-                               grpc_limits: HTTP2Limits, grpc_ssl: GrpcTLS | None) -> None:
+                               grpc_limits: HTTP2Limits, grpc_ssl: GrpcTLS | None,
+                               server_log: ServerLog) -> None:
     from .standalone import start_standalone
     server = await start_standalone(
         options, host=args.http_address, http_port=args.http_port,
@@ -380,7 +382,7 @@ async def _serve_until_stopped(args: argparse.Namespace, options: EngineOptions,
         grpc_port=args.grpc_port if args.allow_grpc else None,
         access=AccessPolicy.open(args.http_restricted_api),
         grpc_access=AccessPolicy.open(args.grpc_restricted_protocol), grpc_host=args.grpc_address,
-        grpc_limits=grpc_limits, grpc_ssl=grpc_ssl)
+        grpc_limits=grpc_limits, grpc_ssl=grpc_ssl, server_log=server_log)
     print(f"jupyter-triton: HTTP {server.url}  gRPC {server.grpc_port}  metrics {server.metrics_port}",
           flush=True)
     stop = asyncio.Event()
@@ -402,14 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         # Like tritonserver: no line per request unless asked (each line costs the event loop;
         # see benchmarks/results/notes-frontends.md).
         logging.getLogger("tornado.access").setLevel(logging.WARNING)
-    if args.command == "serve":
-        from .engine.observation.server_log import SERVER_LOG       # the logging extension's settings
-        SERVER_LOG.install(log_file=args.log_file, info=args.log_info, warning=args.log_warning,
-                           error=args.log_error, verbose_level=args.log_verbose,
-                           log_format=args.log_format)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.command == "serve":
-        _run(_serve(args))
+        # the logging extension's settings, the engine's from its start: installed first, so
+        # that the lines of the start are in the flags' file and format
+        server_log = ServerLog()
+        server_log.install(log_file=args.log_file, info=args.log_info, warning=args.log_warning,
+                           error=args.log_error, verbose_level=args.log_verbose,
+                           log_format=args.log_format)
+        _run(_serve(args, server_log))
     return 0
 
 

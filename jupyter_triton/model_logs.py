@@ -1,10 +1,12 @@
 """What models say: ``pb_utils.Logger`` lines and a python worker's stdout/stderr, kept per
 model version in a bounded ring buffer, so that a notebook user can read them
-(``model_logs``) instead of searching the server's terminal.
+(``v2/models/<name>/logs``) instead of searching the server's terminal.
 
 Each line is also written to the server's own log, as before: the buffer is a copy, not a
-detour. It depends on nothing of the server; the python backend writes to it and the
-frontends (a logs route) and the kernel (``handle.logs()``) read it through ``model_logs``.
+detour. It depends on nothing of the server. The engine owns one (``Engine.model_logs``) and
+hands it to the backends it loads (``ServerCalls.model_logs``), so that two servers in one
+process keep their models' lines apart; the python backend writes to it and the frontends
+(a logs route, which the kernel's ``handle.logs()`` reads) read it through the engine.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ log = logging.getLogger("jupyter_triton.model")
 
 
 class ModelLogs:
-    """The ring buffers of every model version of the server process."""
+    """The ring buffers of every model version of one server."""
 
     def __init__(self, max_lines: int = MAX_LINES) -> None:
         self.max_lines = max_lines
@@ -56,6 +58,10 @@ class ModelLogs:
                     version, f" ({instance})" if instance else "", message)
 
     def lines(self, model: str, version: str = "") -> list[dict[str, Any]]:
+        """Every kept line of ``model`` (one version, or all of them in time order), oldest
+        first: ``{"time", "timestamp", "model", "version", "instance", "level", "source",
+        "message"}``; ``level`` is VERBOSE, INFO, WARNING or ERROR, ``source`` logger, stdout or
+        stderr. Lines outlive an unload (that is when they are wanted most)."""
         with self._lock:
             if version:
                 return list(self._buffers.get((model, str(version)), ()))
@@ -68,16 +74,4 @@ class ModelLogs:
                 del self._buffers[key]
 
 
-#: the server process's buffers (worker processes' lines arrive through the python backend)
-LOGS = ModelLogs()
-
-
-def model_logs(model: str, version: str = "") -> list[dict[str, Any]]:
-    """Every kept line of ``model`` (one version, or all of them in time order), oldest
-    first: ``{"time", "timestamp", "model", "version", "instance", "level", "source",
-    "message"}``; ``level`` is VERBOSE, INFO, WARNING or ERROR, ``source`` logger, stdout or
-    stderr. Lines outlive an unload (that is when they are wanted most)."""
-    return LOGS.lines(model, version)
-
-
-__all__ = ["LOGS", "MAX_LINES", "ModelLogs", "model_logs"]
+__all__ = ["MAX_LINES", "ModelLogs"]

@@ -7,8 +7,11 @@ family (the first description stays; another kind is an error), and creating a m
 labels exist already gives the same metric. A family lives while some model instance holds
 it: ``release(owner)`` at unload lets it go, so a model's metrics leave with the model.
 
-It depends on nothing of the server: the python backend (in-process, or for its worker
-processes) writes to it, and ``frontends/metrics.py`` reads it at scrape time.
+It depends on nothing of the server. The engine owns one (``Engine.custom_metrics``) and
+hands it to the backends it loads (``ServerCalls.custom_metrics``), so that two servers in one
+process show each its own models' families; the python backend (in-process, or for its
+worker processes) writes to it, and ``frontends/metrics.py`` reads it through the engine at
+scrape time.
 """
 from __future__ import annotations
 
@@ -17,10 +20,10 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from prometheus_client.core import Metric
-from prometheus_client.samples import Sample
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 KINDS = (COUNTER, GAUGE, HISTOGRAM)
@@ -57,7 +60,7 @@ def labels_key(labels: dict[str, str]) -> str:
 
 
 class CustomMetrics:
-    """Every model-defined metric family of the server process."""
+    """Every model-defined metric family of one server."""
 
     def __init__(self) -> None:
         self._families: dict[str, _Family] = {}
@@ -150,8 +153,21 @@ class CustomMetrics:
                 if family.owners.pop(owner, None) is not None and not family.owners:
                     del self._families[name]
 
-    def collect(self) -> Iterator[Metric]:
+    def apply(self, op: str, args: tuple, owner: Any) -> Any:
+        """One operation by name, as a worker process sends it: ``family``, ``metric``,
+        ``increment``, ``set``, ``observe``, ``value``."""
+        if op == "family":
+            return self.family(*args, owner=owner)
+        if op in ("metric", "increment", "set", "observe", "value"):
+            return getattr(self, op)(*args)
+        raise MetricError(f"unknown metric operation '{op}'")
+
+    def collect(self) -> Iterator["Metric"]:
         """The families as prometheus_client metrics (for the metrics endpoint)."""
+        # imported at the first scrape, not with the engine: a long import that a python
+        # worker process, or a notebook that only plans, never needs
+        from prometheus_client.core import Metric
+        from prometheus_client.samples import Sample
         with self._lock:
             families = [(f.name, f.description, f.kind,
                          [(dict(s.labels), s.value, s.buckets, list(s.counts), s.count)
@@ -185,24 +201,4 @@ class CustomMetrics:
         return family, series
 
 
-#: the server process's registry (worker processes reach it over their socket)
-REGISTRY = CustomMetrics()
-
-
-def custom_metric_families() -> Iterator[Metric]:
-    """What the metrics endpoint adds to Triton's own families."""
-    return REGISTRY.collect()
-
-
-def apply(op: str, args: tuple, owner: Any) -> Any:
-    """One operation by name, as a worker process sends it: ``family``, ``metric``,
-    ``increment``, ``set``, ``observe``, ``value``."""
-    if op == "family":
-        return REGISTRY.family(*args, owner=owner)
-    if op in ("metric", "increment", "set", "observe", "value"):
-        return getattr(REGISTRY, op)(*args)
-    raise MetricError(f"unknown metric operation '{op}'")
-
-
-__all__ = ["COUNTER", "GAUGE", "HISTOGRAM", "CustomMetrics", "MetricError", "REGISTRY", "apply",
-           "custom_metric_families", "labels_key"]
+__all__ = ["COUNTER", "GAUGE", "HISTOGRAM", "CustomMetrics", "MetricError", "labels_key"]

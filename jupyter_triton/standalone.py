@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from tornado import httpserver, netutil, web
 
 from .engine import Engine, EngineOptions
+from .engine.observation.server_log import ServerLog
 from .frontends.admission import STATISTICS, AccessPolicy, Admission, Door
 from .frontends.dataplane import DataPlane
 from .frontends.fasthttp import HTTPFront
@@ -134,8 +135,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
                            grpc_access: AccessPolicy | None = None, grpc_host: str | None = None,
                            check_host: bool = False, strict_content_type: bool = False,
                            http_front: str = "fast", max_inflight_bytes: int | None = None,
-                           grpc_limits: HTTP2Limits | None = None, grpc_ssl: GrpcTLS | None = None
-                           ) -> StandaloneServer:
+                           grpc_limits: HTTP2Limits | None = None, grpc_ssl: GrpcTLS | None = None,
+                           server_log: ServerLog | None = None) -> StandaloneServer:
     """Start the engine and its listeners on the running loop; port 0 picks a free port.
 
     ``access`` guards the HTTP routes and ``grpc_access`` the gRPC port (None: open, as
@@ -146,12 +147,13 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
     "fast" (httptools) or "tornado". ``max_inflight_bytes`` bounds the request body bytes being
     received or decoded at once, server-wide (None: 4 x max_input_size; past it, 503).
     ``grpc_limits`` (keep-alive, connection age: tritonserver's gRPC flags) and ``grpc_ssl``
-    (TLS) are the gRPC port's.
+    (TLS) are the gRPC port's. ``server_log``: log settings installed before the server
+    (tritonserver's --log-* flags; None: the engine's own, Python logging's output).
     ``access_log=False`` keeps request lines out of a
     notebook's cell output (in-kernel use)."""
     if http_front not in HTTP_FRONTS:
         raise ValueError(f"http_front must be one of {HTTP_FRONTS}, got {http_front!r}")
-    engine = Engine(options)
+    engine = Engine(options, server_log=server_log)
     await engine.start()
     state = FrontendState(engine=engine, max_input_size=options.max_input_size,
                           allow_anonymous_inference=True, access=access,
@@ -203,13 +205,14 @@ def start_in_thread(options: EngineOptions, host: str = "127.0.0.1", http_port: 
                     grpc_host: str | None = None, check_host: bool = False,
                     strict_content_type: bool = False, http_front: str = "fast",
                     max_inflight_bytes: int | None = None, grpc_limits: HTTP2Limits | None = None,
-                    grpc_ssl: GrpcTLS | None = None) -> StandaloneServer:
+                    grpc_ssl: GrpcTLS | None = None, server_log: ServerLog | None = None
+                    ) -> StandaloneServer:
     """Run a standalone server on its own loop in a daemon thread (the kernel fallback);
     the keywords are ``start_standalone``'s."""
     keywords = dict(access=access, grpc_access=grpc_access, grpc_host=grpc_host,
                     check_host=check_host, strict_content_type=strict_content_type,
                     http_front=http_front, max_inflight_bytes=max_inflight_bytes,
-                    grpc_limits=grpc_limits, grpc_ssl=grpc_ssl)
+                    grpc_limits=grpc_limits, grpc_ssl=grpc_ssl, server_log=server_log)
     ready: dict = {}
     started = threading.Event()
 

@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import build_repository
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.engine.observation.server_log import SERVER_LOG
+from jupyter_triton.engine.observation.server_log import ServerLog
 from jupyter_triton.standalone import start_in_thread
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,14 +31,16 @@ ISO_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ [VIWE] \d+ [\w.]+:\d+\]
 @pytest.fixture
 def server(tmp_path: Path):
     log_file = tmp_path / "server.log"
-    SERVER_LOG.install(log_file=str(log_file))
+    server_log = ServerLog()
+    server_log.install(log_file=str(log_file))
     server = start_in_thread(EngineOptions(model_repository=build_repository(tmp_path / "models"),
                                            model_control_mode="explicit", load_models=["*"]),
-                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0)
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=0,
+                             server_log=server_log)
     server.log_file = log_file
     yield server
     server.close()
-    SERVER_LOG.uninstall()
+    server_log.uninstall()
 
 
 def refused_request(server) -> None:
@@ -52,8 +54,7 @@ def refused_request(server) -> None:
 
 
 def log_lines(server) -> list[str]:
-    for handler in [SERVER_LOG.handler]:
-        handler.flush()
+    server.engine.server_log.handler.flush()
     return server.log_file.read_text().splitlines()
 
 
@@ -123,7 +124,7 @@ def test_grpc_log_settings(server):
     wrong.settings["log_error"].uint32_param = 3
     with pytest.raises(Exception, match="expect boolean for 'log_error'"):
         client._client_stub.LogSettings(wrong)
-    assert SERVER_LOG.settings() == {**expected, "log_info": False, "log_verbose_level": 2}
+    assert server.engine.server_log.settings() == {**expected, "log_info": False, "log_verbose_level": 2}
     client.close()
 
 

@@ -383,12 +383,12 @@ class TritonPythonModel:
 
 
 def test_a_bls_call_between_batches_of_a_plain_model_fails_clearly_not_forever(tmp_path):
-    from jupyter_triton.model_logs import model_logs
     from test_backend_python import loaded, write_model
     from test_python_logs import wait_for
     config, files = write_model(tmp_path, "idle_caller", IDLE_CALLER_MODEL_PY, CALLER_CONFIG.replace(
         '"caller"', '"idle_caller"'))
-    with loaded(config, files):
+    with loaded(config, files) as backend:
+        model_logs = backend.calls.logs.lines
         wait_for(lambda: any(e["message"].startswith("idle call:") for e in model_logs("idle_caller")), 10)
     line = next(e for e in model_logs("idle_caller") if e["message"].startswith("idle call:"))
     assert "between batches gets no answer" in line["message"] and "decoupled" in line["message"]

@@ -1,5 +1,6 @@
 """Model logs: pb_utils.Logger lines and a worker's stdout/stderr kept per model version
-(jupyter_triton.model_logs.model_logs), and still written to the server's own output."""
+(jupyter_triton.model_logs.ModelLogs: the engine's, here an instance's own outside an engine),
+and still written to the server's own output."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from jupyter_triton.model_logs import ModelLogs, model_logs
+from jupyter_triton.model_logs import ModelLogs
 
 from test_backend_python import THREAD_MODE, loaded, write_model
 
@@ -55,6 +56,7 @@ def wait_for(predicate, seconds: float = 10.0):
 def test_a_workers_prints_and_logger_lines_are_kept_per_model(tmp_path, capfd):
     config, files = write_model(tmp_path, "chatty_p", CHATTY_MODEL_PY, CHATTY_CONFIG.format(name="chatty_p"))
     with loaded(config, files) as backend:
+        model_logs = backend.calls.logs.lines
         assert isinstance(backend.execute([{"X": np.array([1], np.int32)}])[0], dict)
         wait_for(lambda: any("a warning on stderr" in e["message"] for e in model_logs("chatty_p")))
     lines = model_logs("chatty_p", "1")
@@ -80,7 +82,7 @@ def test_thread_mode_keeps_the_logger_lines(tmp_path):
                                 CHATTY_CONFIG.format(name="chatty_t") + THREAD_MODE)
     with loaded(config, files) as backend:
         backend.execute([{"X": np.array([1], np.int32)}])
-    got = [(e["source"], e["level"], e["message"]) for e in model_logs("chatty_t")]
+    got = [(e["source"], e["level"], e["message"]) for e in backend.calls.logs.lines("chatty_t")]
     assert ("logger", "INFO", "chatty: initialized") in got
     assert ("logger", "ERROR", "chatty: something failed") in got
 
@@ -116,7 +118,8 @@ class TritonPythonModel:
 def test_a_logger_line_from_an_idle_models_thread_arrives_at_once(tmp_path):
     config, files = write_model(tmp_path, "background", BACKGROUND_MODEL_PY,
                                 CHATTY_CONFIG.format(name="background"))
-    with loaded(config, files):
+    with loaded(config, files) as backend:
+        model_logs = backend.calls.logs.lines
         # no batch runs: the line is not waiting for one
         wait_for(lambda: any(e["source"] == "logger" for e in model_logs("background")), 5)
         line = next(e for e in model_logs("background") if e["source"] == "logger")

@@ -21,7 +21,6 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import serve
 from server_waits import started, wait_for_start
-from jupyter_triton.model_logs import model_logs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -327,7 +326,8 @@ def test_a_bls_calling_and_logging_model_still_works(server):
     use_scale.assert_on_loop()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        lines = [e["message"] for e in model_logs("caller") if e["source"] == "logger"]
+        lines = [e["message"] for e in server.engine.model_logs.lines("caller")
+                 if e["source"] == "logger"]
         if len(lines) >= 12:
             break
         time.sleep(0.05)

@@ -12,13 +12,17 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
 from .ragged import RaggedPlan, concatenate, split_rows
+
+if TYPE_CHECKING:
+    from ..model_logs import ModelLogs
+    from ..model_metrics import CustomMetrics
 
 Tensors = dict[str, np.ndarray]
 
@@ -65,9 +69,13 @@ class ResponseSender(Protocol):
 
 
 class ServerCalls(Protocol):
-    """The server's engine as a model sees it (BLS: a model calling other models). Set by
-    the engine on every backend instance before ``load`` (``Backend.server_calls``).
+    """The server's engine as a model sees it: BLS (a model calling other models), and where
+    the model's own log lines and custom metrics go (that engine's, which its frontends show).
+    Set by the engine on every backend instance before ``load`` (``Backend.server_calls``).
     Blocking; call from any thread except the server's event loop."""
+
+    model_logs: "ModelLogs"
+    custom_metrics: "CustomMetrics"
 
     def infer(self, request: Any, timeout_s: float | None = None) -> Any:
         """``InferRequest`` -> ``InferResponse``; raises ``TritonError``."""

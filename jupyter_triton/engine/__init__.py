@@ -23,6 +23,8 @@ from typing import AsyncGenerator
 from tritonclient.grpc import model_config_pb2 as mc
 
 from .._version import __version__
+from ..model_logs import ModelLogs
+from ..model_metrics import CustomMetrics
 from ..protocol.datatypes import config_to_triton
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
 from ..protocol.types import InferRequest, InferResponse
@@ -33,6 +35,7 @@ from .model import READY, UNAVAILABLE, ModelVersion
 from .options import CONTROL_MODES, EngineOptions
 from .lifecycle.residency import opted_in
 from .shared_memory import SharedMemoryRegistry, place_outputs, resolve_inputs
+from .observation.server_log import ServerLog
 from .observation.trace import Tracing, parse_trace_config
 
 # Advertised only because each works end to end (perf_analyzer reads this list).
@@ -47,8 +50,10 @@ class Engine(ModelLifecycle):
     """What every frontend calls. Besides the methods below, its public attributes are
     ``options`` (EngineOptions: the limits and metric switches frontends honour),
     ``repository``, ``response_cache`` (None without --cache-config), ``shared_memory``,
-    ``tracing``, ``traffic`` (engine/capture.py), ``server_calls`` (BLS) and ``residency``
-    (engine/residency.py: the memory budget, with ``resident_models()``); frontends use
+    ``tracing``, ``traffic`` (engine/capture.py), ``server_calls`` (BLS), ``residency``
+    (engine/residency.py: the memory budget, with ``resident_models()``), ``model_logs`` and
+    ``custom_metrics`` (what its models log and count, handed to them through
+    ``server_calls``) and ``server_log`` (the logging extension's settings); frontends use
     these, never probe for others."""
 
     shared_memory: SharedMemoryRegistry
@@ -57,12 +62,18 @@ class Engine(ModelLifecycle):
     # A graceful stop began (``drain``): readiness says no while requests are still served.
     draining: bool = False
 
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(self, options: EngineOptions, *, server_log: ServerLog | None = None) -> None:
+        """``server_log``: settings installed before the engine (the command line's --log-*
+        flags), else this engine's own."""
         if options.model_control_mode not in CONTROL_MODES:
             raise ValueError(f"model control mode must be one of {CONTROL_MODES}")
         super().__init__(options)
         self.shared_memory = SharedMemoryRegistry(max_input_size=options.max_input_size)
         self.server_calls = Bls(self)       # what models call other models with (BLS)
+        # this server's own, not the process's: two servers in one process keep them apart
+        self.model_logs = ModelLogs()
+        self.custom_metrics = CustomMetrics()
+        self.server_log = server_log if server_log is not None else ServerLog()
         self.tracing = Tracing(parse_trace_config(options.trace_config))
         self.traffic = TrafficCapture(self.is_model)      # off until a model's capture starts
 

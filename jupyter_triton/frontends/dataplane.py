@@ -33,7 +33,6 @@ from ..config import config_to_json
 from ..engine import Engine
 from ..engine.observation.capture import traffic_json
 from ..engine.composition.streaming import DecoupledRefused
-from ..model_logs import model_logs
 from ..protocol.errors import Internal, InvalidArgument, NotFound, TritonError
 from ..protocol import decode_infer_request, decode_raw_infer_request, encode_infer_response
 from ..protocol.types import InferResponse
@@ -495,10 +494,10 @@ async def model_generate_stream(plane: DataPlane, call: Call) -> Reply:
 
 async def model_logs_route(plane: DataPlane, call: Call) -> Reply:
     """What a model said (``pb_utils.Logger`` lines, its worker's stdout/stderr), oldest
-    first, from the bounded buffer of jupyter_triton/model_logs.py; the lines outlive an
-    unload, so a model the repository still has is found unloaded too."""
+    first, from the engine's bounded buffer (jupyter_triton/model_logs.py); the lines outlive
+    an unload, so a model the repository still has is found unloaded too."""
     model, version = call.params["model"], _version(call)
-    lines = model_logs(model, version)
+    lines = plane.engine.model_logs.lines(model, version)
     if not lines and model not in {m["name"] for m in plane.engine.repository_index()}:
         raise NotFound(f"Request for unknown model: '{model}' is not found")
     return json_reply({"name": model, "version": version, "lines": lines})
@@ -621,7 +620,7 @@ async def trace_setting(plane: DataPlane, call: Call) -> Reply:
 
 async def log_settings(plane: DataPlane, call: Call) -> Reply:
     updates = await plane.json_body(call) if call.method == "POST" else None
-    return json_reply(operations.log_settings(updates))
+    return json_reply(operations.log_settings(plane.engine, updates))
 
 
 async def unknown_route(plane: DataPlane, call: Call) -> Reply:

@@ -401,7 +401,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise InvalidArgument(f"log setting '{name}' has no value")
             updates[name] = getattr(value, choice)
         response = pb.LogSettingsResponse()
-        for name, value in operations.log_settings(updates or None).items():
+        for name, value in operations.log_settings(self.engine, updates or None).items():
             slot = response.settings[name]
             if isinstance(value, bool):
                 slot.bool_param = value

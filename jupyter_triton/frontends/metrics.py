@@ -27,7 +27,6 @@ from ..engine.model import ModelVersion
 from ..engine.cache import metric_values as cache_metric_values
 from ..engine.observation.histograms import FAMILIES as HISTOGRAM_FAMILIES
 from ..engine.observation.statistics import FAILURE_REASONS, step_metric_values
-from ..model_metrics import custom_metric_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
@@ -138,7 +137,7 @@ class TritonMetricsCollector:
             yield from _cpu_metrics()
         if self._gpus is not None:
             yield from self._gpus.collect()
-        yield from custom_metric_families()   # models' own (pb_utils.MetricFamily)
+        yield from self.engine.custom_metrics.collect()   # models' own (pb_utils.MetricFamily)
 
 
 def _residency_metrics(residency: dict) -> Iterator[Metric]:

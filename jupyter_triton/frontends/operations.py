@@ -19,7 +19,6 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..engine import Engine
 from ..engine.composition.streaming import DecoupledRefused
-from ..engine.observation.server_log import SERVER_LOG
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unsupported
 from ..protocol.grpc_codec import check_model_version
 
@@ -157,8 +156,8 @@ def cuda_shm_unregister(engine: Engine, region: str) -> None:
 
 
 # -- trace and logging extensions ----------------------------------------------------------
-# The trace state lives in the engine (``engine.tracing``); logging is per process
-# (engine/observation/server_log.py).
+# The trace state lives in the engine (``engine.tracing``), and so do the log settings
+# (``engine.server_log``: engine/observation/server_log.py).
 
 def _known_model(engine: Engine, model: str) -> None:
     """Triton's refusal of a trace setting for a model it does not know (2.51: 400)."""
@@ -180,6 +179,7 @@ def trace_setting(engine: Engine, model: str, updates: dict | None) -> dict:
     return engine.tracing.update(model, updates)
 
 
-def log_settings(updates: dict | None) -> dict:
+def log_settings(engine: Engine, updates: dict | None) -> dict:
     """The server's log settings, after ``updates`` (None or empty: a read)."""
-    return SERVER_LOG.settings() if not updates else SERVER_LOG.update(updates)
+    server_log = engine.server_log
+    return server_log.settings() if not updates else server_log.update(updates)

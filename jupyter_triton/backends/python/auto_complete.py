@@ -15,6 +15,7 @@ from pathlib import Path
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ...model_logs import ModelLogs
 from ...protocol.errors import DeadlineExceeded, Internal, InvalidArgument
 from ..base import ModelFiles
 from . import launch
@@ -80,7 +81,9 @@ def auto_complete_in_worker(model_py: str, module: str, config_json: str, timeou
     side effects stay out of the server process."""
     sock, out_r, err_r, process = launch.start("auto_complete", model_py, (module, config_json),
                                                env=env)
-    output = threading.Thread(target=read_output, args=("auto_complete", "", "", out_r, err_r),
+    # no model version to keep its lines for yet: they go to the server's streams only
+    output = threading.Thread(target=read_output,
+                              args=(ModelLogs(max_lines=0), "auto_complete", "", "", out_r, err_r),
                               daemon=True, name="triton-python-output-auto-complete")
     output.start()
     chan = Channel(sock.fileno())

@@ -28,10 +28,12 @@ Beyond request/response, as Triton's python backend has them:
   thread runs it. In thread mode, BLS and custom metrics work from inside ``initialize`` and
   ``execute`` (threads the model starts itself have no way back to their model there)
   (``model_calls``).
-- Custom metrics (``pb_utils.MetricFamily``): ``jupyter_triton.model_metrics``, shown on the
-  metrics endpoint, released at unload (``model_calls``).
+- Custom metrics (``pb_utils.MetricFamily``): in the engine's ``CustomMetrics``
+  (``jupyter_triton.model_metrics``, handed over as ``server_calls.custom_metrics``), shown on
+  its metrics endpoint, released at unload (``model_calls``).
 - Model logs: ``pb_utils.Logger`` lines and a worker's stdout/stderr, per model version in
-  ``jupyter_triton.model_logs`` (and in the server's own output, as before) (``worker_logs``).
+  the engine's ``ModelLogs`` (``jupyter_triton.model_logs``, ``server_calls.model_logs``) and
+  in the server's own output, as before (``worker_logs``).
 - ``auto_complete_config``, run in a short-lived worker (``auto_complete``).
 
 Worker processes are forked from a template process that has imported numpy and the
@@ -199,6 +201,7 @@ class PythonBackend(Backend):
         return auto_complete(config, files)
 
     def load(self) -> None:
+        self.calls.bind()
         if not self.model_py.is_file():
             raise InvalidArgument(f"model '{self.files.model_name}' version {self.files.version}: "
                                   f"no {self.model_py.name} in {self.model_py.parent}")
@@ -378,8 +381,7 @@ class PythonBackend(Backend):
                 error = worker.stop(self.finalize_timeout_s)
             for sink in list(self._thread_sinks):
                 sink.fail("closed", "the model instance was unloaded")
-            from ... import model_metrics
-            model_metrics.REGISTRY.release(self)
+            self.calls.metrics.release(self)
             if self.env is not None:
                 self.env.release()   # no worker of this instance runs it now
             if error is not None:
@@ -393,7 +395,7 @@ class PythonBackend(Backend):
         kind = DecoupledWorker if self.decoupled else WorkerProcess
         return kind(str(self.model_py), self.triton_args(), self.instance.name,
                     side=self.calls.side_message, blas_threads=self.blas_threads, env=self.env,
-                    poll_us=self.busy_poll_us).start()
+                    poll_us=self.busy_poll_us, logs=self.calls.logs).start()
 
     def _execute_in_worker(self, data: list[RequestData],
                            sinks: list[Sink] | None = None) -> list | TritonError:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from ...model_logs import LOGS
+from ...model_logs import ModelLogs
+from ...model_metrics import CustomMetrics, MetricError
 from ...protocol.datatypes import numpy_to_triton
 from ...protocol.errors import Cancelled, InvalidArgument, NotFound, TritonError, Unavailable, Unsupported
 from ...protocol.types import InferRequest, InferTensor, RequestedOutput
@@ -31,8 +32,6 @@ from .worker import WorkerProcess
 if TYPE_CHECKING:
     from .backend import PythonBackend
 
-# model_metrics (prometheus_client, ~100 ms to import) is imported where it is used: every
-# worker process imports this package and never needs it.
 log = logging.getLogger(__name__)
 
 _PB_CODE_BY_ERROR: dict[type, int] = {
@@ -75,6 +74,17 @@ class ModelCalls:
         #: a decoupled model's last batch's depth (it calls on after execute has returned)
         self.depth = 0
         self._streams: dict[tuple[int, int], Any] = {}
+        #: where the model's log lines and custom metrics go: the engine's once ``bind``
+        #: has run; an instance outside an engine (a test's) keeps its own
+        self.logs = ModelLogs()
+        self.metrics = CustomMetrics()
+
+    def bind(self) -> None:
+        """Take the engine's log lines and metrics (``Backend.server_calls``, set before
+        ``load``): its frontends show them, and only its."""
+        server = self.backend.server_calls
+        if server is not None:
+            self.logs, self.metrics = server.model_logs, server.custom_metrics
 
     # -- from a worker process ------------------------------------------------------------
 
@@ -90,10 +100,9 @@ class ModelCalls:
                 stream.close()
         elif kind is messages.Metric:
             call_id, op, args = msg
-            from ... import model_metrics
             try:
-                result, ok = model_metrics.apply(op, args, self.backend), True
-            except (model_metrics.MetricError, TypeError, ValueError) as err:
+                result, ok = self.metrics.apply(op, args, self.backend), True
+            except (MetricError, TypeError, ValueError) as err:
                 result, ok = str(err), False
                 if not call_id:
                     log.warning("%s: custom metric %s failed: %s", self.backend._who, op, err)
@@ -121,10 +130,9 @@ class ModelCalls:
     # -- from the model's own thread (thread mode) ----------------------------------------
 
     def metric_call(self, op: str, args: tuple, what: str) -> Any:
-        from ... import model_metrics
         try:
-            return model_metrics.apply(op, args, self.backend)
-        except (model_metrics.MetricError, TypeError, ValueError) as err:
+            return self.metrics.apply(op, args, self.backend)
+        except (MetricError, TypeError, ValueError) as err:
             raise pb_utils.TritonModelException(f"{what}: {err}") from None
 
     def metric_send(self, op: str, args: tuple) -> None:
@@ -132,8 +140,8 @@ class ModelCalls:
 
     def model_log(self, level: str, message: str) -> None:
         backend = self.backend
-        LOGS.record(backend.files.model_name, str(backend.files.version), level, message, "logger",
-                    backend.instance.name)
+        self.logs.record(backend.files.model_name, str(backend.files.version), level, message,
+                         "logger", backend.instance.name)
 
     def bls_exec(self, request: "pb_utils.InferenceRequest", decoupled: bool) -> Any:
         results = self._bls_results(bls_spec(request), decoupled)

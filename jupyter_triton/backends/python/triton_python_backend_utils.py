@@ -520,7 +520,8 @@ class ModelConfig:
 
 class Logger:
     """``pb_utils.Logger.log_info(msg)`` and friends: into the server's log and the model's
-    own log lines (``jupyter_triton.model_logs``); plain Python logging outside a server."""
+    own log lines (``jupyter_triton.model_logs``, the server's); plain Python logging outside a
+    server."""
 
     class LogLevel:
         INFO = logging.INFO

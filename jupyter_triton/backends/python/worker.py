@@ -32,6 +32,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from ...model_logs import ModelLogs
 from . import launch
 from .envs import PackedEnv
 from .loans import Loans
@@ -119,7 +120,8 @@ class WorkerProcess:
 
     def __init__(self, model_py: str, args: dict[str, str], label: str,
                  side: Callable[["WorkerProcess", Any], None] | None = None, blas_threads: int = 0,
-                 env: PackedEnv | None = None, poll_us: int = 0) -> None:
+                 env: PackedEnv | None = None, poll_us: int = 0,
+                 logs: ModelLogs | None = None) -> None:
         self.model_py = model_py
         self.args = args
         self.label = label
@@ -128,6 +130,8 @@ class WorkerProcess:
         self.poll_us = poll_us
         #: the model's packed environment (EXECUTION_ENV_PATH), else forked from the template
         self.env = env
+        #: where its output's lines are kept (the engine's); None: the server's streams only
+        self.logs = logs if logs is not None else ModelLogs(max_lines=0)
         self.ready = False
         #: why open decoupled requests are failed when the worker ends: (kind, message),
         #: set by whoever kills it on purpose before the kill
@@ -161,7 +165,7 @@ class WorkerProcess:
         self._sock, out_r, err_r, self._process = launch.start(
             "serve", self.model_py, self.args, self.blas_threads, self.env, self.poll_us)
         self._logs = threading.Thread(
-            target=read_output, args=(self.label, self.args.get("model_name", ""),
+            target=read_output, args=(self.logs, self.label, self.args.get("model_name", ""),
                                        self.args.get("model_version", ""), out_r, err_r),
             daemon=True, name=f"triton-python-output-{self.label}")
         self._logs.start()

@@ -3,9 +3,10 @@
 ``Bls`` is the engine's; ``Bls.for_model(name)`` is what each backend instance of one
 model gets as ``Backend.server_calls`` (``backends.base.ServerCalls``): blocking ``infer`` and
 ``infer_stream``, called from the model's thread (never the event loop), each running
-``Engine.infer`` / ``Engine.infer_stream`` on the loop. A BLS request is a request like any
-other: it reaches any served model and ensembles, and is counted in the called model's
-statistics, as Triton counts it.
+``Engine.infer`` / ``Engine.infer_stream`` on the loop; beside them, the engine's
+``model_logs`` and ``custom_metrics``, where the model's own lines and metrics go. A BLS
+request is a request like any other: it reaches any served model and ensembles, and is
+counted in the called model's statistics, as Triton counts it.
 
 Two bounds keep a model from hurting the server:
 
@@ -70,6 +71,8 @@ class ModelCalls:
         self._loop = loop
         self._lock = threading.Lock()
         self.in_flight = 0
+        self.model_logs = bls.engine.model_logs
+        self.custom_metrics = bls.engine.custom_metrics
 
     # -- ServerCalls ----------------------------------------------------------------------
 

@@ -2,11 +2,14 @@
 ``log_warning``, ``log_error``, ``log_verbose_level``, ``log_format``, ``log_file``) applied
 to the ``jupyter_triton`` loggers.
 
-Python logging is per process, so these settings are too: one ``SERVER_LOG``. The
-standalone server ``install``s it (tritonserver's ``--log-*`` flags): a handler of its own
-on the ``jupyter_triton`` logger, in Triton's line format, that lets through exactly the
-kinds that are on. Inside Jupyter the server's logging belongs to Jupyter: there the
-settings move the ``jupyter_triton`` logger's level only (the most verbose kind that is on).
+Each engine owns its settings (``Engine.server_log``): what ``v2/logging`` reports and
+changes on one server is that server's. The standalone server ``install``s them
+(tritonserver's ``--log-*`` flags): a handler of its own on the ``jupyter_triton`` logger, in
+Triton's line format, that lets through exactly the kinds that are on. Inside Jupyter the
+server's logging belongs to Jupyter: there the settings move the ``jupyter_triton`` logger's
+level only. Python logging is per process, so where two servers share one (tests, a Jupyter
+server beside a kernel's own), the logger's level is the most verbose kind any of them has
+on, and each installed handler drops the kinds its own server has off.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Mapping
 
 from ...protocol.errors import InvalidArgument, Unsupported
@@ -22,6 +26,19 @@ from ...protocol.errors import InvalidArgument, Unsupported
 FORMATS = ("default", "ISO8601")
 _LETTER = {logging.DEBUG: "V", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
            logging.CRITICAL: "E"}
+
+# Every server's settings in this process. A logger is the process's: once any server's
+# settings act on it (installed, or updated by a client), it lets through what any server
+# asks for, so that one server's switch does not silence another's; while none does, its
+# level is Python logging's (or Jupyter's). Weak: a server that is gone stops counting.
+_ALL: "weakref.WeakSet[ServerLog]" = weakref.WeakSet()
+_ALL_LOCK = threading.Lock()
+
+
+def _set_level(logger: logging.Logger) -> None:
+    logs = [s for s in _ALL if s.logger is logger]
+    logger.setLevel(min((s._threshold() for s in logs), default=logging.NOTSET)
+                    if any(s.acting for s in logs) else logging.NOTSET)
 
 
 class _Kinds(logging.Filter):
@@ -74,6 +91,9 @@ class ServerLog:
         self.log_format = "default"
         self.handler: logging.Handler | None = None
         self._lock = threading.Lock()
+        self.acting = False         # installed, or updated by a client
+        with _ALL_LOCK:
+            _ALL.add(self)
 
     def install(self, *, log_file: str = "", info: bool = True, warning: bool = True,
                 error: bool = True, verbose_level: int = 0, log_format: str = "default") -> None:
@@ -97,17 +117,21 @@ class ServerLog:
             self._apply()
 
     def uninstall(self) -> None:
-        """Give the log output back (Python logging's own, Triton's defaults reported)."""
+        """Give the log output back (Python logging's own, or another server's settings that
+        still act on it; Triton's defaults reported)."""
         with self._lock:
             if self.handler is not None:
                 self.logger.removeHandler(self.handler)
                 self.handler.close()
                 self.handler = None
-            self.logger.propagate = True
-            self.logger.setLevel(logging.NOTSET)
             self.log_file, self.log_format = "", "default"
             self.info = self.warning = self.error = True
             self.verbose_level = 0
+            self.acting = False
+            with _ALL_LOCK:
+                self.logger.propagate = not any(s.handler is not None for s in _ALL
+                                                if s.logger is self.logger)
+                _set_level(self.logger)
 
     def settings(self) -> dict[str, Any]:
         return {"log_file": self.log_file, "log_info": self.info, "log_warning": self.warning,
@@ -148,20 +172,20 @@ class ServerLog:
             self._apply()
         return self.settings()
 
-    def _apply(self) -> None:
-        # The threshold is the most verbose kind that is on; the handler's filter (when
-        # installed) drops the kinds that are off above it.
+    def _threshold(self) -> int:
+        # the most verbose kind that is on; the handler's filter (when installed) drops the
+        # kinds that are off above it
         if self.verbose_level > 0:
-            level = logging.DEBUG
-        elif self.info:
-            level = logging.INFO
-        elif self.warning:
-            level = logging.WARNING
-        elif self.error:
-            level = logging.ERROR
-        else:
-            level = logging.CRITICAL + 1
-        self.logger.setLevel(level)
+            return logging.DEBUG
+        if self.info:
+            return logging.INFO
+        if self.warning:
+            return logging.WARNING
+        if self.error:
+            return logging.ERROR
+        return logging.CRITICAL + 1
 
-
-SERVER_LOG = ServerLog()
+    def _apply(self) -> None:
+        self.acting = True
+        with _ALL_LOCK:
+            _set_level(self.logger)
