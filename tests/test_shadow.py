@@ -22,10 +22,7 @@ import tritonclient.http as httpclient
 import jupyter_triton as jt
 from test_ensemble_graph import run_node, walk
 from jupyter_triton.engine import EngineOptions
-try:
-    from jupyter_triton.frontends.admission import AccessPolicy, Restriction
-except ImportError:             # before frontends.auth moved into frontends.admission
-    from jupyter_triton.frontends.auth import AccessPolicy, Restriction
+from jupyter_triton.frontends.admission import AccessPolicy, Restriction
 from jupyter_triton.kernel import discovery
 from jupyter_triton.kernel.discovery import Connection
 from jupyter_triton.standalone import start_in_thread
