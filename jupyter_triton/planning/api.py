@@ -42,7 +42,11 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
              seed: int = 0, overhead_us: float | None = None, loop_us: float | None = None,
              measured: Any = None, repeats: int = 15, stalls: bool = True, replicas: int = REPLICAS,
              files: dict[str, bytes] | None = None, connection: Connection | None = None,
-             progress: bool = True) -> CapacityPlan:
+             progress: bool = True, lengths: Sequence[Any] | None = None, tokenizer: Any = None,
+             length_buckets: Sequence[Sequence[int]] | None = None,
+             max_batch_tokens: Sequence[int] | int | None = None,
+             length_grid: tuple[Sequence[int], Sequence[int]] | None = None,
+             burst_s: float | None = None) -> Any:
     """Simulate every config of the grid at every load; see ``capacity``'s docstring.
 
     ``model``: a served model's name or handle. Its execution times are measured once per
@@ -66,6 +70,14 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     ``requests`` shared between them (a row marked metastable where they disagree).
     ``progress``: a bar (a notebook) or text lines (elsewhere) through the measurement and the
     simulations.
+
+    ``lengths`` (a list of texts or token counts; texts counted by ``tokenizer`` if given, else
+    split on whitespace): plan padding batching for a ``[batch, length]`` model instead
+    (``planning.lengths``): its execution is measured per (batch size, length) on
+    ``length_grid`` (batch sizes, lengths; default from the distribution), and every
+    ``length_buckets`` x ``max_batch_tokens`` x ``max_queue_delay_us`` (default: from the
+    distribution) is simulated at each load; a ``LengthPlan`` recommends one for ``slo_p99_ms``.
+    ``burst_s``: the seconds of each of ``measure``'s two bursts (0: none; default its own).
     """
     from ..kernel import api
     name = model if isinstance(model, str) else model.name
@@ -75,6 +87,11 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     base_mbs = int(base.get("max_batch_size", 0) or 0)
     if base_mbs < 1:
         raise InvalidArgument(f"simulate '{name}': the model does not batch (max_batch_size 0)")
+    if lengths is not None:
+        return _by_length(client, conn, name, base, lengths, tokenizer, qps, concurrency,
+                          max_queue_delay_us, length_buckets, max_batch_tokens, length_grid,
+                          service, burst_s, repeats=repeats, requests=requests, seed=seed, stalls=stalls,
+                          slo_p99_ms=slo_p99_ms, progress=progress)
     sizes = _grid(max_batch_size, base_mbs, "max_batch_size")
     delays = _grid(max_queue_delay_us, int((base.get("dynamic_batching") or {})
                                            .get("max_queue_delay_microseconds", 0) or 0),
@@ -99,7 +116,8 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     if files is None and name in api.uploaded:
         files = dict(api.uploaded[name].files)
     if service is None:
-        service = _measure(client, conn, name, base, max(sizes), files, repeats, progress=progress)
+        bursts = {} if burst_s is None else {"burst_s": burst_s}
+        service = _measure(client, conn, name, base, max(sizes), files, repeats, progress=progress, **bursts)
     return CapacityPlan(name, base, service, loads, [(m, d, n) for m in sizes for d in delays for n in counts],
                         extra=classes, traffic=traffic, slo_p99_ms=slo_p99_ms, requests=requests,
                         seed=seed, overhead_ns=None if overhead_us is None else
@@ -142,3 +160,34 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     version = str(max(int(v) for v in client.metadata(name)["versions"]))
     return dataclasses.replace(temp_service, model=name, version=version,
                                method=temp_service.method + f", on a copy with max_batch_size {largest}")
+
+
+def _by_length(client: TritonHTTP, conn: Connection, name: str, base: dict, lengths: Sequence[Any],
+               tokenizer: Any, qps: Any, concurrency: Any, delays: Any, buckets: Any, budgets: Any,
+               grid: Any, service: Any, burst_s: float | None, *, repeats: int, progress: bool,
+               **options: Any) -> Any:
+    """``simulate(..., lengths=...)``: the lengths counted, the model measured by length (or
+    ``service``, a ``LengthService``), every candidate simulated (``lengths.plan_by_length``)."""
+    from .length_service import LengthService, measure_lengths
+    from .lengths import measure_grid, plan_by_length, token_counts
+    counts = token_counts(lengths, tokenizer)
+    loads = [Load("qps", float(q)) for q in ([qps] if isinstance(qps, (int, float)) else qps or [])]
+    loads += [Load("concurrency", float(c)) for c in
+              ([concurrency] if isinstance(concurrency, int) else concurrency or [])]
+    if not loads or any(l.value <= 0 for l in loads) or \
+            any(l.value > 1024 for l in loads if l.kind == "concurrency"):
+        raise InvalidArgument("simulate: by length, give qps= (> 0) or concurrency= (1 to 1024)")
+    if not 1 <= options["requests"] <= 100_000:
+        raise InvalidArgument("simulate: requests must be in [1, 100000]")
+    if service is not None and not isinstance(service, LengthService):
+        raise InvalidArgument("simulate: by length, service= is a LengthService (measure_lengths)")
+    if service is None:
+        batches, sizes = grid if grid is not None else measure_grid(counts, int(base["max_batch_size"]))
+        bursts = {} if burst_s is None else {"burst_s": burst_s}
+        outside = measure(conn, name, sizes=[1], repeats=repeats, progress=progress, **bursts)
+        service = measure_lengths(conn, name, list(batches), list(sizes), outside,
+                                  repeats=max(1, repeats // 3), progress=progress)
+    return plan_by_length(name, base, service, counts, loads, buckets=buckets,
+                          budgets=[budgets] if isinstance(budgets, int) else budgets,
+                          delays=[delays] if isinstance(delays, int) else delays,
+                          progress=progress, **options)

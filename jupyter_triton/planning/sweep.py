@@ -20,8 +20,10 @@ import time
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import numpy as np
+
 from ..progress import progress as show_progress
-from ..protocol.datatypes import element_size
+from ..protocol.datatypes import element_size, triton_to_numpy
 from ..protocol.errors import InvalidArgument, Unavailable
 from ..kernel.client import TritonHTTP
 from ..kernel.discovery import Connection
@@ -53,18 +55,24 @@ def request_body(metadata: dict, rows: int) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
-def binary_request(metadata: dict, rows: int) -> tuple[bytes, dict[str, str]]:
+def binary_request(metadata: dict, rows: int, length: int = 1, fill: int = 0) -> tuple[bytes, dict[str, str]]:
     """``request_body``'s request in the binary tensor extension (what perf_analyzer and
     tritonclient send; answers asked binary too), with its headers: the server's loop does
-    less a request than for JSON, and the bursts measure its CPU with the clients' encoding."""
+    less a request than for JSON, and the bursts measure its CPU with the clients' encoding.
+    ``length``: each variable dimension's; ``fill``: every numeric value (1: a token id and an
+    attention mask alike, ``length_service``)."""
     inputs, data = [], []
     for inp in metadata["inputs"]:
-        shape = [rows] + [1 if int(d) < 0 else int(d) for d in inp["shape"][1:]]
+        shape = [rows] + [length if int(d) < 0 else int(d) for d in inp["shape"][1:]]
         n = 1
         for d in shape:
             n *= d
-        raw = (b"\x01\x00\x00\x000" * n if inp["datatype"] == "BYTES"
-               else bytes(n * (element_size(inp["datatype"]) or 1)))
+        if inp["datatype"] == "BYTES":
+            raw = b"\x01\x00\x00\x000" * n
+        elif fill:
+            raw = np.full(shape, fill, triton_to_numpy(inp["datatype"])).tobytes()
+        else:
+            raw = bytes(n * (element_size(inp["datatype"]) or 1))
         inputs.append({"name": inp["name"], "shape": shape, "datatype": inp["datatype"],
                        "parameters": {"binary_data_size": len(raw)}})
         data.append(raw)

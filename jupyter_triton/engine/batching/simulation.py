@@ -31,6 +31,14 @@ turn on the loop (the load's own CPU competing for the cores: a lighter load mee
 second). Unlike a request's own delay, a stall holds up every request waiting for the
 loop, and answers queue behind it: the correlated tail that a shared machine shows under load.
 
+Requests may carry a length (``Arrival.length``, ``ClosedLoop.lengths``: texts of
+different lengths, issue 36): each then holds stand-in inputs of that length (no memory: a
+broadcast zero) for the config's variable-length inputs, so the real batcher groups them as it
+groups real requests: with ``ragged_batching: "pad"`` (config/padding.py) within a length
+bucket and the token budget, padded to the batch's longest member; without it only equal
+lengths together. An instance then takes ``service(rows, rng, length)`` ns for a batch padded
+to ``length``; ``SimResult.tokens`` holds each such batch's (padded, real) tokens.
+
 Holds are the clients' side of the same thing, shorter than a cycle: moments (``hold_rate``
 a second, a Poisson stream, each one of ``hold_ns`` long) when an answer written by the
 server does not reach its client; every answer due in one reaches it when the hold ends.
@@ -44,13 +52,16 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ...protocol.datatypes import config_to_triton, triton_to_numpy
 from ...protocol.errors import TritonError
 from .batcher import DynamicBatcher
 from .clock import VirtualClock, VirtualLoop
@@ -70,12 +81,14 @@ class Arrival:
     priority: int = 0
     timeout_us: int = 0
     cls: str = ""
+    length: int = 0             # tokens (a variable-length input's length); 0: none
 
 
 @dataclass(frozen=True)
 class ClosedLoop:
     """``concurrency`` clients sending ``requests`` in all, each its next one when the
-    previous answer came (+ ``think_ns``): what perf_analyzer does."""
+    previous answer came (+ ``think_ns``): what perf_analyzer does. ``lengths``: the
+    requests' lengths in the order they are sent (by any client), cycled; empty: none."""
     concurrency: int
     requests: int
     rows: int = 1
@@ -83,8 +96,10 @@ class ClosedLoop:
     priority: int = 0
     timeout_us: int = 0
     cls: str = ""
+    lengths: tuple[int, ...] = ()
 
 
+#: (rows, rng) -> ns; where requests carry lengths, (rows, rng, padded length) -> ns
 ServiceTime = Callable[[int, random.Random], int]
 
 
@@ -98,6 +113,7 @@ class Outcome:
     end_ns: int | None
     batch_rows: int
     status: str          # "ok" | "rejected" (refused on arrival) | "timeout" (dropped from the queue)
+    length: int = 0      # its tokens (0: the traffic carried no lengths)
 
 
 @dataclass
@@ -105,6 +121,7 @@ class SimResult:
     requests: list[Outcome]
     batches: list[tuple[int, int, int]]     # (start_ns, rows, instance index)
     duration_ns: int
+    tokens: list[tuple[int, int]] = field(default_factory=list)  # a batch's (padded, real) tokens
 
 
 class _SimPool:
@@ -122,6 +139,7 @@ class _SimPool:
         self.on_release: Callable[[], object] | None = None
         self.on_run: Callable[[], object] | None = None      # the server's loop dispatches it
         self.batches: list[tuple[int, int, int]] = []
+        self.tokens: list[tuple[int, int]] = []
 
     @property
     def size(self) -> int:
@@ -161,7 +179,13 @@ class _SimPool:
         self.batches.append((now, rows, instance))
         if self.on_run is not None:
             self.on_run()
-        took = max(0, int(self._service(rows, self._rng)))
+        longest = max(p.request.length for p in live)
+        if longest:
+            # padded to its longest member (without padding its members' lengths are equal)
+            self.tokens.append((rows * longest, sum(p.batch_size * p.request.length for p in live)))
+            took = max(0, int(self._service(rows, self._rng, longest)))  # type: ignore[call-arg]
+        else:
+            took = max(0, int(self._service(rows, self._rng)))
         loop.call_at((now + took) / 1e9, self._ran, instance, live, done)
         return done
 
@@ -179,6 +203,7 @@ class _Client:
     spec: ClosedLoop | None
     left: int
     arrivals: deque = field(default_factory=deque)
+    lengths: "itertools.cycle | None" = None       # a closed loop's next lengths
 
 
 class _Simulation:
@@ -217,13 +242,17 @@ class _Simulation:
         self.open = 0
         arrivals = sorted((a for a in traffic if isinstance(a, Arrival)), key=lambda a: a.t_ns)
         self.open_loop = _Client(None, len(arrivals), deque(arrivals))
-        self.closed = [_Client(c, c.requests) for c in traffic if isinstance(c, ClosedLoop)]
+        self.closed = [_Client(c, c.requests, lengths=itertools.cycle(c.lengths) if c.lengths else None)
+                       for c in traffic if isinstance(c, ClosedLoop)]
+        self.variable = _variable_inputs(config)
         self.open = len(arrivals) + sum(c.left for c in self.closed)
         for c in traffic:
             if not isinstance(c, (Arrival, ClosedLoop)):
                 raise TypeError(f"traffic must be Arrival or ClosedLoop, not {type(c).__name__}")
             if isinstance(c, ClosedLoop) and c.requests and c.concurrency < 1:
                 raise ValueError(f"ClosedLoop concurrency must be 1 or more, got {c.concurrency}")
+            if any(n < 0 for n in (c.lengths if isinstance(c, ClosedLoop) else (c.length,))):
+                raise ValueError("request lengths must be 0 or more")
         self.finished: asyncio.Future | None = None
 
     def run(self) -> SimResult:
@@ -241,7 +270,7 @@ class _Simulation:
         if errors:
             context = errors[0]
             raise RuntimeError(f"simulation failed: {context.get('message')}") from context.get("exception")
-        return SimResult(self.outcomes, self.pool.batches, self.end_ns)
+        return SimResult(self.outcomes, self.pool.batches, self.end_ns, self.pool.tokens)
 
     async def _main(self) -> None:
         clock = VirtualClock(self.loop)
@@ -331,18 +360,25 @@ class _Simulation:
                 self._next_arrival()
         else:
             spec = client.spec
+        length = spec.length if isinstance(spec, Arrival) else next(client.lengths) if client.lengths else 0
         if self.loop_stage:
             ready = self._take_loop(self.loop_in, request=True)
-            self.loop.call_at(ready / 1e9, self._submit, client, spec, sent_ns, after_ns)
+            self.loop.call_at(ready / 1e9, self._submit, client, spec, sent_ns, after_ns, length)
         else:
-            self._submit(client, spec, sent_ns, after_ns)
+            self._submit(client, spec, sent_ns, after_ns, length)
 
-    def _submit(self, client: _Client, spec: Arrival | ClosedLoop, sent_ns: int, after_ns: int) -> None:
-        outcome = Outcome(spec.cls, sent_ns, None, None, 0, "ok")
+    def _submit(self, client: _Client, spec: Arrival | ClosedLoop, sent_ns: int, after_ns: int,
+                length: int = 0) -> None:
+        outcome = Outcome(spec.cls, sent_ns, None, None, 0, "ok", length)
         self.outcomes.append(outcome)
         future = self.loop.create_future()
-        # The Outcome stands in for the request: only the pool reads it (start, batch rows).
-        pending = Pending(outcome, {}, spec.rows, future, priority=spec.priority,  # type: ignore[arg-type]
+        inputs = {}
+        if length:
+            # shapes only: the batcher reads a request's length from its inputs' shapes
+            inputs = {name: np.broadcast_to(np.zeros((), dtype), (spec.rows, *(length if d < 0 else d for d in dims)))
+                      for name, (dtype, dims) in self.variable.items()}
+        # The Outcome stands in for the request: only the pool reads it (start, batch rows, length).
+        pending = Pending(outcome, inputs, spec.rows, future, priority=spec.priority,  # type: ignore[arg-type]
                           timeout_ns=spec.timeout_us * 1000, enqueue_ns=self.loop.now)
         submit = self.scheduler.submit(pending)
         try:
@@ -377,6 +413,17 @@ class _Simulation:
             self._send_at(client, end + client.spec.think_ns)
         if not self.open:
             self.finished.set_result(None)
+
+
+def _variable_inputs(config: mc.ModelConfig) -> dict[str, tuple[np.dtype, list[int]]]:
+    """The config's inputs with a variable dimension (-1): their dtype and dims (without the
+    batch dimension), which a request's length fills."""
+    out = {}
+    for tensor in config.input:
+        if -1 in tensor.dims and tensor.data_type != mc.TYPE_STRING:
+            dtype = triton_to_numpy(config_to_triton(mc.DataType.Name(tensor.data_type)))
+            out[tensor.name] = (np.dtype(dtype), list(tensor.dims))
+    return out
 
 
 def simulate(config: mc.ModelConfig, service: ServiceTime, traffic: Sequence[Arrival | ClosedLoop], *,
