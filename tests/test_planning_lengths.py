@@ -305,6 +305,7 @@ def test_a_served_model_is_measured_by_length_and_planned(kernel_server):
     assert sorted(service.samples) == [(b, n) for b in (1, 8) for n in (8, 64, 256)]
     assert all(len(v) == 2 for v in service.samples.values())       # repeats // 3, each a clean delta
     assert service.base.overhead_ns > 0
+    assert "on a copy without queue delay" in service.base.method      # the served one has a delay
     # more tokens take longer: the fit rises with the batch's tokens
     assert service.median_ns(8, 256) > service.median_ns(1, 8)
     assert len(plan.results) == 2 * 2 * 2 + 2 and plan.chosen is not None

@@ -5,10 +5,11 @@ max_batch_size exceeds the served one) unless given a service model, and returns
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..protocol.errors import InvalidArgument, TritonError
 from ..kernel.client import TritonHTTP
@@ -90,7 +91,7 @@ def simulate(model: Any, qps: Sequence[float] | float | None = None,
     if lengths is not None:
         return _by_length(client, conn, name, base, lengths, tokenizer, qps, concurrency,
                           max_queue_delay_us, length_buckets, max_batch_tokens, length_grid,
-                          service, burst_s, repeats=repeats, requests=requests, seed=seed, stalls=stalls,
+                          service, burst_s, files, repeats=repeats, requests=requests, seed=seed, stalls=stalls,
                           slo_p99_ms=slo_p99_ms, progress=progress)
     sizes = _grid(max_batch_size, base_mbs, "max_batch_size")
     delays = _grid(max_queue_delay_us, int((base.get("dynamic_batching") or {})
@@ -142,32 +143,44 @@ def _measure(client: TritonHTTP, conn: Connection, name: str, base: dict, larges
     mbs = int(base["max_batch_size"])
     if largest <= mbs or files is None:
         return measure(conn, name, repeats=repeats, server_pid=server_pid, **keywords)
+    with _copy(client, name, base, files, largest) as temp:
+        temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid, **keywords)
+    version = str(max(int(v) for v in client.metadata(name)["versions"]))
+    return dataclasses.replace(temp_service, model=name, version=version,
+                               method=temp_service.method + f", on a copy with max_batch_size {largest}")
+
+
+@contextlib.contextmanager
+def _copy(client: TritonHTTP, name: str, base: dict, files: dict[str, bytes],
+          max_batch_size: int) -> Iterator[str]:
+    """A temporary copy of the model (``<model>__sim``) with this max_batch_size and no queue
+    delay (the sweep's bursts read a batch's cycle as its execution and hand-off: a delay
+    would count as hand-off), unloaded after."""
     temp = name + TEMP_SUFFIX
     config = copy.deepcopy(base)
-    config.update(name=temp, max_batch_size=largest)
+    config.update(name=temp, max_batch_size=max_batch_size)
     batching = dict(config.get("dynamic_batching") or {})
     batching["max_queue_delay_microseconds"] = 0
     batching.pop("preferred_batch_size", None)
     config["dynamic_batching"] = batching
     try:
         client.load(temp, json.dumps(temporary(config, temp)), files)
-        temp_service = measure(conn, temp, repeats=repeats, server_pid=server_pid, **keywords)
+        yield temp
     finally:
         try:
             client.unload(temp)
         except TritonError:
             pass          # the failure that brought us here is the one to report
-    version = str(max(int(v) for v in client.metadata(name)["versions"]))
-    return dataclasses.replace(temp_service, model=name, version=version,
-                               method=temp_service.method + f", on a copy with max_batch_size {largest}")
 
 
 def _by_length(client: TritonHTTP, conn: Connection, name: str, base: dict, lengths: Sequence[Any],
                tokenizer: Any, qps: Any, concurrency: Any, delays: Any, buckets: Any, budgets: Any,
-               grid: Any, service: Any, burst_s: float | None, *, repeats: int, progress: bool,
-               **options: Any) -> Any:
+               grid: Any, service: Any, burst_s: float | None, files: dict[str, bytes] | None, *,
+               repeats: int, progress: bool, **options: Any) -> Any:
     """``simulate(..., lengths=...)``: the lengths counted, the model measured by length (or
-    ``service``, a ``LengthService``), every candidate simulated (``lengths.plan_by_length``)."""
+    ``service``, a ``LengthService``; on a copy without queue delay where the served model has
+    one and its files are known), every candidate simulated (``lengths.plan_by_length``)."""
+    from ..kernel import api
     from .length_service import LengthService, measure_lengths
     from .lengths import measure_grid, plan_by_length, token_counts
     counts = token_counts(lengths, tokenizer)
@@ -184,9 +197,19 @@ def _by_length(client: TritonHTTP, conn: Connection, name: str, base: dict, leng
     if service is None:
         batches, sizes = grid if grid is not None else measure_grid(counts, int(base["max_batch_size"]))
         bursts = {} if burst_s is None else {"burst_s": burst_s}
-        outside = measure(conn, name, sizes=[1], repeats=repeats, progress=progress, **bursts)
-        service = measure_lengths(conn, name, list(batches), list(sizes), outside,
-                                  repeats=max(1, repeats // 3), progress=progress)
+        if files is None and name in api.uploaded:
+            files = dict(api.uploaded[name].files)
+        delay = int((base.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0) or 0)
+        with contextlib.ExitStack() as stack:
+            measured = name
+            if delay and files is not None:
+                measured = stack.enter_context(_copy(client, name, base, files, int(base["max_batch_size"])))
+            outside = measure(conn, measured, sizes=[1], repeats=repeats, progress=progress, **bursts)
+            service = measure_lengths(conn, measured, list(batches), list(sizes), outside,
+                                      repeats=max(1, repeats // 3), progress=progress)
+        if measured != name:
+            service.model = outside.model = name
+            outside.method += ", on a copy without queue delay"
     return plan_by_length(name, base, service, counts, loads, buckets=buckets,
                           budgets=[budgets] if isinstance(budgets, int) else budgets,
                           delays=[delays] if isinstance(delays, int) else delays,
