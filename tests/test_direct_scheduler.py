@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
 from python_models import executions, request, sleepy_model
-from server_waits import served_model, wait_for_queued
+from server_waits import served_model, started, wait_for_queued, wait_for_start
 from test_batching_http import Call, ids_in_execution_order, model_stats, run_calls
 
 BOUND_2 = 'parameters { key: "default_max_queue_size" value: { string_value: "2" } }'
@@ -118,10 +118,11 @@ def test_a_client_that_hangs_up_while_queued_frees_its_place(server, client, rep
             {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [ident, 0.0]}]}))
         return conn
 
+    before = started(client, "direct_one")
     first = post(1)
-    time.sleep(0.2)
+    wait_for_start(client, "direct_one", before)
     gone = post(2)
-    time.sleep(0.2)
+    wait_for_queued(served_model(server.engine, "direct_one"), 1)
     gone.close()
     deadline = time.monotonic() + 10
     while model_stats(client, "direct_one")["inference_stats"]["fail"]["count"] == 0:

@@ -282,8 +282,8 @@ def test_backlog_waits_for_a_free_slot(repo: Path, server) -> None:
     waiter = threading.Thread(target=lambda: answer.setdefault(
         "v", send(http(server), "acc", 40, 2, start=True, end=True)))
     waiter.start()
-    waiter.join(0.5)
-    assert waiter.is_alive()                     # backlogged behind sequence 1
+    wait_for_queued(served_model(server.engine, "acc"), 1)     # backlogged behind sequence 1
+    assert waiter.is_alive()
     assert send(client, "acc", 2, 1, end=True) == 3
     waiter.join(30)
     assert answer["v"] == 40
