@@ -5,6 +5,7 @@ the chunks behind an interactive request, and bad arguments are refused clearly.
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 import urllib.request
@@ -117,6 +118,16 @@ def test_a_failed_chunk_keeps_the_finished_ones_and_resume_sends_the_rest(kernel
         handle.map(x, resume=bulk.key)                   # a finished run is forgotten
 
 
+def _in_call(thread_id: int, name: str) -> bool:
+    """Whether the thread is inside a function called ``name`` now."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_an_interrupted_map_resumes_without_redoing_what_finished(kernel_server, tmp_path):
     x = items(1000)
     handle, files = serve(tmp_path, block_from=float(x[5 * 64, 0]))   # chunks 5.. wait
@@ -126,7 +137,8 @@ def test_an_interrupted_map_resumes_without_redoing_what_finished(kernel_server,
         wait_for(lambda: requests(handle) == 5 and files["blocked"].exists(), "chunk 5 to block")
         import signal
         signal.pthread_kill(main, signal.SIGINT)         # Ctrl-C in the map's thread
-        time.sleep(0.3)
+        # the map saw it: it waits for the chunks already sent (its pool's shutdown)
+        wait_for(lambda: _in_call(main, "shutdown"), "the map to stop sending")
         files["gate"].write_text("open")                 # the chunks already sent then finish
 
     watcher = threading.Thread(target=interrupt, daemon=True)
