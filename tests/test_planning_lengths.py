@@ -303,16 +303,19 @@ def test_a_served_model_is_measured_by_length_and_planned(kernel_server):
     assert isinstance(plan, LengthPlan)
     service = plan.service
     assert sorted(service.samples) == [(b, n) for b in (1, 8) for n in (8, 64, 256)]
-    assert all(len(v) == 2 for v in service.samples.values())       # repeats // 3, each a clean delta
+    assert all(1 <= len(v) <= 2 for v in service.samples.values())  # repeats // 3 (a delta another
+    # request shared is dropped)
     assert service.base.overhead_ns > 0
     assert "on a copy without queue delay" in service.base.method      # the served one has a delay
     # more tokens take longer: the fit rises with the batch's tokens
     assert service.median_ns(8, 256) > service.median_ns(1, 8)
     assert len(plan.results) == 2 * 2 * 2 + 2 and plan.chosen is not None
     assert {r["padding"] for r in plan.results} == {"pad", "none"}
-    # the served model's config with the chosen settings loads
-    chosen = plan.config(plan.chosen["candidate"])
-    assert padding(jt_config(chosen)) is not None
+    # the served model's config with a padded candidate's settings pads (the chosen one may be
+    # without padding: a model this fast at 4 clients may not need it)
+    padded = next(r for r in plan.results if r["padding"] == "pad" and r["length_buckets"] == "32,96")
+    rules = padding(jt_config(plan.config(padded["candidate"])))
+    assert rules is not None and rules.buckets == (32, 96) and rules.max_length == 256
     with pytest.raises(InvalidArgument, match="empty"):
         jt.simulate("enc", concurrency=4, lengths=[])
     with pytest.raises(InvalidArgument, match="qps= "):

@@ -207,9 +207,10 @@ def _by_length(client: TritonHTTP, conn: Connection, name: str, base: dict, leng
             outside = measure(conn, measured, sizes=[1], repeats=repeats, progress=progress, **bursts)
             service = measure_lengths(conn, measured, list(batches), list(sizes), outside,
                                       repeats=max(1, repeats // 3), progress=progress)
-        if measured != name:
-            service.model = outside.model = name
-            outside.method += ", on a copy without queue delay"
+        if measured != name:        # (the sweep keeps its figures: a copy of them is renamed)
+            service.model = name
+            service.base = dataclasses.replace(outside, model=name,
+                                               method=outside.method + ", on a copy without queue delay")
     return plan_by_length(name, base, service, counts, loads, buckets=buckets,
                           budgets=[budgets] if isinstance(budgets, int) else budgets,
                           delays=[delays] if isinstance(delays, int) else delays,
