@@ -1,4 +1,4 @@
-"""What traffic capture (engine/capture.py) costs per request, against the issue's bound of 5 %
+"""What traffic capture (engine/observation/capture.py) costs per request, against the issue's bound of 5 %
 of throughput, in CPU time per request (less swayed by other processes than the wall clock),
 capture off / on (fraction 1, max_rows 10,000, max_bytes 16 MiB: the sample full and evicting,
 the steady state), rounds alternating so that a loaded machine's drift hits both:

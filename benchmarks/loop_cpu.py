@@ -56,7 +56,7 @@ class Checkout(Ours):
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         cmd, env = super().command()
-        # CPU spent on work, not on busy polling (engine/busy_poll.py), which fills what
+        # CPU spent on work, not on busy polling (engine/batching/busy_poll.py), which fills what
         # the cores leave idle and would hide a change's cost at low concurrency; unless
         # what is measured is the polling itself (--busy-poll-us)
         polls = "--busy-poll-us" in (self.source / "jupyter_triton" / "cli.py").read_text()

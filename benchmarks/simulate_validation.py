@@ -5,7 +5,7 @@ One standalone server (``jupyter-triton serve``, its own process, 127.0.0.1) ser
 "embedder", a Python-backend model that sleeps 3 ms + 0.25 ms a row per execution (so the
 compute is the model's, not a CPU race). It serves with ``--busy-poll-us 0``: the servers
 ``simulate`` plans for are a Jupyter server's and a kernel's, which never busy-poll (the
-standalone default polls 1 ms after each request, engine/busy_poll.py), and a polling loop's
+standalone default polls 1 ms after each request, engine/batching/busy_poll.py), and a polling loop's
 CPU a request, which ``measure`` reads as the loop's work, would count its polling. Then:
 
 1. the service model: ``planning.measure`` on a copy with the grid's largest
@@ -468,7 +468,7 @@ def render(runs: list[dict]) -> str:
            "Run 28 (load 5.9 to 6.1): 7 of 16, every miss a p99; at c=4 with delays of 500 and 1000 us",
            "the server formed 2.03 to 2.15, the simulation 2.00 to 2.01.", "",
            "From run 30 the server is served with `--busy-poll-us 0`: `jupyter-triton serve` busy-polls",
-           "by default (1 ms after each request, engine/busy_poll.py), which a Jupyter server and a",
+           "by default (1 ms after each request, engine/batching/busy_poll.py), which a Jupyter server and a",
            "kernel, the servers `simulate()` plans for, never do, and the loop's CPU a request that",
            "`measure` reads as its work would count the polling. And each request's spread outside the",
            "server is drawn from the one-client burst's round trips (about 1,460, less their median and",

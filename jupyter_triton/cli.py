@@ -24,7 +24,7 @@ from .triton_flags import add_ignored, log_ignored
 # (5 ms by default) to take it back from the event loop: for millisecond-scale models that
 # wait is most of the latency (benchmarks/README.md has the figures).
 SWITCH_INTERVAL_S = 0.0005
-# engine/busy_poll.py: a standalone server polls this long after each request (the event loop
+# engine/batching/busy_poll.py: a standalone server polls this long after each request (the event loop
 # and its GIL are its own; a Jupyter server's and a kernel's are not, so they don't poll). A
 # millisecond covers the 500 us queue delay and a fast model's execution at one client, so
 # the loop does not sleep between a client's requests.

@@ -1,4 +1,4 @@
-"""BLS through the engine (engine/bls.py): a thread-mode model calls other models with its
+"""BLS through the engine (engine/composition/bls.py): a thread-mode model calls other models with its
 ``server_calls`` (blocking, from its instance thread): one response, a stream from a
 decoupled model, statistics counted in the called model, a timeout, the depth limit naming
 the chain, and the in-flight bound refusing a call storm at once."""

@@ -1,4 +1,4 @@
-"""Busy polling (`jupyter-triton serve --busy-poll-us`, engine/busy_poll.py): after a request
+"""Busy polling (`jupyter-triton serve --busy-poll-us`, engine/batching/busy_poll.py): after a request
 the server's event loop, and a python model's worker after a batch of one, keep polling for
 the window instead of sleeping; once requests stop, the server sleeps again. Read as an
 operator would, from /proc: a sleeper spends no CPU; a poller stays runnable (it gives way to

@@ -1,5 +1,5 @@
 """A batch that must wait for its queue delay is held by a free instance's thread, which starts
-it at the deadline (engine/instances.py ``Deferred``): Triton's batching rules still hold while
+it at the deadline (engine/batching/instances.py ``Deferred``): Triton's batching rules still hold while
 it is held (arrivals join it, a preferred size or a full batch sends it at once, a request that
 leaves is not run, timeouts and unloading take it back). A real InstancePool and a recording
 backend; no HTTP."""

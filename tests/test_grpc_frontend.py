@@ -29,7 +29,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.options = EngineOptions(model_repository=Path("unused"))   # the limits it serves with
-        self.tracing = Tracing()        # the engine's, off (engine/trace.py)
+        self.tracing = Tracing()        # the engine's, off (engine/observation/trace.py)
         self.loaded: list[tuple] = []
         self.unloaded: list[tuple] = []
         self.seen: list[InferRequest] = []

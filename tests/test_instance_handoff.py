@@ -1,4 +1,4 @@
-"""The hand-off of a batch to its instance's thread and back (engine/instances.py): results
+"""The hand-off of a batch to its instance's thread and back (engine/batching/instances.py): results
 come back by one callback on the loop, a backend that crashes fails its requests (never the
 server), the instance is always released, and a waiter cancelled mid-run still gets its
 requests answered when the thread is done."""

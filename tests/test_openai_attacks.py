@@ -73,7 +73,7 @@ input [ { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] } ]
 output [ { name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] } ]
 '''
 
-# opts a model in to loading on demand (engine/on_demand.py; off by default)
+# opts a model in to loading on demand (engine/lifecycle/on_demand.py; off by default)
 ON_DEMAND = 'parameters { key: "load_on_demand" value: { string_value: "true" } }\n'
 
 BIG_WORDS = 10_000_000          # "ab " each: a 28.6 MiB body

@@ -1,5 +1,5 @@
 """What the simulation takes from ``measure``'s two bursts (planning/bursts.py, fitting.py) and
-how it uses it (engine/simulation.py): stalls that come with the requests, so a lighter load
+how it uses it (engine/batching/simulation.py): stalls that come with the requests, so a lighter load
 meets fewer a second; the event loop's CPU split into a part per request and a part per batch;
 a stall as long as the least hold it left, scaled until the simulated burst has the burst's own
 p99.

@@ -1,4 +1,4 @@
-"""Promotion with a golden set and rollback (engine/promotion.py, repository/history.py):
+"""Promotion with a golden set and rollback (engine/lifecycle/promotion.py, repository/history.py):
 a new version is served only once it answers the golden cases; a rollback brings back the
 version and config that served before, in one swap. Through real servers: the notebook API
 (kernel side, protocol only), tritonclient HTTP and gRPC (the repository API's load with

@@ -1,6 +1,6 @@
 """Lifecycle as a control: within a memory budget a request loads the model it asks for (the
 operator opted in: --load-on-demand) and the least recently used idle models are evicted
-(engine/residency.py). The stories run
+(engine/lifecycle/residency.py). The stories run
 through real servers (standalone and Jupyter) with tritonclient, as an operator would see
 them: the answers, the repository index, the statistics and the Prometheus metrics."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine's scheduler on a virtual clock (engine/simulation.py): exact answers where the
+"""The engine's scheduler on a virtual clock (engine/batching/simulation.py): exact answers where the
 arithmetic is known (closed loop at c=1, full queues, timeouts, priorities, preferred sizes,
 instances, ordering), and agreement with a real server on the mean batch at one load."""
 from __future__ import annotations

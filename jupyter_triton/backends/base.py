@@ -106,7 +106,7 @@ class Backend:
     io_ns: tuple[int, int] = (0, 0)
 
     #: its batches execute in a process of its own (a python model's worker): while they
-    #: do, the event loop may poll (engine/busy_poll.py) without keeping a thread of this
+    #: do, the event loop may poll (engine/batching/busy_poll.py) without keeping a thread of this
     #: process from the GIL
     out_of_process: bool = False
     #: the engine's busy polling, set before ``load``: how long such a process may poll for

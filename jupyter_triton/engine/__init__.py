@@ -50,8 +50,8 @@ class Engine(ModelLifecycle):
     """What every frontend calls. Besides the methods below, its public attributes are
     ``options`` (EngineOptions: the limits and metric switches frontends honour),
     ``repository``, ``response_cache`` (None without --cache-config), ``shared_memory``,
-    ``tracing``, ``traffic`` (engine/capture.py), ``server_calls`` (BLS), ``residency``
-    (engine/residency.py: the memory budget, with ``resident_models()``), ``model_logs`` and
+    ``tracing``, ``traffic`` (engine/observation/capture.py), ``server_calls`` (BLS), ``residency``
+    (engine/lifecycle/residency.py: the memory budget, with ``resident_models()``), ``model_logs`` and
     ``custom_metrics`` (what its models log and count, handed to them through
     ``server_calls``) and ``server_log`` (the logging extension's settings); frontends use
     these, never probe for others."""
@@ -113,9 +113,9 @@ class Engine(ModelLifecycle):
 
     # ---- data path ---------------------------------------------------------------------
     async def infer(self, request: InferRequest) -> InferResponse:
-        if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
+        if self.tracing.on and request.trace is None:     # engine/observation/trace.py; off: this check only
             return await self.tracing.infer(self, request)
-        if self.traffic.active and not request.captured:  # engine/capture.py; off: this check only
+        if self.traffic.active and not request.captured:  # engine/observation/capture.py; off: this check only
             capture = self.traffic.active.get(request.model_name)
             if capture is not None:
                 return await capture.infer(self, request)
@@ -138,7 +138,7 @@ class Engine(ModelLifecycle):
         model: exactly one). Refusals raise on the first ``__anext__``; a decoupled model's
         error responses come with ``.error`` set. Closing the generator early (``aclose()``,
         or cancelling the task that iterates) cancels the request."""
-        if self.tracing.on and request.trace is None:     # engine/trace.py; off: this check only
+        if self.tracing.on and request.trace is None:     # engine/observation/trace.py; off: this check only
             traced = self.tracing.infer_stream(self, request)
             try:
                 async for response in traced:
@@ -146,7 +146,7 @@ class Engine(ModelLifecycle):
             finally:
                 await traced.aclose()
             return
-        if self.traffic.active and not request.captured:  # engine/capture.py; off: this check only
+        if self.traffic.active and not request.captured:  # engine/observation/capture.py; off: this check only
             tap = self.traffic.active.get(request.model_name)
             if tap is not None:
                 tapped = tap.infer_stream(self, request)
@@ -268,7 +268,7 @@ class Engine(ModelLifecycle):
 
     def statistics(self, name: str = "", version: str = "", history: bool = False) -> dict:
         """Triton's statistics; with a residency bound also ``residency`` (the bounds, what
-        is resident, per model its state, cold starts and evictions: engine/residency.py),
+        is resident, per model its state, cold starts and evictions: engine/lifecycle/residency.py),
         and with ``history`` (for a caller who may load models: it carries earlier configs
         and golden-set differences) one model's promotions and rollbacks when it has any."""
         extra: dict = {}

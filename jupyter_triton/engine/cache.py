@@ -120,7 +120,7 @@ class ResponseCache:
 
     def for_model(self, stats: "ModelStatistics", identity: str) -> "ModelCache":
         """The way through the cache of one loaded version; ``identity``: the lifecycle's
-        name for that load (engine/lifecycle.py), part of every key."""
+        name for that load (engine/lifecycle/control.py), part of every key."""
         return ModelCache(self, stats, identity)
 
 

@@ -15,7 +15,7 @@ class EngineOptions:
     repository_poll_secs: float = 15.0
     summary_latencies: bool = False
     # --metrics-config histogram_latencies=true: nv_inference_first_response_histogram_ms and
-    # the request/queue/compute histograms per version (engine/histograms.py);
+    # the request/queue/compute histograms per version (engine/observation/histograms.py);
     # histogram_buckets_ms: the latter's bucket bounds (empty: the defaults)
     histogram_latencies: bool = False
     histogram_buckets_ms: tuple[float, ...] = ()
@@ -41,7 +41,7 @@ class EngineOptions:
     # Triton's response cache, its --cache-config local,size=<bytes>: one LRU of that many
     # bytes for every model whose config says response_cache { enable: true }. 0: no cache.
     response_cache_size: int = 0
-    # Lifecycle as a control (engine/residency.py): within these bounds idle models are
+    # Lifecycle as a control (engine/lifecycle/residency.py): within these bounds idle models are
     # evicted, least recently used first, to make room for a load; what loads at start stops
     # where the bounds are reached. 0: no bound (Triton's semantics: nothing unloads by itself).
     # --model-residency-bytes, --max-loaded-models; c.JupyterTriton traits of the same names.
@@ -61,7 +61,7 @@ class EngineOptions:
     auto_complete_config: bool = True
     # tritonserver's --id: the name server metadata answers
     server_id: str = "triton"
-    # engine/busy_poll.py: after a request arrives, the event loop (and a python model's
+    # engine/batching/busy_poll.py: after a request arrives, the event loop (and a python model's
     # worker, after a batch of one) polls this long before sleeping. 0: off (a Jupyter
     # server's and a kernel's default); `jupyter-triton serve` polls by default.
     busy_poll_us: int = 0

@@ -79,7 +79,7 @@ def error_reply(err: TritonError | str, status: int | None = None) -> Reply:
     code = status if status is not None else (err.status if isinstance(err, TritonError) else 500)
     headers = {"Content-Type": JSON}
     retry_after = getattr(err, "retry_after", None)
-    if retry_after is not None:       # e.g. a model still loading on demand (engine/on_demand.py)
+    if retry_after is not None:       # e.g. a model still loading on demand (engine/lifecycle/on_demand.py)
         headers["Retry-After"] = str(retry_after)
     return Reply(code, json.dumps({"error": str(err)}).encode(), headers,
                  close=isinstance(err, RequestTimeout))
@@ -413,7 +413,7 @@ async def model_infer(plane: DataPlane, call: Call) -> Reply:
             request = decode_infer_request(body, length, model, version)
     if call.ticket is not None:
         call.ticket.release()           # decoded: its bytes no longer count as in flight
-    if plane.engine.tracing.on:         # engine/trace.py: a client's W3C trace context
+    if plane.engine.tracing.on:         # engine/observation/trace.py: a client's W3C trace context
         request.trace_context = trace_context(headers)
     try:
         response = await plane.engine.infer(request)
@@ -450,7 +450,7 @@ async def _generate_request(plane: DataPlane, call: Call) -> tuple[Any, bool]:
     model, version = call.params["model"], _version(call)
     config = plane.engine.model_config(model, version)
     request = generate_request(config, model, version, await plane.json_body(call))
-    if plane.engine.tracing.on:         # engine/trace.py: a client's W3C trace context
+    if plane.engine.tracing.on:         # engine/observation/trace.py: a client's W3C trace context
         request.trace_context = trace_context(call.headers)
     return request, config.max_batch_size > 0
 
@@ -504,7 +504,7 @@ async def model_logs_route(plane: DataPlane, call: Call) -> Reply:
 
 
 async def model_traffic(plane: DataPlane, call: Call) -> Reply:
-    """A model's captured requests (GET) and its capture's switch (POST: engine/capture.py's
+    """A model's captured requests (GET) and its capture's switch (POST: engine/observation/capture.py's
     ``TrafficCapture.control``); a name that is not a model: 404, nothing kept."""
     model = call.params["model"]
     if call.method == "POST":

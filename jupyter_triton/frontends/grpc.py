@@ -179,7 +179,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.inflight.take(size)
         try:
             infer_request = self._plans.decode(raw, **self._decode_kwargs)
-            if self.engine.tracing.on:     # engine/trace.py: a client's W3C trace context
+            if self.engine.tracing.on:     # engine/observation/trace.py: a client's W3C trace context
                 infer_request.trace_context = trace_context(_headers(context))
             try:
                 response = await self.engine.infer(infer_request)
@@ -223,7 +223,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             request = parse_infer_request(raw)
             infer_request = decode_grpc_request(request, **self._decode_kwargs)
-            if carrier is not None:        # engine/trace.py: the stream's W3C trace context
+            if carrier is not None:        # engine/observation/trace.py: the stream's W3C trace context
                 infer_request.trace_context = carrier
             # the frontend's to act on, as in Triton: the model never sees it
             empty_final = infer_request.parameters.pop("triton_enable_empty_final_response",

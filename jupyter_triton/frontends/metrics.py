@@ -141,7 +141,7 @@ class TritonMetricsCollector:
 
 
 def _residency_metrics(residency: dict) -> Iterator[Metric]:
-    """Lifecycle as a control (engine/residency.py): per model, loads a request caused and
+    """Lifecycle as a control (engine/lifecycle/residency.py): per model, loads a request caused and
     evictions; server-wide, resident bytes against the budget."""
     models = residency["models"]
     yield _family("nv_model_cold_starts_total", "Number of model loads caused by a request "
@@ -196,7 +196,7 @@ def _first_response_histogram(models: list[tuple[ModelVersion, dict]]) -> Metric
 
 
 def _latency_histograms(models: list[tuple[ModelVersion, dict]]) -> Iterator[Metric]:
-    """Request, queue and compute histograms (engine/histograms.py), named in the pattern of
+    """Request, queue and compute histograms (engine/observation/histograms.py), named in the pattern of
     Triton's first-response histogram; the bucket counts are cumulative, ``le`` last."""
     snapshots = [(m.stats.histograms.snapshot(), labels) for m, labels in models
                  if m.stats.histograms is not None]

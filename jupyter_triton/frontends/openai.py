@@ -15,7 +15,7 @@ answer costs no more than its length. At most ``MAX_STOPS`` stop sequences of at
 into one text.
 
 The model is found as the v2 infer route finds it (``Engine.resident_version``): one the
-operator opted in to loading on demand is loaded first if it is not (engine/on_demand.py).
+operator opted in to loading on demand is loaded first if it is not (engine/lifecycle/on_demand.py).
 
 ``usage`` counts tokens as the streaming convention has them: each response of a decoupled
 model is one token; a model that answers once has as many as its text has

@@ -95,7 +95,7 @@ class TritonHTTP:
              ) -> None:
         """POST v2/repository/models/{model}/load, files as ``{"<version>/<path>": bytes}``.
         ``lifecycle``: promotion (``golden``, ``atol``, ``rtol``, ``promote``) or ``rollback``,
-        sent as the load parameter ``file:lifecycle.json`` (engine/promotion.py), which
+        sent as the load parameter ``file:lifecycle.json`` (engine/lifecycle/promotion.py), which
         tritonclient's ``load_model(files=...)`` can send as well."""
         params: dict[str, str] = {}
         if lifecycle:
@@ -119,7 +119,7 @@ class TritonHTTP:
         self.request("POST", f"v2/repository/models/{quote(model, safe='')}/unload", b"{}",
                      what=f"failed to unload '{model}'")
 
-    # ---- traffic (the server's engine/capture.py) ---------------------------------------
+    # ---- traffic (the server's engine/observation/capture.py) ---------------------------------------
     def capture(self, model: str, settings: Mapping[str, Any]) -> dict:
         """POST v2/models/{model}/traffic: start (``{"capture": true, "fraction": ...,
         "max_rows": ..., "max_bytes": ...}``) or stop (``{"capture": false}``) a capture."""

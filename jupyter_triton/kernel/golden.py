@@ -1,5 +1,5 @@
 """A golden set, as a notebook holds it (``[(inputs, expected), ...]`` of numpy arrays), in
-the form the server's promotion check reads (engine/promotion.py), and what the server
+the form the server's promotion check reads (engine/lifecycle/promotion.py), and what the server
 answered: promoted, or refused with a per-case diff.
 
 Client-side only: everything here becomes a load request's parameters; the check itself

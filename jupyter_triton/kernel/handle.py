@@ -156,7 +156,7 @@ class ServedModel:
         path = f"{self._client._model_path(self.name, str(version or self.version))}/lineage"
         return self._client.get_json(path, what=f"lineage of '{self.name}'")["lineage"]
 
-    # ---- its traffic (the server's engine/capture.py) -----------------------------------
+    # ---- its traffic (the server's engine/observation/capture.py) -----------------------------------
     def capture(self, fraction: float = 1.0, max_rows: int = 10_000, *,
                 max_bytes: int | None = None, capture: bool = True, clear: bool = False) -> dict:
         """Keep a bounded, in-memory sample of this model's requests on the server, over HTTP

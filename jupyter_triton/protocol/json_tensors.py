@@ -275,7 +275,7 @@ def json_data(tensor: InferTensor) -> list | None:
 
 
 def tensor_to_json(tensor: InferTensor) -> dict:
-    """A tensor kept for later reading (engine/capture.py) as v2 JSON: name, datatype, shape
+    """A tensor kept for later reading (engine/observation/capture.py) as v2 JSON: name, datatype, shape
     and flat data (None where it stayed in shared memory); a BYTES tensor that is not UTF-8
     text carries base64 strings, with ``parameters.encoding`` "base64"."""
     doc: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,

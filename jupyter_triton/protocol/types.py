@@ -40,10 +40,10 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     # how many BLS calls deep this request was made (0: from a client); never on the wire
     bls_depth: int = 0
-    # engine/trace.py's Trace while the request is traced; a class attribute, not a field,
+    # engine/observation/trace.py's Trace while the request is traced; a class attribute, not a field,
     # so that the untraced path pays nothing to build a request
     trace = None
-    # engine/capture.py: set once a captured model's request went through its capture
+    # engine/observation/capture.py: set once a captured model's request went through its capture
     captured = False
     # set by the codec that decoded it where a tensor names a shared memory region (an
     # input's data is then None): only such a request has the engine read or write regions

@@ -216,7 +216,7 @@ class ModelCalls:
         request = InferRequest(model, version, id=request_id or "", inputs=tensors,
                                outputs=[RequestedOutput(n) for n in names] or None,
                                parameters=parameters, bls_depth=depth)
-        # a traced caller's trace goes on in its BLS calls (engine/trace.py reads it); a
+        # a traced caller's trace goes on in its BLS calls (engine/observation/trace.py reads it); a
         # decoupled model's calls have no batch to take it from
         request.trace_parent = next((r.trace for r in batch or () if r.trace is not None), None)
         return request, (timeout_us / 1e6 if timeout_us else None)

@@ -112,7 +112,7 @@ class DynamicBatcher(Scheduler):
     def __init__(self, config: mc.ModelConfig, pool: Pool, stats: ModelStatistics,
                  clock: Clock = MONOTONIC) -> None:
         super().__init__(pool)
-        self._now = clock.now_ns          # a virtual clock in engine/simulation.py
+        self._now = clock.now_ns          # a virtual clock in engine/batching/simulation.py
         self.stats = stats
         self.model = config.name
         db = config.dynamic_batching
@@ -179,7 +179,7 @@ class DynamicBatcher(Scheduler):
         elif self._pump_soon is None:
             # Several requests arrive in one loop iteration: one pass over the queue for all.
             # the future's loop is the one running (asyncio.get_running_loop() is a getpid()
-            # syscall a call on Python 3.11), virtual in engine/simulation.py
+            # syscall a call on Python 3.11), virtual in engine/batching/simulation.py
             self._pump_soon = pending.future.get_loop().call_soon(self._pump)
 
     def _check_queue_size(self, level: _Level) -> None:

@@ -1,5 +1,5 @@
 """The time a scheduler reads and the wake-ups it asks for, so that the same batcher runs
-on the wall clock (serving) or on a virtual one (``engine/simulation.py``).
+on the wall clock (serving) or on a virtual one (``engine/batching/simulation.py``).
 
 A clock offers ``now_ns()`` and ``alarm(callback)``, an object with ``set(deadline_ns)``,
 ``cancel()``, ``close()`` and ``deadline_ns`` that calls ``callback`` on the running loop

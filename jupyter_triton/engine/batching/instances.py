@@ -271,7 +271,7 @@ class InstancePool:
         # The dynamic batcher's hook: called (synchronously) whenever an instance is free again.
         self.on_release: Callable[[], Any] | None = None
         # A decoupled model's batches run execute_decoupled with each request's stream as its
-        # sender (engine/streaming.py); the futures then only say when execute returned.
+        # sender (engine/composition/streaming.py); the futures then only say when execute returned.
         self.decoupled = False
         # Backends whose answers the loop reads itself (start_on_loop): no thread waits for them.
         self._on_loop = all(i.backend.executes_on_loop for i in instances) and bool(instances)
@@ -381,7 +381,7 @@ class InstancePool:
         self._settle(done, instance, self._deliver, instance, live, result, error)
 
     def launch(self, instance: Instance, batch: list["Pending"]) -> asyncio.Future:
-        """``run`` on ``instance`` (the name engine/sequence.py calls)."""
+        """``run`` on ``instance`` (the name engine/composition/sequence.py calls)."""
         return self.run(batch, instance)
 
     def can_hold(self) -> bool:
@@ -493,7 +493,7 @@ class InstancePool:
             p.started = True
             p.start_ns = start_ns
             queued.append(start_ns - p.enqueue_ns)
-            if p.request.trace is not None:         # engine/trace.py
+            if p.request.trace is not None:         # engine/observation/trace.py
                 p.request.trace.compute_start(p.enqueue_ns, start_ns, p.batch_size)
         stats = self.stats
         stats.record_queues(queued)
@@ -536,7 +536,7 @@ class InstancePool:
         rows = failed = failed_rows = failed_queue_ns = 0
         for p, result in zip(live, results):
             rows += p.batch_size
-            if p.request.trace is not None:         # engine/trace.py
+            if p.request.trace is not None:         # engine/observation/trace.py
                 p.request.trace.compute_end(timing)
             if isinstance(result, BaseException):
                 failed += 1

@@ -17,7 +17,7 @@ Two bounds keep a model from hurting the server:
   fails at once with Unavailable, so a call storm is refused instead of queued without end.
 
 The depth of the request a model is executing is known from the instance thread that runs
-it (``executing``, set by ``engine/instances.py`` around each execute) and from the BLS
+it (``executing``, set by ``engine/batching/instances.py`` around each execute) and from the BLS
 request itself (a worker process passes ``bls_depth`` on), whichever is deeper.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ class ModelCalls:
             request.bls_depth = 1
         chain = tuple(parent_chain or ()) + (self.caller,)
         request.bls_chain = chain       # type: ignore[attr-defined]  (never on the wire)
-        request.trace_parent = bls_parent(parents) or getattr(request, "trace_parent", None)  # type: ignore[attr-defined]  (engine/trace.py)
+        request.trace_parent = bls_parent(parents) or getattr(request, "trace_parent", None)  # type: ignore[attr-defined]  (engine/observation/trace.py)
         if request.bls_depth > self._bls.max_depth:
             raise InvalidArgument(
                 f"BLS request to model '{request.model_name}' is nested {request.bls_depth} "

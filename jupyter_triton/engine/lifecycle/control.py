@@ -82,7 +82,7 @@ class ModelLifecycle:
         self._start_done: asyncio.Event | None = None
         self._poller: asyncio.Task | None = None
         self._unloading: set[asyncio.Task] = set()
-        # one loop, polled after any model's request (engine/busy_poll.py); None: off
+        # one loop, polled after any model's request (engine/batching/busy_poll.py); None: off
         self.busy_poll = BusyPoll(options.busy_poll_us) if options.busy_poll_us > 0 else None
         # Triton's rate limiter spans models: one per engine.
         self.rate_limiter = RateLimiter.from_options(options)
@@ -90,7 +90,7 @@ class ModelLifecycle:
         self.response_cache = ResponseCache(options.response_cache_size) \
             if options.response_cache_size > 0 else None
         self._loads = itertools.count(1)        # each version load's own number
-        # lifecycle as a control (engine/residency.py): off unless a bound is set
+        # lifecycle as a control (engine/lifecycle/residency.py): off unless a bound is set
         self.residency = Residency(options.model_residency_bytes, options.max_loaded_models)
         self.on_demand = OnDemand(self.table, self.residency, self.repository, options,
                                   self._load_locked)
@@ -219,7 +219,7 @@ class ModelLifecycle:
     async def load_model(self, name: str, config: str | None = None,
                          files: dict[str, bytes] | None = None,
                          parameters: dict | None = None) -> None:
-        """The repository API's load. ``parameters``: its lifecycle keys (engine/promotion.py):
+        """The repository API's load. ``parameters``: its lifecycle keys (engine/lifecycle/promotion.py):
         ``golden`` (+ ``atol``, ``rtol``, ``promote``) promotes only after a golden check;
         ``rollback`` brings back the previously served version and config."""
         self._check_explicit()

@@ -15,7 +15,7 @@ Where a model runs decides how we can know:
   figure; it is an honest measurement of the load, not an accounting of the heap. The
   allocator may give a reloaded model the memory an unloaded one freed, so on the CPU the
   figure is at least the bytes of the version's files (its weights): the residency budget
-  (engine/residency.py) sums these figures.
+  (engine/lifecycle/residency.py) sums these figures.
 
 Nothing here runs on the data path: the probe runs once per load, and the live readings
 only when someone asks for statistics or metrics.

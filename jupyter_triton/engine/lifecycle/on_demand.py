@@ -1,9 +1,9 @@
 """Loading on demand, the lifecycle's part: a request for a model that is in the repository,
 not loaded, and opted in by the operator (the server's --load-on-demand, or the model's
-``load_on_demand`` config parameter: engine/residency.py) loads it, once however many requests
+``load_on_demand`` config parameter: engine/lifecycle/residency.py) loads it, once however many requests
 wait; within a residency budget the least recently used idle models are evicted to make room.
 Any other name is Triton's 404 and leaves nothing behind: names come from clients. What to
-evict, and the counts, are engine/residency.py's."""
+evict, and the counts, are engine/lifecycle/residency.py's."""
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +44,7 @@ class OnDemand:
         # one eviction decision at a time; the loads themselves run side by side, each
         # under its model's own lock, a few at once. Under a memory budget one at a time: the
         # bytes it sums are measured per load, as what the process gained meanwhile
-        # (engine/memory.py), which another load in the process would blur.
+        # (engine/lifecycle/memory.py), which another load in the process would blur.
         self._room = asyncio.Lock()
         bound = 1 if residency.budget_bytes else residency.max_models
         self._cold_slots = asyncio.Semaphore(min(MAX_COLD_LOADS, bound) if bound else MAX_COLD_LOADS)

@@ -4,7 +4,7 @@ or a count (``max_loaded_models``): the bookkeeping and the choice of what to ev
 The lifecycle does the loading and unloading; this module only remembers, per model name,
 when it was last asked for, what it weighed when last loaded, and how often it was loaded
 on demand or evicted, and answers "which idle models go, least recently used first, so that
-what is resident fits". Sizes are what ``engine/memory.py`` measures for each loaded version
+what is resident fits". Sizes are what ``engine/lifecycle/memory.py`` measures for each loaded version
 (CPU and GPU bytes together).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ EVICT_WAIT_SECS = 2.0
 #: a model whose on-demand load failed is not tried again for this long (each request would)
 FAILED_RETRY_SECS = 5.0
 #: on-demand loads under way at once, at most (fewer with a smaller --max-loaded-models, one
-#: under a memory budget: engine/on_demand.py): one slow load does not hold the others, and a
+#: under a memory budget: engine/lifecycle/on_demand.py): one slow load does not hold the others, and a
 #: burst of requests does not load everything at once
 MAX_COLD_LOADS = 4
 

@@ -1,5 +1,5 @@
 """Promotion and rollback, the lifecycle's part: a version loaded staged, checked against a
-golden set (engine/promotion.py), then served by a switch of the version policy; and the
+golden set (engine/lifecycle/promotion.py), then served by a switch of the version policy; and the
 previous version and config served again in one swap. Every switch is appended to the
 model's history in the repository (repository/history.py)."""
 from __future__ import annotations

@@ -137,9 +137,9 @@ class ModelStatistics:
         self._samples: dict[str, deque[int]] = {k: deque(maxlen=SAMPLE_WINDOW) for k in LATENCY_KINDS}
         # an ensemble's steps by index (1-based): latency and failures, fields Triton lacks
         self.steps: dict[int, StepStat] = {}
-        # memory_usage: set by the engine once the version is loaded (engine/memory.py)
+        # memory_usage: set by the engine once the version is loaded (engine/lifecycle/memory.py)
         self.memory: Callable[[], list[dict]] | None = None
-        # engine/histograms.py's LatencyHistograms when the server keeps them (fed under _lock)
+        # engine/observation/histograms.py's LatencyHistograms when the server keeps them (fed under _lock)
         self.histograms = None
         # ragged_batching "pad" (config/padding.py): tokens the padded batches held, and the
         # tokens their requests sent; None for a model that does not pad

@@ -333,7 +333,7 @@ class Tracing:
         self._recent_bytes = 0
         self._file: _TraceFile | None = None
         self._in_batch = 0
-        self.otel: Any = None        # engine/otel.py's OpenTelemetry, in that mode
+        self.otel: Any = None        # engine/observation/otel.py's OpenTelemetry, in that mode
         self.on = False             # the data path's one check
         self._rebuild()
 
