@@ -13,6 +13,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.engine.observation.statistics import ModelStatistics
 from jupyter_triton.frontends.metrics import exposition, metrics_registry
+from jupyter_triton.model_metrics import CustomMetrics
 
 from test_batcher import batcher, pending, submit_all
 
@@ -89,7 +90,8 @@ def _engine_after_traffic(summaries: bool):
     stats.load_seconds = 1.5
     config = text_format.Parse('name: "m"', mc.ModelConfig())
     model = SimpleNamespace(name="m", version=1, stats=stats, pending_count=0, config=config)
-    return SimpleNamespace(models=lambda: [model], options=_options(summaries), response_cache=None), stats
+    return SimpleNamespace(models=lambda: [model], options=_options(summaries), response_cache=None,
+                           custom_metrics=CustomMetrics()), stats
 
 
 def _scrape(engine) -> tuple[str, dict]:
@@ -154,7 +156,8 @@ def test_latency_summaries_are_opt_in_with_tritons_quantiles():
 def test_label_values_are_escaped():
     s = ModelStatistics('we"ird\\name', "1")
     model = SimpleNamespace(name=s.name, version=1, stats=s, pending_count=2, config=mc.ModelConfig())
-    engine = SimpleNamespace(models=lambda: [model], options=_options(False), response_cache=None)
+    engine = SimpleNamespace(models=lambda: [model], options=_options(False), response_cache=None,
+                             custom_metrics=CustomMetrics())
     body, _ = exposition(metrics_registry(engine, cpu=False, gpu=False))
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     [sample] = families["nv_inference_pending_request_count"].samples
@@ -191,7 +194,8 @@ def test_gpu_metrics_come_from_nvml_per_gpu_uuid(monkeypatch):
         nvmlDeviceGetPowerUsage=lambda h: 123_456, nvmlDeviceGetPowerManagementLimit=unsupported,
         nvmlDeviceGetTotalEnergyConsumption=lambda h: next(energy))
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    engine = SimpleNamespace(models=lambda: [], options=_options(False), response_cache=None)
+    engine = SimpleNamespace(models=lambda: [], options=_options(False), response_cache=None,
+                             custom_metrics=CustomMetrics())
     body, _ = exposition(metrics_registry(engine, cpu=False))
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     gpu = {"gpu_uuid": "GPU-1234"}
@@ -211,7 +215,8 @@ def test_gpu_metrics_come_from_nvml_per_gpu_uuid(monkeypatch):
 
 def test_no_nvml_means_no_gpu_metrics(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "pynvml", None)   # import fails
-    engine = SimpleNamespace(models=lambda: [], options=_options(False), response_cache=None)
+    engine = SimpleNamespace(models=lambda: [], options=_options(False), response_cache=None,
+                             custom_metrics=CustomMetrics())
     body, _ = exposition(metrics_registry(engine, cpu=False))
     assert b"nv_gpu" not in body and b"nv_energy" not in body
 
