@@ -3,7 +3,11 @@
 engine's own batcher on a virtual clock answer what a config does under load before it is
 deployed (``api.simulate``: a ``capacity`` plan, its ``rows``, shown by ``render``). By input
 length (``lengths``): execution per (batch, padded length) (``length_service``) and a plan of
-padding buckets, token budget and delay (``LengthPlan``)."""
+padding buckets, token budget and delay (``LengthPlan``).
+
+Layer: the notebook side's. It may import the engine's simulator (``engine.batching.simulation``),
+the config and protocol layers and the kernel's client; it talks to a server only over its v2
+routes, never through a running engine's objects, and nothing in the server imports it."""
 from __future__ import annotations
 
 from .api import simulate
