@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
@@ -25,12 +25,21 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 if TYPE_CHECKING:
     from ...protocol.types import InferRequest
-    from .trace import Trace
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://localhost:4318/v1/traces"
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class Finished(Protocol):
+    """What ``end`` reads of a finished trace (``trace.Trace``, which starts this exporter:
+    the exporter knows only these fields, not the tracer above it)."""
+    span: Any
+    model_version: str
+    parent_id: int
+    batch_size: int
+    stamps: list[tuple[str, int]]
 
 
 class OpenTelemetry:
@@ -81,7 +90,7 @@ class OpenTelemetry:
             span.set_attribute("request_id", request.id)
         return span
 
-    def end(self, trace: "Trace", error: BaseException | None) -> None:
+    def end(self, trace: Finished, error: BaseException | None) -> None:
         span = trace.span
         version = trace.model_version or "-1"
         span.set_attribute("triton.version", version)
