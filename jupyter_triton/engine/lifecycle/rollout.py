@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ...config import CONFIG_FILENAME
@@ -16,24 +15,16 @@ from ...repository import PendingUpload
 from ..model import READY, UNAVAILABLE, ModelVersion, VersionStatus
 from ..observation.shadow import check as check_shadow
 from .promotion import Promotion, compare, golden_request
+from .table import Canary, Entry, ModelTable
 
 if TYPE_CHECKING:
     from ...repository import Repository
     from ..options import EngineOptions
-    from .table import Entry, ModelTable
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Canary:
-    """A staged version that takes ``fraction`` of the requests naming no version."""
-    version: int
-    fraction: float
-    pending: PendingUpload          # committed only by a promotion
-
-
-def canary_running(name: str, entry: "Entry") -> InvalidArgument:
+def canary_running(name: str, entry: Entry) -> InvalidArgument:
     return InvalidArgument(f"model '{name}' has a canary running (version {entry.canary.version}): "
                            f"promote it ('golden' with 'promote': {entry.canary.version}) or stop "
                            f"it ('canary': 0) first")
@@ -45,8 +36,8 @@ class Rollout:
     built from the repository but not loaded (``build``), and the traffic tap's shadow
     report of a model (``shadow_report``)."""
 
-    def __init__(self, table: "ModelTable", repository: "Repository", options: "EngineOptions",
-                 load: Callable[[str, "Entry"], Awaitable[None]],
+    def __init__(self, table: ModelTable, repository: "Repository", options: "EngineOptions",
+                 load: Callable[[str, Entry], Awaitable[None]],
                  build: Callable[[str, int], Awaitable[ModelVersion]],
                  shadow_report: Callable[[str], dict]) -> None:
         self.table = table
@@ -212,7 +203,7 @@ class Rollout:
                 "served": entry.served(),
                 "fraction": fraction})
 
-    async def end_canary(self, entry: "Entry", reason: str) -> None:
+    async def end_canary(self, entry: Entry, reason: str) -> None:
         canary, entry.canary = entry.canary, None
         if canary is None:
             return
@@ -223,7 +214,7 @@ class Rollout:
         await asyncio.shield(loop.run_in_executor(None, canary.pending.abort, reason))
         entry.status[canary.version] = VersionStatus(UNAVAILABLE, reason)
 
-    async def _stage(self, name: str, entry: "Entry", version: int) -> ModelVersion:
+    async def _stage(self, name: str, entry: Entry, version: int) -> ModelVersion:
         loop = asyncio.get_running_loop()
         self.repository.model_dir(name)      # a model the repository lacks: its NotFound first
         if version not in await loop.run_in_executor(None, self.repository.versions_on_disk, name):

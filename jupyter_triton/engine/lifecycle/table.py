@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+from ...repository import PendingUpload
 from ..model import ModelVersion, VersionStatus
 
-if TYPE_CHECKING:
-    from .rollout import Canary
+
+@dataclass
+class Canary:
+    """A staged version that takes ``fraction`` of the requests naming no version (started
+    and ended by the rollout, engine/lifecycle/rollout.py; the row only holds it)."""
+    version: int
+    fraction: float
+    pending: PendingUpload          # committed only by a promotion
 
 
 @dataclass
@@ -42,7 +49,7 @@ class Entry:
     # versions loaded for a promotion's golden check or a canary: callable by explicit
     # version; a canary's also takes its fraction of the requests naming no version
     staged: dict[int, ModelVersion] = field(default_factory=dict)
-    canary: "Canary | None" = None
+    canary: Canary | None = None
 
     def serve(self, versions: dict[int, ModelVersion]) -> dict[int, ModelVersion]:
         """Serve ``versions`` from now on; answers what served before."""
