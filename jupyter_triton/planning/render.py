@@ -1,19 +1,81 @@
 """How planning's objects look in a notebook: the service model's plot and table, the plan's
 plot, tables and text, the bulk effect's table, ``compare``'s rows. The objects' own
 ``_repr_html_`` and ``plot_png`` hand over to these; nothing here computes a figure.
+
+The objects (``service.ServiceModel``, ``capacity.CapacityPlan``, ``capacity.BulkEffect``)
+import this module; it knows of them only what it reads, as the protocols below.
 """
 from __future__ import annotations
 
 import base64
 import html
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..kernel.tune import legend_outside, png_bytes, series_style
 from .rows import describe_range, replica_range
 
-if TYPE_CHECKING:
-    from .capacity import BulkEffect, CapacityPlan
-    from .service import ServiceModel
+
+class ShownService(Protocol):
+    """What the service model's views read of a ``service.ServiceModel``."""
+    model: str
+    version: str
+    samples: dict[int, list[int]]
+    overhead_ns: int
+    method: str
+
+    def median_ns(self, rows: int) -> float: ...
+
+    def table(self) -> list[dict]: ...
+
+    def plot_png(self) -> bytes: ...
+
+    def describe_overhead(self) -> str: ...
+
+
+class ShownLoad(Protocol):
+    kind: str                   # "qps" (open loop), else closed loop or named traffic
+
+
+class ShownAnswer(Protocol):
+    row: dict | None
+
+    def _repr_html_(self) -> str: ...
+
+
+class ShownPlan(Protocol):
+    """What the plan's views read of a ``capacity.CapacityPlan``."""
+    model: str
+    service: Any                # shown by its repr
+    loads: Sequence[ShownLoad]
+    grid: Sequence[tuple[int, int, int]]
+    results: list[dict]
+    slo_p99_ms: float | None
+    seconds: float
+    bulk: Any                   # a traffic class, or None: no bulk effect to show
+    measured: Any               # tune()'s results, or None: nothing measured to compare
+
+    def run(self, max_batch_size: int, max_queue_delay_us: int, instances: int,
+            load: Any) -> dict: ...
+
+    def best(self) -> ShownAnswer: ...
+
+    def plot_png(self) -> bytes: ...
+
+    def table_html(self) -> str: ...
+
+    def bulk_effect(self) -> Any: ...       # shown by its _repr_html_
+
+    def compare(self, measured: Any) -> Comparison: ...
+
+
+class ShownBulkEffect(Protocol):
+    """What the bulk effect's views read of a ``capacity.BulkEffect``."""
+    bulk: str
+    config: dict
+    qps: float
+
+    @property
+    def rows(self) -> list[dict]: ...
 
 COLUMNS = ("max_batch_size", "max_queue_delay_us", "instances", "load", "throughput", "p50_ms",
            "p95_ms", "p99_ms", "mean_batch", "rejected", "timeouts", "metastable")
@@ -24,7 +86,7 @@ COMPARE_COLUMNS = ("max_batch_size", "max_queue_delay_us", "concurrency", "measu
 
 # ---- the service model ---------------------------------------------------------------------
 
-def service_png(service: ServiceModel) -> bytes:
+def service_png(service: ShownService) -> bytes:
     """Execution time against batch size: every sample, the mean, the model's line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -51,7 +113,7 @@ def service_png(service: ServiceModel) -> bytes:
     return png_bytes(fig)
 
 
-def service_html(service: ServiceModel) -> str:
+def service_html(service: ShownService) -> str:
     png = base64.b64encode(service.plot_png()).decode("ascii")
     cols = ("batch_size", "n", "mean_ms", "p50_ms", "p95_ms", "max_ms", "per_row_ms")
     rows = "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>"
@@ -64,7 +126,7 @@ def service_html(service: ServiceModel) -> str:
 
 # ---- the plan ------------------------------------------------------------------------------
 
-def plan_figure(plan: CapacityPlan):
+def plan_figure(plan: ShownPlan):
     """Left: p99 (solid) and p50 (dotted) against load, one colour and marker per config
     (the legend beside the plot), a metastable row's replicas' range as a cross
     (throughput across, closed loop; p99 up). Right: the batch sizes formed at the highest
@@ -113,13 +175,13 @@ def plan_figure(plan: CapacityPlan):
     return fig
 
 
-def plan_table_html(plan: CapacityPlan, rows: Sequence[dict] | None = None,
+def plan_table_html(plan: ShownPlan, rows: Sequence[dict] | None = None,
                     columns: Sequence[str] = COLUMNS) -> str:
     rows = plan.results if rows is None else rows
     return table_html(rows, columns, plan.best().row if plan.results else None)
 
 
-def plan_html(plan: CapacityPlan) -> str:
+def plan_html(plan: ShownPlan) -> str:
     png = base64.b64encode(plan.plot_png()).decode("ascii")
     parts = [f"<div><h4>simulate: {html.escape(plan.model)} ({len(plan.results)} runs, "
              f"{plan.seconds:.1f} s)</h4>", plan.best()._repr_html_()]
@@ -134,7 +196,7 @@ def plan_html(plan: CapacityPlan) -> str:
     return "".join(parts)
 
 
-def plan_text(plan: CapacityPlan) -> str:
+def plan_text(plan: ShownPlan) -> str:
     lines = [f"CapacityPlan({plan.model}: {len(plan.results)} simulations in {plan.seconds:.2f} s)",
              "  ".join(f"{c:>18}" for c in COLUMNS)]
     lines += ["  ".join(f"{_show(r, c):>18}" for c in COLUMNS).rstrip() for r in plan.results]
@@ -144,7 +206,7 @@ def plan_text(plan: CapacityPlan) -> str:
 
 # ---- the bulk effect, compared rows, tables ------------------------------------------------
 
-def bulk_effect_html(effect: BulkEffect) -> str:
+def bulk_effect_html(effect: ShownBulkEffect) -> str:
     cols = ("scenario", "interactive_p50_ms", "interactive_p95_ms", "interactive_p99_ms",
             "bulk_throughput", "bulk_p95_ms", "mean_batch")
     head = "".join(f"<th>{c}</th>" for c in cols)
@@ -155,7 +217,7 @@ def bulk_effect_html(effect: BulkEffect) -> str:
             f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
-def bulk_effect_text(effect: BulkEffect) -> str:
+def bulk_effect_text(effect: ShownBulkEffect) -> str:
     return "\n".join(f"{r['scenario']:>45}: interactive p95 {r['interactive_p95_ms']:.2f} ms, "
                      f"bulk {r['bulk_throughput']:.0f} infer/s" for r in effect.rows)
 
