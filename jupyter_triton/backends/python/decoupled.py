@@ -16,23 +16,32 @@ import queue
 import select
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ...protocol.errors import DeadlineExceeded, TritonError, Unavailable
-from ..base import ResponseSender
+from ..base import ResponseSender, Tensors
 from . import triton_python_backend_utils as pb_utils
 from .messages import (SIDE, CancelQuery, CancelReply, DecoupledReturned, ExecuteDecoupled, ProtocolError,
                        Response)
 from .stub import ModelStub, OrphanCloser, RequestData, ResponseError
 from .worker import WorkerDied, WorkerProcess, WorkerTimeout, describe_exit, filled, unexpected
 
-if TYPE_CHECKING:
-    from .backend import PythonBackend
-
 log = logging.getLogger(__name__)
 
 _ALIVE = object()
 _DIED = ("died",)
+
+
+class SinkOwner(Protocol):
+    """What a sink reads of the instance whose request it answers (``backend.PythonBackend``,
+    which imports this module): its name in messages, how it turns a model's error into a
+    Triton one, and its thread mode's open sinks (a final response takes its sink off)."""
+    _thread_sinks: set[Sink]
+
+    @property
+    def _who(self) -> str: ...
+
+    def _response(self, result: ResponseError, request: None) -> Tensors | TritonError: ...
 
 
 class Sink:
@@ -41,7 +50,7 @@ class Sink:
 
     __slots__ = ("backend", "sender", "wanted", "closed", "_lock")
 
-    def __init__(self, backend: "PythonBackend", sender: ResponseSender, wanted: list[str]) -> None:
+    def __init__(self, backend: SinkOwner, sender: ResponseSender, wanted: list[str]) -> None:
         self.backend = backend
         self.sender = sender
         self.wanted = wanted

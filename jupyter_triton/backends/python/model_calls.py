@@ -15,7 +15,7 @@ import concurrent.futures
 import json
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -24,15 +24,25 @@ from ...model_metrics import CustomMetrics, MetricError
 from ...protocol.datatypes import numpy_to_triton
 from ...protocol.errors import Cancelled, InvalidArgument, NotFound, TritonError, Unavailable, Unsupported
 from ...protocol.types import InferRequest, InferTensor, RequestedOutput
+from ..base import InstanceSpec, ModelFiles, ServerCalls
 from . import messages
 from . import triton_python_backend_utils as pb_utils
 from .stub import bls_response, bls_spec
 from .worker import WorkerProcess
 
-if TYPE_CHECKING:
-    from .backend import PythonBackend
-
 log = logging.getLogger(__name__)
+
+
+class Caller(Protocol):
+    """What the calls read of the instance whose model makes them (``backend.PythonBackend``,
+    which imports this module); the instance is also the owner its model's custom metric
+    families are counted for."""
+    server_calls: ServerCalls | None
+    files: ModelFiles
+    instance: InstanceSpec
+
+    @property
+    def _who(self) -> str: ...
 
 _PB_CODE_BY_ERROR: dict[type, int] = {
     InvalidArgument: pb_utils.TritonError.INVALID_ARG, NotFound: pb_utils.TritonError.NOT_FOUND,
@@ -67,7 +77,7 @@ def _bls_pool() -> concurrent.futures.ThreadPoolExecutor:
 class ModelCalls:
     """One instance's model's calls into the server."""
 
-    def __init__(self, backend: "PythonBackend") -> None:
+    def __init__(self, backend: Caller) -> None:
         self.backend = backend
         #: the batch executing: BLS calls of it take their depth and trace from it
         self.batch: list | None = None
