@@ -1,9 +1,11 @@
 """Import cycles between the package's modules.
 
-Every ``import`` counts, at module level or inside a function (a lazy import
-is still a dependency a reader must follow), except those under
-``if TYPE_CHECKING:``. Prints each strongly connected group of modules and
-exits 1 when there is one.
+Every ``import`` counts: at module level, inside a function (a lazy import
+is still a dependency a reader must follow) and under ``if TYPE_CHECKING:``
+(a type a module names is a module a reader must know). The one import left
+out is a module's import of its own ancestor packages (see ``graph``).
+Prints each strongly connected group of modules and exits 1 when there is
+one.
 
     python tools/import_cycles.py [package_dir]
 """
@@ -22,21 +24,11 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
 def imports(tree: ast.AST, name: str, is_package: bool, known: set[str]):
     package = name if is_package else name.rpartition(".")[0]
     stack = [tree]
     while stack:
         node = stack.pop()
-        if _type_checking(node):
-            stack.extend(node.orelse)
-            continue
         stack.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -60,6 +52,10 @@ def _resolve(name: str, known: set[str]):
         yield name
 
 
+def _ancestor_or_self(package: str, name: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
 def graph(root: Path) -> dict[str, set[str]]:
     files = {module_name(root, p): p for p in root.rglob("*.py")}
     known = set(files)
@@ -67,10 +63,13 @@ def graph(root: Path) -> dict[str, set[str]]:
     for name, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
         is_package = path.name == "__init__.py"
-        # a module importing its own package's __init__ is the package's
-        # namespace, not a cycle through every sibling the __init__ imports
+        # a module's import of its own ancestor packages (``from . import x``
+        # where x is no module, a package's name for itself) is left out:
+        # importing ``a.b.c`` imports ``a.b`` anyway, so that edge says nothing
+        # a reader does not already follow, and counting it would make a cycle
+        # of every module its package's __init__ imports
         edges[name] = {m for m in imports(tree, name, is_package, known)
-                       if m != name}
+                       if not _ancestor_or_self(m, name)}
     return edges
 
 
