@@ -1,4 +1,4 @@
-"""Why the gRPC port keeps its own HTTP/2 (frontends/grpc_h2.py) rather than build on the ``h2``
+"""Why the gRPC port keeps its own HTTP/2 (frontends/h2_connection.py under grpc_calls.py) rather than build on the ``h2``
 package (python-hyper's state machine, which grpclib and hypercorn use): the server-side CPU of
 one unary gRPC call (1 KiB in, 1 KiB out) on one connection, ours against h2's H2Connection
 driving the same handler. Both create one task per call and write once per loop iteration; the
@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jupyter_triton.frontends import grpc_h2  # noqa: E402
+from jupyter_triton.frontends import grpc_calls, grpc_server  # noqa: E402
 
 try:
     import h2.config
@@ -65,8 +65,8 @@ async def spin():
 
 async def ours():
     handlers = {"ModelInfer": grpc.unary_unary_rpc_method_handler(handler)}
-    server = grpc_h2.H2GrpcServer({"inference.GRPCInferenceService": handlers}, 1 << 26, 1024)
-    conn = grpc_h2._Connection(server)
+    server = grpc_server.H2GrpcServer({"inference.GRPCInferenceService": handlers}, 1 << 26, 1024)
+    conn = grpc_calls.GrpcConnection(server)
     t = Transport(); conn.connection_made(t)
     c = client(); conn.data_received(c.data_to_send()); await spin(); c.receive_data(t.take())
     spent = 0.0
@@ -114,9 +114,9 @@ async def h2_server():
         assert any(isinstance(e, h2.events.StreamEnded) for e in events), events
     return spent / N
 
-results = {"ours (grpc_h2)": [], "h2 4.x": []}
+results = {"ours (grpc_calls)": [], "h2 4.x": []}
 for _ in range(3):
-    results["ours (grpc_h2)"].append(asyncio.run(ours()))
+    results["ours (grpc_calls)"].append(asyncio.run(ours()))
     results["h2 4.x"].append(asyncio.run(h2_server()))
 for k, v in results.items():
     print(f"{k:16s} server CPU per unary call: " + " / ".join(f"{x * 1e6:.1f}" for x in v) + " us (3 runs of %d calls)" % N)

@@ -1,5 +1,5 @@
 """Whatever bytes reach the gRPC port, the server keeps serving: our HTTP/2 front
-(frontends/grpc_h2.py) parses frames itself, so a broken or hostile peer must cost only its
+(frontends/h2_connection.py under frontends/grpc_calls.py) parses frames itself, so a broken or hostile peer must cost only its
 own connection. Each case opens a raw socket, sends the bytes, checks that the server ended
 that connection as RFC 9113 says (GOAWAY with the error code it names), and then an unmodified
 tritonclient.grpc client must still get correct answers."""
@@ -172,7 +172,7 @@ def test_the_connection_window_is_given_back(server):
     """Received DATA is given back to the connection's flow-control window once the handlers
     took it (in batches of WINDOW_REFILL bytes): a client that sends more than that gets it
     back and goes on."""
-    from jupyter_triton.frontends.grpc_h2 import WINDOW_REFILL
+    from jupyter_triton.frontends.h2_connection import WINDOW_REFILL
     from jupyter_triton.frontends.limits import HTTP2Limits
     window = HTTP2Limits().connection_window
     live = b"\x83\x86" + b"\x04\x2a/inference.GRPCInferenceService/ServerLive" + \

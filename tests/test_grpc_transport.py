@@ -1,4 +1,4 @@
-"""The HTTP/2 transport of the gRPC port (frontends/grpc_h2.py) with the unmodified
+"""The HTTP/2 transport of the gRPC port (frontends/grpc_calls.py) with the unmodified
 tritonclient.grpc client and a real engine: tensors larger than every flow-control window,
 the receive limit, many calls at once, client deadlines."""
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Triton's GRPCInferenceService: a codec over the v2 operations it shares with HTTP
 (frontends/operations.py: decode, one operation, encode), served by our own HTTP/2 front
-(frontends/grpc_h2.py; grpc.aio's server is not used: it had none of that front's
+(frontends/grpc_calls.py over frontends/h2_connection.py, listening in
+frontends/grpc_server.py; grpc.aio's server is not used: it had none of that front's
 protections against hostile peers, and cost more CPU per RPC; see
 benchmarks/results/notes-frontends.md).
 
@@ -9,9 +10,9 @@ the call's HEADERS (``admit_on_headers``: the port's door) before it came. Error
 once, in ``_rpc``: a TritonError aborts with its own status code and message; anything else
 is logged here and reaches the client as INTERNAL with its message only.
 
-ModelInfer and ModelStreamInfer take the raw request bytes: their size is charged to the bytes-in-flight budget before anything is
-parsed (on our front, a message larger than its connection's allowance was charged already,
-when its length prefix arrived: ``grpc_h2.Charged``), and a message that does not parse is
+ModelInfer and ModelStreamInfer take the raw request bytes: their size is charged to the
+bytes-in-flight budget before anything is parsed (on our front, a message larger than its connection's allowance was charged already,
+when its length prefix arrived: ``grpc_calls.Charged``), and a message that does not parse is
 INVALID_ARGUMENT rather than grpc's INTERNAL.
 """
 from __future__ import annotations
@@ -36,8 +37,9 @@ from . import grpc_health, operations
 from .admission import (HEALTH, INFERENCE, LOGGING, METADATA, MODEL_CONFIG, MODEL_REPOSITORY,
                         SHARED_MEMORY, STATISTICS, TRACE, AccessPolicy, Admission, BodyBudget,
                         Door, ResourceExhausted)
-from .grpc_h2 import Admit, Charged, H2GrpcServer, serve_h2
+from .grpc_calls import Admit, Charged
 from .grpc_options import GrpcTLS
+from .grpc_server import H2GrpcServer, serve_h2
 from .limits import HTTP2Limits
 
 log = logging.getLogger(__name__)
@@ -173,7 +175,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- inference ----------------------------------------------------------------------
     @_rpc(INFERENCE)
     async def ModelInfer(self, raw: bytes, context) -> bytes:
-        # A Charged message (grpc_h2: larger than its connection's allowance) is on the budget
+        # A Charged message (grpc_calls: larger than its connection's allowance) is on the budget
         # since its prefix arrived, until this call ends: not charged twice.
         size = 0 if type(raw) is Charged else len(raw)
         self.inflight.take(size)
@@ -272,7 +274,7 @@ class GRPCInferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def read() -> None:
             try:
                 async for raw in request_iterator:
-                    # A Charged message (grpc_h2) comes with its bytes on the budget already:
+                    # A Charged message (grpc_calls) comes with its bytes on the budget already:
                     # this stream gives them back when its answer is done.
                     charged = type(raw) is Charged
                     try:

@@ -1,7 +1,15 @@
-"""gRPC calls over one HTTP/2 connection (frontends/h2_connection.py): what a call's stream
-carries and what the server does with it, on the engine's loop. The handlers are
-frontends/grpc.py's ``method_handlers(service)``; the asyncio protocol that moves the bytes
-is frontends/grpc_h2.py.
+"""gRPC calls over one HTTP/2 connection, and the asyncio protocol that moves its bytes, on the
+engine's loop. The gRPC port is served by our own HTTP/2 front, in three layers:
+
+- frontends/h2_connection.py: HTTP/2 itself, sans-IO (frames, SETTINGS, streams, flow control,
+  header limits, floods, GOAWAY): bytes in, events and frames out;
+- here, the call layer, where IO meets calls: what a call's stream carries and what the server
+  does with it, and the connection's socket (``GrpcConnection``: one write per loop iteration,
+  reads paced, a peer that does not read not read either, the connection's timer);
+- the codec: frontends/grpc.py's handlers (``method_handlers(service)``) over
+  protocol/grpc_codec.py. The server that listens is frontends/grpc_server.py.
+
+What the call layer does:
 
 - a call starts on its HEADERS: its method found, the server's admission asked (``admit``) before
   any of its body is taken, the server's RPC cap applied;
@@ -26,6 +34,7 @@ import asyncio
 import base64
 import binascii
 import ctypes
+import functools
 import logging
 import struct
 import zlib
@@ -38,12 +47,12 @@ from .admission import ResourceExhausted
 from .h2_connection import H2Connection, H2Events, H2Stream, hpack_int, hpack_literal
 
 
-
 class CallServer(Protocol):
-    """What the calls of a connection read of their server (grpc_h2.H2GrpcServer)."""
+    """What a connection and its calls read of their server (grpc_server.H2GrpcServer)."""
     active: int
     admit: Any
     budget: Any
+    connections: set
     limits: Any
     max_concurrent_rpcs: int
     max_receive: int
@@ -55,6 +64,15 @@ Admit = Callable[[str, str, list], Any]
 
 log = logging.getLogger(__name__)
 
+# Bytes one connection's reads may bring in per loop iteration before it is paused until the
+# next: asyncio's transports read 256 KiB an iteration, uvloop's (libuv) read again until the
+# socket is drained (32 reads of 256,000 bytes in one iteration). Unpaced on uvloop, one
+# connection's 1 MiB calls were taken in faster than they ran, dozens of them admitted at
+# once (see benchmarks/results/notes-frontends.md). Reads smaller than a quarter of it (every
+# read of small calls) cost two comparisons.
+READ_BURST = 256 * 1024
+# A connection that held this many bytes when it went: the heap is trimmed after it.
+TRIM_AFTER = 8 << 20
 # Bytes of a streaming RPC's responses queued behind flow control before its handler waits.
 STREAM_PENDING_BYTES = 1 << 20
 # A compressed message larger than this is inflated on a worker thread, not on the loop.
@@ -603,3 +621,129 @@ class GrpcCalls(H2Events):
             self.h2.send_headers(st, RESPONSE_HEADERS + trailers, end_stream=True)
         else:
             self.h2.end_stream(st, trailers)
+
+
+class GrpcConnection(asyncio.Protocol):
+    """One connection's socket: bytes to ``h2`` (its calls are ``calls``), frames back."""
+
+    def __init__(self, server: CallServer) -> None:
+        self.server = server
+        # held: asyncio.get_running_loop() costs a getpid() a call, several calls a request
+        self.loop = asyncio.get_running_loop()
+        self.limits = server.limits
+        # frames waiting: written once, at the end of this loop iteration
+        self.calls = GrpcCalls(server, self.loop, functools.partial(self.loop.call_soon,
+                                                                     self.flush))
+        self.h2 = self.calls.h2
+        self.transport: asyncio.Transport | None = None
+        self.closed = False             # closing after a connection error
+        self.paused_at = 0.0
+        self.burst = 0                  # bytes read this loop iteration, counted from READ_BURST on
+        # one call_later per connection, re-armed each tick
+        self.timer: asyncio.TimerHandle | None = None
+
+    # -- output: coalesced into one write per loop iteration -----------------------------
+    def flush(self) -> None:
+        out = self.h2.out
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out))
+        out.clear()
+
+    def _close(self) -> None:
+        """After a connection error (GOAWAY queued): close, abort if the peer does not read."""
+        if self.closed:
+            return
+        self.closed = True
+        self.flush()
+        transport = self.transport
+        if transport is not None:
+            transport.close()
+            self.loop.call_later(2.0, transport.abort)
+
+    def _paced(self, size: int) -> None:
+        """A large read: past READ_BURST this iteration, reading pauses until the next."""
+        if not self.burst:
+            self.loop.call_soon(self._next_burst)
+        self.burst += size
+        if self.burst > READ_BURST and self.transport is not None:
+            self.transport.pause_reading()
+
+    def _next_burst(self) -> None:
+        paused, self.burst = self.burst > READ_BURST, 0
+        if paused and not self.h2.write_paused and not self.h2.dead and \
+                self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    # write back-pressure: a peer that does not read is not read either
+    def pause_writing(self) -> None:
+        self.h2.write_paused = True
+        self.paused_at = self.loop.time()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        h2 = self.h2
+        h2.write_paused = False
+        h2.paused_control = 0
+        if self.transport is not None and not self.transport.is_closing() and not h2.dead:
+            self.transport.resume_reading()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport      # type: ignore[assignment]
+        server, limits = self.server, self.limits
+        if len(server.connections) >= limits.max_connections:
+            self.h2.dead = True
+            transport.abort()           # type: ignore[attr-defined]
+            return
+        server.connections.add(self)
+        transport.set_write_buffer_limits(high=limits.max_pending_reply_bytes)  # type: ignore[attr-defined]
+        self.h2.initiate_connection(self.loop.time())
+        self.timer = self.loop.call_later(self._tick_interval(), self._tick)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Everything the connection holds goes now: handlers cancelled, buffers dropped."""
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        held = self.calls.lost()
+        self.transport = None
+        if held >= TRIM_AFTER:
+            self.loop.run_in_executor(None, trim_heap)
+
+    def data_received(self, data: bytes) -> None:
+        h2 = self.h2
+        if h2.dead:
+            return
+        if len(data) >= READ_BURST // 4 or self.burst:
+            self._paced(len(data))
+        h2.receive_data(data)
+        if h2.dead:
+            self._close()
+
+    # -- timer: one per connection ---------------------------------------------------------
+    def _tick_interval(self) -> float:
+        """A quarter of the shortest deadline, within [50 ms, 1 s]."""
+        limits = self.limits
+        shortest = min(x for x in (limits.handshake_timeout, limits.max_connection_idle,
+                                   limits.keepalive_time, limits.keepalive_timeout,
+                                   limits.max_connection_age or 60.0,
+                                   limits.max_connection_age_grace or 60.0,
+                                   limits.message_timeout, 60.0) if x > 0)
+        return min(1.0, max(0.05, shortest / 4))
+
+    def _tick(self) -> None:
+        self.timer = None
+        h2 = self.h2
+        if h2.dead or self.transport is None:
+            return
+        now = self.loop.time()
+        if h2.write_paused and now - self.paused_at > self.limits.keepalive_timeout:
+            # a peer that has read nothing of ours for that long is as good as gone
+            h2.dead = True
+            self.transport.abort()
+            return
+        h2.tick(now)
+        if h2.dead:
+            return self._close()
+        self.timer = self.loop.call_later(self._tick_interval(), self._tick)

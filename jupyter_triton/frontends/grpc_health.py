@@ -92,7 +92,7 @@ class HealthService:
 
 
 def method_handlers(service: HealthService) -> dict[str, grpc.RpcMethodHandler]:
-    """The service's handlers, for frontends/grpc_h2.py's ``serve_h2``.
+    """The service's handlers, for frontends/grpc_server.py's ``serve_h2``.
 
     Watch is server-streaming in health.proto; it is registered stream-stream because on the
     wire the two are the same call (the client sends one message, then half-closes) and our

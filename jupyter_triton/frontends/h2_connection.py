@@ -1,7 +1,7 @@
 """HTTP/2 (RFC 9113), the server's side of one connection, sans-IO: bytes in
 (``receive_data``), events out (calls on an ``H2Events``), frames out (``data_to_send``).
 No sockets, no asyncio, no gRPC: the gRPC call layer (frontends/grpc_calls.py) sits on it and
-the asyncio protocol (frontends/grpc_h2.py) moves its bytes. Modelled on python-hyper's
+moves its bytes (its asyncio protocol). Modelled on python-hyper's
 ``H2Connection``; ours because that one cost more per call than this whole front
 (benchmarks/h2_cost.py; see benchmarks/results/notes-frontends.md).
 
