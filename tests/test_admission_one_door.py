@@ -5,6 +5,7 @@ data port and gRPC. Each request below is recorded at that function with its doo
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 
 import grpc
@@ -15,8 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import BOTH_FRONTS, INFER_KEY, TOKEN, in_thread
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.frontends.admission import Admission
+from jupyter_triton.frontends import fasthttp
+from jupyter_triton.frontends.admission import Admission, Door
+from jupyter_triton.frontends.limits import HTTP1Limits
+from jupyter_triton.protocol.errors import TritonError
 from jupyter_triton.standalone import start_in_thread
+from server_waits import wait_until
 
 KEY = {"Authorization": f"Bearer {INFER_KEY}"}
 
@@ -110,3 +115,71 @@ async def test_every_listener_of_the_jupyter_server_asks_the_one_admission(
     await in_thread(grpc_calls, ext.bound_grpc_port, (("authorization", f"Bearer {INFER_KEY}"),))
     assert set(doors) == {("fast-lane", "health"), ("jupyter", "health"), ("jupyter", "statistics"),
                           ("data", "health"), ("grpc", "health")}
+
+
+@pytest.fixture
+def refusals(monkeypatch) -> list[tuple[str, int]]:
+    """(door kind, status) of every connection the admission refused."""
+    seen: list[tuple[str, int]] = []
+    connect = Admission.connect
+
+    def recorded(self, door):
+        try:
+            return connect(self, door)
+        except TritonError as err:
+            seen.append((door.kind, err.status))
+            raise
+    monkeypatch.setattr(Admission, "connect", recorded)
+    return seen
+
+
+def read_to_close(s: socket.socket) -> bytes:
+    s.settimeout(10)
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    return data
+
+
+def test_a_listener_past_its_connection_cap_is_refused_by_the_admission(
+        model_repo, monkeypatch, refusals):
+    """The standalone HTTP front built with ``max_connections=2``: two raw connections take
+    its door's slots; a third is refused by the admission's count (503, then a close); one of
+    the two closes, its slot comes back, and a new connection is served."""
+    monkeypatch.setattr(fasthttp, "HTTP1Limits", functools.partial(HTTP1Limits, max_connections=2))
+    server = start_in_thread(EngineOptions(model_repository=model_repo), host="127.0.0.1",
+                             http_port=0, metrics_port=None, grpc_port=None)
+    door = server.plane.door
+    address = ("127.0.0.1", server.http_port)
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    held = []
+    try:
+        held += [socket.create_connection(address, timeout=10) for _ in range(2)]
+        wait_until(lambda: door.connected == 2, "two connections counted at the door")
+        with socket.create_connection(address, timeout=10) as extra:
+            answer = read_to_close(extra)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer[:80]
+        assert b"maximum of 2 HTTP connections" in answer
+        assert refusals == [("http", 503)] and door.connected == 2
+        held.pop().close()
+        wait_until(lambda: door.connected == 1, "the closed connection's slot given back")
+        with socket.create_connection(address, timeout=10) as again:
+            again.sendall(request)
+            assert read_to_close(again).startswith(b"HTTP/1.1 200 ")
+        assert refusals == [("http", 503)]
+    finally:
+        for s in held:
+            s.close()
+        server.close()
+
+
+def test_a_connection_slot_is_given_back_once():
+    admission, door = Admission(), Door("grpc", max_connections=1)
+    slot = admission.connect(door)
+    with pytest.raises(TritonError, match="maximum of 1 gRPC connections"):
+        admission.connect(door)
+    slot.release()
+    slot.release()          # a listener may release on more than one path: counted once
+    assert door.connected == 0
+    admission.connect(door)
+    assert door.connected == 1

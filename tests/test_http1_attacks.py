@@ -445,12 +445,14 @@ def test_pipelined_requests_waiting_for_answers_are_bounded():
     ``max_pipelined`` of them waiting, the next is refused (503) after the answers to those
     before it, then the connection closes. (In-process: which read holds what is the kernel's
     choice on a real socket.)"""
+    from jupyter_triton.frontends.admission import Admission, Door
     from jupyter_triton.frontends.dataplane import Reply
     from jupyter_triton.frontends.fasthttp import HTTPFront, _Connection
     from jupyter_triton.frontends.limits import HTTP1Limits
 
     class Plane:
         max_input_size = 1 << 20
+        admission, door = Admission(), Door("http")     # what a front asks a connection's slot of
 
         def match(self, path):
             return "route", {}

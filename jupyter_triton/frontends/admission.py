@@ -1,11 +1,13 @@
 """One admission per server, and in it the one decision every listener asks of it (the
 standalone HTTP front and its tornado skin, the data port, the fast lane and the tornado
-routes on Jupyter's port, gRPC and its health service, metrics): ``Admission.admit``.
+routes on Jupyter's port, gRPC and its health service, metrics): ``Admission.admit``; and
+before it, on each connection a listener of ours accepts, ``Admission.connect``.
 
 A listener parses a request's head and hands it over with its ``Door`` (what kind of
 listener it is, and where it narrows the server's terms). The answer is a ``BodyTicket`` the
 request carries and releases when done, or a TritonError (its status, gRPC code and message:
-Triton's refusal). Decided there and nowhere else:
+Triton's refusal). A connection's answer is a ``ConnectionSlot``, released when it closes, or
+the same kind of refusal. Decided there and nowhere else:
 
 - **Host** (DNS rebinding): the door's exact ``host:port`` values, or Jupyter's own check.
 - **Who**: the server token and inference keys, Triton's restricted-API header rules
@@ -14,6 +16,10 @@ Triton's refusal). Decided there and nowhere else:
   token, a JupyterHub token) through an ``IdentityHook`` the Jupyter skin gives its doors.
   A credential only its issuer can judge is asked of it while the body arrives
   (``ticket.pending``): the request is served once the answer came.
+- **Connection slots**: a connection just accepted takes one of its door's
+  ``max_connections`` (``Admission.connect``), the listener's limit, and gives it back when
+  it closes; past it the listener answers the refusal (HTTP/1: a 503 and a close; gRPC: a
+  close).
 - **Body cap** and the **bytes in flight**: one budget of request bytes being received or
   decoded, server-wide, whichever listener they came through: a burst of large uploads on
   HTTP and gRPC together is refused with 503 / RESOURCE_EXHAUSTED rather than held in memory.
@@ -190,12 +196,30 @@ class Door:
     "fast-lane", "jupyter", "grpc", "metrics"). ``access``: its credential policy where it is
     not the server's (Triton's per-protocol restricted APIs). ``hosts``: the ``host:port``
     values accepted (None: any), or a check of its own (Jupyter's). ``jupyter``: a credential
-    ours do not know is Jupyter's to judge (the admission's ``identity``)."""
+    ours do not know is Jupyter's to judge (the admission's ``identity``).
+    ``max_connections``: connections open at once on this listener (its limits', set by the
+    listener; None: no cap); ``connected``: those open now, counted by ``Admission.connect``."""
     kind: str
     access: AccessPolicy | None = None
     hosts: frozenset[str] | Callable[[str, Any], bool] | None = None
     strict_content_type: bool = False
     jupyter: bool = False
+    max_connections: int | None = None
+    connected: int = field(default=0, compare=False)
+
+
+class ConnectionSlot:
+    """One open connection's place at its door (``Admission.connect``): the listener
+    releases it when the connection closes; a second release gives back nothing."""
+    __slots__ = ("door",)
+
+    def __init__(self, door: Door) -> None:
+        self.door: Door | None = door
+
+    def release(self) -> None:
+        door, self.door = self.door, None
+        if door is not None:
+            door.connected -= 1
 
 
 class BodyBudget:
@@ -276,6 +300,17 @@ class Admission:
         self.budget = BodyBudget(max_inflight_bytes if max_inflight_bytes is not None
                                  else INFLIGHT_MESSAGES * max_input_size)
         self.identity = identity
+
+    def connect(self, door: Door) -> ConnectionSlot:
+        """The decision on a connection just accepted on ``door``: its slot (released when
+        it closes), or ResourceExhausted (503) when the door holds its ``max_connections``."""
+        cap = door.max_connections
+        if cap is not None and door.connected >= cap:
+            protocol = "gRPC" if door.kind == "grpc" else "HTTP"
+            raise ResourceExhausted(f"the server holds its maximum of {cap} {protocol} "
+                                    "connections; retry later")
+        door.connected += 1
+        return ConnectionSlot(door)
 
     def admit(self, door: Door, group: str, method: str, headers: Mapping[str, str],
               length: int | None = None, *, op: str = "", context: Any = None) -> BodyTicket:

@@ -8,14 +8,15 @@ asked), pipelined requests answered in order, a body cap, a body
 deadline and an idle timeout, Content-Length and chunked bodies, ``Expect: 100-continue``,
 HEAD, a client that hangs up cancelling its request, and a graceful close. What is admitted
 (Host, credentials, body cap, bytes in flight) is the server's admission's to decide
-(``frontends.admission``), asked once per head.
+(``frontends.admission``), asked once per head; so is a connection's slot, asked once when
+it is accepted (past the listener's ``max_connections``, a 503 and a close).
 
 What a peer may send is bounded by ``limits.HTTP1Limits`` (nginx's defences, counted as the
 bytes arrive, before the parser has a whole head): the request line (414), each header line,
 all header lines and their count (431), the head's time (``header_timeout``), the body
-(the admission's ticket, chunked ones included, refused as soon as they pass the cap), idle keep-alive time, the number of connections, and the replies a peer leaves unread
-(past ``max_pending_reply_bytes`` it is not read; with no progress for ``send_timeout`` it is
-dropped). Only HTTP/1.0 and 1.1 are served. A refusal is a Triton error reply, then a close.
+(the admission's ticket, chunked ones included, refused as soon as they pass the cap), idle
+keep-alive time, and the replies a peer leaves unread (past ``max_pending_reply_bytes`` it is
+not read; with no progress for ``send_timeout`` it is dropped). Only HTTP/1.0 and 1.1 are served. A refusal is a Triton error reply, then a close.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import httptools
 
 from ..protocol.errors import (HeaderTooLarge, InvalidArgument, TritonError, Unavailable,
                                URITooLong)
+from .admission import ConnectionSlot
 from .dataplane import Call, DataPlane, Reply, RequestTimeout, Route, error_reply
 from .limits import HTTP1Limits
 
@@ -103,6 +105,9 @@ class HTTPFront:
                  limits: HTTP1Limits | None = None) -> None:
         self.plane = plane
         self.limits = limits = limits or HTTP1Limits()
+        # This listener's connection slots are its door's, under this front's limit.
+        self.admission, self.door = plane.admission, plane.door
+        self.door.max_connections = limits.max_connections
         self.body_timeout = body_timeout
         # The host's own keep-alive setting, within the limit.
         self.idle_timeout = (limits.idle_timeout if idle_timeout is None
@@ -198,13 +203,16 @@ class _Connection(asyncio.Protocol):
         # what it parsed to (a plain request: Content-Length, keep-alive, nothing refused):
         # see ``_repeat``.
         self.known: tuple | None = None
+        self.slot: ConnectionSlot | None = None  # the admission's, held while connected
 
     # -- connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport       # type: ignore[assignment]
         front = self.front
-        if len(front.connections) >= front.limits.max_connections:
-            self._turn_away()
+        try:
+            self.slot = front.admission.connect(front.door)
+        except TritonError as err:
+            self._turn_away(err)
             return
         front.connections.add(self)
         peer = transport.get_extra_info("peername")
@@ -213,17 +221,18 @@ class _Connection(asyncio.Protocol):
         # A new connection's first request head is due within the header deadline.
         self._arm(min(front.header_timeout, front.idle_timeout), self._idle)
 
-    def _turn_away(self) -> None:
-        """One connection past ``max_connections``: a 503 and a close, nothing read."""
+    def _turn_away(self, err: TritonError) -> None:
+        """A connection the admission refused (past ``max_connections``): its answer, then a
+        close, nothing read."""
         self.closing = self.ended = True
-        reply = error_reply(Unavailable(
-            f"the server holds its maximum of {self.front.limits.max_connections} HTTP "
-            "connections; retry later"))
+        reply = error_reply(err)
         self.transport.write(self._head(reply, close=True, body=reply.body))
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         front = self.front
+        if self.slot is not None:
+            self.slot.release()
         front.connections.discard(self)
         if front._emptied is not None and not front.connections:
             front._emptied.set()

@@ -16,7 +16,8 @@ where such a body ends is the parser's business, and a later request could not b
 Limits (``HTTP1Limits``): a claimed request meets fasthttp's; a head past one of them, or in a
 version other than HTTP/1.0 and 1.1, is not claimed (tornado refuses it, with its own limits);
 nothing is held for tornado past ``HEAD_LIMIT`` (and one read); a head not whole within
-``header_timeout`` is refused here (408), as is a connection past ``max_connections`` (503).
+``header_timeout`` is refused here (408), as is a connection past ``max_connections`` (503:
+the admission's count of this listener's door, as on fasthttp's own ports).
 """
 from __future__ import annotations
 
