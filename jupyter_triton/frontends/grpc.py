@@ -419,22 +419,17 @@ def _parameters(params: Any) -> dict[str, Any]:
     return {key: parameter_value(param) for key, param in params.items()}
 
 
-def _serialized(response: bytes) -> bytes:
-    return response
-
-
 def method_handlers(service: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
     """Every RPC of Triton's service (from its descriptor) -> the handler over ``service``."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         behaviour = getattr(service, method.name)
         # the inference RPCs get bytes (sized before they are parsed) and answer bytes
-        # (serialised already: codec plans write them)
+        # (serialised already: codec plans write them): no (de)serializer either way
         raw = method.name in ("ModelInfer", "ModelStreamInfer")
         request_type = getattr(pb, method.input_type.name)
         deserializer = None if raw else request_type.FromString
-        serializer = _serialized if raw else \
-            getattr(pb, method.output_type.name).SerializeToString
+        serializer = None if raw else getattr(pb, method.output_type.name).SerializeToString
         if method.client_streaming and method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 behaviour, request_deserializer=deserializer, response_serializer=serializer)

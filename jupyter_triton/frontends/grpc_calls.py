@@ -558,7 +558,8 @@ class GrpcCalls(H2Events):
             async for response in responses:
                 if failed:
                     break
-                raw = handler.response_serializer(response)
+                raw = handler.response_serializer(response) if handler.response_serializer \
+                    else response
                 if not started:
                     h2.send_headers(st, RESPONSE_HEADERS)
                     started = True

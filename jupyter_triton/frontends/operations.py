@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..engine import Engine
 from ..engine.composition.streaming import DecoupledRefused
 from ..protocol.errors import InvalidArgument, NotFound, TritonError, Unsupported
-from ..protocol.grpc_codec import check_model_version
+from ..protocol.v2_rules import check_model_version
 
 
 # -- health and metadata ----------------------------------------------------------------------

@@ -6,7 +6,6 @@ The validation rules and messages are the HTTP codec's.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,8 @@ from tritonclient.grpc import service_pb2
 from .datatypes import (DATATYPES, element_count, tensor_from_wire, tensor_to_wire,
                         tensor_wire_buffer, wire_dtype)
 from .errors import InvalidArgument
-from .v2_rules import DEFAULT_MAX_ELEMENTS, MAX_RANK, check_request_parameters
+from .v2_rules import (DEFAULT_MAX_ELEMENTS, check_model_version, check_request_parameters,
+                       check_shape)
 from .types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
 
 _INT64_MAX = (1 << 63) - 1
@@ -69,35 +69,6 @@ def set_parameter(param: Any, value: Any) -> None:
         param.string_param = str(value)
 
 
-def _check_shape(shape: list[int], name: str, max_elements: int) -> tuple[int, ...]:
-    if len(shape) <= MAX_RANK:      # one pass for a shape that passes every check below
-        count = 1
-        for d in shape:
-            if d < 0 or d > max_elements:
-                break
-            count *= d
-        else:
-            if count <= max_elements:
-                return tuple(shape)
-    if len(shape) > MAX_RANK:
-        raise InvalidArgument(
-            f"input '{name}' has {len(shape)} dimensions, more than the limit of {MAX_RANK}")
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(
-            f"unable to parse 'shape' of input '{name}': dimensions must be non-negative "
-            f"integers, got {shape}")
-    count = element_count(shape)
-    if count > max_elements:
-        raise InvalidArgument(
-            f"input '{name}' has shape {shape} with {count} elements, more than the limit of "
-            f"{max_elements}")
-    if any(d > max_elements for d in shape):   # [0, 2**62]: no elements, yet no array has it
-        raise InvalidArgument(
-            f"input '{name}' has shape {shape} with a dimension larger than the limit of "
-            f"{max_elements} elements")
-    return tuple(shape)
-
-
 def _from_contents(contents: Any, dt: str, shape: tuple[int, ...], name: str,
                    model_name: str) -> np.ndarray:
     if dt not in _CONTENTS:
@@ -139,25 +110,6 @@ _PLAIN: dict[str, tuple[int, np.dtype]] = {
     if d.size is not None and name not in ("BF16", "BOOL")}
 
 
-_VERSION = re.compile(r"\s*[+-]?\d+")
-
-
-def check_model_version(version: str) -> None:
-    """A request's version string as Triton's front reads it before any model is looked up
-    (an integer, 0 or more; "" is the newest ready one), refused in its words."""
-    if not version:
-        return
-    match = _VERSION.match(version)
-    if match is None or match.end() != len(version):
-        # std::stol's exception text is the "details" Triton quotes
-        raise InvalidArgument(
-            f"failed to get model version from specified version string '{version}' "
-            "(details: stol), version should be an integral value > 0")
-    if int(version) < 0:
-        raise InvalidArgument(f"invalid model version specified '{version}' , version should "
-                              "be an integral value > 0")
-
-
 def decode_grpc_request(req: service_pb2.ModelInferRequest,
                         max_elements: int = DEFAULT_MAX_ELEMENTS) -> InferRequest:
     """Decode a gRPC ModelInferRequest; raises InvalidArgument/Unsupported on client errors.
@@ -186,7 +138,7 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
             raise InvalidArgument(f"[request id: {req.id or '<id_unknown>'}] input '{name}' "
                                   f"already exists in request")      # tritonserver 2.51's words
         names.add(name)
-        shape = _check_shape(list(inp.shape), name, max_elements)
+        shape = check_shape(list(inp.shape), name, max_elements)
         if "shared_memory_region" in tparams_of[i] and inp.HasField("contents"):
             raise InvalidArgument(      # tritonserver 2.51's words
                 f"unexpected 'content' provided when using shared memory for input tensor "

@@ -1,4 +1,6 @@
-"""The KServe v2 request rules: what each field of an infer request's JSON header must be.
+"""The KServe v2 request rules: what each field of an infer request's JSON header must be, and
+the rules both protocols share (an input's shape, a model's version string: the gRPC codec and
+the v2 operations ask them here).
 
 Every client mistake becomes an InvalidArgument (400) naming the input and the rule, raised
 before anything sized by the request is allocated: ``check_document`` checks a whole header
@@ -7,6 +9,7 @@ before anything sized by the request is allocated: ``check_document`` checks a w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +60,17 @@ def check_request_parameters(params: Any) -> dict[str, Any]:
 
 # -- inputs ------------------------------------------------------------------------------
 
-def _check_shape(shape: Any, name: str, max_elements: int) -> tuple[int, ...]:
+def check_shape(shape: Any, name: str, max_elements: int) -> tuple[int, ...]:
+    """An input's shape, JSON's or protobuf's, as the tuple of its dimensions."""
+    if type(shape) is list and len(shape) <= MAX_RANK:
+        count = 1       # one pass for a shape that passes every check below
+        for d in shape:
+            if type(d) is not int or d < 0 or d > max_elements:
+                break
+            count *= d
+        else:
+            if count <= max_elements:
+                return tuple(shape)
     if not isinstance(shape, list):
         raise InvalidArgument(
             f"unable to parse 'shape' of input '{name}': expected an array of non-negative "
@@ -82,6 +95,27 @@ def _check_shape(shape: Any, name: str, max_elements: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+# -- model versions ----------------------------------------------------------------------
+
+_VERSION = re.compile(r"\s*[+-]?\d+")
+
+
+def check_model_version(version: str) -> None:
+    """A request's version string as Triton's front reads it before any model is looked up
+    (an integer, 0 or more; "" is the newest ready one), refused in its words."""
+    if not version:
+        return
+    match = _VERSION.match(version)
+    if match is None or match.end() != len(version):
+        # std::stol's exception text is the "details" Triton quotes
+        raise InvalidArgument(
+            f"failed to get model version from specified version string '{version}' "
+            "(details: stol), version should be an integral value > 0")
+    if int(version) < 0:
+        raise InvalidArgument(f"invalid model version specified '{version}' , version should "
+                              "be an integral value > 0")
+
+
 _CONTENT_FIELDS = "Input must set only one of the following fields: 'data', 'binary_data_size' " \
                   "in 'parameters', 'shared_memory_region' in 'parameters'. But"
 
@@ -104,7 +138,7 @@ def _decode_input(doc: Any, i: int, model_name: str, max_elements: int
         raise InvalidArgument(f"invalid datatype '{dt}' for input '{name}'")
     if "shape" not in doc:
         raise InvalidArgument(f"unable to parse 'shape' of input '{name}': field is missing")
-    shape = _check_shape(doc["shape"], name, max_elements)
+    shape = check_shape(doc["shape"], name, max_elements)
     params = doc.get("parameters", {})
     if not isinstance(params, dict):
         raise InvalidArgument(
