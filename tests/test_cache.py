@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.engine.cache import ResponseCache, parse_cache_config, request_key
+from jupyter_triton.repository import VersionIdentity
 from jupyter_triton.protocol.errors import InvalidArgument
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from jupyter_triton.standalone import start_in_thread
@@ -173,14 +174,16 @@ def test_the_cache_is_an_lru_bounded_in_bytes():
 def test_the_key_covers_inputs_outputs_version_and_parameters():
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
 
-    def key(data=x, dtype="FP32", version=1, outputs=None, params=None, request_id=""):
-        return request_key("m", version, InferRequest(
+    def key(data=x, dtype="FP32", version=1, outputs=None, params=None, request_id="",
+            files="files", config="config"):
+        return request_key(VersionIdentity("m", version, files, config).key, InferRequest(
             "m", "", request_id, [InferTensor("INPUT0", dtype, data.shape, data)],
             outputs, params or {}))
     base = key()
     assert key(request_id="another") == base
     assert key(params={"priority": 1, "timeout": 5}) == base
-    for other in (key(x + 1), key(x.reshape(2, 2)), key(version=2), key(params={"k": 1}),
+    for other in (key(x + 1), key(x.reshape(2, 2)), key(version=2), key(files="other"),
+                  key(config="other"), key(params={"k": 1}),
                   key(outputs=[RequestedOutput("OUTPUT0")]),
                   key(x.view(np.int32), dtype="INT32")):
         assert other != base

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.config import config_to_json, parse_config
 from jupyter_triton.protocol.errors import Internal, InvalidArgument, NotFound
@@ -386,15 +387,31 @@ def test_staging_left_by_a_crash_is_swept(repo):
         ".draft.tmp", ".upload-notes", "1"]
 
 
-def test_version_fingerprint_ignores_bytecode_and_hidden_files(repo):
-    make_model(repo.root, "m", versions=(1,))
-    first = repo.version_fingerprint("m", 1)
+def test_a_version_identity_is_its_files_config_and_the_models_own_files(repo):
+    """Repository.version_identity: what a reload compares and the response cache keys on."""
+    make_model(repo.root, "m", versions=(1, 2), config='name: "m"\nbackend: "onnxruntime"\n')
+    config = repo.read_config("m")
+    first = repo.version_identity("m", 1, config)
+    assert (first.model, first.number) == ("m", 1)
+    assert first != repo.version_identity("m", 2, config)
+    # bytecode, hidden files and the server's own records are not the model
     (repo.root / "m" / "1" / "__pycache__").mkdir()
     (repo.root / "m" / "1" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0")
     (repo.root / "m" / "1" / ".jupyter-triton-upload").write_bytes(b"id")
-    assert repo.version_fingerprint("m", 1) == first
+    (repo.root / "m" / ".lifecycle-history.jsonl").write_bytes(b"{}")
+    # config.pbtxt counts by what it says, not by its file: rewritten the same, no change
+    (repo.root / "m" / "config.pbtxt").write_bytes((repo.root / "m" / "config.pbtxt").read_bytes())
+    assert repo.version_identity("m", 1, repo.read_config("m")) == first
+    changed = mc.ModelConfig()
+    changed.CopyFrom(config)
+    changed.max_batch_size += 1
+    assert repo.version_identity("m", 1, changed) != first
+    # a file of the version, or one the model's versions share (a label file), is a change
+    (repo.root / "m" / "labels.txt").write_bytes(b"cat\n")
+    with_labels = repo.version_identity("m", 1, config)
+    assert with_labels != first and with_labels.key != first.key
     (repo.root / "m" / "1" / "extra.txt").write_bytes(b"data")
-    assert repo.version_fingerprint("m", 1) != first
+    assert repo.version_identity("m", 1, config) not in (first, with_labels)
 
 
 def test_model_names_with_control_characters_are_refused(repo):

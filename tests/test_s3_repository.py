@@ -238,3 +238,40 @@ def test_the_cache_follows_the_bucket_and_keeps_what_the_server_decided(moto_end
     (mirror.path / "linear" / JOURNAL_FILENAME).unlink()
     assert mirror.sync().pushed == ["linear/3/model.onnx"]
     mirror.close()
+
+
+def test_a_version_the_bucket_replaces_answers_as_itself_not_from_the_cache(
+        moto_endpoint: str, bucket, tmp_path: Path):
+    """A version this mirror pulled and the bucket then replaces under the same number: the
+    mirror renames the new files into place, which changes the version's identity
+    (repository/identity.py), so the poll loads it anew and the response cache never answers
+    it with the earlier files' answers."""
+    config = 'name: "cached"\nbackend: "onnxruntime"\nmax_batch_size: 8\nresponse_cache { enable: true }\n'
+    bucket.pipe(f"{BUCKET}/models/cached/config.pbtxt", config.encode())
+    bucket.pipe(f"{BUCKET}/models/cached/1/model.onnx", linear(W))
+    mirror = open_repository(_url(moto_endpoint), poll_secs=0.3, cache_dir=tmp_path / "cache")
+    try:
+        server, client = serve(mirror.path, model_control_mode="poll", repository_poll_secs=0.3,
+                               response_cache_size=1 << 20)
+        try:
+            def answer() -> np.ndarray:
+                x = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+                x.set_data_from_numpy(np.ones((1, 16), np.float32))
+                return client.infer("cached", [x]).as_numpy("OUTPUT0")
+
+            def hits() -> int:
+                [stats] = client.get_inference_statistics("cached")["model_stats"]
+                return stats["inference_stats"]["cache_hit"]["count"]
+            for _ in range(2):
+                np.testing.assert_allclose(answer(), np.ones((1, 16)) @ W, rtol=1e-5)
+            assert hits() == 1
+            bucket.pipe(f"{BUCKET}/models/cached/1/model.onnx", linear(3 * W))
+            # the reload starts the version's statistics anew
+            _wait(lambda: hits() == 0, 30, "version 1 loaded again after the bucket replaced it")
+            for _ in range(2):
+                np.testing.assert_allclose(answer(), np.ones((1, 16)) @ (3 * W), rtol=1e-5)
+            assert hits() == 1
+        finally:
+            server.close()
+    finally:
+        mirror.close()

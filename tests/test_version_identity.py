@@ -1,7 +1,8 @@
-"""A version number means one set of files for good (ARCHITECTURE.md: a version's identity has
-one owner, the lifecycle): a number once used (served, staged, set aside, in the history) is
-never handed out again, the response cache keys on the loaded version and forgets it when it
-unloads, a rollback's pin gives way to a newer version, lifecycle booleans are booleans, and
+"""A version number means one set of files for good, and a version's identity (number, files,
+config) has one owner, repository/identity.py: a number once used (served, staged, set aside,
+in the history) is never handed out again, the response cache keys on the version's identity
+(files put under a number that served before answer as themselves) and forgets a version when
+it unloads, a rollback's pin gives way to a newer version, lifecycle booleans are booleans, and
 version numbers are Triton's (int64 above 0). Each attack against a real server over the
 repository API, as a careless operator or a hostile client would send it: the answer and
 the version a client then gets, and nothing stored lost."""
@@ -324,3 +325,116 @@ def test_lifecycle_numbers_are_numbers_and_booleans_booleans():
     assert parse_promotion({"golden": golden, "promote": "7"}).version == 7
     assert parse_promotion({"golden": golden, "promote": MAX_VERSION}).version == MAX_VERSION
     assert rollback_requested({}) is False and rollback_requested({"rollback": True}) is True
+
+
+# ---- files put under a number that served before: the new model answers, never the cache ---
+# An ONNX model whose files change under the same number: OUTPUT0 = INPUT0 @ (k * I). The
+# files of two such models have the same size: only what they are tells them apart.
+
+LINEAR = "linear"
+LINEAR_CONFIG = (f'name: "{LINEAR}"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+                 f'response_cache {{ enable: true }}\n')
+
+
+def linear_onnx(k: float) -> bytes:
+    from onnx_models import linear
+    return linear(np.eye(4, dtype=np.float32) * k)
+
+
+def linear_infer(client) -> tuple[list[float], str]:
+    inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.array([[1, 2, 3, 4]], np.float32))
+    result = client.infer(LINEAR, [inp])
+    return result.as_numpy("OUTPUT0")[0].tolist(), result.get_response()["model_version"]
+
+
+def cache_hits(client) -> int:
+    [stats] = client.get_inference_statistics(LINEAR)["model_stats"]
+    return stats["inference_stats"]["cache_hit"]["count"]
+
+
+def linear_repository(root: Path) -> Path:
+    (root / LINEAR / "1").mkdir(parents=True)
+    (root / LINEAR / "config.pbtxt").write_text(LINEAR_CONFIG)
+    (root / LINEAR / "1" / "model.onnx").write_bytes(linear_onnx(2))
+    return root
+
+
+def test_a_model_replaced_under_its_number_answers_as_itself_not_from_the_cache(tmp_path: Path):
+    """Explicit mode, as a user does it: version 1's file overwritten in place with another
+    model of the same size, then a load. The version's identity changed (repository/
+    identity.py), so the load serves the new model and the cache has none of its answers."""
+    server, client = start(linear_repository(tmp_path / "models"))
+    try:
+        client.load_model(LINEAR)
+        assert linear_infer(client) == ([2.0, 4.0, 6.0, 8.0], "1")
+        assert linear_infer(client) == ([2.0, 4.0, 6.0, 8.0], "1")
+        assert cache_hits(client) == 1                       # the second answer was the cache's
+        model_file = tmp_path / "models" / LINEAR / "1" / "model.onnx"
+        new = linear_onnx(3)
+        assert len(new) == model_file.stat().st_size
+        with open(model_file, "r+b") as f:                   # same inode, same size
+            f.write(new)
+        client.load_model(LINEAR)
+        assert linear_infer(client) == ([3.0, 6.0, 9.0, 12.0], "1")
+        assert cache_entries(server) == 1            # the new answer alone: the old one went
+        assert linear_infer(client) == ([3.0, 6.0, 9.0, 12.0], "1")
+        assert cache_hits(client) == 1               # the new version's own hit
+        # loaded again with nothing changed, the version keeps serving as it is, cache and all
+        client.load_model(LINEAR)
+        assert linear_infer(client) == ([3.0, 6.0, 9.0, 12.0], "1")
+        assert cache_hits(client) == 2
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_model_uploaded_again_under_its_number_is_a_new_version_and_keeps_the_old(tmp_path):
+    """Through the repository API: an upload naming version 1 again is stored as a new
+    version (README: an existing version is never overwritten or deleted), answers as the
+    new model, and version 1's files stay as they were."""
+    repo = tmp_path / "models"
+    server, client = start(repo)
+    config_json = json.dumps({"backend": "onnxruntime", "max_batch_size": 8,
+                              "response_cache": {"enable": True}})
+    try:
+        client.load_model(LINEAR, config=config_json, files={"file:1/model.onnx": linear_onnx(2)})
+        assert linear_infer(client) == ([2.0, 4.0, 6.0, 8.0], "1")
+        assert linear_infer(client) == ([2.0, 4.0, 6.0, 8.0], "1")
+        assert cache_hits(client) == 1
+        client.load_model(LINEAR, config=config_json, files={"file:1/model.onnx": linear_onnx(3)})
+        assert linear_infer(client) == ([3.0, 6.0, 9.0, 12.0], "2")
+        assert cache_entries(server) == 1
+        assert (repo / LINEAR / "1" / "model.onnx").read_bytes() == linear_onnx(2)
+        assert (repo / LINEAR / "2" / "model.onnx").read_bytes() == linear_onnx(3)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_model_replaced_under_its_number_in_poll_mode_answers_as_itself(tmp_path: Path):
+    """Poll mode: the file replaced by a rename (as an editor or rsync writes it); the next
+    poll loads the version anew, and no answer of the old files comes back."""
+    repo = linear_repository(tmp_path / "models")
+    server = start_in_thread(EngineOptions(model_repository=repo, model_control_mode="poll",
+                                           repository_poll_secs=0.2, response_cache_size=1 << 20),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None,
+                             http_front=HTTP_FRONT)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}", network_timeout=120)
+    try:
+        assert linear_infer(client) == ([2.0, 4.0, 6.0, 8.0], "1")
+        assert linear_infer(client) == ([2.0, 4.0, 6.0, 8.0], "1")
+        assert cache_hits(client) == 1
+        staged = repo / LINEAR / "1" / ".model.onnx.tmp"
+        staged.write_bytes(linear_onnx(3))
+        staged.replace(repo / LINEAR / "1" / "model.onnx")
+        deadline = time.monotonic() + 60
+        while cache_hits(client) == 1 and time.monotonic() < deadline:
+            time.sleep(0.05)        # the poll's reload starts the version's statistics anew
+        assert cache_hits(client) == 0, "the poll did not load the replaced model"
+        for _ in range(2):
+            assert linear_infer(client) == ([3.0, 6.0, 9.0, 12.0], "1")
+        assert cache_hits(client) == 1
+    finally:
+        client.close()
+        server.close()

@@ -1,12 +1,13 @@
 """Triton's local response cache: ``response_cache { enable: true }`` in a model's config and
 a server-wide size (tritonserver's ``--cache-config local,size=<bytes>``; 0: no cache).
 
-One LRU for the whole server, bounded in bytes. A response is keyed on the model name, the
-loaded version's identity (its number and which load of it: the lifecycle's, so a number
-that came to mean other files, or the same files loaded again, never meets another load's
-answers), every input (name, datatype, shape, bytes), the requested outputs (names and
-their parameters) and the request's own parameters (a model may read them; Triton's key
-leaves them out); the request id is not in the key and each hit answers with its own.
+One LRU for the whole server, bounded in bytes. A response is keyed on the loaded version's
+identity (model, number, files and config, minted once when the version was read:
+repository/identity.py; so files put under a number that served before never meet the
+earlier files' answers), every input (name, datatype, shape, bytes), the requested outputs
+(names and their parameters) and the request's own parameters (a model may read them;
+Triton's key leaves them out); the request id is not in the key and each hit answers with
+its own.
 Only successes are cached (Triton 2.51 caches an error response of a python model as an
 empty 200 one). A model without ``response_cache`` pays one attribute check per request.
 
@@ -33,6 +34,7 @@ from ..protocol.errors import InvalidArgument
 from ..protocol.types import InferRequest, InferResponse
 
 if TYPE_CHECKING:
+    from ..repository.identity import VersionIdentity
     from .model import ModelVersion
     from .observation.statistics import ModelStatistics
 
@@ -118,19 +120,19 @@ class ResponseCache:
             if entry is not None:
                 self.used -= entry[1]
 
-    def for_model(self, stats: "ModelStatistics", identity: str) -> "ModelCache":
-        """The way through the cache of one loaded version; ``identity``: the lifecycle's
-        name for that load (engine/lifecycle/control.py), part of every key."""
+    def for_model(self, stats: "ModelStatistics", identity: "VersionIdentity") -> "ModelCache":
+        """The way through the cache of one loaded version; its ``identity`` starts every key."""
         return ModelCache(self, stats, identity)
 
 
 class ModelCache:
     """One loaded model version's way through the cache (``ModelVersion.response_cache``)."""
 
-    def __init__(self, cache: ResponseCache, stats: "ModelStatistics", identity: str) -> None:
+    def __init__(self, cache: ResponseCache, stats: "ModelStatistics",
+                 identity: "VersionIdentity") -> None:
         self.cache = cache
         self.stats = stats
-        self.identity = identity
+        self.identity_key = identity.key
         self.keys: set[bytes] = set()     # its entries in the cache
         self.forgotten = False
 
@@ -142,7 +144,7 @@ class ModelCache:
 
     async def infer(self, version: "ModelVersion", request: InferRequest) -> InferResponse:
         start = time.monotonic_ns()
-        key = None if self.forgotten else request_key(version.name, self.identity, request)
+        key = None if self.forgotten else request_key(self.identity_key, request)
         if key is None:                  # nothing to key on (inputs not in memory), or unloading
             return await version.infer(request)
         hit = self.cache.lookup(key)
@@ -158,10 +160,10 @@ class ModelCache:
         return response
 
 
-def request_key(model: str, identity: str, request: InferRequest) -> bytes | None:
-    """The digest a response is cached under, or None when an input is not in memory."""
-    h = hashlib.blake2b(digest_size=32)
-    h.update(f"{model}\0{identity}\0".encode())
+def request_key(identity_key: bytes, request: InferRequest) -> bytes | None:
+    """The digest a response is cached under (``identity_key``: the version's
+    ``VersionIdentity.key``), or None when an input is not in memory."""
+    h = hashlib.blake2b(identity_key, digest_size=32)     # keyed by the version: no extra update
     for tensor in sorted(request.inputs, key=lambda t: t.name):
         data = tensor.data
         if data is None:

@@ -23,6 +23,7 @@ from ..config.padding import padding
 from ..protocol.datatypes import config_to_triton, triton_to_numpy
 from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable, Unsupported
 from ..protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput
+from ..repository.identity import VersionIdentity
 from .batching.batcher import DynamicBatcher
 from .classification import classify
 from .composition.bls import Bls
@@ -284,16 +285,19 @@ def _disagree(model: str, name: str, rows: int, batch: int) -> InvalidArgument:
 class ModelVersion:
     # engine/cache.py's ModelCache when the config enables the server's response cache
     response_cache = None
-    # the lifecycle's digest of the config and files this version loaded: a reload keeps a
-    # version whose digest is unchanged
-    stamp: str = ""
 
     def __init__(self, config: mc.ModelConfig, backend: str, version: int, model_dir: Path,
                  rate_limiter: RateLimiter | None = None,
                  ensemble: tuple[LookupConfig, InferFn] | None = None, *,
                  max_output_size: int = 0, server_calls: Bls | None = None,
-                 busy_poll: BusyPoll | None = None) -> None:
+                 busy_poll: BusyPoll | None = None,
+                 identity: VersionIdentity | None = None) -> None:
         self.config = config
+        # what this version is (number, files, config), as the repository minted it when the
+        # lifecycle read it: a reload keeps a version whose identity is unchanged, and the
+        # response cache keys its answers on it (repository/identity.py). None: not read
+        # from a repository (a test's own version)
+        self.identity = identity
         # model_transaction_policy { decoupled: true }: zero or more responses per request,
         # only through infer_stream
         self.decoupled = bool(config.model_transaction_policy.decoupled)

@@ -19,8 +19,9 @@ A version number means one set of files for good: a number once used (on disk, s
 under ``.failed/``, named in the lifecycle history) is never handed out again
 (``used_versions``, ``next_version``), so nothing keyed by a number (the response cache,
 statistics, the S3 mirror, the history) can attribute one version's answers to another.
-Numbers are Triton's: an int64 above 0 (layout.MAX_VERSION); past the last one an upload is
-refused.
+A version as loaded (its number, files and config) is its ``VersionIdentity``, minted here
+(``version_identity``, repository/identity.py) and nowhere else. Numbers are Triton's: an
+int64 above 0 (layout.MAX_VERSION); past the last one an upload is refused.
 
 Layer note: this layer owns the files (the tree, versions, history, lineage, the S3 mirror of
 it in ``remote``). It may import ``protocol`` and ``config``, and ``backends`` only inside
@@ -48,7 +49,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import (CONFIG_FILENAME, TEMPORARY_PARAMETER, config_from_json, config_to_pbtxt,
                       load_config_file, parse_config, validate_config)
 from ..protocol.errors import Internal, InvalidArgument, NotFound
-from . import history, pins
+from . import history, identity, pins
+from .identity import VersionIdentity, tree_stamp
 from .layout import MAX_VERSION, check_model_name, is_hidden, is_version_dir_name
 from .upload import MAX_UPLOAD_BYTES, UploadedFile, parse_upload_files
 
@@ -202,19 +204,20 @@ class Repository:
         return sorted(history.glob("config.*.pbtxt")) if history.is_dir() else []
 
     def fingerprint(self, name: str) -> str:
-        """A cheap stamp of the model tree (names, sizes, mtimes) for poll mode."""
-        return _fingerprint(self.model_dir(name))
+        """A cheap stamp of the model tree (names, sizes, mtimes) for poll mode: whether to
+        load the model again at all (which versions changed is their identities' to say)."""
+        return tree_stamp(self.model_dir(name))
 
-    def version_fingerprint(self, name: str, version: int) -> str:
-        """The same stamp for one version directory: what a reload compares to decide
-        whether a version's files changed (hidden files and __pycache__ never count)."""
-        return _fingerprint(self.model_dir(name) / str(int(version)))
+    def version_identity(self, name: str, version: int, config: mc.ModelConfig) -> VersionIdentity:
+        """What version ``version`` of ``name`` is, read now, to be loaded with ``config``: the
+        one place a version's identity is minted (repository/identity.py)."""
+        return identity.mint(name, self.model_dir(name), version, config)
 
     def fingerprints(self) -> dict[str, str]:
         stamps = {}
         for name in self.model_names():
             try:
-                stamps[name] = _fingerprint(self.root / name)
+                stamps[name] = tree_stamp(self.root / name)
             except FileNotFoundError:
                 continue   # removed while we looked
         return stamps
@@ -735,31 +738,5 @@ def _fsync_tree_dirs(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _fingerprint(model_dir: Path) -> str:
-    os.stat(model_dir)   # FileNotFoundError when the model went away
-    digest = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(model_dir):
-        # hidden entries (.history, upload staging, .ipynb_checkpoints) and
-        # __pycache__ are not the model, as for Triton
-        dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))
-        rel = os.path.relpath(dirpath, model_dir)
-        for name in sorted(dirnames):
-            digest.update(f"d\0{rel}/{name}\0".encode())
-        for name in sorted(f for f in filenames if not is_hidden(f)):
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                try:
-                    st = os.lstat(path)   # a dangling symlink is still a change
-                except FileNotFoundError:
-                    continue
-            # the inode too: a file replaced by rename (an atomic write, rsync, cp -p) may
-            # keep its size and mtime
-            digest.update(f"f\0{rel}/{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
-                          .encode())
-    return digest.hexdigest()
-
-
 __all__ = ["FAILED_DIR", "HISTORY_DIR", "MAX_VERSION", "PendingUpload", "Repository",
-           "check_model_name"]
+           "VersionIdentity", "check_model_name"]

@@ -13,6 +13,9 @@ pulled, still holding exactly those files, is the only kind of local version it 
 removes. A version written here (an upload through the repository API) is the server's own:
 pushed to the bucket when the bucket has no version of that number, otherwise kept here and
 reported as refused; never overwritten, never deleted, never mixed with the bucket's files.
+What a version number may mean it asks the repository (``used_versions``), and it writes
+only by renaming whole files into place: every change it makes to a version is a change of
+that version's identity (repository/identity.py), which the engine then loads anew.
 
 What one ``sync()`` does, in this order:
 

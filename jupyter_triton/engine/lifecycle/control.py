@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
-import itertools
 import logging
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from ...backends import ModelFiles, backend_class, backend_name
 from ...backends.devices import resolve_kind
 from ...config import fill_defaults, validate_config
 from ...protocol.errors import InvalidArgument, NotFound, TritonError, Unavailable
-from ...repository import PendingUpload, Repository
+from ...repository import PendingUpload, Repository, VersionIdentity
 from ..batching.busy_poll import BusyPoll
 from ..cache import ResponseCache
 from ..composition.ensemble import BACKEND as ENSEMBLE_BACKEND, composing_models, is_ensemble
@@ -89,7 +87,6 @@ class ModelLifecycle:
         # Triton's response cache spans models too (--cache-config local,size=<bytes>)
         self.response_cache = ResponseCache(options.response_cache_size) \
             if options.response_cache_size > 0 else None
-        self._loads = itertools.count(1)        # each version load's own number
         # lifecycle as a control (engine/lifecycle/residency.py): off unless a bound is set
         self.residency = Residency(options.model_residency_bytes, options.max_loaded_models)
         self.on_demand = OnDemand(self.table, self.residency, self.repository, options,
@@ -403,17 +400,18 @@ class ModelLifecycle:
         if backend == ENSEMBLE_BACKEND:
             await self._load_composing(name, config)
             entry.waits_on = {m: self.table.changes(m) for m in composing_models(config)}
-        stamp = await loop.run_in_executor(None, self._stamp, name, config, versions)
-        # a version staged for promotion is served as it was checked, not loaded again
+        identities = await loop.run_in_executor(None, self._identities, name, config, versions)
+        # a version whose files and config did not change keeps serving as it is; one staged
+        # for promotion is served as it was checked, not loaded again
         keep = {v: mv for v, mv in {**entry.staged, **entry.serving}.items()
-                if v in versions and stamp.get(v) == mv.stamp}
+                if v in versions and identities[v] == mv.identity}
         entry.staged = {v: mv for v, mv in entry.staged.items() if v not in keep}
         fresh: dict[int, ModelVersion] = {}
         errors: list[tuple[int, TritonError]] = []
         for v in versions:
             if v in keep:
                 continue
-            mv = self._new_version(config, backend, v, model_dir, stamp[v])
+            mv = self._new_version(config, backend, model_dir, identities[v])
             entry.status[v] = VersionStatus("LOADING")
             try:
                 await mv.load()
@@ -451,23 +449,22 @@ class ModelLifecycle:
         loop = asyncio.get_running_loop()
         model_dir = self.repository.model_dir(name)
         config, backend, _ = await loop.run_in_executor(None, self._prepare, name, model_dir)
-        stamp = await loop.run_in_executor(None, self._stamp, name, config, [version])
-        return self._new_version(config, backend, version, model_dir, stamp[version])
+        identities = await loop.run_in_executor(None, self._identities, name, config, [version])
+        return self._new_version(config, backend, model_dir, identities[version])
 
-    def _new_version(self, config: mc.ModelConfig, backend: str, v: int, model_dir: Path,
-                     stamp: str) -> ModelVersion:
-        mv = ModelVersion(_copy(config), backend, v, model_dir, self.rate_limiter,
+    def _new_version(self, config: mc.ModelConfig, backend: str, model_dir: Path,
+                     identity: VersionIdentity) -> ModelVersion:
+        mv = ModelVersion(_copy(config), backend, identity.number, model_dir, self.rate_limiter,
                           (_Composing(self._version), self.infer)
                           if backend == ENSEMBLE_BACKEND else None,
                           max_output_size=self.options.max_output_size,
-                          server_calls=self.server_calls, busy_poll=self.busy_poll)
-        mv.stamp = stamp
+                          server_calls=self.server_calls, busy_poll=self.busy_poll,
+                          identity=identity)
         if (self.response_cache is not None and mv.config.response_cache.enable
                 and not mv.decoupled):
-            # keyed by this load of the version, not by its number alone: a number that
-            # came to mean other files, or a version loaded again, starts with no answers
-            mv.response_cache = self.response_cache.for_model(
-                mv.stats, f"{v}:{next(self._loads)}")
+            # keyed by the version's identity, not its number: files put under a number
+            # that served before never meet the earlier files' answers
+            mv.response_cache = self.response_cache.for_model(mv.stats, identity)
         mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
                                                  self.options.histogram_buckets_ms)
         return mv
@@ -533,13 +530,10 @@ class ModelLifecycle:
             err.load_stage = "versions"  # type: ignore[attr-defined]
             raise
 
-    def _stamp(self, name: str, config: mc.ModelConfig, versions: list[int]) -> dict[int, str]:
-        """Per version: the config and the repository's fingerprint of the version's files
-        (the one fingerprint: hidden files and __pycache__ do not count), so a reload
-        keeps versions whose bytes did not change."""
-        base = config.SerializeToString(deterministic=True)
-        return {v: hashlib.sha256(base + self.repository.version_fingerprint(name, v).encode())
-                .hexdigest() for v in versions}
+    def _identities(self, name: str, config: mc.ModelConfig,
+                    versions: list[int]) -> dict[int, VersionIdentity]:
+        """Per version, what it is as read now (the repository mints it). Blocking (disk)."""
+        return {v: self.repository.version_identity(name, v, config) for v in versions}
 
     async def _poll(self) -> None:
         while True:
