@@ -18,7 +18,7 @@ from conftest import BOTH_FRONTS, INFER_KEY, TOKEN, in_thread
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.frontends import fasthttp
 from jupyter_triton.frontends.admission import Admission, Door
-from jupyter_triton.frontends.limits import HTTP1Limits
+from jupyter_triton.frontends.limits import HTTP1Limits, HTTP2Limits
 from jupyter_triton.protocol.errors import TritonError
 from jupyter_triton.standalone import start_in_thread
 from server_waits import wait_until
@@ -118,19 +118,25 @@ async def test_every_listener_of_the_jupyter_server_asks_the_one_admission(
 
 
 @pytest.fixture
-def refusals(monkeypatch) -> list[tuple[str, int]]:
-    """(door kind, status) of every connection the admission refused."""
-    seen: list[tuple[str, int]] = []
+def connects(monkeypatch) -> list[tuple[Door, int]]:
+    """(door, 0 or the refusal's status) of every connection the admission was asked about."""
+    seen: list[tuple[Door, int]] = []
     connect = Admission.connect
 
     def recorded(self, door):
         try:
-            return connect(self, door)
+            slot = connect(self, door)
         except TritonError as err:
-            seen.append((door.kind, err.status))
+            seen.append((door, err.status))
             raise
+        seen.append((door, 0))
+        return slot
     monkeypatch.setattr(Admission, "connect", recorded)
     return seen
+
+
+def refused(connects: list[tuple[Door, int]]) -> list[tuple[str, int]]:
+    return [(door.kind, status) for door, status in connects if status]
 
 
 def read_to_close(s: socket.socket) -> bytes:
@@ -142,7 +148,7 @@ def read_to_close(s: socket.socket) -> bytes:
 
 
 def test_a_listener_past_its_connection_cap_is_refused_by_the_admission(
-        model_repo, monkeypatch, refusals):
+        model_repo, monkeypatch, connects):
     """The standalone HTTP front built with ``max_connections=2``: two raw connections take
     its door's slots; a third is refused by the admission's count (503, then a close); one of
     the two closes, its slot comes back, and a new connection is served."""
@@ -160,16 +166,46 @@ def test_a_listener_past_its_connection_cap_is_refused_by_the_admission(
             answer = read_to_close(extra)
         assert answer.startswith(b"HTTP/1.1 503 "), answer[:80]
         assert b"maximum of 2 HTTP connections" in answer
-        assert refusals == [("http", 503)] and door.connected == 2
+        assert refused(connects) == [("http", 503)] and door.connected == 2
         held.pop().close()
         wait_until(lambda: door.connected == 1, "the closed connection's slot given back")
         with socket.create_connection(address, timeout=10) as again:
             again.sendall(request)
             assert read_to_close(again).startswith(b"HTTP/1.1 200 ")
-        assert refusals == [("http", 503)]
+        assert refused(connects) == [("http", 503)]
     finally:
         for s in held:
             s.close()
+        server.close()
+
+
+def test_the_grpc_port_past_its_connection_cap_is_refused_by_the_admission(model_repo, connects):
+    """gRPC's port built with ``max_connections=1``: one raw connection takes the slot, the
+    next is closed at once by the admission's count; once the first closes, a client is
+    served."""
+    server = start_in_thread(EngineOptions(model_repository=model_repo), host="127.0.0.1",
+                             http_port=0, metrics_port=None, grpc_port=0,
+                             grpc_limits=HTTP2Limits(max_connections=1))
+    address = ("127.0.0.1", server.grpc_port)
+    try:
+        with socket.create_connection(address, timeout=10) as first:
+            (door,) = wait_until(lambda: [d for d, _ in connects if d.kind == "grpc"],
+                                 "the gRPC connection asked its slot")
+            assert door.connected == 1
+            with socket.create_connection(address, timeout=10) as extra:
+                try:
+                    assert read_to_close(extra) == b"", "refused, yet answered"
+                except ConnectionResetError:
+                    pass                # closed at once: an abort may reach the peer as a reset
+            assert refused(connects) == [("grpc", 503)] and door.connected == 1
+        wait_until(lambda: door.connected == 0, "the closed connection's slot given back")
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        try:
+            assert client.is_server_live()
+        finally:
+            client.close()
+        assert refused(connects) == [("grpc", 503)]
+    finally:
         server.close()
 
 

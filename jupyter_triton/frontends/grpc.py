@@ -502,10 +502,12 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     if admission is None:
         admission = Admission(max_input_size=limit, max_inflight_bytes=max_inflight_bytes
                               or DEFAULT_INFLIGHT_MESSAGES * limit)
-    # The port's own policy (tritonserver's --grpc-restricted-protocol), not the HTTP port's.
-    door = Door("grpc", access=access if access is not None else AccessPolicy.open())
-    service = GRPCInferenceService(engine, admission=admission)
     limits = limits or HTTP2Limits()
+    # The port's own policy (tritonserver's --grpc-restricted-protocol), not the HTTP port's;
+    # its connections counted at the admission under this port's limit.
+    door = Door("grpc", access=access if access is not None else AccessPolicy.open(),
+                max_connections=limits.max_connections)
+    service = GRPCInferenceService(engine, admission=admission)
     services = {SERVICE_NAME: method_handlers(service),
                 grpc_health.SERVICE_NAME: grpc_health.method_handlers(
                     grpc_health.HealthService(engine))}
@@ -516,6 +518,7 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
         return await serve_h2(services, host.strip("[]"), port, limit, max_concurrent_rpcs,
                               limits=limits, admit=admit_on_headers(admission, door, groups),
                               ssl=ssl.ssl_context() if ssl else None,
-                              budget=service.inflight)
+                              budget=service.inflight,
+                              connect=functools.partial(admission.connect, door))
     except OSError as err:
         raise OSError(f"could not bind the gRPC server to {address}: {err}") from None

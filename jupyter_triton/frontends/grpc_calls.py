@@ -52,6 +52,7 @@ class CallServer(Protocol):
     active: int
     admit: Any
     budget: Any
+    connect: Any
     connections: set
     limits: Any
     max_concurrent_rpcs: int
@@ -642,6 +643,7 @@ class GrpcConnection(asyncio.Protocol):
         self.burst = 0                  # bytes read this loop iteration, counted from READ_BURST on
         # one call_later per connection, re-armed each tick
         self.timer: asyncio.TimerHandle | None = None
+        self.slot: Any = None           # the admission's (server.connect), held while open
 
     # -- output: coalesced into one write per loop iteration -----------------------------
     def flush(self) -> None:
@@ -692,7 +694,9 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport      # type: ignore[assignment]
         server, limits = self.server, self.limits
-        if len(server.connections) >= limits.max_connections:
+        try:
+            self.slot = server.connect()
+        except TritonError:             # past the port's max_connections: closed at once
             self.h2.dead = True
             transport.abort()           # type: ignore[attr-defined]
             return
@@ -703,6 +707,8 @@ class GrpcConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Everything the connection holds goes now: handlers cancelled, buffers dropped."""
+        if self.slot is not None:
+            self.slot.release()
         self.server.connections.discard(self)
         if self.timer is not None:
             self.timer.cancel()

@@ -11,11 +11,12 @@ benchmarks/results/notes-frontends.md.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from .admission import INFLIGHT_MESSAGES, BodyBudget
+from .admission import INFLIGHT_MESSAGES, Admission, BodyBudget, ConnectionSlot, Door
 from .grpc_calls import Admit, GrpcConnection
 from .limits import HTTP2Limits
 
@@ -34,17 +35,22 @@ class H2GrpcServer:
     TritonError the call is refused with (frontends/grpc.py's ``admit_on_headers``).
     ``budget``: the server's bytes-in-flight budget (``frontends.admission``), charged with
     messages larger than a connection's allowance when their prefix arrives (see ``Charged``);
-    None: one of its own, 4 x the receive limit."""
+    None: one of its own, 4 x the receive limit. ``connect()``: the server's admission's slot
+    for a connection just accepted (``Admission.connect`` at the port's door), or the
+    refusal it is closed with; None: an admission of its own, at ``limits.max_connections``."""
 
     def __init__(self, services: dict[str, dict[str, grpc.RpcMethodHandler]], max_receive: int,
                  max_concurrent_rpcs: int, limits: HTTP2Limits = HTTP2Limits(),
-                 admit: Admit | None = None, budget: BodyBudget | None = None) -> None:
+                 admit: Admit | None = None, budget: BodyBudget | None = None,
+                 connect: Callable[[], ConnectionSlot] | None = None) -> None:
         self.services = services
         self.max_receive = max_receive
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.limits = limits
         self.admit = admit
         self.budget = budget if budget is not None else BodyBudget(INFLIGHT_MESSAGES * max_receive)
+        self.connect = connect or functools.partial(
+            Admission().connect, Door("grpc", max_connections=limits.max_connections))
         self.active = 0
         self.connections: set[GrpcConnection] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -68,11 +74,13 @@ class H2GrpcServer:
 async def serve_h2(services: dict[str, dict[str, grpc.RpcMethodHandler]], host: str, port: int,
                    max_receive: int, max_concurrent_rpcs: int, *,
                    limits: HTTP2Limits = HTTP2Limits(), admit: Admit | None = None,
-                   ssl: "SSLContext | None" = None, budget: BodyBudget | None = None
+                   ssl: "SSLContext | None" = None, budget: BodyBudget | None = None,
+                   connect: Callable[[], ConnectionSlot] | None = None
                    ) -> tuple[H2GrpcServer, int]:
     """Serve ``services`` (see H2GrpcServer) on ``host:port`` (0: a free port) on the running
     loop, over TLS when ``ssl`` is given; returns the server and its port."""
-    server = H2GrpcServer(services, max_receive, max_concurrent_rpcs, limits, admit, budget)
+    server = H2GrpcServer(services, max_receive, max_concurrent_rpcs, limits, admit, budget,
+                          connect)
     loop = asyncio.get_running_loop()
     server._server = await loop.create_server(lambda: GrpcConnection(server), host, port, ssl=ssl)
     return server, server._server.sockets[0].getsockname()[1]

@@ -23,7 +23,8 @@ class HTTP1Limits:
     max_headers: int = 128                  # 431: header lines of one request
     header_timeout: float = 60.0            # 408: seconds for a whole request head (slowloris)
     idle_timeout: float = 300.0             # seconds a kept-alive connection may sit idle
-    max_connections: int = 4096             # per listener; beyond, a 503 and a close
+    max_connections: int = 4096             # per listener (the admission counts its door's);
+                                            # beyond, a 503 and a close
     max_pending_reply_bytes: int = 1 << 20  # write buffer past which the peer is not read
     max_pipelined: int = 1024               # 503: requests received and not yet answered
     send_timeout: float = 60.0              # seconds unread replies may make no progress
@@ -51,7 +52,8 @@ class HTTP2Limits:
     # has read our answers; past it, GOAWAY ENHANCE_YOUR_CALM (h2o, nginx's "flood" checks).
     max_control_frames: int = 10_000
     max_resets_per_second: int = 1_000      # rapid reset (CVE-2023-44487)
-    max_connections: int = 4096            # per listener; beyond, accepted then closed at once
+    max_connections: int = 4096            # per listener (the admission counts its door's);
+                                           # beyond, accepted then closed at once
     # Write buffer past which the peer is not read until it reads (back-pressure).
     max_pending_reply_bytes: int = 1 << 20
     # Response bytes one connection holds behind the peer's flow control; past it a unary
