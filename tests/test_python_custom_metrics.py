@@ -186,3 +186,103 @@ def test_counter_gauge_histogram_and_the_rules_of_each(tmp_path, mode):
             assert sample in text, sample
     finally:
         server.close()
+
+
+# Labels, names, descriptions and buckets that are not plain data. Triton's Metric API takes
+# labels as a dict of str to str: anything else is the model's TypeError, which it may catch;
+# uncaught, it fails that request only, and the same worker serves the next one.
+BAD_ARGS_MODEL_PY = '''
+import json, os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+BAD_LABELS = {"object": object(), "numpy": np.int64(3), "list": [1, 2]}
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(name="bad_args", description="Bad arguments",
+                                            kind=pb_utils.MetricFamily.COUNTER)
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            case = pb_utils.get_input_tensor_by_name(request, "CASE").as_numpy().reshape(-1)[0].decode()
+            errors = {}
+            if case == "caught":
+                attempts = {name: (lambda v=value: self.family.Metric(labels={"k": v}))
+                            for name, value in BAD_LABELS.items()}
+                attempts["label_name"] = lambda: self.family.Metric(labels={object(): "v"})
+                attempts["labels"] = lambda: self.family.Metric(labels=[("k", "v")])
+                attempts["description"] = lambda: pb_utils.MetricFamily(
+                    name="bad_description", description=object(), kind=pb_utils.MetricFamily.GAUGE)
+                attempts["family_name"] = lambda: pb_utils.MetricFamily(
+                    name=object(), description="", kind=pb_utils.MetricFamily.GAUGE)
+                attempts["buckets"] = lambda: pb_utils.MetricFamily(
+                    name="bad_buckets", description="", kind=pb_utils.MetricFamily.HISTOGRAM
+                ).Metric(labels={"k": "v"}, buckets=[1.0, object()])
+                for name, attempt in attempts.items():
+                    try:
+                        attempt()
+                        errors[name] = None
+                    except (TypeError, ValueError) as err:
+                        errors[name] = f"{type(err).__name__}: {err}"
+            elif case in BAD_LABELS:
+                self.family.Metric(labels={"k": BAD_LABELS[case]})   # uncaught: this request fails
+            # a numpy string is a str: Triton takes it, and it shows as plain text
+            fine = self.family.Metric(labels={"k": np.str_("fine")})
+            fine.increment(1)
+            report = {"pid": os.getpid(), "fine": fine.value(), "errors": errors}
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor(
+                "REPORT", np.array([json.dumps(report).encode()], dtype=np.object_))]))
+        return out
+'''
+
+BAD_ARGS_CONFIG = '''
+name: "bad_args"
+backend: "python"
+input [{ name: "CASE" data_type: TYPE_STRING dims: [ 1 ] }]
+output [{ name: "REPORT" data_type: TYPE_STRING dims: [ 1 ] }]
+'''
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_metric_arguments_that_are_not_plain_data_fail_in_the_model_not_the_worker(tmp_path, mode):
+    import json
+    from tritonclient.utils import InferenceServerException
+    repo = tmp_path / "models"
+    add_model(repo, "bad_args", textwrap.dedent(BAD_ARGS_MODEL_PY),
+              BAD_ARGS_CONFIG + (THREAD_MODE if mode == "thread" else ""))
+    server = start(repo)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+
+    def infer(case: str) -> dict:
+        inp = httpclient.InferInput("CASE", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([case.encode()], dtype=np.object_))
+        return json.loads(client.infer("bad_args", [inp]).as_numpy("REPORT")[0])
+
+    try:
+        first = infer("ok")
+        caught = infer("caught")
+        errors = caught["errors"]
+        for name in ("object", "numpy", "list"):
+            assert errors[name] is not None and errors[name].startswith("TypeError"), (name, errors)
+            assert "'k'" in errors[name], errors[name]
+        assert errors["label_name"].startswith("TypeError") and "label name" in errors["label_name"]
+        assert errors["labels"].startswith("TypeError") and "dict" in errors["labels"]
+        assert errors["description"].startswith("TypeError") and "description" in errors["description"]
+        assert errors["family_name"].startswith("TypeError") and "name" in errors["family_name"]
+        assert errors["buckets"].startswith("TypeError") and "buckets" in errors["buckets"]
+        for case in ("object", "numpy", "list"):
+            with pytest.raises(InferenceServerException) as failed:
+                infer(case)
+            assert "TypeError" in str(failed.value) and "'k'" in str(failed.value), str(failed.value)
+        last = infer("ok")
+        # the same worker (thread mode: the server) served every request, none was lost
+        assert last["pid"] == first["pid"] == caught["pid"]
+        assert (first["fine"], caught["fine"], last["fine"]) == (1, 2, 3)
+        text = scrape(server)
+        assert 'bad_args{k="fine"} 3' in text
+        assert "bad_description" not in text and "bad_buckets_bucket" not in text
+    finally:
+        client.close()
+        server.close()

@@ -572,6 +572,39 @@ def _host() -> Any:
     return host
 
 
+# What a metric call sends is plain data, checked here in the model: a worker's message to
+# the server carries nothing else (the server refuses it, and the worker with it), and Triton's
+# API takes these as str, dict of str to str and list of float, so anything else is the
+# model's TypeError, which it may catch.
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    return str(value)     # a str subclass (numpy.str_) travels as plain text
+
+
+def _labels(labels: Any, family: str) -> dict[str, str]:
+    what = f"Error when creating Metric of family '{family}'"
+    if not isinstance(labels, dict):
+        raise TypeError(f"{what}: labels must be a dict of str to str, not {type(labels).__name__}")
+    plain = {}
+    for key, value in labels.items():
+        key = _text(key, f"{what}: label name {key!r}")
+        plain[key] = _text(value, f"{what}: the value of label {key!r}")
+    return plain
+
+
+def _buckets(buckets: Any, family: str) -> list[float]:
+    what = f"Error when creating Metric of family '{family}': buckets"
+    try:
+        bounds = list(buckets)
+    except TypeError:
+        raise TypeError(f"{what} must be a list of float, not {type(buckets).__name__}") from None
+    for bound in bounds:
+        if isinstance(bound, (bool, str, bytes)) or not isinstance(bound, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{what} must be a list of float; {bound!r} is a {type(bound).__name__}")
+    return [float(bound) for bound in bounds]
+
+
 class MetricFamily:
     """A family of custom metrics, shown on the server's metrics endpoint (Triton's API)."""
 
@@ -584,6 +617,8 @@ class MetricFamily:
             raise TritonModelException(
                 f"Error when creating MetricFamily: unknown kind {kind!r} (use "
                 "pb_utils.MetricFamily.COUNTER, GAUGE or HISTOGRAM)")
+        name = _text(name, "Error when creating MetricFamily: name")
+        description = _text(description, f"Error when creating MetricFamily '{name}': description")
         self._name = name
         self._kind = kind
         self._host = _host()
@@ -604,7 +639,10 @@ class Metric:
         self._kind = family._kind
         if self._kind == MetricFamily.HISTOGRAM and buckets is None:
             raise TritonModelException("Error when creating Metric: a HISTOGRAM metric needs buckets")
-        self._key = family._host.metric_call("metric", (self._name, dict(labels), buckets),
+        labels = _labels(labels, self._name)
+        if buckets is not None:
+            buckets = _buckets(buckets, self._name)
+        self._key = family._host.metric_call("metric", (self._name, labels, buckets),
                                              "Error when creating Metric")
 
     def increment(self, value: float) -> None:
