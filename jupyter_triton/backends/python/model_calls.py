@@ -4,8 +4,10 @@
 
 A worker process sends them as side messages; a BLS call then runs on a pool thread through
 ``Backend.server_calls`` (the engine bounds depth and calls in flight) and its responses go
-back over the worker's socket. In thread mode the model's own thread does the call
-(``ModelCalls`` is the stub's host there). A BLS call's depth, and the trace it goes on
+back over the worker's socket. In thread mode the model's own thread makes the call
+(``ModelCalls`` is the stub's host there), and a pool thread reads a decoupled call's stream
+(``_Relayed``): either way the call ends with the callee's final response, as in Triton, not
+when the model reads it. A BLS call's depth, and the trace it goes on
 with, come from the batch of its caller (``batch``; a decoupled model's last batch's
 ``depth``, since it calls on after execute has returned).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import queue
 import threading
 from typing import Any, Callable, Iterator, Protocol
 
@@ -154,18 +157,21 @@ class ModelCalls:
                          "logger", backend.instance.name)
 
     def bls_exec(self, request: "pb_utils.InferenceRequest", decoupled: bool) -> Any:
-        results = self._bls_results(bls_spec(request), decoupled)
+        # opened on the model's thread: the call nests under (and is traced with) its batch
+        opened: list = []
+        results = self._bls_results(bls_spec(request), decoupled, opened.append)
         if not decoupled:
             outputs, error, _ = next(results)
             return bls_response(outputs, error)
-        return (bls_response(outputs, error) for outputs, error, _ in results)
+        return _Relayed(results, opened[0] if opened else None)
 
     # -- one BLS call -----------------------------------------------------------------------
 
     def _bls_results(self, spec: tuple, decoupled: bool,
                      register: Callable[[Any], None] | None = None) -> Iterator[tuple]:
         """``(outputs, error, final)`` of one BLS call, the last with ``final``; errors as
-        ``(pb_utils code, message)``, never raised (Triton puts them in the response)."""
+        ``(pb_utils code, message)``, never raised (Triton puts them in the response). The
+        call is made here; a decoupled one's stream is read as the result is."""
         try:
             calls = self.backend.server_calls
             if calls is None:
@@ -173,32 +179,40 @@ class ModelCalls:
             request, timeout_s = self._bls_request(spec)
             if not decoupled:
                 response = calls.infer(request, timeout_s)
-                yield {t.name: t.data for t in response.outputs}, None, True
-                return
+                return _once(({t.name: t.data for t in response.outputs}, None, True))
             stream = calls.infer_stream(request, timeout_s)
-            if register is not None:
-                register(stream)
-            final = False
+        except Exception as err:
+            return _once(self._bls_failed(err))
+        if register is not None:
+            register(stream)
+        return self._bls_stream(stream)
+
+    def _bls_stream(self, stream: Any) -> Iterator[tuple]:
+        final, item = False, None
+        try:
             try:
                 for response in stream:
                     final = bool(response.final)
                     error = response.error
                     if error is not None:
-                        yield None, _pb_error(error), final
+                        item = None, _pb_error(error), final
                     else:
-                        yield {t.name: t.data for t in response.outputs}, None, final
+                        item = {t.name: t.data for t in response.outputs}, None, final
                     if final:
                         break
+                    yield item
             finally:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()
-            if not final:   # the stream ended without a final response: end it for the model
-                yield None, None, True
+                _close(stream)   # the call ends with its final response, before that is handed on
         except Exception as err:
-            if not isinstance(err, TritonError):
-                log.exception("%s: BLS call failed", self.backend._who)
-            yield None, _pb_error(err), True
+            yield self._bls_failed(err)
+            return
+        # the stream ended without a final response: end it for the model
+        yield item if final else (None, None, True)
+
+    def _bls_failed(self, err: Exception) -> tuple:
+        if not isinstance(err, TritonError):
+            log.exception("%s: BLS call failed", self.backend._who)
+        return None, _pb_error(err), True
 
     def _bls_request(self, spec: tuple) -> tuple[InferRequest, float | None]:
         model, version, inputs, names, request_id, correlation_id, flags, timeout_us, params = spec
@@ -231,3 +245,47 @@ class ModelCalls:
         request.trace_parent = next((r.trace for r in batch or () if r.trace is not None), None)
         return request, (timeout_us / 1e6 if timeout_us else None)
 
+
+def _once(item: tuple) -> Iterator[tuple]:
+    yield item
+
+
+def _close(stream: Any) -> None:
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
+
+
+def _relay(results: Iterator[tuple], items: queue.SimpleQueue) -> None:
+    """On a BLS pool thread: every result of one call, as it comes (it holds nothing of the
+    ``_Relayed`` it feeds, so that the model dropping that cancels the call)."""
+    for item in results:
+        items.put(item)
+
+
+class _Relayed:
+    """A decoupled BLS call of a thread-mode model, as the model iterates it. Its stream is
+    read on a BLS pool thread as a worker process's is, so that the call ends when the callee
+    sends its final response, as Triton releases a BLS request then, not when (or whether)
+    the model reads that response; the responses wait here for the model. Dropped before the
+    final one, it cancels the call."""
+
+    def __init__(self, results: Iterator[tuple], stream: Any) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = stream
+        self._done = False
+        _bls_pool().submit(_relay, results, self._items)
+
+    def __iter__(self) -> "_Relayed":
+        return self
+
+    def __next__(self) -> "pb_utils.InferenceResponse":
+        if self._done:
+            raise StopIteration
+        outputs, error, final = self._items.get()
+        self._done = final
+        return bls_response(outputs, error)
+
+    def __del__(self) -> None:
+        if not self._done and self._stream is not None:
+            _close(self._stream)
