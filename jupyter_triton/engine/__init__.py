@@ -115,22 +115,33 @@ class Engine(ModelLifecycle):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self.tracing.on and request.trace is None:     # engine/observation/trace.py; off: this check only
             return await self.tracing.infer(self, request)
+        tap = None
         if self.traffic.active and not request.captured:  # engine/observation/capture.py; off: this check only
-            capture = self.traffic.active.get(request.model_name)
-            if capture is not None:
-                return await capture.infer(self, request)
-        if not request.shared_memory:        # the codec's mark: a tensor names a region
+            tap = self.traffic.active.get(request.model_name)
+        if tap is None and not request.shared_memory:     # shm: the codec's mark, a tensor names a region
             mv = (self.serving_version(request.model_name, request.model_version)
-              or await self.resident_version(request.model_name, request.model_version))
+                  or await self.resident_version(request.model_name, request.model_version))
             if mv.response_cache is None:
                 return await mv.infer(request)
             return await mv.response_cache.infer(mv, request)       # engine/cache.py
-        await resolve_inputs(request, self.shared_memory)
-        mv = (self.serving_version(request.model_name, request.model_version)
-              or await self.resident_version(request.model_name, request.model_version))
-        response = await (mv.infer(request) if mv.response_cache is None else
-                          mv.response_cache.infer(mv, request))
-        await place_outputs(response, request, self.shared_memory)
+        # A tapped model's request is watched here, not in a coroutine of the tap's around
+        # this one: the frames a request's every resumption passes through are the data path's
+        mark = tap.begin(request) if tap is not None else None
+        try:
+            if request.shared_memory:
+                await resolve_inputs(request, self.shared_memory)
+            mv = (self.serving_version(request.model_name, request.model_version)
+                  or await self.resident_version(request.model_name, request.model_version))
+            response = await (mv.infer(request) if mv.response_cache is None else
+                              mv.response_cache.infer(mv, request))
+            if request.shared_memory:
+                await place_outputs(response, request, self.shared_memory)
+        except BaseException as err:
+            if mark is not None:
+                tap.failed(request, mark, err)
+            raise
+        if mark is not None:
+            tap.served(self, request, mark, response)
         return response
 
     async def infer_stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:

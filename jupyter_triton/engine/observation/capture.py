@@ -17,7 +17,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, NamedTuple
 
 import numpy as np
 
@@ -53,9 +53,10 @@ class CaptureSettings:
 Kept = tuple[str, str, tuple, "np.ndarray | None"]
 
 
-@dataclass(slots=True)
-class Captured:
-    """One request as it was served."""
+class Captured(NamedTuple):
+    """One request as it was served. Kept as a plain tuple of strings, numbers and arrays,
+    which the garbage collector stops tracking: a full sample adds nothing to the
+    collections the server's other objects go through."""
     time: float                     # when it arrived, seconds since the epoch
     model_version: str              # the version that answered ("" when none did)
     id: str                         # the client's request id
@@ -63,8 +64,8 @@ class Captured:
     latency_us: float
     status: int                     # 200, or the Triton status of the error it got
     error: str
-    inputs: list[Kept]
-    outputs: list[Kept]
+    inputs: tuple[Kept, ...]
+    outputs: tuple[Kept, ...]
     nbytes: int
 
 
@@ -79,24 +80,11 @@ class Capture:
     captured: int = 0               # rows ever added
     dropped: int = 0                # rows evicted by the bounds
 
-    async def infer(self, engine: "Engine", request: InferRequest) -> InferResponse:
-        request.captured = True
+    def sampled(self) -> bool:
+        """Counts a request, and says whether it is one of the share kept."""
         self.seen += 1
-        if self.settings.fraction < 1.0 and random.random() >= self.settings.fraction:
-            return await engine.infer(request)
-        arrived, start = time.time(), time.monotonic_ns()
-        try:
-            response = await engine.infer(request)
-        except asyncio.CancelledError:
-            raise                   # the client went away: nothing was answered
-        except TritonError as err:
-            self._add(request, None, arrived, start, err.status, str(err))
-            raise
-        except Exception as err:    # rendered as 500 by the frontend
-            self._add(request, None, arrived, start, 500, f"{type(err).__name__}: {err}")
-            raise
-        self._add(request, response, arrived, start, 200, "")
-        return response
+        fraction = self.settings.fraction
+        return fraction >= 1.0 or random.random() < fraction
 
     async def infer_stream(self, engine: "Engine", request: InferRequest
                            ) -> AsyncGenerator[InferResponse, None]:
@@ -104,9 +92,8 @@ class Capture:
         its stream ends: each output its responses' pieces joined (streamed_outputs), the
         status the first error response's."""
         request.captured = True
-        self.seen += 1
         stream = engine.infer_stream(request)
-        if self.settings.fraction < 1.0 and random.random() >= self.settings.fraction:
+        if not self.sampled():
             try:
                 async for response in stream:
                     yield response
@@ -130,44 +117,54 @@ class Capture:
             # front closes or cancels the stream): what it got is the row
             if not final and not error:
                 status, error = 499, "the client closed the stream before its end"
-            self._add(request, streamed_outputs(pieces), arrived, start, status, error)
+            self.add(request, streamed_outputs(pieces), arrived, start, status, error)
             raise
         except TritonError as err:
-            self._add(request, streamed_outputs(pieces), arrived, start, err.status, str(err))
+            self.add(request, streamed_outputs(pieces), arrived, start, err.status, str(err))
             raise
         except Exception as err:
-            self._add(request, streamed_outputs(pieces), arrived, start, 500,
+            self.add(request, streamed_outputs(pieces), arrived, start, 500,
                       f"{type(err).__name__}: {err}")
             raise
         finally:
             await stream.aclose()
-        self._add(request, streamed_outputs(pieces), arrived, start, status, error)
+        self.add(request, streamed_outputs(pieces), arrived, start, status, error)
 
-    def _add(self, request: InferRequest, response: InferResponse | None, arrived: float,
-             start: int, status: int, error: str) -> None:
+    def add(self, request: InferRequest, response: InferResponse | None, arrived: float,
+            start: int, status: int, error: str) -> None:
+        """The row of a request served (``response``) or refused (``status``, ``error``)
+        that arrived at ``arrived`` (epoch seconds) and started at ``start`` (monotonic ns)."""
         latency_us = (time.monotonic_ns() - start) / 1000
-        tensors = (request.inputs, response.outputs if response is not None else [])
-        nbytes = _ROW_OVERHEAD + sum(_bytes(t.data) for group in tensors for t in group)
-        if nbytes <= self.settings.max_bytes:
-            inputs, outputs = _kept(tensors[0]), _kept(tensors[1])
+        outputs = response.outputs if response is not None else ()
+        settings = self.settings
+        nbytes = _ROW_OVERHEAD + _bytes(request.inputs) + _bytes(outputs)
+        if nbytes <= settings.max_bytes:
+            kept_in, kept_out = _kept(request.inputs), _kept(outputs)
         else:                       # its tensors alone are past the bound: not copied
-            inputs, outputs = [], []
+            kept_in = kept_out = ()
             error = error or f"tensors not kept: {nbytes} bytes, past max_bytes"
             nbytes = _ROW_OVERHEAD
         trace = request.trace
-        row = Captured(arrived, response.model_version if response else request.model_version,
-                       request.id, str(trace.id) if getattr(trace, "id", None) else "", latency_us,
-                       status, error, inputs, outputs, nbytes)
-        self.rows.append(row)
-        self.bytes += row.nbytes
+        rows = self.rows
+        # a plain tuple (Captured's fields), made a Captured when read: the collector stops
+        # tracking an exact tuple of untracked parts, not a subclass's
+        rows.append((arrived, request.model_version if response is None else response.model_version,
+                     request.id, "" if trace is None else str(getattr(trace, "id", "") or ""),
+                     latency_us, status, error, kept_in, kept_out, nbytes))
+        self.bytes += nbytes
         self.captured += 1
-        self._bound()
+        if self.bytes > settings.max_bytes or len(rows) > settings.max_rows:
+            self._bound()
 
     def _bound(self) -> None:
-        while self.rows and (len(self.rows) > self.settings.max_rows or
-                             self.bytes > self.settings.max_bytes):
-            self.bytes -= self.rows.popleft().nbytes
+        rows, settings = self.rows, self.settings
+        while rows and (len(rows) > settings.max_rows or self.bytes > settings.max_bytes):
+            self.bytes -= rows.popleft()[-1]
             self.dropped += 1
+
+    def snapshot(self) -> list[Captured]:
+        """The rows, oldest first."""
+        return [Captured._make(row) for row in self.rows]
 
     def to_json(self) -> dict:
         return {"enabled": self.on, **self.settings.to_json(), "requests_seen": self.seen,
@@ -177,9 +174,9 @@ class Capture:
 
 @dataclass
 class Tap:
-    """What ``Engine.infer`` hands a tapped model's request to: its capture, its shadow
-    (observation/shadow.py), or both. The shadow's copy leaves only once the served answer
-    is there, and nothing it does reaches that answer."""
+    """What ``Engine.infer`` asks of a tapped model's request, before and after serving
+    it: its capture, its shadow (observation/shadow.py), or both. The shadow's copy leaves
+    only once the served answer is there, and nothing it does reaches that answer."""
     capture: Capture | None = None
     shadow: Shadow | None = None
 
@@ -191,18 +188,37 @@ class Tap:
             return engine.infer_stream(request)
         return self.capture.infer_stream(engine, request)
 
-    async def infer(self, engine: "Engine", request: InferRequest) -> InferResponse:
-        if self.shadow is None:
-            return await self.capture.infer(engine, request)
+    def begin(self, request: InferRequest) -> "tuple[bool, float, int] | None":
+        """``Engine.infer`` on a tapped model's request, before serving it: marks it (it is
+        not tapped twice: the shadow's copy, a traced request coming back) and returns what
+        ``served`` or ``failed`` takes, None when neither the capture nor the shadow wants it."""
         request.captured = True
-        start = time.monotonic_ns()
-        response = await (self.capture.infer(engine, request) if self.capture is not None
-                          else engine.infer(request))
-        try:
-            self.shadow.offer(engine, request, response, (time.monotonic_ns() - start) / 1000)
-        except Exception:           # the served answer goes out whatever the copy did
-            log.exception("model '%s': shadow copy failed", request.model_name)
-        return response
+        keep = self.capture is not None and self.capture.sampled()
+        if not keep and self.shadow is None:
+            return None
+        return keep, time.time(), time.monotonic_ns()
+
+    def served(self, engine: "Engine", request: InferRequest, mark: tuple[bool, float, int],
+               response: InferResponse) -> None:
+        keep, arrived, start = mark
+        if keep:
+            self.capture.add(request, response, arrived, start, 200, "")
+        if self.shadow is not None:
+            try:
+                self.shadow.offer(engine, request, response, (time.monotonic_ns() - start) / 1000)
+            except Exception:       # the served answer goes out whatever the copy did
+                log.exception("model '%s': shadow copy failed", request.model_name)
+
+    def failed(self, request: InferRequest, mark: tuple[bool, float, int], err: BaseException) -> None:
+        """A refusal is a row; a request the client gave up on (cancelled) is not: nothing
+        was answered."""
+        keep, arrived, start = mark
+        if not keep or isinstance(err, (asyncio.CancelledError, GeneratorExit)):
+            return
+        if isinstance(err, TritonError):
+            self.capture.add(request, None, arrived, start, err.status, str(err))
+        elif isinstance(err, Exception):    # rendered as 500 by the frontend
+            self.capture.add(request, None, arrived, start, 500, f"{type(err).__name__}: {err}")
 
 
 def streamed_outputs(pieces: list[InferResponse]) -> InferResponse | None:
@@ -275,7 +291,7 @@ class TrafficCapture:
         capture = self.samples.get(model)
         if capture is None:
             return {"model_name": model, "capture": None}, []
-        return {"model_name": model, "capture": capture.to_json()}, list(capture.rows)
+        return {"model_name": model, "capture": capture.to_json()}, capture.snapshot()
 
     def shadow_control(self, engine: "Engine", model: str, body: Any) -> dict:
         """``POST v2/models/{m}/shadow``: ``{"version": 2, "fraction": 1.0}`` sends a copy of
@@ -348,18 +364,39 @@ def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
     return on, CaptureSettings(float(fraction), **bounds), clear
 
 
-def _bytes(data: "np.ndarray | None") -> int:
-    """What a copy of ``data`` holds (BYTES: the elements, not the pointers)."""
+def _bytes(tensors: "list[InferTensor] | tuple") -> int:
+    """What copies of ``tensors`` hold (BYTES: the elements, not the pointers)."""
+    total = 0
+    for t in tensors:
+        data = t.data
+        if data is None:
+            continue
+        if not data.dtype.hasobject:
+            total += data.nbytes
+        else:
+            total += data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8
+                                         for v in data.ravel())
+    return total
+
+
+def _kept(tensors: "list[InferTensor] | tuple") -> tuple[Kept, ...]:
+    """What a row holds of ``tensors``: a copy where the memory may change later (a
+    shared-memory region, a buffer a backend reuses), the array itself where it cannot (a
+    read-only view of the request's body as it came off the wire: bytes are immutable).
+    Tuples of immutable parts, so that the collector stops tracking them (see Captured)."""
+    return tuple([(t.name, t.datatype, tuple(t.shape), _frozen(t.data)) for t in tensors])
+
+
+def _frozen(data: Any) -> "np.ndarray | None":
     if data is None:
-        return 0
-    if not data.dtype.hasobject:
-        return data.nbytes
-    return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in data.ravel())
-
-
-def _kept(tensors: list[InferTensor]) -> list[Kept]:
-    """Copies: a shared-memory region or a buffer a backend reuses changes later."""
-    return [(t.name, t.datatype, t.shape,
-             None if t.data is None else
-             t.data.copy() if type(t.data) is np.ndarray else np.array(t.data))
-            for t in tensors]
+        return None
+    if type(data) is not np.ndarray:
+        return np.array(data)
+    # A view whose memory is a bytes object (the body as it came off the wire) cannot be
+    # written through, by numpy or anyone: kept as it is. Anything else is copied.
+    root = data.base
+    while type(root) is np.ndarray:
+        root = root.base
+    if type(root) is memoryview:
+        root = root.obj
+    return data if type(root) is bytes else data.copy()
