@@ -6,7 +6,6 @@ neither knows nor cares which. Everything it returns is plain data (arrays, stri
 """
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import inspect
 import queue
@@ -21,6 +20,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from . import triton_python_backend_utils as pb_utils
+from .model_loop import ModelLoop
 
 PB_UTILS_NAME = "triton_python_backend_utils"
 
@@ -179,7 +179,8 @@ def run_auto_complete_config(model_py: str, name: str, config_json: str) -> dict
 
 
 class ModelStub:
-    """One ``TritonPythonModel`` object and the event loop its ``async def execute`` runs on."""
+    """One ``TritonPythonModel`` object and the event loop its ``async def execute`` runs on
+    (``model_loop``: it runs on between executes, so tasks execute started go on)."""
 
     def __init__(self, model_py: str, args: dict[str, str], bls_host: Any = None) -> None:
         self.args = args
@@ -190,16 +191,18 @@ class ModelStub:
         self.model_version = int(args.get("model_version") or -1)
         cls = import_model_class(
             model_py, module_name(args["model_name"], args["model_version"], args["model_instance_name"]))
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: ModelLoop | None = None
         token = pb_utils._BLS_HOST.set(bls_host) if bls_host is not None else None
         try:
             self.model = cls()
             init = getattr(self.model, "initialize", None)
             if init is not None:
                 self._await(init(args))
-        except StubError:
-            raise
         except BaseException as err:
+            if self._loop is not None:   # no finalize will come to stop it
+                self._loop.close()
+            if isinstance(err, StubError):
+                raise
             raise StubError.from_exception("initialize", err) from None
         finally:
             if token is not None:
@@ -208,8 +211,8 @@ class ModelStub:
     def _await(self, result: Any) -> Any:
         if inspect.isawaitable(result):
             if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            return self._loop.run_until_complete(result)
+                self._loop = ModelLoop(self.args.get("model_instance_name") or self.model_name)
+            return self._loop.run(result)
         return result
 
     def _pb_requests(self, requests: list[RequestData]) -> list[pb_utils.InferenceRequest]:
@@ -303,6 +306,6 @@ class ModelStub:
         except BaseException as err:
             raise StubError.from_exception("finalize", err) from None
         finally:
-            if self._loop is not None:
+            if self._loop is not None:   # tasks the model left pending are cancelled
                 self._loop.close()
                 self._loop = None
