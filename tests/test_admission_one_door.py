@@ -149,12 +149,13 @@ def read_to_close(s: socket.socket) -> bytes:
 
 def test_a_listener_past_its_connection_cap_is_refused_by_the_admission(
         model_repo, monkeypatch, connects):
-    """The standalone HTTP front built with ``max_connections=2``: two raw connections take
-    its door's slots; a third is refused by the admission's count (503, then a close); one of
-    the two closes, its slot comes back, and a new connection is served."""
+    """The standalone fast HTTP front built with ``max_connections=2``: two raw connections
+    take its door's slots; a third is refused by the admission's count (503, then a close); one
+    of the two closes, its slot comes back, and a new connection is served. (The fast front
+    whatever skin the suite runs on: the tornado skin has no connection cap.)"""
     monkeypatch.setattr(fasthttp, "HTTP1Limits", functools.partial(HTTP1Limits, max_connections=2))
     server = start_in_thread(EngineOptions(model_repository=model_repo), host="127.0.0.1",
-                             http_port=0, metrics_port=None, grpc_port=None)
+                             http_port=0, metrics_port=None, grpc_port=None, http_front="fast")
     door = server.plane.door
     address = ("127.0.0.1", server.http_port)
     request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
