@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from tornado import httpserver, netutil, web
+from tornado import netutil, web
 
 from .engine import Engine, EngineOptions
 from .engine.observation.server_log import ServerLog
@@ -20,7 +20,7 @@ from .frontends.admission import STATISTICS, AccessPolicy, Admission, Door
 from .frontends.dataplane import DataPlane
 from .frontends.fasthttp import HTTPFront
 from .frontends.grpc_options import GrpcTLS
-from .frontends.http import SETTINGS_KEY, FrontendState, route_table
+from .frontends.http import SETTINGS_KEY, AdmittedHTTPServer, FrontendState, route_table
 from .frontends.limits import HTTP2Limits
 from .frontends.metrics import exposition, metrics_registry
 from .protocol.errors import TritonError
@@ -108,14 +108,18 @@ class StandaloneServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def _listen(app: web.Application, host: str, port: int, max_body: int) -> tuple[httpserver.HTTPServer, int]:
+def _listen(app: web.Application, host: str, port: int, max_body: int, admission: Admission,
+            door: Door) -> tuple[AdmittedHTTPServer, int]:
     sockets = netutil.bind_sockets(port, address=host)
-    return _serve_on(app, sockets, max_body), sockets[0].getsockname()[1]
+    return _serve_on(app, sockets, max_body, admission, door), sockets[0].getsockname()[1]
 
 
-def _serve_on(app: web.Application, sockets: list, max_body: int) -> httpserver.HTTPServer:
-    server = httpserver.HTTPServer(app, max_body_size=max_body, decompress_request=False,
-                                   body_timeout=BODY_TIMEOUT_S, idle_connection_timeout=IDLE_TIMEOUT_S)
+def _serve_on(app: web.Application, sockets: list, max_body: int, admission: Admission,
+              door: Door) -> AdmittedHTTPServer:
+    """tornado on ``sockets``, each connection a slot of ``door`` at the admission."""
+    server = AdmittedHTTPServer(app, max_body_size=max_body, decompress_request=False,
+                                body_timeout=BODY_TIMEOUT_S, idle_connection_timeout=IDLE_TIMEOUT_S,
+                                admission=admission, door=door)
     server.add_sockets(sockets)
     return server
 
@@ -177,7 +181,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
             guard = {"registry": registry, "admission": plane.admission, "door": Door(
                 "metrics", hosts=_loopback_hosts(host, result.metrics_port) if check_host else None)}
             mapp = web.Application([(r"/metrics", _Metrics, guard)], **quiet)
-            result._servers.append(_serve_on(mapp, sockets, 1024 * 1024))
+            result._servers.append(_serve_on(mapp, sockets, 1024 * 1024, plane.admission,
+                                             guard["door"]))
         if http_front == "fast":
             front = HTTPFront(plane, body_timeout=BODY_TIMEOUT_S, idle_timeout=IDLE_TIMEOUT_S,
                               access_log=access_log)
@@ -185,7 +190,8 @@ async def start_standalone(options: EngineOptions, host: str = "0.0.0.0", http_p
             result._servers.append(front)
         else:
             app = web.Application(route_table(_Standalone, "/"), **{SETTINGS_KEY: state}, **quiet)
-            http, result.http_port = _listen(app, host, http_port, options.max_input_size)
+            http, result.http_port = _listen(app, host, http_port, options.max_input_size,
+                                             plane.admission, plane.door)
             result._servers.append(http)
         if check_host:
             plane.allowed_hosts = _loopback_hosts(host, result.http_port)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import BOTH_FRONTS, INFER_KEY, TOKEN, in_thread
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.frontends import fasthttp
+from jupyter_triton.frontends import http as http_skin
 from jupyter_triton.frontends.admission import Admission, Door
 from jupyter_triton.frontends.limits import HTTP1Limits, HTTP2Limits
 from jupyter_triton.protocol.errors import TritonError
@@ -147,18 +148,46 @@ def read_to_close(s: socket.socket) -> bytes:
     return data
 
 
+@pytest.mark.parametrize("front", BOTH_FRONTS)
 def test_a_listener_past_its_connection_cap_is_refused_by_the_admission(
-        model_repo, monkeypatch, connects):
-    """The standalone fast HTTP front built with ``max_connections=2``: two raw connections
-    take its door's slots; a third is refused by the admission's count (503, then a close); one
-    of the two closes, its slot comes back, and a new connection is served. (The fast front
-    whatever skin the suite runs on: the tornado skin has no connection cap.)"""
-    monkeypatch.setattr(fasthttp, "HTTP1Limits", functools.partial(HTTP1Limits, max_connections=2))
+        model_repo, monkeypatch, connects, front):
+    """The standalone HTTP port (the fast front, and tornado's server with the tornado skin)
+    built with ``max_connections=2``: two raw connections take its door's slots; a third is
+    refused by the admission's count (503, then a close); one of the two closes, its slot
+    comes back, and a new connection is served."""
+    for module in (fasthttp, http_skin):
+        monkeypatch.setattr(module, "HTTP1Limits", functools.partial(HTTP1Limits, max_connections=2))
     server = start_in_thread(EngineOptions(model_repository=model_repo), host="127.0.0.1",
-                             http_port=0, metrics_port=None, grpc_port=None, http_front="fast")
-    door = server.plane.door
-    address = ("127.0.0.1", server.http_port)
-    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                             http_port=0, metrics_port=None, grpc_port=None, http_front=front)
+    try:
+        past_the_cap(("127.0.0.1", server.http_port), server.plane.door, connects,
+                     b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    finally:
+        server.close()
+
+
+def test_the_metrics_port_past_its_connection_cap_is_refused_by_the_admission(
+        model_repo, monkeypatch, connects):
+    """The standalone metrics port (tornado's server) asks the admission for its
+    connections' slots too: past ``max_connections`` a 503 and a close, then served again."""
+    monkeypatch.setattr(http_skin, "HTTP1Limits", functools.partial(HTTP1Limits, max_connections=2))
+    server = start_in_thread(EngineOptions(model_repository=model_repo), host="127.0.0.1",
+                             http_port=0, metrics_port=0, grpc_port=None, http_front="fast")
+    try:
+        address = ("127.0.0.1", server.metrics_port)
+        with socket.create_connection(address, timeout=10):
+            (door,) = wait_until(lambda: [d for d, _ in connects if d.kind == "metrics"],
+                                 "the metrics connection asked its slot")
+        wait_until(lambda: door.connected == 0, "the closed connection's slot given back")
+        past_the_cap(address, door, connects, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                              b"Connection: close\r\n\r\n")
+    finally:
+        server.close()
+
+
+def past_the_cap(address: tuple[str, int], door: Door, connects, request: bytes) -> None:
+    """Two connections held take the door's two slots; a third is refused (503, a close);
+    once one of the two closes, ``request`` on a new connection is served (200)."""
     held = []
     try:
         held += [socket.create_connection(address, timeout=10) for _ in range(2)]
@@ -167,17 +196,17 @@ def test_a_listener_past_its_connection_cap_is_refused_by_the_admission(
             answer = read_to_close(extra)
         assert answer.startswith(b"HTTP/1.1 503 "), answer[:80]
         assert b"maximum of 2 HTTP connections" in answer
-        assert refused(connects) == [("http", 503)] and door.connected == 2
+        assert refused(connects) == [(door.kind, 503)] and door.connected == 2
         held.pop().close()
         wait_until(lambda: door.connected == 1, "the closed connection's slot given back")
         with socket.create_connection(address, timeout=10) as again:
             again.sendall(request)
             assert read_to_close(again).startswith(b"HTTP/1.1 200 ")
-        assert refused(connects) == [("http", 503)]
+        assert refused(connects) == [(door.kind, 503)]
+        wait_until(lambda: door.connected == 1, "the served connection's slot given back")
     finally:
         for s in held:
             s.close()
-        server.close()
 
 
 def test_the_grpc_port_past_its_connection_cap_is_refused_by_the_admission(model_repo, connects):

@@ -19,7 +19,10 @@ the same kind of refusal. Decided there and nowhere else:
 - **Connection slots**: a connection just accepted takes one of its door's
   ``max_connections`` (``Admission.connect``), the listener's limit, and gives it back when
   it closes; past it the listener answers the refusal (HTTP/1: a 503 and a close; gRPC: a
-  close).
+  close). Every listener of ours asks: the fast front's ports (and Jupyter's port while the
+  fast lane holds a connection), tornado's server on the standalone HTTP and metrics ports,
+  gRPC. Not Jupyter's own port under its tornado handlers: that listener is jupyter_server's,
+  and a cap of ours would refuse the notebook's own connections (kernels, the lab).
 - **Body cap** and the **bytes in flight**: one budget of request bytes being received or
   decoded, server-wide, whichever listener they came through: a burst of large uploads on
   HTTP and gRPC together is refused with 503 / RESOURCE_EXHAUSTED rather than held in memory.

@@ -6,10 +6,16 @@ Handlers are mixins over an unspecified base: ``route_table(base)`` combines eac
 base class of the host (JupyterHandler or tornado's RequestHandler). The data plane renders
 every error of the v2 operations; ``write_error`` renders those tornado raises itself (405,
 the host's auth) in the same ``{"error": "..."}`` shape.
+
+Where the listener is ours (the standalone server's HTTP port with this skin, its metrics
+port), it is an ``AdmittedHTTPServer``: each connection takes its slot at the admission as
+the fast front's do. Jupyter's own port is jupyter_server's listener, not ours: a cap there
+would refuse the notebook's own connections (kernels, the lab) for a reason of ours.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -17,21 +23,23 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
-from tornado import web
+from tornado import httpserver, httputil, web
 from tornado.ioloop import IOLoop
-from tornado.iostream import StreamClosedError
+from tornado.iostream import IOStream, StreamClosedError
 
 from ..engine import Engine
 from ..protocol.errors import TritonError
-from .admission import AccessPolicy, Admission, Door
+from .admission import AccessPolicy, Admission, ConnectionSlot, Door
 from .dataplane import (ADMIN, INFER, BodyTicket, Call, DataPlane, Reply, RequestTimeout, Route,
                         error_reply)
 from .dataplane import ROUTES as PLANE_ROUTES
+from .limits import HTTP1Limits
 
 log = logging.getLogger(__name__)
 
 SETTINGS_KEY = "jupyter_triton"
-__all__ = ["ADMIN", "INFER", "SETTINGS_KEY", "FrontendState", "ROUTES", "route_table", "route_scopes"]
+__all__ = ["ADMIN", "INFER", "SETTINGS_KEY", "AdmittedHTTPServer", "FrontendState", "ROUTES",
+           "route_table", "route_scopes"]
 
 
 @dataclass
@@ -299,3 +307,49 @@ def route_table(base: type, prefix: str = "/", guard=None) -> list[tuple[str, ty
 
 def route_scopes() -> dict[str, str]:
     return {pattern: handler.scope for pattern, handler in ROUTES}
+
+
+class AdmittedHTTPServer(httpserver.HTTPServer):
+    """tornado's HTTP server on a listener of ours: each connection it accepts asks
+    ``admission.connect(door)`` for its slot (the door's ``max_connections``: ``limits``', set
+    here as the fast front sets its own) and gives it back once tornado is done with it; past
+    the cap, the admission's refusal (a 503) and a close, nothing read."""
+
+    def initialize(self, *args: Any, admission: Admission, door: Door,
+                   limits: HTTP1Limits | None = None, **kwargs: Any) -> None:
+        super().initialize(*args, **kwargs)
+        self.admission, self.door = admission, door
+        door.max_connections = (limits or HTTP1Limits()).max_connections
+        self.slots: dict[IOStream, ConnectionSlot] = {}
+
+    def handle_stream(self, stream: IOStream, address: tuple) -> None:
+        try:
+            slot = self.admission.connect(self.door)
+        except TritonError as err:
+            _turn_away(stream, err)
+            return
+        self.slots[stream] = slot
+        super().handle_stream(stream, address)
+
+    def on_close(self, server_conn: Any) -> None:
+        # tornado's end of a connection's request loop (a close, either side's): once each
+        slot = self.slots.pop(server_conn.stream, None)
+        if slot is not None:
+            slot.release()
+        super().on_close(server_conn)
+
+
+def _turn_away(stream: IOStream, err: TritonError) -> None:
+    """A connection the admission refused: its answer, then a close."""
+    reply = error_reply(err)
+    head = [f"HTTP/1.1 {reply.status} {httputil.responses.get(reply.status, 'Unknown')}"]
+    head += [f"{name}: {value}" for name, value in reply.headers.items()]
+    head += [f"Content-Length: {len(reply.body)}", "Connection: close", "", ""]
+    stream.write("\r\n".join(head).encode("latin-1") + reply.body).add_done_callback(
+        functools.partial(_close_after, stream))
+
+
+def _close_after(stream: IOStream, written: asyncio.Future) -> None:
+    if not written.cancelled():
+        written.exception()     # a peer gone first: its write failed, tornado closed the stream
+    stream.close()
