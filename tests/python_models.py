@@ -4,13 +4,17 @@ when) to ``<model dir>/executions.jsonl`` so a test can see what the batcher for
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import tritonclient.http as httpclient
 
 # INPUT0 rows are [id, extra_sleep_s]; the model sleeps SLEEP_S plus the largest extra_sleep_s
 # of the batch. A request whose id is negative gets an error response (a BACKEND failure).
+# While a file ``hold.<id>`` exists in the model's directory (``held``), a batch holding that
+# id waits before it runs: a test keeps an instance busy for exactly as long as it needs.
 SLEEPY_MODEL_PY = '''
 import json
 import os
@@ -24,12 +28,16 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         sleep = config.get("parameters", {}).get("SLEEP_S", {}).get("string_value", "0")
         self.sleep = float(sleep)
-        self.log = os.path.join(args["model_repository"], "executions.jsonl")
+        self.dir = args["model_repository"]
+        self.log = os.path.join(self.dir, "executions.jsonl")
         self.instance = args["model_instance_name"]
 
     def execute(self, requests):
         start = time.time()
         xs = [pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() for r in requests]
+        holds = [os.path.join(self.dir, "hold.%d" % i) for x in xs for i in x[..., 0].reshape(-1)]
+        while any(os.path.exists(h) for h in holds):
+            time.sleep(0.005)
         time.sleep(self.sleep + max(float(x[..., 1].max()) for x in xs))
         entry = {"instance": self.instance, "start": start, "end": time.time(),
                  "ids": [x[..., 0].reshape(-1).tolist() for x in xs],
@@ -84,3 +92,16 @@ def request(ident: float, extra_sleep_s: float = 0.0, rows: int = 1) -> list[htt
     inp.set_data_from_numpy(x)
     return [inp]
 
+
+
+@contextmanager
+def held(model_dir: Path, *idents: int) -> Iterator[None]:
+    """Within the block, an execution of a request whose id is in ``idents`` waits to run."""
+    holds = [model_dir / f"hold.{int(i)}" for i in idents]
+    for h in holds:
+        h.touch()
+    try:
+        yield
+    finally:
+        for h in holds:
+            h.unlink(missing_ok=True)
