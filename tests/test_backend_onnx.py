@@ -17,6 +17,7 @@ from jupyter_triton.backends import backend_class
 from jupyter_triton.backends.base import InstanceSpec, ModelFiles
 from jupyter_triton.backends.devices import gpu_count
 from jupyter_triton.backends.onnxruntime import OnnxRuntimeBackend
+from jupyter_triton.engine.batching.instances import execute
 from jupyter_triton.protocol.errors import Internal, InvalidArgument, Unavailable, Unsupported
 
 W = np.arange(6, dtype=np.float32).reshape(3, 2) / 10
@@ -196,7 +197,7 @@ def test_execution_equals_numpy_and_merged_batches_split_per_request(tmp_path):
     backend = loaded(OnnxRuntimeBackend.auto_complete_config(config(), files), files)
     rng = np.random.default_rng(0)
     requests = [{"x": rng.standard_normal((n, 3), dtype=np.float32)} for n in (1, 3, 2)]
-    results = backend.execute(requests)
+    results, _ = execute(backend, requests)     # merged into one run, split per request
     assert len(results) == 3
     for request, result in zip(requests, results):
         assert result["y"].shape == (len(request["x"]), 2) and result["y"].dtype == np.float32
@@ -236,7 +237,7 @@ def test_bytes_tensors_round_trip_as_bytes(tmp_path):
     cfg = OnnxRuntimeBackend.auto_complete_config(config(), files)
     assert cfg.input[0].data_type == mc.TYPE_STRING
     x = np.array([[b"hello", "h\u00e9".encode()], [b"", b"x y"]], dtype=object)
-    results = loaded(cfg, files).execute([{"x": x[:1]}, {"x": x[1:]}])
+    results, _ = execute(loaded(cfg, files), [{"x": x[:1]}, {"x": x[1:]}])
     assert results[0]["y"].dtype == np.object_
     assert results[0]["y"].tolist() == [[b"hello", "h\u00e9".encode()]]
     assert results[1]["y"].tolist() == [[b"", b"x y"]]

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from jupyter_triton.backends import backend_class, backend_name
 from jupyter_triton.backends.base import InstanceSpec, ModelFiles
+from jupyter_triton.engine.batching.instances import execute
 from jupyter_triton.protocol.errors import Internal, InvalidArgument, Unsupported
 
 torch = pytest.importorskip("torch")
@@ -122,7 +123,7 @@ def test_exported_batch_bound_limits_max_batch_size(tmp_path):
 def test_exported_program_runs_and_splits_merged_batches(tmp_path):
     files = export_linear(tmp_path)
     backend = loaded(PyTorchBackend.auto_complete_config(mc.ModelConfig(name="ex"), files), files)
-    results = backend.execute([{"x": X[:2], "scale": SCALE[:2]}, {"x": X[2:], "scale": SCALE[2:]}])
+    results, _ = execute(backend, [{"x": X[:2], "scale": SCALE[:2]}, {"x": X[2:], "scale": SCALE[2:]}])
     y, s = reference(X, SCALE)
     np.testing.assert_allclose(np.concatenate([r["OUTPUT__0"] for r in results]), y, rtol=1e-5)
     np.testing.assert_allclose(np.concatenate([r["OUTPUT__1"] for r in results]), s, rtol=1e-5)
@@ -193,8 +194,8 @@ def test_torchscript_index_names_follow_the_suffix_not_the_config_order(tmp_path
     cfg = PyTorchBackend.auto_complete_config(config(TS_CONFIG, "ts"), files)
     assert cfg.platform == "pytorch_libtorch" and cfg.backend == "pytorch"
     backend = loaded(cfg, files)
-    results = backend.execute([{"INPUT__0": X[:1], "INPUT__1": SCALE[:1]},
-                               {"INPUT__0": X[1:], "INPUT__1": SCALE[1:]}])
+    results, _ = execute(backend, [{"INPUT__0": X[:1], "INPUT__1": SCALE[:1]},
+                                   {"INPUT__0": X[1:], "INPUT__1": SCALE[1:]}])
     y, s = reference(X, SCALE)
     np.testing.assert_allclose(np.concatenate([r["OUTPUT__0"] for r in results]), y, rtol=1e-5)
     np.testing.assert_allclose(np.concatenate([r["OUTPUT__1"] for r in results]), s, rtol=1e-5)

@@ -19,6 +19,7 @@ from jupyter_triton.backends.base import InstanceSpec, ModelFiles
 from jupyter_triton.backends.devices import gpu_count, require_gpu, resolve_kind
 from jupyter_triton.backends.onnxruntime import OnnxRuntimeBackend
 from jupyter_triton.backends.tensorrt import TensorRTBackend
+from jupyter_triton.engine.batching.instances import execute
 from jupyter_triton.protocol.errors import InvalidArgument, Unavailable
 
 NO_GPU = "no NVIDIA GPU on this machine"
@@ -128,7 +129,7 @@ def test_onnx_on_the_cuda_provider_equals_numpy(tmp_path):
         assert backend._session.get_providers()[0] == "CUDAExecutionProvider"
         requests = [{"x": np.random.default_rng(i).standard_normal((n, 3), dtype=np.float32)}
                     for i, n in enumerate((1, 3))]
-        for request, result in zip(requests, backend.execute(requests)):   # through io binding
+        for request, result in zip(requests, execute(backend, requests)[0]):   # through io binding
             np.testing.assert_allclose(result["y"], request["x"] @ W + B, rtol=1e-4, atol=1e-5)
     finally:
         backend.unload()
@@ -177,7 +178,7 @@ def test_torch_export_and_torchscript_run_on_cuda(tmp_path):
                             mc.ModelConfig())
     backend = PyTorchBackend(cfg, files, InstanceSpec("ts_0_0", kind="KIND_GPU"))
     backend.load()
-    results = backend.execute([{"INPUT__0": x[:1]}, {"INPUT__0": x[1:]}])
+    results, _ = execute(backend, [{"INPUT__0": x[:1]}, {"INPUT__0": x[1:]}])
     np.testing.assert_allclose(np.concatenate([r["OUTPUT__0"] for r in results]), x * 3 + 1)
 
 
@@ -212,7 +213,7 @@ def test_tensorrt_plan_is_auto_completed_and_runs_batches(tmp_path):
     try:
         rng = np.random.default_rng(0)
         requests = [{"x": rng.standard_normal((n, 3), dtype=np.float32)} for n in (1, 3)]
-        for request, result in zip(requests, backend.execute(requests)):
+        for request, result in zip(requests, execute(backend, requests)[0]):
             np.testing.assert_allclose(result["y"], request["x"] @ W + B, rtol=1e-3, atol=1e-3)
     finally:
         backend.unload()

@@ -341,6 +341,7 @@ def test_tensorrt_takes_the_same_concatenated_batch(tmp_path):
     from jupyter_triton.backends.base import InstanceSpec, ModelFiles
     from jupyter_triton.backends.tensorrt import TensorRTBackend
     from jupyter_triton.config import parse_config
+    from jupyter_triton.engine.batching.instances import execute
     files = ModelFiles("ragged_trt", 1, tmp_path / "ragged_trt", tmp_path / "ragged_trt" / "1",
                        "model.plan")
     _trt_plan(files.version_dir / "model.plan")
@@ -350,7 +351,7 @@ def test_tensorrt_takes_the_same_concatenated_batch(tmp_path):
     try:
         requests = [{"INPUT": np.arange(3, dtype=np.float32)[None, :]},
                     {"INPUT": np.full((1, 2), 10.0, np.float32)}]
-        first, second = backend.execute(requests)
+        (first, second), _ = execute(backend, requests)
     finally:
         backend.unload()
     assert first["END"].tolist() == [[3.0]] and second["END"].tolist() == [[5.0]]

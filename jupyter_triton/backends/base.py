@@ -2,14 +2,13 @@
 
 A backend instance is one model instance (one ``instance_group`` slot): it is created,
 loaded, executed and unloaded by the engine, always off the event loop, one batch at a
-time (the engine never calls ``execute`` concurrently on the same instance). A runtime whose
+time (the engine never calls ``execute`` or ``run`` concurrently on the same instance). A runtime whose
 work runs in another process may also take a batch on the loop without blocking it
 (``start_on_loop``).
 """
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
@@ -17,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Protocol
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
-from .ragged import RaggedPlan, concatenate, split_rows
+from ..protocol.errors import TritonError, Unavailable
+from .ragged import RaggedPlan
 
 if TYPE_CHECKING:
     from ..model_logs import ModelLogs
@@ -102,7 +101,8 @@ class Backend:
 
     #: (compute_input, compute_output) nanoseconds of the last ``execute``: the tensor
     #: copies in and out around the model, which Triton's statistics report apart from
-    #: compute_infer. A backend that can tell them apart sets it in ``execute``.
+    #: compute_infer. A backend that can tell them apart sets it in ``execute`` (a
+    #: ``TensorBackend``: in ``run``).
     io_ns: tuple[int, int] = (0, 0)
 
     #: its batches execute in a process of its own (a python model's worker): while they
@@ -161,9 +161,11 @@ class Backend:
 
 
 class TensorBackend(Backend):
-    """A runtime that runs one merged batch: requests are concatenated on dim 0, run once,
-    and the outputs split back by each request's row count; where requests may differ in
-    shape (ragged inputs, batch inputs and outputs, padding), as backends/ragged.py says."""
+    """A runtime that runs one merged batch (``run``: a dict of arrays in, a dict of arrays
+    out). The engine merges a batch's requests for it and splits the outputs back per request
+    (engine/batching/instances.py): concatenated on dim 0 and split by each request's rows, or,
+    where requests may differ in shape (ragged inputs, batch inputs and outputs, padding), as
+    its ``ragged`` plan says (backends/ragged.py)."""
 
     def __init__(self, config: mc.ModelConfig, files: ModelFiles, instance: InstanceSpec) -> None:
         super().__init__(config, files, instance)
@@ -171,43 +173,6 @@ class TensorBackend(Backend):
         self.ragged = RaggedPlan.from_config(config)
 
     def run(self, inputs: Tensors) -> Tensors:
+        """One batch, its requests merged; may set ``io_ns`` to its own copies in and out
+        (the engine adds them to its merge and split)."""
         raise NotImplementedError
-
-    def execute(self, requests: list[Tensors],
-                infer_requests: list | None = None) -> list[Tensors | TritonError]:
-        self.io_ns = (0, 0)         # ``run`` may set its own copies in and out
-        ragged = self.ragged
-        if ragged is not None:
-            try:
-                return self._run_merged(requests, ragged.merge, ragged.split)
-            except (InvalidArgument, Internal):
-                if len(requests) == 1:
-                    raise
-                # Requests of different shapes: one the model fails on alone (inputs that
-                # disagree in length, too long for the model) fails the batch it was merged
-                # into; each runs alone, so that only its own answer is the error.
-                return [self._alone(r, ragged) for r in requests]
-        if len(requests) == 1 or self.config.max_batch_size == 0:
-            return [self.run(r) for r in requests]
-        return self._run_merged(requests, concatenate, self._split_rows)
-
-    def _alone(self, request: Tensors, ragged: RaggedPlan) -> Tensors | TritonError:
-        try:
-            return self._run_merged([request], ragged.merge, ragged.split)[0]
-        except (InvalidArgument, Internal) as err:
-            return err
-
-    def _split_rows(self, outputs: Tensors, rows: list[int]) -> list[Tensors]:
-        return split_rows(self.files.model_name, outputs, rows)
-
-    def _run_merged(self, requests: list[Tensors], merge: Callable[[list[Tensors]], tuple[Tensors, Any]],
-                    split: Callable[[Tensors, Any], list[Tensors]]) -> list[Tensors | TritonError]:
-        t0 = time.monotonic_ns()
-        merged, layout = merge(requests)
-        t1 = time.monotonic_ns()
-        outputs = self.run(merged)
-        t2 = time.monotonic_ns()
-        parts = split(outputs, layout)
-        run_in, run_out = self.io_ns
-        self.io_ns = (t1 - t0 + run_in, time.monotonic_ns() - t2 + run_out)
-        return parts

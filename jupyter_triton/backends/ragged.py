@@ -1,6 +1,6 @@
 """One batch from many requests, and its outputs back per request: the tensor backends' merge
-and split (``TensorBackend.execute`` asks here; the python backend hands each request to the
-model as sent, as tritonserver's does).
+and split (the engine asks here for a ``TensorBackend``'s batch: engine/batching/instances.py;
+the python backend hands each request to the model as sent, as tritonserver's does).
 
 * Same shapes: inputs concatenated on the batch dimension, outputs split by each request's rows.
 * Triton's ragged batching (``allow_ragged_batch: true`` on an input, the model's input

@@ -1,9 +1,11 @@
 """Model instances: one worker thread each, handed out first-free, never two batches at once.
 
-``InstancePool.run(batch)`` is where a batch leaves the event loop: it runs
-``backend.execute`` on a free instance's own thread (after the rate limiter's admission where
-one applies), times compute input/infer/output for the statistics, resolves each request's
-future with its outputs or its error and frees the instance. ``hold`` hands a free instance's
+``InstancePool.run(batch)`` is where a batch leaves the event loop: it runs the batch on a
+free instance's own thread (after the rate limiter's admission where one applies), times
+compute input/infer/output for the statistics, resolves each request's future with its
+outputs or its error and frees the instance. A tensor backend runs one merged batch: its
+requests are merged here and its outputs split back (``execute``); any other backend takes
+the requests as they came (``Backend.execute``). ``hold`` hands a free instance's
 thread a batch before its queue delay has ended; the thread starts it at the deadline
 (``Deferred``), so the hop from the loop to the thread happens during the wait. Schedulers
 see only these (``scheduler.Pool``); instances, threads and hand-offs stay here.
@@ -27,8 +29,9 @@ from collections import deque
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...backends.base import Backend
-from ...protocol.errors import Internal, TritonError
+from ...backends.base import Backend, TensorBackend, Tensors
+from ...backends.ragged import RaggedPlan, concatenate, split_rows
+from ...protocol.errors import Internal, InvalidArgument, TritonError
 
 from ..composition.bls import executing
 from ..observation.statistics import StatPadding, mark_failure
@@ -614,14 +617,80 @@ class InstancePool:
                 log.exception("unloading instance %s", inst.name)
 
 
+def execute(backend: Backend, inputs: list[Tensors], requests: list | None = None
+            ) -> tuple[list[Tensors | TritonError], tuple[int, int]]:
+    """One batch on ``backend``, on the calling thread: per request, its outputs or the
+    TritonError that fails only it; and the batch's (compute_input, compute_output)
+    nanoseconds. A ``TensorBackend`` runs the requests merged; any other backend is handed them
+    (``Backend.execute``, which tells its own copies in ``io_ns``)."""
+    if isinstance(backend, TensorBackend):
+        return _run_tensors(backend, inputs)
+    results = backend.execute(inputs, requests)
+    return results, backend.io_ns
+
+
+def _run_tensors(backend: TensorBackend, inputs: list[Tensors]
+                 ) -> tuple[list[Tensors | TritonError], tuple[int, int]]:
+    ragged = backend.ragged
+    if ragged is not None:
+        try:
+            return _run_merged(backend, inputs, ragged.merge, ragged.split)
+        except (InvalidArgument, Internal):
+            if len(inputs) == 1:
+                raise
+            # Requests of different shapes: one the model fails on alone (inputs that
+            # disagree in length, too long for the model) fails the batch it was merged
+            # into; each runs alone, so that only its own answer is the error.
+            return _each_alone(backend, inputs, ragged)
+    if len(inputs) > 1 and backend.config.max_batch_size > 0:
+        return _run_merged(backend, inputs, concatenate,
+                           functools.partial(split_rows, backend.files.model_name))
+    results, copy_in, copy_out = [], 0, 0
+    for request in inputs:      # one request, or a model without a batch dimension
+        backend.io_ns = (0, 0)
+        results.append(backend.run(request))
+        copy_in, copy_out = copy_in + backend.io_ns[0], copy_out + backend.io_ns[1]
+    return results, (copy_in, copy_out)
+
+
+def _run_merged(backend: TensorBackend, inputs: list[Tensors],
+                merge: Callable[[list[Tensors]], tuple[Tensors, Any]],
+                split: Callable[[Tensors, Any], list[Tensors]]
+                ) -> tuple[list[Tensors | TritonError], tuple[int, int]]:
+    # The merge and the split are the batch's compute_input and compute_output, with the
+    # copies ``run`` makes itself (``io_ns``).
+    t0 = time.monotonic_ns()
+    merged, layout = merge(inputs)
+    t1 = time.monotonic_ns()
+    backend.io_ns = (0, 0)
+    outputs = backend.run(merged)
+    t2 = time.monotonic_ns()
+    parts = split(outputs, layout)
+    run_in, run_out = backend.io_ns
+    return parts, (t1 - t0 + run_in, time.monotonic_ns() - t2 + run_out)
+
+
+def _each_alone(backend: TensorBackend, inputs: list[Tensors], ragged: RaggedPlan
+                ) -> tuple[list[Tensors | TritonError], tuple[int, int]]:
+    results: list[Tensors | TritonError] = []
+    copy_in = copy_out = 0
+    for request in inputs:
+        try:
+            [result], (ci, co) = _run_merged(backend, [request], ragged.merge, ragged.split)
+        except (InvalidArgument, Internal) as err:
+            result, ci, co = err, 0, 0
+        results.append(result)
+        copy_in, copy_out = copy_in + ci, copy_out + co
+    return results, (copy_in, copy_out)
+
+
 def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[list, tuple[int, int, int]]:
-    # Triton's compute_input/output cover the tensor copies in and out around the model; a
-    # backend that can tell them apart leaves them in ``io_ns`` (base.Backend), the rest of the
-    # call is compute_infer.
+    # Triton's compute_input/output cover the tensor copies in and out around the model
+    # (``execute``); the rest of the call is compute_infer.
     t0 = time.monotonic_ns()
     executing.requests = requests       # a BLS call made by this execute nests one deeper
     try:
-        results = backend.execute(inputs, requests)
+        results, (ci, co) = execute(backend, inputs, requests)
     except BaseException as err:
         # a failed execution still counts in execution_count and batch_stats (Triton)
         err.compute_ns = (0, time.monotonic_ns() - t0, 0)  # type: ignore[attr-defined]
@@ -632,7 +701,6 @@ def _run_backend(backend: Backend, inputs: list[dict], requests: list) -> tuple[
     if len(results) != len(inputs):
         raise Internal(f"{backend.instance.name}: backend returned {len(results)} responses "
                        f"for {len(inputs)} requests")
-    ci, co = backend.io_ns
     return results, (ci, max(0, t1 - t0 - ci - co), co)
 
 

@@ -20,6 +20,7 @@ from tritonclient.utils import deserialize_bytes_tensor
 from ...protocol.datatypes import config_to_triton, triton_to_numpy
 from ...protocol.errors import InvalidArgument
 from ...protocol.types import InferRequest
+from ..batching.instances import execute
 from ..composition.streaming import CollectingSender
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class WarmupSample:
     inputs: Tensors      # one request's inputs (a leading dim of 1 when the model batches)
 
     def requests(self) -> list[Tensors]:
-        """What to pass to ``Backend.execute`` once per iteration."""
+        """One execution's requests (engine/batching/instances.py ``execute``)."""
         return [self.inputs] * self.batch_size
 
 
@@ -136,8 +137,8 @@ async def warm_up(config: mc.ModelConfig, model_dir: Path, instances: list["Inst
                     results = await loop.run_in_executor(
                         inst.thread, _warmup_decoupled, inst.backend, config.name, sample.requests())
                 else:
-                    results = await loop.run_in_executor(inst.thread, inst.backend.execute,
-                                                         sample.requests())
+                    results, _ = await loop.run_in_executor(inst.thread, execute, inst.backend,
+                                                            sample.requests())
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
                     raise failed[0]
