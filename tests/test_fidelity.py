@@ -327,7 +327,7 @@ def test_grpc_input_data_given_twice_is_refused_in_tritons_words():
     # beside a shared memory region, then typed contents beside raw_input_contents
     from tritonclient.grpc import service_pb2
     from jupyter_triton.protocol.errors import InvalidArgument
-    from jupyter_triton.protocol.grpc_codec import decode_grpc_request
+    from jupyter_triton.frontends.grpc_codec import decode_grpc_request
     request = service_pb2.ModelInferRequest(model_name="simple")
     for name in ("INPUT0", "INPUT1"):
         tensor = request.inputs.add(name=name, datatype="INT32", shape=[1, 2])

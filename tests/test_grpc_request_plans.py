@@ -1,4 +1,4 @@
-"""gRPC ModelInfer's request plans (protocol/grpc_codec.py ``RequestPlans``): a message that
+"""gRPC ModelInfer's request plans (frontends/grpc_codec.py ``RequestPlans``): a message that
 repeats an earlier one's layout decodes without protobuf to what decode_grpc_request gives."""
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from jupyter_triton.protocol.grpc_codec import RequestPlans, parse_infer_request
+from jupyter_triton.frontends.grpc_codec import RequestPlans, decode_grpc_request, parse_infer_request
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.grpc_codec import decode_grpc_request
 
 
 def _message(*inputs: tuple[str, str, np.ndarray], params: dict | None = None,

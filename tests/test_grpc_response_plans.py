@@ -1,4 +1,4 @@
-"""gRPC ModelInfer's response plans (protocol/grpc_codec.py ``ResponsePlans``): a response
+"""gRPC ModelInfer's response plans (frontends/grpc_codec.py ``ResponsePlans``): a response
 whose layout repeats an earlier one's is written from a cached prefix and its tensors' bytes,
 byte for byte what protobuf writes for it; and over a real server, tritonclient reads them."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 
 from jupyter_triton.engine import EngineOptions
-from jupyter_triton.protocol.grpc_codec import ResponsePlans, encode_grpc_response
+from jupyter_triton.frontends.grpc_codec import ResponsePlans, encode_grpc_response
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
 
 _RNG = np.random.default_rng(7)

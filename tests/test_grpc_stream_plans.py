@@ -1,5 +1,5 @@
 """ModelStreamInfer's responses are written from the same plans as ModelInfer's
-(protocol/grpc_codec.py ``ResponsePlans.encode_stream``): the ModelStreamInferResponse that
+(frontends/grpc_codec.py ``ResponsePlans.encode_stream``): the ModelStreamInferResponse that
 protobuf wrote for them, Triton's ``triton_final_response`` set, an empty final response named
 after the request's model. (Byte for byte but for the order of a parameter map's entries,
 which protobuf does not fix: its own order depends on the map's history.)"""
@@ -9,7 +9,7 @@ import itertools
 
 from tritonclient.grpc import service_pb2 as pb
 
-from jupyter_triton.protocol.grpc_codec import ResponsePlans, encode_grpc_response
+from jupyter_triton.frontends.grpc_codec import ResponsePlans, encode_grpc_response
 from jupyter_triton.protocol.types import InferRequest, InferResponse
 from test_grpc_response_plans import IDS, LAYOUTS, PARAMS, _response
 

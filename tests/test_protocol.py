@@ -16,11 +16,11 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import deserialize_bytes_tensor as client_deserialize
 
+from jupyter_triton.frontends.grpc_codec import decode_grpc_request, encode_grpc_response
 from jupyter_triton.protocol.datatypes import (
     config_to_triton, deserialize_bytes_tensor, element_size, float32_to_bf16_bits,
     numpy_to_triton, round_to_bf16, serialize_bytes_tensor, triton_to_config, triton_to_numpy)
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.grpc_codec import decode_grpc_request, encode_grpc_response
 from jupyter_triton.protocol import (decode_infer_request, decode_raw_infer_request, encode_error,
                                      encode_infer_response)
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput

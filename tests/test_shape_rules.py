@@ -8,9 +8,9 @@ import json
 import pytest
 from tritonclient.grpc import service_pb2
 
+from jupyter_triton.frontends.grpc_codec import decode_grpc_request
 from jupyter_triton.protocol import decode_infer_request
 from jupyter_triton.protocol.errors import InvalidArgument
-from jupyter_triton.protocol.grpc_codec import decode_grpc_request
 
 MAX_ELEMENTS = 1000
 

@@ -10,8 +10,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.grpc._utils import _get_inference_request
 
+from jupyter_triton.frontends.grpc_codec import RequestPlans
 from jupyter_triton.protocol import decode_infer_request
-from jupyter_triton.protocol.grpc_codec import RequestPlans
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 

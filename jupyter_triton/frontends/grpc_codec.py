@@ -1,23 +1,281 @@
-"""Triton's gRPC ModelInferRequest/ModelInferResponse <-> InferRequest/InferResponse.
+"""The gRPC codec: what every call of Triton's GRPCInferenceService meets on its way through,
+in gRPC's words and the engine's. Its HEADERS become the admission's question
+(``admit_on_headers``); a TritonError becomes the call's gRPC status (``rpc``); and the
+inference RPCs, ModelInfer and ModelStreamInfer, decode Triton's ModelInferRequest into an
+``InferRequest``, make one engine call and encode the ``InferResponse`` as Triton's
+ModelInferResponse. The other RPCs (frontends/grpc.py) are cold and decode their own small
+messages; the HTTP/2 call layer under all of them is frontends/grpc_calls.py.
 
-Inputs arrive either all in ``raw_input_contents`` (what tritonclient sends) or each in its
-typed ``contents`` field; outputs always leave in ``raw_output_contents``, as Triton does.
-The validation rules and messages are the HTTP codec's.
+ModelInfer and ModelStreamInfer take the raw request bytes: their size is charged to the
+bytes-in-flight budget before anything is parsed (a message larger than its connection's
+allowance was charged already, when its length prefix arrived: ``grpc_calls.Charged``), and a
+message that does not parse is INVALID_ARGUMENT rather than grpc's INTERNAL. Inputs arrive
+either all in ``raw_input_contents`` (what tritonclient sends) or each in its typed
+``contents`` field; outputs always leave in ``raw_output_contents``, as Triton does. The
+validation rules and messages are the HTTP codec's (protocol/v2_rules.py).
 """
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable
 
+import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2 as pb
 
-from .datatypes import (DATATYPES, element_count, tensor_from_wire, tensor_to_wire,
-                        tensor_wire_buffer, wire_dtype)
-from .errors import InvalidArgument
-from .v2_rules import (DEFAULT_MAX_ELEMENTS, check_model_version, check_request_parameters,
-                       check_shape)
-from .types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
+from ..engine import Engine
+from ..engine.composition.streaming import DecoupledRefused
+from ..engine.observation.trace import trace_context
+from ..protocol.datatypes import (DATATYPES, element_count, tensor_from_wire, tensor_to_wire,
+                                  tensor_wire_buffer, wire_dtype)
+from ..protocol.errors import InvalidArgument, TritonError
+from ..protocol.types import InferRequest, InferResponse, InferTensor, RequestedOutput, scalar_values
+from ..protocol.v2_rules import (DEFAULT_MAX_ELEMENTS, check_model_version,
+                                 check_request_parameters, check_shape)
+from . import operations
+from .admission import INFERENCE, Admission, BodyBudget, Door, ResourceExhausted
+from .grpc_calls import Admit, Charged
+
+log = logging.getLogger(__name__)
+
+# ModelStreamInfer requests of one stream in flight at once; further reads wait.
+STREAM_CONCURRENCY = 64
+# Responses of one stream ready but not yet written; past it, the models' streams wait.
+STREAM_BUFFERED_RESPONSES = 256
+
+
+# -- every call: its admission and its errors ---------------------------------------------
+
+class _Headers:
+    """A call's header list as the mapping the admission reads (keys arrive lower-case;
+    binary ``-bin`` values are never credentials)."""
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.pairs:
+            if k == key and isinstance(v, str):
+                return v
+        return default
+
+    def items(self):
+        return ((k, v) for k, v in self.pairs if isinstance(v, str) and not k.endswith("-bin"))
+
+
+def admit_on_headers(admission: Admission, door: Door,
+                     groups: dict[str, dict[str, str]]) -> Admit:
+    """The h2 front's ``admit``: the admission's decision on a call's HEADERS, before its
+    body is read, for the API group of its method (``groups``: service -> method -> group)."""
+    def admit(name: str, method: str, headers: list):
+        group = groups.get(name, {}).get(method)
+        if group is None:
+            return None
+        return admission.admit(door, group, "POST", _Headers(headers), op=method)
+    return admit
+
+
+def _internal_message(err: BaseException) -> str:
+    return f"internal error: {type(err).__name__}: {err}" if str(err) else \
+        f"internal error: {type(err).__name__}"
+
+
+def rpc(group: str) -> Callable[[Callable], Callable]:
+    """A unary RPC of Triton's API ``group`` (what the admission is asked on its HEADERS),
+    its errors mapped to gRPC statuses."""
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
+            try:
+                return await method(self, request, context)
+            except TritonError as err:
+                await context.abort(grpc.StatusCode[err.grpc_code], str(err))
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - rendered without a traceback
+                log.exception("gRPC %s failed", method.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, _internal_message(err))
+        wrapper.api_group = group           # what admission asks on the call's HEADERS
+        return wrapper
+    return decorate
+
+
+# -- the inference RPCs ------------------------------------------------------------------
+
+class _StreamFailure:
+    """An error that ends a stream (``triton_grpc_error`` mode) rather than travel on it."""
+    __slots__ = ("code", "message")
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+def _headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's metadata as headers (keys arrive lower-case; binary ``-bin`` values are
+    never credentials)."""
+    return {key: value for key, value in context.invocation_metadata() or ()
+            if isinstance(value, str)}
+
+
+class GrpcInference:
+    """ModelInfer and ModelStreamInfer over ``engine`` (jupyter_triton.engine.Engine's public
+    API), their request bytes charged to ``budget`` (the server's admission's, shared with
+    its other listeners) while they are answered."""
+
+    def __init__(self, engine: Engine, budget: BodyBudget, max_elements: int | None = None) -> None:
+        self.engine = engine
+        self.inflight = budget
+        self._decode_kwargs = {} if max_elements is None else {"max_elements": max_elements}
+        self._plans = RequestPlans()
+        self._responses = ResponsePlans()
+
+    @rpc(INFERENCE)
+    async def ModelInfer(self, raw: bytes, context) -> bytes:
+        # A Charged message (grpc_calls: larger than its connection's allowance) is on the budget
+        # since its prefix arrived, until this call ends: not charged twice.
+        size = 0 if type(raw) is Charged else len(raw)
+        self.inflight.take(size)
+        try:
+            infer_request = self._plans.decode(raw, **self._decode_kwargs)
+            if self.engine.tracing.on:     # engine/observation/trace.py: a client's W3C trace context
+                infer_request.trace_context = trace_context(_headers(context))
+            try:
+                response = await self.engine.infer(infer_request)
+            except DecoupledRefused as err:
+                raise operations.decoupled_unsupported(err, "ModelInfer RPC") from None
+            return self._responses.encode(response, infer_request)     # serialised already
+        finally:
+            self.inflight.give(size)
+
+    def _stream_error(self, request: pb.ModelInferRequest, err: BaseException,
+                      final: bool = True) -> bytes:
+        """An error on the stream, as Triton writes it: ``error_message`` set, the request's
+        model and id, and ``triton_final_response``; the stream itself goes on."""
+        if isinstance(err, TritonError):
+            message = str(err)
+        else:
+            log.error("gRPC ModelStreamInfer request failed", exc_info=err)
+            message = _internal_message(err)
+        response = pb.ModelInferResponse(model_name=request.model_name,
+                                         model_version=request.model_version, id=request.id)
+        response.parameters["triton_final_response"].bool_param = final
+        return pb.ModelStreamInferResponse(error_message=message,
+                                           infer_response=response).SerializeToString()
+
+    def _failure(self, request: pb.ModelInferRequest, err: BaseException, final: bool,
+                 grpc_error: bool) -> "bytes | _StreamFailure":
+        if not grpc_error:
+            return self._stream_error(request, err, final)
+        if isinstance(err, TritonError):
+            return _StreamFailure(grpc.StatusCode[err.grpc_code], str(err))
+        log.error("gRPC ModelStreamInfer request failed", exc_info=err)
+        return _StreamFailure(grpc.StatusCode.INTERNAL, _internal_message(err))
+
+    async def _stream_one(self, raw: bytes, put: Callable[[Any], Awaitable[None]],
+                          carrier: dict | None = None, grpc_error: bool = False) -> None:
+        """Every response of one request onto the stream (``put``), each with Triton's
+        ``triton_final_response`` parameter; a decoupled model's empty final response only
+        when the request asked for it (``triton_enable_empty_final_response``). An error is
+        an error response on the stream, or (``grpc_error``) the status that ends it."""
+        request = pb.ModelInferRequest()
+        try:
+            request = parse_infer_request(raw)
+            infer_request = decode_grpc_request(request, **self._decode_kwargs)
+            if carrier is not None:        # engine/observation/trace.py: the stream's W3C trace context
+                infer_request.trace_context = carrier
+            # the frontend's to act on, as in Triton: the model never sees it
+            empty_final = infer_request.parameters.pop("triton_enable_empty_final_response",
+                                                       None) is True
+            responses = self.engine.infer_stream(infer_request)
+            try:
+                async for response in responses:
+                    if response.error is not None:
+                        await put(self._failure(request, response.error, response.final,
+                                                grpc_error))
+                        continue
+                    if response.final and not response.outputs and not empty_final and \
+                            self.engine.is_decoupled(request.model_name, request.model_version):
+                        continue        # COMPLETE_FINAL without a response: not asked for
+                    await put(self._responses.encode_stream(response, infer_request))
+            finally:
+                # Early exit (the stream ended, a put cancelled): the model sees is_cancelled().
+                await responses.aclose()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - errors travel on the stream, as in Triton
+            await put(self._failure(request, err, True, grpc_error))
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[bytes],
+                               context) -> AsyncIterator[bytes]:
+        """Each request's responses are written on the stream as soon as each is ready (so
+        possibly interleaved across requests, as in Triton: clients match them by ``id``).
+        A client that goes away cancels every request of the stream still running. With
+        Triton's ``triton_grpc_error: true`` metadata, the first error ends the stream with
+        its gRPC status instead of travelling on it."""
+        grpc_error = dict(context.invocation_metadata() or ()).get(
+            "triton_grpc_error", "").lower() == "true"
+        carrier = trace_context(_headers(context)) if self.engine.tracing.on else None
+        # Bounded: a model that answers faster than the client reads waits for the client.
+        results: asyncio.Queue = asyncio.Queue(STREAM_BUFFERED_RESPONSES)
+        slots = asyncio.Semaphore(STREAM_CONCURRENCY)
+        tasks: set[asyncio.Task] = set()
+        done = object()
+
+        def answered(size: int, task: asyncio.Task) -> None:
+            # a callback, not a finally: a task cancelled before it ever ran has none
+            tasks.discard(task)
+            self.inflight.give(size)
+            slots.release()
+
+        async def read() -> None:
+            try:
+                async for raw in request_iterator:
+                    # A Charged message (grpc_calls) comes with its bytes on the budget already:
+                    # this stream gives them back when its answer is done.
+                    charged = type(raw) is Charged
+                    try:
+                        await slots.acquire()
+                    except BaseException:
+                        if charged:
+                            self.inflight.give(len(raw))
+                        raise
+                    if not charged:
+                        try:
+                            self.inflight.take(len(raw))
+                        except ResourceExhausted as err:
+                            slots.release()
+                            await results.put(pb.ModelStreamInferResponse(
+                                error_message=str(err)).SerializeToString())
+                            continue
+                    task = asyncio.create_task(
+                        self._stream_one(raw, results.put, carrier, grpc_error))
+                    tasks.add(task)
+                    task.add_done_callback(functools.partial(answered, len(raw)))
+                if tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+            except asyncio.CancelledError:
+                raise               # the stream is over: nobody waits for `done` (nor has room)
+            except Exception:       # noqa: BLE001 - the client's half of the stream broke
+                log.debug("gRPC ModelStreamInfer request stream failed", exc_info=True)
+            await results.put(done)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await results.get()) is not done:
+                if type(item) is _StreamFailure:
+                    await context.abort(item.code, item.message)
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+
+# -- ModelInferRequest -> InferRequest, InferResponse -> ModelInferResponse ---------------
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -110,7 +368,7 @@ _PLAIN: dict[str, tuple[int, np.dtype]] = {
     if d.size is not None and name not in ("BF16", "BOOL")}
 
 
-def decode_grpc_request(req: service_pb2.ModelInferRequest,
+def decode_grpc_request(req: pb.ModelInferRequest,
                         max_elements: int = DEFAULT_MAX_ELEMENTS) -> InferRequest:
     """Decode a gRPC ModelInferRequest; raises InvalidArgument/Unsupported on client errors.
 
@@ -199,9 +457,9 @@ def decode_grpc_request(req: service_pb2.ModelInferRequest,
 
 
 def encode_grpc_response(resp: InferResponse, request: InferRequest
-                         ) -> service_pb2.ModelInferResponse:
+                         ) -> pb.ModelInferResponse:
     """A ModelInferResponse with every output's data in ``raw_output_contents``."""
-    msg = service_pb2.ModelInferResponse(
+    msg = pb.ModelInferResponse(
         model_name=resp.model_name, model_version=str(resp.model_version),
         id=resp.id or request.id)
     for key, value in resp.parameters.items():
@@ -215,9 +473,9 @@ def encode_grpc_response(resp: InferResponse, request: InferRequest
     return msg
 
 
-def parse_infer_request(raw: bytes) -> service_pb2.ModelInferRequest:
+def parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
     try:
-        return service_pb2.ModelInferRequest.FromString(raw)
+        return pb.ModelInferRequest.FromString(raw)
     except DecodeError as err:
         raise InvalidArgument(f"unable to parse the ModelInferRequest message: {err}") from None
 
@@ -273,7 +531,7 @@ class RequestPlans:
         return request
 
 
-def _plan(raw: bytes, message: service_pb2.ModelInferRequest, request: InferRequest,
+def _plan(raw: bytes, message: pb.ModelInferRequest, request: InferRequest,
           max_head: int) -> tuple | None:
     contents = message.raw_input_contents
     inputs = request.inputs
@@ -424,7 +682,7 @@ def _response_plan(resp: InferResponse) -> tuple:
         InferRequest(resp.model_name))
     del msg.raw_output_contents[:]
     layout = msg.SerializeToString()
-    head = service_pb2.ModelInferResponse(
+    head = pb.ModelInferResponse(
         model_name=msg.model_name, model_version=msg.model_version).SerializeToString()
     assert layout.startswith(head)      # fields in number order: model_name, model_version
     frames = []
