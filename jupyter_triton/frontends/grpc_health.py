@@ -27,7 +27,7 @@ from .admission import HEALTH
 
 SERVICE_NAME = "grpc.health.v1.Health"
 # Every method of the service is the HEALTH group (what the admission is asked on a call's
-# HEADERS, before the service sees it: frontends/grpc.py's admit_on_headers).
+# HEADERS, before the service sees it: frontends/grpc_codec.py's admit_on_headers).
 API_GROUPS = {"Check": HEALTH, "Watch": HEALTH}
 WATCH_INTERVAL_S = 0.5
 
