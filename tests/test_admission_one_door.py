@@ -124,9 +124,9 @@ def connects(monkeypatch) -> list[tuple[Door, int]]:
     seen: list[tuple[Door, int]] = []
     connect = Admission.connect
 
-    def recorded(self, door):
+    def recorded(self, door, *args, **kwargs):
         try:
-            slot = connect(self, door)
+            slot = connect(self, door, *args, **kwargs)
         except TritonError as err:
             seen.append((door, err.status))
             raise

@@ -23,6 +23,12 @@ the same kind of refusal. Decided there and nowhere else:
   fast lane holds a connection), tornado's server on the standalone HTTP and metrics ports,
   gRPC. Not Jupyter's own port under its tornado handlers: that listener is jupyter_server's,
   and a cap of ours would refuse the notebook's own connections (kernels, the lab).
+- **Stream slots**: an HTTP/2 stream opening on a connection takes one of its slot's
+  ``max_streams`` (``ConnectionSlot.open_stream``: the listener's SETTINGS_MAX_CONCURRENT_STREAMS,
+  given at ``connect``) for as long as the connection keeps it; past it, REFUSED_STREAM.
+- **Deadline**: a gRPC call's ticket carries the seconds its handler may run (``deadline``:
+  the client's ``grpc-timeout``; no server-wide cap, as in tritonserver); past them the call
+  layer ends it with DEADLINE_EXCEEDED.
 - **Body cap** and the **bytes in flight**: one budget of request bytes being received or
   decoded, server-wide, whichever listener they came through: a burst of large uploads on
   HTTP and gRPC together is refused with 503 / RESOURCE_EXHAUSTED rather than held in memory.
@@ -213,11 +219,20 @@ class Door:
 
 class ConnectionSlot:
     """One open connection's place at its door (``Admission.connect``): the listener
-    releases it when the connection closes; a second release gives back nothing."""
-    __slots__ = ("door",)
+    releases it when the connection closes; a second release gives back nothing.
+    ``max_streams``: streams it may hold open at once (HTTP/2; None: no cap)."""
+    __slots__ = ("door", "max_streams")
 
-    def __init__(self, door: Door) -> None:
-        self.door: Door | None = door
+    def __init__(self, door: Door | None, max_streams: int | None = None) -> None:
+        self.door = door
+        self.max_streams = max_streams
+
+    def open_stream(self, open_now: int) -> bool:
+        """The decision on a stream opening on this connection, which holds ``open_now``
+        (its HTTP/2 machine's count: a stream holds its slot while the machine keeps it):
+        whether it may open, else the listener refuses it (REFUSED_STREAM)."""
+        cap = self.max_streams
+        return cap is None or open_now < cap
 
     def release(self) -> None:
         door, self.door = self.door, None
@@ -246,9 +261,10 @@ class BodyBudget:
 
 class BodyTicket:
     """What one admitted request holds: its bytes of the budget, its body cap, who it is
-    (``caller``, where Jupyter's door judged it), and ``pending``: its credential being asked
-    of its issuer while the body arrives (the request waits for it before it is served)."""
-    __slots__ = ("budget", "held", "cap", "caller", "pending")
+    (``caller``, where Jupyter's door judged it), ``pending``: its credential being asked
+    of its issuer while the body arrives (the request waits for it before it is served), and
+    its ``deadline`` (a gRPC call's, see ``Admission.admit``)."""
+    __slots__ = ("budget", "held", "cap", "caller", "pending", "deadline")
 
     def __init__(self, budget: BodyBudget, cap: int = 0) -> None:
         self.budget = budget
@@ -256,6 +272,7 @@ class BodyTicket:
         self.cap = cap
         self.caller: Caller | None = None
         self.pending: asyncio.Future | None = None
+        self.deadline: float | None = None     # seconds its handler may run (gRPC)
 
     def grow(self, nbytes: int) -> None:
         b = self.budget
@@ -283,6 +300,19 @@ class BodyTicket:
             self.pending.cancel()       # refused or gone before it was served
 
 
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def grpc_timeout(value: str) -> float | None:
+    """gRPC's ``grpc-timeout`` (digits and a unit) in seconds; None where it is not one, or
+    is 0 (no deadline)."""
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isascii() or not digits.isdigit():   # "²" is a digit too
+        return None
+    return int(digits) * unit or None
+
+
 def _seen(future: asyncio.Future) -> None:
     # A request refused or gone before it was served never reads the answer.
     if not future.cancelled():
@@ -304,16 +334,18 @@ class Admission:
                                  else INFLIGHT_MESSAGES * max_input_size)
         self.identity = identity
 
-    def connect(self, door: Door) -> ConnectionSlot:
+    def connect(self, door: Door, max_streams: int | None = None) -> ConnectionSlot:
         """The decision on a connection just accepted on ``door``: its slot (released when
-        it closes), or ResourceExhausted (503) when the door holds its ``max_connections``."""
+        it closes), or ResourceExhausted (503) when the door holds its ``max_connections``.
+        ``max_streams``: the listener's cap of streams open at once on one connection
+        (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS), which the slot's ``open_stream`` applies."""
         cap = door.max_connections
         if cap is not None and door.connected >= cap:
             protocol = "gRPC" if door.kind == "grpc" else "HTTP"
             raise ResourceExhausted(f"the server holds its maximum of {cap} {protocol} "
                                     "connections; retry later")
         door.connected += 1
-        return ConnectionSlot(door)
+        return ConnectionSlot(door, max_streams)
 
     def admit(self, door: Door, group: str, method: str, headers: Mapping[str, str],
               length: int | None = None, *, op: str = "", context: Any = None) -> BodyTicket:
@@ -345,6 +377,10 @@ class Admission:
                 f"{cap} bytes (--http-max-input-size)")
         ticket = self.budget.take(length or 0, cap)
         ticket.caller = caller
+        if door.kind == "grpc":
+            timeout = headers.get("grpc-timeout")      # HTTP/2 names are lower-case
+            if timeout:
+                ticket.deadline = grpc_timeout(timeout)
         if wait is not None:
             ticket.pending = asyncio.ensure_future(wait[0](ticket, *wait[1:]))
             ticket.pending.add_done_callback(_seen)

@@ -11,8 +11,9 @@ engine's loop. The gRPC port is served by our own HTTP/2 front, in three layers:
 
 What the call layer does:
 
-- a call starts on its HEADERS: its method found, the server's admission asked (``admit``) before
-  any of its body is taken, the server's RPC cap applied;
+- a call starts on its HEADERS (on a stream the connection's slot at the admission let open):
+  its method found, the server's admission asked (``admit``) before any of its body is taken,
+  the server's RPC cap applied;
 - messages are framed by their 5-byte prefix (compressed flag, length). Each is admitted when
   its prefix arrives, before its body: within its connection's allowance of bytes charged to
   nothing (``connection_allowance``), or else charged to the server's one bytes-in-flight
@@ -22,7 +23,8 @@ What the call layer does:
   make us hold of unfinished or untaken messages is ``max_connections x
   connection_allowance`` plus the budget, whatever the sizes they announce;
 - a charged message still arriving after ``message_timeout`` is DEADLINE_EXCEEDED, and a
-  call's ``grpc-timeout`` bounds its handler;
+  unary call's handler is bounded by its ticket's ``deadline`` (the admission's, from the
+  call's ``grpc-timeout``);
 - compressed messages (gzip, deflate) inflate to at most the receive limit, off the loop when
   large;
 - answers: precomputed header and trailer blocks, a unary answer in one write when the
@@ -95,13 +97,6 @@ def _percent(text: str) -> bytes:
     raw = text.encode("utf-8")
     return b"".join(bytes([c]) if 0x20 <= c <= 0x7E and c != 0x25 else b"%%%02X" % c
                     for c in raw)
-
-
-def _timeout(value: str) -> float | None:
-    units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-    if len(value) < 2 or value[-1] not in units or not value[:-1].isdigit():
-        return None
-    return int(value[:-1]) * units[value[-1]]
 
 
 def status_block(code: grpc.StatusCode, details: str) -> bytes:
@@ -192,21 +187,18 @@ class _Context:
 class _Head:
     """What a request's header block says, worked out once per distinct block (the
     connection caches it with the block)."""
-    __slots__ = ("headers", "path", "encoding", "timeout", "_metadata")
+    __slots__ = ("headers", "path", "encoding", "_metadata")
 
     def __init__(self, headers: list) -> None:
         self.headers = headers
         self.path = ""
         self.encoding = "identity"
-        self.timeout: float | None = None
         self._metadata: tuple | None = None
         for key, value in headers:
             if key == ":path" and not self.path:
                 self.path = value
             elif key == "grpc-encoding":
                 self.encoding = value
-            elif key == "grpc-timeout":
-                self.timeout = _timeout(value) if value else None
 
     def metadata(self) -> tuple:
         """The call's metadata, ``-bin`` values decoded; a value that is not base64 is
@@ -504,8 +496,8 @@ class GrpcCalls(H2Events):
             request = handler.request_deserializer(message) if handler.request_deserializer \
                 else message
             call = handler.unary_unary(request, _Context(st.head.metadata()))
-            timeout = st.head.timeout
-            response = await (asyncio.wait_for(call, timeout) if timeout else call)
+            deadline = st.ticket.deadline if st.ticket is not None else None
+            response = await (asyncio.wait_for(call, deadline) if deadline else call)
             raw = handler.response_serializer(response) if handler.response_serializer \
                 else response
             self._reply(st, raw)
@@ -643,7 +635,8 @@ class GrpcConnection(asyncio.Protocol):
         self.burst = 0                  # bytes read this loop iteration, counted from READ_BURST on
         # one call_later per connection, re-armed each tick
         self.timer: asyncio.TimerHandle | None = None
-        self.slot: Any = None           # the admission's (server.connect), held while open
+        self.slot: Any = None           # the admission's (server.connect), held while open;
+        # it decides too whether each stream may open (h2's)
 
     # -- output: coalesced into one write per loop iteration -----------------------------
     def flush(self) -> None:
@@ -695,7 +688,7 @@ class GrpcConnection(asyncio.Protocol):
         self.transport = transport      # type: ignore[assignment]
         server, limits = self.server, self.limits
         try:
-            self.slot = server.connect()
+            self.slot = self.h2.slot = server.connect(max_streams=limits.max_concurrent_streams)
         except TritonError:             # past the port's max_connections: closed at once
             self.h2.dead = True
             transport.abort()           # type: ignore[attr-defined]

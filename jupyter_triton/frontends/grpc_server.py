@@ -35,14 +35,15 @@ class H2GrpcServer:
     TritonError the call is refused with (frontends/grpc.py's ``admit_on_headers``).
     ``budget``: the server's bytes-in-flight budget (``frontends.admission``), charged with
     messages larger than a connection's allowance when their prefix arrives (see ``Charged``);
-    None: one of its own, 4 x the receive limit. ``connect()``: the server's admission's slot
-    for a connection just accepted (``Admission.connect`` at the port's door), or the
-    refusal it is closed with; None: an admission of its own, at ``limits.max_connections``."""
+    None: one of its own, 4 x the receive limit. ``connect(max_streams=...)``: the server's
+    admission's slot for a connection just accepted (``Admission.connect`` at the port's door,
+    its streams capped at ``limits.max_concurrent_streams``), or the refusal it is closed with;
+    None: an admission of its own, at ``limits.max_connections``."""
 
     def __init__(self, services: dict[str, dict[str, grpc.RpcMethodHandler]], max_receive: int,
                  max_concurrent_rpcs: int, limits: HTTP2Limits = HTTP2Limits(),
                  admit: Admit | None = None, budget: BodyBudget | None = None,
-                 connect: Callable[[], ConnectionSlot] | None = None) -> None:
+                 connect: Callable[..., ConnectionSlot] | None = None) -> None:
         self.services = services
         self.max_receive = max_receive
         self.max_concurrent_rpcs = max_concurrent_rpcs
@@ -75,7 +76,7 @@ async def serve_h2(services: dict[str, dict[str, grpc.RpcMethodHandler]], host: 
                    max_receive: int, max_concurrent_rpcs: int, *,
                    limits: HTTP2Limits = HTTP2Limits(), admit: Admit | None = None,
                    ssl: "SSLContext | None" = None, budget: BodyBudget | None = None,
-                   connect: Callable[[], ConnectionSlot] | None = None
+                   connect: Callable[..., ConnectionSlot] | None = None
                    ) -> tuple[H2GrpcServer, int]:
     """Serve ``services`` (see H2GrpcServer) on ``host:port`` (0: a free port) on the running
     loop, over TLS when ``ssl`` is given; returns the server and its port."""

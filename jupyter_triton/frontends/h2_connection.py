@@ -7,8 +7,10 @@ moves its bytes (its asyncio protocol). Modelled on python-hyper's
 
 What it owns, every limit a field of ``HTTP2Limits``:
 - the preface and SETTINGS (ours sent first; the peer's initial window, frame size, push);
-- streams: client-opened odd ids, ascending; past SETTINGS_MAX_CONCURRENT_STREAMS, or past our
-  GOAWAY, REFUSED_STREAM (the header block still decoded, for HPACK's table);
+- streams: client-opened odd ids, ascending; refused past our GOAWAY, or where the
+  connection's slot at the admission says no (``ConnectionSlot.open_stream``: its
+  SETTINGS_MAX_CONCURRENT_STREAMS): REFUSED_STREAM (the header block still decoded, for HPACK's
+  table);
 - header blocks (HEADERS + CONTINUATION, padding, priority) bounded by
   SETTINGS_MAX_HEADER_LIST_SIZE, decoded with the ``hpack`` package;
 - flow control both ways: received bytes are given back in WINDOW_UPDATEs at most
@@ -30,6 +32,7 @@ from typing import Any, Callable
 from hpack import Decoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 
+from .admission import ConnectionSlot
 from .limits import HTTP2Limits
 
 log = logging.getLogger(__name__)
@@ -151,13 +154,18 @@ class H2Connection:
     is the time in seconds (ping policing); ``parse_head(headers)`` makes ``st.head`` from a
     decoded header list (cached per distinct block, see ``_head``); ``new_stream(sid,
     window, recv_window)`` makes a stream (an ``H2Stream`` or a subclass); ``on_output()`` is
-    called when frames wait in ``data_to_send()`` and none did before."""
+    called when frames wait in ``data_to_send()`` and none did before. ``slot``: the
+    connection's at the admission, which decides whether a stream may open (the layer above
+    sets the one its listener was given before ``initiate_connection``; by default one of
+    ``limits.max_concurrent_streams``)."""
 
     def __init__(self, limits: HTTP2Limits, events: H2Events, clock: Callable[[], float],
                  parse_head: Callable[[list], Any] = list,
                  new_stream: Callable[[int, int, int], H2Stream] = H2Stream,
-                 on_output: Callable[[], None] | None = None) -> None:
+                 on_output: Callable[[], None] | None = None,
+                 slot: ConnectionSlot | None = None) -> None:
         self.limits = limits
+        self.slot = slot if slot is not None else ConnectionSlot(None, limits.max_concurrent_streams)
         self.events = events
         self.clock = clock
         self.parse_head = parse_head
@@ -222,8 +230,10 @@ class H2Connection:
     def initiate_connection(self, now: float) -> None:
         """Our SETTINGS and the connection window's first WINDOW_UPDATE; the deadlines start."""
         limits = self.limits
+        max_streams = self.slot.max_streams
         settings = struct.pack(">HLHLHLHL", S_INITIAL_WINDOW_SIZE, limits.stream_window,
-                               S_MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams,
+                               S_MAX_CONCURRENT_STREAMS,
+                               MAX_WINDOW if max_streams is None else max_streams,
                                S_MAX_HEADER_LIST_SIZE, limits.max_header_list_size,
                                S_MAX_FRAME_SIZE, limits.max_frame_size)
         self._emit(frame(SETTINGS, 0, 0, settings)
@@ -533,7 +543,7 @@ class H2Connection:
         else:
             self.last_sid = sid
             st = self.new_stream(sid, self.peer_window, limits.stream_window)
-            if len(self.streams) >= limits.max_concurrent_streams or \
+            if not self.slot.open_stream(len(self.streams)) or \
                     (self.goaway_sid is not None and sid > self.goaway_sid):
                 st.refused = True       # decoded for HPACK's sake, then REFUSED_STREAM
             else:
