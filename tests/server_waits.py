@@ -2,6 +2,7 @@
 or running) rather than after a sleep, which a busy machine can outlast."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import tritonclient.http as httpclient
@@ -57,4 +58,14 @@ def wait_until(condition, what: str, seconds: float = 30):
     while not (found := condition()):
         assert time.monotonic() < deadline, f"{what}: not within {seconds:g} s"
         time.sleep(0.02)
+    return found
+
+
+async def until(condition, what: str, seconds: float = 30):
+    """``wait_until`` for a test that shares its event loop with the server (a Jupyter
+    server's fixtures): waits without blocking the loop that must make the change."""
+    deadline = time.monotonic() + seconds
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g} s"
+        await asyncio.sleep(0.01)
     return found

@@ -22,6 +22,7 @@ from jupyter_triton.engine.observation.statistics import ModelStatistics, failur
 from jupyter_triton.engine.lifecycle.warmup import warmup_samples
 from jupyter_triton.protocol.errors import Internal, InvalidArgument, TritonError, Unavailable
 from jupyter_triton.protocol.types import InferRequest
+from server_waits import until
 
 BASE = 'name: "m" input [{name: "IN" data_type: TYPE_FP32 dims: [-1]}] '
 
@@ -489,22 +490,28 @@ def test_the_alarm_fires_once_at_its_latest_deadline_and_never_after_cancel(monk
     async def main():
         fired: list[int] = []
         alarm = timer.Alarm(lambda: fired.append(time.monotonic_ns()))
+
+        async def fired_count(n: int) -> None:
+            await until(lambda: len(fired) >= n, f"the alarm's firing {n}", seconds=10)
         start = time.monotonic_ns()
         alarm.set(start + 3_000_000_000)
         alarm.set(start + 20_000_000)                  # replaces the first deadline
         assert alarm.deadline_ns == start + 20_000_000
-        await asyncio.sleep(0.4)
+        await fired_count(1)
+        await asyncio.sleep(0.1)                       # room for a second firing: there is none
         once = list(fired)
         alarm.set(time.monotonic_ns() + 20_000_000)
         alarm.cancel()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)                       # five times its delay: it never fires
+        cancelled = list(fired)
         past = time.monotonic_ns() - 1                 # a deadline already gone fires at once
         alarm.set(past)
-        await asyncio.sleep(0.05)
+        await fired_count(len(cancelled) + 1)
         alarm.close()
-        return start, once, fired
+        return start, once, cancelled, fired
 
-    start, once, fired = run(main())
+    start, once, cancelled, fired = run(main())
     assert len(once) == 1 and once[0] >= start + 20_000_000
     assert once[0] < start + 3_000_000_000            # the replaced deadline did not wait
-    assert len(fired) == 2                             # the cancelled one never fired
+    assert cancelled == once                           # the cancelled one never fired
+    assert len(fired) == 2

@@ -17,6 +17,7 @@ import pytest
 from conftest import TOKEN, build_repository
 from jupyter_triton.frontends.http import SETTINGS_KEY
 from onnx_models import identity
+from server_waits import until
 
 AUTH = {"Authorization": f"token {TOKEN}"}
 BIG_CONFIG = """\
@@ -139,7 +140,7 @@ async def test_bodies_in_flight_are_bounded_on_the_jupyter_routes(jp_triton, jp_
     state = jp_triton.web_app.settings[SETTINGS_KEY]
     state.plane.budget.limit = 50_000
     slow = _open_body(jp_http_port, jp_base_url, 40_000, b"{")
-    await asyncio.sleep(0.3)
+    await until(lambda: state.plane.budget.held == 40_000, "the slow body's bytes held")
     good = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                    "data": [1.0] * 16}]}).encode() + b" " * 20_000
     from tornado.httpclient import HTTPClientError
@@ -148,7 +149,7 @@ async def test_bodies_in_flight_are_bounded_on_the_jupyter_routes(jp_triton, jp_
     assert err.value.code == 503
     assert "in flight" in json.loads(err.value.response.body)["error"]
     slow.close()
-    await asyncio.sleep(0.3)
+    await until(lambda: state.plane.budget.held == 0, "the closed body's bytes given back")
     resp = await jp_fetch("v2/models/linear/infer", method="POST", body=good, headers=AUTH)
     assert resp.code == 200
     assert state.plane.budget.held == 0

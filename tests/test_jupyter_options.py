@@ -22,8 +22,10 @@ from traitlets import TraitError
 from tritonclient.utils import InferenceServerException
 
 from conftest import TOKEN, W, in_thread
+from jupyter_triton.frontends.http import SETTINGS_KEY
 from jupyter_triton.serverext import JupyterTriton
 from onnx_models import linear
+from server_waits import until
 
 AUTH = {"Authorization": f"token {TOKEN}"}
 COPY_CONFIG = json.dumps({"name": "copy", "backend": "onnxruntime", "max_batch_size": 8})
@@ -77,7 +79,8 @@ def _open_body(port: int, base: str, length: int, first: bytes) -> socket.socket
 async def test_body_timeout_and_max_inflight_bytes_traits(jp_triton, jp_fetch, jp_http_port, jp_base_url):
     slow = _open_body(jp_http_port, jp_base_url, 40_000, b"{")       # holds 40,000 of 50,000
     t0 = time.monotonic()
-    await asyncio.sleep(0.3)
+    budget = jp_triton.web_app.settings[SETTINGS_KEY].plane.budget
+    await until(lambda: budget.held == 40_000, "the slow body's bytes held")
     big = b" " * 20_000
     with pytest.raises(HTTPClientError) as err:
         await jp_fetch("v2/models/linear/infer", method="POST", body=big, headers=AUTH)

@@ -49,6 +49,7 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             mode = int(x[0]) if x.size else 0
             if mode == 1:
+                open(os.path.join(HERE, "hung"), "w").close()     # the test waits for it
                 time.sleep(3600)
             y = np.zeros(int(x[1]), np.float32) if mode == 2 else x
             responses.append(pb_utils.InferenceResponse(output_tensors=[
@@ -336,7 +337,7 @@ def test_workers_die_with_a_killed_server(tmp_path):
         hung = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", network_timeout=60)
         threading.Thread(target=lambda: _ignore(hung.infer, "faulty", x_input(np.array([1], np.float32))),
                          daemon=True).start()
-        time.sleep(1.0)
+        wait_until(lambda: (tmp_path / "faulty" / "1" / "hung").exists(), 60, "the worker hangs in execute")
         os.kill(server.pid, signal.SIGKILL)
         server.proc.wait(10)
         wait_until(lambda: gone(pid), 5, "the worker dies with its server")
