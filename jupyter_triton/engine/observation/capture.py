@@ -54,9 +54,8 @@ Kept = tuple[str, str, tuple, "np.ndarray | None"]
 
 
 class Captured(NamedTuple):
-    """One request as it was served. Kept as a plain tuple of strings, numbers and arrays,
-    which the garbage collector stops tracking: a full sample adds nothing to the
-    collections the server's other objects go through."""
+    """One request as it was served, as ``Capture.snapshot`` reads it (the sample holds
+    flat tuples, ``Capture.add`` says why)."""
     time: float                     # when it arrived, seconds since the epoch
     model_version: str              # the version that answered ("" when none did)
     id: str                         # the client's request id
@@ -74,11 +73,15 @@ class Capture:
     """One model's capture: its settings, whether it runs, and its sample."""
     settings: CaptureSettings
     on: bool = True
-    rows: deque = field(default_factory=deque)
+    rows: deque = field(default_factory=deque)     # flat tuples: see ``add``, ``_captured``
+    layouts: dict = field(default_factory=dict)    # each distinct layout once
     bytes: int = 0
     seen: int = 0                   # requests while on
     captured: int = 0               # rows ever added
     dropped: int = 0                # rows evicted by the bounds
+    # the epoch time of monotonic 0: a row's arrival is read off the monotonic clock it
+    # was timed with (one clock read a request, not two)
+    epoch: float = field(default_factory=lambda: time.time() - time.monotonic_ns() / 1e9)
 
     def sampled(self) -> bool:
         """Counts a request, and says whether it is one of the share kept."""
@@ -100,7 +103,7 @@ class Capture:
             finally:
                 await stream.aclose()
             return
-        arrived, start = time.time(), time.monotonic_ns()
+        start = time.monotonic_ns()
         pieces: list[InferResponse] = []
         status, error, final = 200, "", False
         try:
@@ -117,40 +120,56 @@ class Capture:
             # front closes or cancels the stream): what it got is the row
             if not final and not error:
                 status, error = 499, "the client closed the stream before its end"
-            self.add(request, streamed_outputs(pieces), arrived, start, status, error)
+            self.add(request, streamed_outputs(pieces), start, status, error)
             raise
         except TritonError as err:
-            self.add(request, streamed_outputs(pieces), arrived, start, err.status, str(err))
+            self.add(request, streamed_outputs(pieces), start, err.status, str(err))
             raise
         except Exception as err:
-            self.add(request, streamed_outputs(pieces), arrived, start, 500,
+            self.add(request, streamed_outputs(pieces), start, 500,
                       f"{type(err).__name__}: {err}")
             raise
         finally:
             await stream.aclose()
-        self.add(request, streamed_outputs(pieces), arrived, start, status, error)
+        self.add(request, streamed_outputs(pieces), start, status, error)
 
-    def add(self, request: InferRequest, response: InferResponse | None, arrived: float,
-            start: int, status: int, error: str) -> None:
+    def add(self, request: InferRequest, response: InferResponse | None, start: int,
+            status: int, error: str) -> None:
         """The row of a request served (``response``) or refused (``status``, ``error``)
-        that arrived at ``arrived`` (epoch seconds) and started at ``start`` (monotonic ns)."""
+        that arrived at ``start`` (monotonic ns)."""
         latency_us = (time.monotonic_ns() - start) / 1000
-        outputs = response.outputs if response is not None else ()
+        inputs = request.inputs
+        tensors = inputs if response is None else (*inputs, *response.outputs)
+        nbytes = _ROW_OVERHEAD
+        for t in tensors:
+            data = t.data
+            if data is not None:
+                nbytes += data.nbytes if t.datatype != "BYTES" else _object_bytes(data)
         settings = self.settings
-        nbytes = _ROW_OVERHEAD + _bytes(request.inputs) + _bytes(outputs)
+        layout: list = [len(inputs)]
+        kept = []
         if nbytes <= settings.max_bytes:
-            kept_in, kept_out = _kept(request.inputs), _kept(outputs)
-        else:                       # its tensors alone are past the bound: not copied
-            kept_in = kept_out = ()
+            for t in tensors:
+                layout += (t.name, t.datatype)
+                data = t.data
+                kept.append(tuple(t.shape) if data is None else _frozen(data))
+        else:                       # its tensors alone are past the bound: none is kept
+            layout[0] = 0
             error = error or f"tensors not kept: {nbytes} bytes, past max_bytes"
             nbytes = _ROW_OVERHEAD
+        # One flat tuple of strings, numbers, arrays (or the shape of a tensor not kept) and
+        # the layout (interned: one object per distinct layout, not one per row): no part of
+        # it is a container the collector tracks, so the first young collection stops
+        # tracking the row itself. A tuple made per row inside it would be examined after
+        # its row and keep it tracked into the oldest generation, where each such row
+        # counts toward the next full collection.
+        layout = tuple(layout)
+        layout = self.layouts.setdefault(layout, layout)
         trace = request.trace
         rows = self.rows
-        # a plain tuple (Captured's fields), made a Captured when read: the collector stops
-        # tracking an exact tuple of untracked parts, not a subclass's
-        rows.append((arrived, request.model_version if response is None else response.model_version,
+        rows.append((self.epoch + start / 1e9, request.model_version if response is None else response.model_version,
                      request.id, "" if trace is None else str(getattr(trace, "id", "") or ""),
-                     latency_us, status, error, kept_in, kept_out, nbytes))
+                     latency_us, status, error, nbytes, layout, *kept))
         self.bytes += nbytes
         self.captured += 1
         if self.bytes > settings.max_bytes or len(rows) > settings.max_rows:
@@ -159,12 +178,12 @@ class Capture:
     def _bound(self) -> None:
         rows, settings = self.rows, self.settings
         while rows and (len(rows) > settings.max_rows or self.bytes > settings.max_bytes):
-            self.bytes -= rows.popleft()[-1]
+            self.bytes -= rows.popleft()[_NBYTES]
             self.dropped += 1
 
     def snapshot(self) -> list[Captured]:
         """The rows, oldest first."""
-        return [Captured._make(row) for row in self.rows]
+        return [_captured(row) for row in self.rows]
 
     def to_json(self) -> dict:
         return {"enabled": self.on, **self.settings.to_json(), "requests_seen": self.seen,
@@ -188,7 +207,7 @@ class Tap:
             return engine.infer_stream(request)
         return self.capture.infer_stream(engine, request)
 
-    def begin(self, request: InferRequest) -> "tuple[bool, float, int] | None":
+    def begin(self, request: InferRequest) -> "tuple[bool, int] | None":
         """``Engine.infer`` on a tapped model's request, before serving it: marks it (it is
         not tapped twice: the shadow's copy, a traced request coming back) and returns what
         ``served`` or ``failed`` takes, None when neither the capture nor the shadow wants it."""
@@ -196,29 +215,29 @@ class Tap:
         keep = self.capture is not None and self.capture.sampled()
         if not keep and self.shadow is None:
             return None
-        return keep, time.time(), time.monotonic_ns()
+        return keep, time.monotonic_ns()
 
-    def served(self, engine: "Engine", request: InferRequest, mark: tuple[bool, float, int],
+    def served(self, engine: "Engine", request: InferRequest, mark: tuple[bool, int],
                response: InferResponse) -> None:
-        keep, arrived, start = mark
+        keep, start = mark
         if keep:
-            self.capture.add(request, response, arrived, start, 200, "")
+            self.capture.add(request, response, start, 200, "")
         if self.shadow is not None:
             try:
                 self.shadow.offer(engine, request, response, (time.monotonic_ns() - start) / 1000)
             except Exception:       # the served answer goes out whatever the copy did
                 log.exception("model '%s': shadow copy failed", request.model_name)
 
-    def failed(self, request: InferRequest, mark: tuple[bool, float, int], err: BaseException) -> None:
+    def failed(self, request: InferRequest, mark: tuple[bool, int], err: BaseException) -> None:
         """A refusal is a row; a request the client gave up on (cancelled) is not: nothing
         was answered."""
-        keep, arrived, start = mark
+        keep, start = mark
         if not keep or isinstance(err, (asyncio.CancelledError, GeneratorExit)):
             return
         if isinstance(err, TritonError):
-            self.capture.add(request, None, arrived, start, err.status, str(err))
+            self.capture.add(request, None, start, err.status, str(err))
         elif isinstance(err, Exception):    # rendered as 500 by the frontend
-            self.capture.add(request, None, arrived, start, 500, f"{type(err).__name__}: {err}")
+            self.capture.add(request, None, start, 500, f"{type(err).__name__}: {err}")
 
 
 def streamed_outputs(pieces: list[InferResponse]) -> InferResponse | None:
@@ -364,39 +383,41 @@ def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
     return on, CaptureSettings(float(fraction), **bounds), clear
 
 
-def _bytes(tensors: "list[InferTensor] | tuple") -> int:
-    """What copies of ``tensors`` hold (BYTES: the elements, not the pointers)."""
-    total = 0
-    for t in tensors:
-        data = t.data
-        if data is None:
-            continue
-        if not data.dtype.hasobject:
-            total += data.nbytes
-        else:
-            total += data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8
-                                         for v in data.ravel())
-    return total
+def _object_bytes(data: np.ndarray) -> int:
+    """What a copy of a BYTES tensor holds: the elements, not only the pointers."""
+    return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in data.ravel())
 
 
-def _kept(tensors: "list[InferTensor] | tuple") -> tuple[Kept, ...]:
-    """What a row holds of ``tensors``: a copy where the memory may change later (a
-    shared-memory region, a buffer a backend reuses), the array itself where it cannot (a
-    read-only view of the request's body as it came off the wire: bytes are immutable).
-    Tuples of immutable parts, so that the collector stops tracking them (see Captured)."""
-    return tuple([(t.name, t.datatype, tuple(t.shape), _frozen(t.data)) for t in tensors])
+_NBYTES = 7                 # a row's fields: Captured's up to nbytes, then its layout
+_KEPT = 9                   # and each tensor, inputs first: its array, or its shape
 
 
-def _frozen(data: Any) -> "np.ndarray | None":
-    if data is None:
-        return None
+def _captured(row: tuple) -> Captured:
+    """A row as read: each tensor with its name, datatype and shape. The layout is the
+    number of inputs, then each tensor's name and datatype."""
+    layout = row[_NBYTES + 1]
+    tensors = tuple((name, datatype, kept if type(kept) is tuple else tuple(kept.shape),
+                     None if type(kept) is tuple else kept)
+                    for name, datatype, kept in zip(layout[1::2], layout[2::2], row[_KEPT:]))
+    n = layout[0]
+    return Captured(*row[:_NBYTES], tensors[:n], tensors[n:], row[_NBYTES])
+
+
+def _frozen(data: Any) -> "np.ndarray":
+    """``data`` as a row keeps it: the array itself where its memory cannot change, a copy
+    where it may (a shared-memory region, a buffer a backend writes again)."""
     if type(data) is not np.ndarray:
         return np.array(data)
-    # A view whose memory is a bytes object (the body as it came off the wire) cannot be
-    # written through, by numpy or anyone: kept as it is. Anything else is copied.
+    owner = data
     root = data.base
     while type(root) is np.ndarray:
-        root = root.base
+        owner, root = root, root.base
     if type(root) is memoryview:
         root = root.obj
-    return data if type(root) is bytes else data.copy()
+    # Memory that cannot change: a bytes object (the body as it came off the wire), which
+    # nothing can write through, or an array that owns its memory and was made read-only
+    # by whoever made it (a backend's fresh outputs, backends/base.py ``freeze``), which no
+    # one holds to write again.
+    if type(root) is bytes or (root is None and not owner.flags.writeable):
+        return data
+    return data.copy()
