@@ -45,8 +45,7 @@ class HTTP2Limits:
     # charged to the budget when its length prefix arrives, or refused (RESOURCE_EXHAUSTED).
     # Every byte a connection holds is one or the other, so this (not the windows, which are
     # flow control only) bounds memory: all peers together hold at most max_connections x
-    # this (4,096 x 1 MiB = 4 GiB, every connection kept just under it) plus the budget
-    # (before: up to ~80 MiB a connection, the receive limit plus its window).
+    # this (4,096 x 1 MiB = 4 GiB, every connection kept just under it) plus the budget.
     connection_allowance: int = 1024 * 1024
     # Control frames (PING, SETTINGS, RST_STREAM, empty DATA, ...) a peer may send before it
     # has read our answers; past it, GOAWAY ENHANCE_YOUR_CALM (h2o, nginx's "flood" checks).

@@ -5,8 +5,8 @@ Both ends import this module and nothing of each other: ``worker.py`` is the ser
 Every message is one of the ``NamedTuple`` classes below. On the socket it is a fixed
 header, a 4-byte little-endian length and a 1-byte kind, then a pickle of its fields as a
 plain tuple: a class in the pickle would cost several microseconds more per message to
-write and to read (measured: 6 + 6 us for a batch's message), on the path every batch
-takes; the kind byte gives the class back for the price of ``tuple.__new__``. A tensor is
+write and to read, on the path every batch takes (benchmarks/results/notes-backends.md);
+the kind byte gives the class back for the price of ``tuple.__new__``. A tensor is
 (name, dtype, shape, offset, nbytes) in a shared-memory region.
 
 One batch is ``Execute`` -> ``Results`` (or ``Failed``; ``Grow`` -> ``OutputRegion``
@@ -318,7 +318,7 @@ class Channel:
     def recv(self, poll_until: float = 0.0) -> Any:
         """Blocking; ``EOFError`` when the other end is gone. Until ``poll_until``
         (``time.monotonic()``) it polls the socket before it sleeps (busy polling: a core
-        that sleeps costs ~45 us to wake on a virtual machine)."""
+        that sleeps is slow to wake on a virtual machine, several times a request)."""
         while True:
             msg = self.take()
             if msg is not None:

@@ -28,11 +28,9 @@ BLAS threads of a worker process (numpy's OpenBLAS, MKL), as a config ``paramete
 Default (ours; Triton leaves the library's own, one thread per core): 1, unless the server's
 environment sets ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ``GOTO_NUM_THREADS`` or
 ``OMP_NUM_THREADS`` (then the environment decides). OpenBLAS's pool threads spin after
-every call, and the small products a dynamic batcher forms gain nothing from them: measured
-on 2 busy cores, y = x@W (W 256x256 fp32), max_batch_size 64, 500 us batch delay, one
-instance, perf_analyzer c=32 over HTTP, alternating runs: the worker's CPU per inference
-243-280 us with the library's default, 29-30 us with 1 thread; the server tree's
-417-457 us -> 201-207 us, throughput 2,100-2,500 -> 4,350-4,660 infer/s. "0" keeps the
+every call, and the small products a dynamic batcher forms gain nothing from them: with one
+thread a worker spends a fraction of the CPU per inference and serves about twice the
+throughput (benchmarks/results/notes-backends.md). "0" keeps the
 library's default (large products on a machine of their own); more instances
 (``instance_group`` count) are the other way to use more cores. Thread mode leaves the server
 process's BLAS as it is.

@@ -481,7 +481,7 @@ class NeedsThread(Exception):
 class LoopWatch:
     """A worker's socket and pidfd read on the event loop (``WorkerProcess.watch``): what
     ``_recv`` does on a thread, as callbacks, registered once and kept between batches (a
-    reader added and removed per batch costs the loop ~50 us). Side messages are answered as
+    reader added and removed per batch is a cost the loop would pay on every batch). Side messages are answered as
     they come (a BLS call goes to its pool, never runs here); ``Grow`` gets its region; the
     pidfd says the worker died; one timer, re-armed only when it fires, kills a worker past
     its bound. A batch's ``done`` is called once, on the loop, which also sends the batch

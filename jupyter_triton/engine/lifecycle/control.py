@@ -307,7 +307,7 @@ class ModelLifecycle:
 
     def _fingerprint_or_empty(self, name: str) -> str:
         # Only polling compares whole-model fingerprints; the walk costs O(versions on disk)
-        # per load (18 ms at 1,000 versions), which explicit mode would pay for nothing.
+        # per load, which explicit mode would pay for nothing.
         if self.options.model_control_mode != "poll":
             return ""
         try:
