@@ -10,4 +10,7 @@ run canaries, golden-set checks and rollbacks; ``warmup`` runs a model's warm-up
 before it is ready. Each asks the table through its methods and a version through its
 public ones. A version's number and files come from the repository; everything here asks
 it, never the disk directly.
+
+It may import every other room of the engine (it builds and tears down what they serve),
+the repository, config and the backends' registry; never a frontend.
 """
