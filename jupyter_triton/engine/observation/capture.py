@@ -11,6 +11,7 @@ read or steer them are the model-repository group's, as loading a model is.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import random
@@ -403,6 +404,10 @@ def _captured(row: tuple) -> Captured:
     return Captured(*row[:_NBYTES], tensors[:n], tensors[n:], row[_NBYTES])
 
 
+# the type of a C library's buffer handed to numpy (types.CapsuleType from Python 3.13)
+_CAPSULE = type(datetime.datetime_CAPI)
+
+
 def _frozen(data: Any) -> "np.ndarray":
     """``data`` as a row keeps it: the array itself where its memory cannot change, a copy
     where it may (a shared-memory region, a buffer a backend writes again)."""
@@ -415,9 +420,11 @@ def _frozen(data: Any) -> "np.ndarray":
     if type(root) is memoryview:
         root = root.obj
     # Memory that cannot change: a bytes object (the body as it came off the wire), which
-    # nothing can write through, or an array that owns its memory and was made read-only
-    # by whoever made it (a backend's fresh outputs, backends/base.py ``freeze``), which no
-    # one holds to write again.
-    if type(root) is bytes or (root is None and not owner.flags.writeable):
+    # nothing can write through, or an array its maker handed over read-only with memory of
+    # its own (none, or a runtime's buffer: a capsule), as ONNX Runtime's outputs are
+    # (backends/onnxruntime.py). A read-only view of a shared-memory region or a mapped
+    # file is copied: its writer writes it again.
+    if type(root) is bytes or (not owner.flags.writeable
+                               and (root is None or type(root) is _CAPSULE)):
         return data
     return data.copy()
