@@ -1,15 +1,22 @@
 """A Python-backend model that the end-to-end batching and metrics tests build: it sleeps,
 echoes its input, and logs every execution (which requests ran together, on which instance,
-when) to ``<model dir>/executions.jsonl`` so a test can see what the batcher formed."""
+when) to ``<model dir>/executions.jsonl`` so a test can see what the batcher formed; and
+``Caller``, which sends it requests in an order the server shows."""
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from server_waits import served_model, started, wait_for_queued, wait_for_start
 
 # INPUT0 rows are [id, extra_sleep_s]; the model sleeps SLEEP_S plus the largest extra_sleep_s
 # of the batch. A request whose id is negative gets an error response (a BACKEND failure).
@@ -105,3 +112,70 @@ def held(model_dir: Path, *idents: int) -> Iterator[None]:
     finally:
         for h in holds:
             h.unlink(missing_ok=True)
+
+
+@dataclass
+class Outcome:
+    elapsed: float        # seconds from sending to the answer, as the caller saw them
+    output: np.ndarray | None
+    error: InferenceServerException | None
+
+
+class Caller:
+    """Sends inferences to one model, each on a thread and a client of its own, and waits
+    for what the server shows of them (started, queued), never for time: a call sent after
+    another is sent once the server holds the one before it, whatever a busy machine's
+    threads do meanwhile."""
+
+    def __init__(self, server, client, model: str) -> None:
+        self.url = f"127.0.0.1:{server.http_port}"
+        self.client = client
+        self.model = model
+        self.version = served_model(server.engine, model)
+        self.started = started(client, model)
+        self.pool = ThreadPoolExecutor(max_workers=8)
+
+    def send(self, ident: int, priority: int = 0, timeout_us: int | None = None) -> Future:
+        """The call's future Outcome."""
+        def call() -> Outcome:
+            client = httpclient.InferenceServerClient(self.url, network_timeout=60)
+            sent = time.monotonic()
+            try:
+                result = client.infer(self.model, request(ident), priority=priority,
+                                      timeout=timeout_us)
+                return Outcome(time.monotonic() - sent, result.as_numpy("OUTPUT0"), None)
+            except InferenceServerException as err:
+                return Outcome(time.monotonic() - sent, None, err)
+            finally:
+                client.close()
+        return self.pool.submit(call)
+
+    def running(self, count: int = 1) -> None:
+        """Until ``count`` more of this caller's requests left the queue for an instance."""
+        wait_for_start(self.client, self.model, self.started + count - 1)
+        self.started += count
+
+    def queued(self, count: int) -> None:
+        wait_for_queued(self.version, count)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> "Caller":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def outcome(future: Future) -> Outcome:
+    return future.result(timeout=60)
+
+
+def model_stats(client, model: str) -> dict:
+    return client.get_inference_statistics(model)["model_stats"][0]
+
+
+def ids_in_execution_order(model_dir: Path) -> list[int]:
+    return [int(i) for e in sorted(executions(model_dir), key=lambda e: e["start"])
+            for ids in e["ids"] for i in ids]

@@ -11,20 +11,18 @@ lower bounds or with margins of seconds: a busy machine's stalls only lengthen t
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
-from python_models import executions, held, request, sleepy_model
-from server_waits import served_model, started, wait_for_queued, wait_for_start, wait_until
+from python_models import (Caller, executions, held, ids_in_execution_order, model_stats, outcome,
+                           request, sleepy_model)
+from server_waits import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,55 +83,6 @@ def client(server):
     c.close()
 
 
-@dataclass
-class Outcome:
-    elapsed: float        # seconds from sending to the answer, as the caller saw them
-    output: np.ndarray | None
-    error: InferenceServerException | None
-
-
-class Caller:
-    """Sends inferences to one model, each on a thread and a client of its own, and waits
-    for what the server shows of them (started, queued), never for time: a call sent after
-    another is sent once the server holds the one before it, whatever a busy machine's
-    threads do meanwhile."""
-
-    def __init__(self, server, client, model: str) -> None:
-        self.url = f"127.0.0.1:{server.http_port}"
-        self.client = client
-        self.model = model
-        self.version = served_model(server.engine, model)
-        self.started = started(client, model)
-        self.pool = ThreadPoolExecutor(max_workers=8)
-
-    def send(self, ident: int, extra_sleep_s: float = 0.0, priority: int = 0,
-             timeout_us: int | None = None) -> Future:
-        """The call's future Outcome."""
-        def call() -> Outcome:
-            client = httpclient.InferenceServerClient(self.url, network_timeout=60)
-            sent = time.monotonic()
-            try:
-                result = client.infer(self.model, request(ident, extra_sleep_s),
-                                      priority=priority, timeout=timeout_us)
-                return Outcome(time.monotonic() - sent, result.as_numpy("OUTPUT0"), None)
-            except InferenceServerException as err:
-                return Outcome(time.monotonic() - sent, None, err)
-            finally:
-                client.close()
-        return self.pool.submit(call)
-
-    def running(self, count: int = 1) -> None:
-        """Until ``count`` more of this caller's requests left the queue for an instance."""
-        wait_for_start(self.client, self.model, self.started + count - 1)
-        self.started += count
-
-    def queued(self, count: int) -> None:
-        wait_for_queued(self.version, count)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
 @pytest.fixture
 def caller(server, client):
     callers = []
@@ -144,19 +93,6 @@ def caller(server, client):
     yield make
     for c in callers:
         c.close()
-
-
-def outcome(future: Future) -> Outcome:
-    return future.result(timeout=60)
-
-
-def model_stats(client, model: str) -> dict:
-    return client.get_inference_statistics(model)["model_stats"][0]
-
-
-def ids_in_execution_order(model_dir: Path) -> list[int]:
-    return [int(i) for e in sorted(executions(model_dir), key=lambda e: e["start"])
-            for ids in e["ids"] for i in ids]
 
 
 def test_four_concurrent_requests_run_as_one_preferred_batch(client, repo, caller):
