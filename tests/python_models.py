@@ -158,6 +158,17 @@ class Caller:
     def queued(self, count: int) -> None:
         wait_for_queued(self.version, count)
 
+    def line_up(self, *idents: int, priorities: list[int] | None = None) -> list[Future]:
+        """Send the first of ``idents`` and wait until it runs, then each next one once those
+        before it wait in the queue (with ``priorities``, one per ident); their futures."""
+        priorities = priorities or [0] * len(idents)
+        futures = [self.send(idents[0], priorities[0])]
+        self.running()
+        for queued, (ident, priority) in enumerate(zip(idents[1:], priorities[1:]), start=1):
+            futures.append(self.send(ident, priority))
+            self.queued(queued)
+        return futures
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 

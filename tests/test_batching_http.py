@@ -151,10 +151,7 @@ def test_a_full_queue_answers_503_at_once(client, repo, caller, model):
     # policy sets one), the fourth finds the queue full
     calls = caller(model)
     with held(repo / model, 1):
-        first = calls.send(1)
-        calls.running()
-        second, third = calls.send(2), calls.send(3)
-        calls.queued(2)
+        first, second, third = calls.line_up(1, 2, 3)
         # at once: answered while the running one still holds the instance
         refused = outcome(calls.send(4))
         assert not first.done()
@@ -203,11 +200,7 @@ def served_in_turn(repo: Path, calls: Caller, priorities: list[int]) -> list[int
     """Request 1 occupies the instance (held) while requests 2, 3... with ``priorities`` queue
     in that order; the ids in the order they then ran."""
     with held(repo / calls.model, 1):
-        futures = [calls.send(1)]
-        calls.running()
-        for ident, priority in enumerate(priorities, start=2):
-            futures.append(calls.send(ident, priority=priority))
-            calls.queued(ident - 1)
+        futures = calls.line_up(*range(1, len(priorities) + 2), priorities=[0, *priorities])
     assert all(outcome(f).error is None for f in futures)
     return ids_in_execution_order(repo / calls.model)[-len(futures):]
 

@@ -54,12 +54,7 @@ def client(server):
 def test_a_full_direct_queue_answers_503_at_once(server, client, repo):
     # one runs (held), two wait (the bound is 2), the fourth finds the queue full
     with Caller(server, client, "direct_bounded") as calls, held(repo / "direct_bounded", 1):
-        first = calls.send(1)
-        calls.running()
-        second = calls.send(2)
-        calls.queued(1)
-        third = calls.send(3)
-        calls.queued(2)
+        first, second, third = calls.line_up(1, 2, 3)
         # at once: answered while the running one still holds the instance
         refused = outcome(calls.send(4))
         assert not first.done()
@@ -84,12 +79,9 @@ def test_a_request_queued_behind_a_hung_execute_is_answered_by_unload(server, cl
     # the first hangs in execute (held); the second waits for it. Unload gives requests
     # 0.3 s: both must be answered then, the waiting one too, while the first still hangs.
     with Caller(server, client, "direct_hung") as calls, held(repo / "direct_hung", 1):
-        running = calls.send(1)
-        calls.running()
-        # once the second waits behind the first (an unload before it would answer it 404,
-        # no model, rather than what is tested here)
-        waiting = calls.send(2)
-        calls.queued(1)
+        # unloaded once the second waits behind the first (an unload before it would answer
+        # it 404, no model, rather than what is tested here)
+        running, waiting = calls.line_up(1, 2)
         asked = time.monotonic()
         client.unload_model("direct_hung")
         returned = time.monotonic()
