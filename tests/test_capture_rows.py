@@ -6,29 +6,37 @@ import mmap
 
 import numpy as np
 
-from jupyter_triton.engine.observation.capture import Capture, CaptureSettings, _frozen
+from jupyter_triton.engine.observation.capture import Capture, CaptureSettings
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
+
+
+def _kept(data: np.ndarray) -> np.ndarray:
+    """The array a capture's row holds for an input ``data``."""
+    capture = Capture(CaptureSettings())
+    capture.add(InferRequest("m", "", "r", [InferTensor("IN", "FP32", data.shape, data)]),
+                None, 0, 200, "")
+    return capture.snapshot()[0].inputs[0][3]
 
 
 def test_memory_that_can_change_is_copied_and_memory_that_cannot_is_kept():
     body = bytes(64) + np.arange(8, dtype=np.float32).tobytes()
     wire = np.ndarray((2, 4), np.float32, body, 64)       # a view of the body off the wire
-    assert _frozen(wire) is wire
+    assert _kept(wire) is wire
 
     fresh = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.float32)  # a backend's output, handed
     fresh.flags.writeable = False                         # over read-only (onnxruntime's)
     row = fresh[1:]
-    assert _frozen(row) is row
+    assert _kept(row) is row
 
     writable = np.arange(8, dtype=np.float32)             # someone may write it again
-    kept = _frozen(writable[2:4])
+    kept = _kept(writable[2:4])
     writable[2] = 99
     assert kept.tolist() == [2, 3]
 
     region = mmap.mmap(-1, 32)                            # a shared-memory region, read-only
     view = np.frombuffer(region, np.float32)              # to us, rewritten by its owner
     view.flags.writeable = False
-    kept = _frozen(view)
+    kept = _kept(view)
     region[:4] = np.float32(7).tobytes()
     assert kept[0] == 0 and view[0] == 7
     del view, kept

@@ -74,8 +74,7 @@ class Capture:
     """One model's capture: its settings, whether it runs, and its sample."""
     settings: CaptureSettings
     on: bool = True
-    rows: deque = field(default_factory=deque)     # flat tuples: see ``add``, ``_captured``
-    layouts: dict = field(default_factory=dict)    # each distinct layout once
+    rows: deque = field(default_factory=deque)     # flat tuples: see ``add``
     bytes: int = 0
     seen: int = 0                   # requests while on
     captured: int = 0               # rows ever added
@@ -137,44 +136,52 @@ class Capture:
     def add(self, request: InferRequest, response: InferResponse | None, start: int,
             status: int, error: str) -> None:
         """The row of a request served (``response``) or refused (``status``, ``error``)
-        that arrived at ``start`` (monotonic ns)."""
+        that arrived at ``start`` (monotonic ns).
+
+        A row is one flat tuple: Captured's fields up to ``nbytes``, the number of inputs,
+        then each tensor's name, datatype and array (or its shape where it has none), inputs
+        first. Strings, numbers and arrays only: the collector stops tracking the row at its
+        first young collection. (A tuple made per row inside it would be examined after its
+        row and keep it tracked into the oldest generation, where each such row counts
+        toward the next full collection.)"""
         latency_us = (time.monotonic_ns() - start) / 1000
         inputs = request.inputs
-        tensors = inputs if response is None else (*inputs, *response.outputs)
-        nbytes = _ROW_OVERHEAD
-        for t in tensors:
-            data = t.data
-            if data is not None:
-                nbytes += data.nbytes if t.datatype != "BYTES" else _object_bytes(data)
-        settings = self.settings
-        layout: list = [len(inputs)]
-        kept = []
-        if nbytes <= settings.max_bytes:
-            for t in tensors:
-                layout += (t.name, t.datatype)
-                data = t.data
-                kept.append(tuple(t.shape) if data is None else _frozen(data))
-        else:                       # its tensors alone are past the bound: none is kept
-            layout[0] = 0
-            error = error or f"tensors not kept: {nbytes} bytes, past max_bytes"
-            nbytes = _ROW_OVERHEAD
-        # One flat tuple of strings, numbers, arrays (or the shape of a tensor not kept) and
-        # the layout (interned: one object per distinct layout, not one per row): no part of
-        # it is a container the collector tracks, so the first young collection stops
-        # tracking the row itself. A tuple made per row inside it would be examined after
-        # its row and keep it tracked into the oldest generation, where each such row
-        # counts toward the next full collection.
-        layout = tuple(layout)
-        layout = self.layouts.setdefault(layout, layout)
         trace = request.trace
+        row = [self.epoch + start / 1e9,
+               request.model_version if response is None else response.model_version,
+               request.id, "" if trace is None else str(getattr(trace, "id", "") or ""),
+               latency_us, status, error, 0, len(inputs)]
+        nbytes = _ROW_OVERHEAD
+        copies = None
+        for t in (inputs if response is None else (*inputs, *response.outputs)):
+            data = t.data
+            if data is None:
+                row += (t.name, t.datatype, tuple(t.shape))
+                continue
+            nbytes += data.nbytes if t.datatype != "BYTES" else _object_bytes(data)
+            if type(data.base) is not bytes and not _unchanging(data):
+                copies = [len(row) + 2] if copies is None else [*copies, len(row) + 2]
+            row += (t.name, t.datatype, data)
+        settings = self.settings
+        if nbytes > settings.max_bytes:     # its tensors alone are past the bound: none is kept
+            del row[_KEPT:]
+            row[_INPUTS] = 0
+            row[_ERROR] = error or f"tensors not kept: {nbytes} bytes, past max_bytes"
+            nbytes = _ROW_OVERHEAD
+        elif copies is not None:            # memory that may change later: a copy is kept
+            for i in copies:
+                data = row[i]
+                row[i] = data.copy() if type(data) is np.ndarray else np.array(data)
+        row[_NBYTES] = nbytes
         rows = self.rows
-        rows.append((self.epoch + start / 1e9, request.model_version if response is None else response.model_version,
-                     request.id, "" if trace is None else str(getattr(trace, "id", "") or ""),
-                     latency_us, status, error, nbytes, layout, *kept))
+        rows.append(tuple(row))
         self.bytes += nbytes
         self.captured += 1
         if self.bytes > settings.max_bytes or len(rows) > settings.max_rows:
-            self._bound()
+            self.bytes -= rows.popleft()[_NBYTES]       # a full sample: the oldest goes
+            self.dropped += 1
+            if self.bytes > settings.max_bytes:
+                self._bound()
 
     def _bound(self) -> None:
         rows, settings = self.rows, self.settings
@@ -389,18 +396,17 @@ def _object_bytes(data: np.ndarray) -> int:
     return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in data.ravel())
 
 
-_NBYTES = 7                 # a row's fields: Captured's up to nbytes, then its layout
-_KEPT = 9                   # and each tensor, inputs first: its array, or its shape
+_ERROR, _NBYTES, _INPUTS, _KEPT = 6, 7, 8, 9    # a row's fields (``Capture.add``)
 
 
 def _captured(row: tuple) -> Captured:
-    """A row as read: each tensor with its name, datatype and shape. The layout is the
-    number of inputs, then each tensor's name and datatype."""
-    layout = row[_NBYTES + 1]
-    tensors = tuple((name, datatype, kept if type(kept) is tuple else tuple(kept.shape),
-                     None if type(kept) is tuple else kept)
-                    for name, datatype, kept in zip(layout[1::2], layout[2::2], row[_KEPT:]))
-    n = layout[0]
+    """A row as read: each tensor with its name, datatype, shape and array (None where it
+    was not kept)."""
+    tensors = tuple((name, datatype, kept, None) if type(kept) is tuple else
+                    (name, datatype, tuple(kept.shape), kept)
+                    for name, datatype, kept in zip(row[_KEPT::3], row[_KEPT + 1::3],
+                                                    row[_KEPT + 2::3]))
+    n = row[_INPUTS]
     return Captured(*row[:_NBYTES], tensors[:n], tensors[n:], row[_NBYTES])
 
 
@@ -408,23 +414,20 @@ def _captured(row: tuple) -> Captured:
 _CAPSULE = type(datetime.datetime_CAPI)
 
 
-def _frozen(data: Any) -> "np.ndarray":
-    """``data`` as a row keeps it: the array itself where its memory cannot change, a copy
-    where it may (a shared-memory region, a buffer a backend writes again)."""
+def _unchanging(data: Any) -> bool:
+    """Whether ``data``'s memory cannot change, so that a row may keep the array itself: a
+    bytes object's (the body as it came off the wire), which nothing can write through, or
+    an array's that its maker handed over read-only with memory of its own (none, or a
+    runtime's buffer: a capsule), as ONNX Runtime's outputs are (backends/onnxruntime.py).
+    A read-only view of a shared-memory region or a mapped file may change: its writer
+    writes it again."""
     if type(data) is not np.ndarray:
-        return np.array(data)
+        return False
     owner = data
     root = data.base
     while type(root) is np.ndarray:
         owner, root = root, root.base
     if type(root) is memoryview:
         root = root.obj
-    # Memory that cannot change: a bytes object (the body as it came off the wire), which
-    # nothing can write through, or an array its maker handed over read-only with memory of
-    # its own (none, or a runtime's buffer: a capsule), as ONNX Runtime's outputs are
-    # (backends/onnxruntime.py). A read-only view of a shared-memory region or a mapped
-    # file is copied: its writer writes it again.
-    if type(root) is bytes or (not owner.flags.writeable
-                               and (root is None or type(root) is _CAPSULE)):
-        return data
-    return data.copy()
+    return type(root) is bytes or (not owner.flags.writeable
+                                   and (root is None or type(root) is _CAPSULE))
