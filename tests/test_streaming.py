@@ -19,6 +19,7 @@ from jupyter_triton.backends.base import Backend
 from jupyter_triton.engine import Engine, EngineOptions
 from jupyter_triton.protocol.errors import InvalidArgument, TritonError, Unavailable
 from jupyter_triton.protocol.types import InferRequest, InferTensor
+from server_waits import until
 
 REPEAT = """
 name: "{name}"
@@ -355,13 +356,14 @@ def test_a_fast_model_waits_for_a_slow_reader_past_max_buffered_responses(tmp_pa
     async def main(engine):
         stream = engine.infer_stream(_request("repeat", list(range(40)), mode="burst"))
         first = await stream.__anext__()
-        await asyncio.sleep(0.3)
+        await until(lambda: len(Repeat.sent) >= 1 + 4, "the model filled the stream's buffer")
+        await asyncio.sleep(0.3)        # room for a send past the bound: there is none
         ahead = len(Repeat.sent)
         rest = [r async for r in stream]
         return first, ahead, rest
 
     first, ahead, rest = run(main, tmp_path)
-    assert 1 <= ahead <= 1 + 4          # the one read and the four buffered, no more
+    assert ahead == 1 + 4               # the one read and the four buffered, no more
     values = [first.outputs[0].data[0]] + [r.outputs[0].data[0] for r in rest if r.outputs]
     assert values == list(range(40)) and rest[-1].final and rest[-1].error is None
 
@@ -375,7 +377,8 @@ def test_a_reader_that_stalls_past_the_wait_ends_the_request(tmp_path, repeat_ba
     async def main(engine):
         stream = engine.infer_stream(_request("repeat", list(range(10)), mode="burst"))
         await stream.__anext__()
-        await asyncio.sleep(0.6)
+        # the reader stalls until the model's send has waited out SEND_WAIT_SECONDS
+        await until(lambda: Repeat.send_errors, "the model's send refused", seconds=10)
         return [r async for r in stream], await _stats(engine, "repeat", 1)
 
     rest, stats = run(main, tmp_path)
