@@ -13,6 +13,7 @@ import pytest
 
 from conftest import BOTH_FRONTS, W
 from jupyter_triton.frontends import fasthttp
+from server_waits import wait_until
 from test_http_fronts import connect, read_response, start
 
 
@@ -88,21 +89,20 @@ def test_a_repeat_is_admitted_again(server):
     slow = connect(server)     # 40 kB announced, 10 received: held in flight
     slow.sendall(f"POST /v2/models/linear/infer HTTP/1.1\r\nHost: 127.0.0.1:{server.http_port}"
                  "\r\nContent-Length: 40000\r\n\r\n".encode() + b"x" * 10)
-    time.sleep(0.3)
+    wait_until(lambda: server.plane.budget.held >= 40_000, "the slow body's bytes held")
     sock.sendall(request)
     status, _, body = read_response(sock, buffer)
     assert status == 503 and "in flight" in json.loads(body)["error"]
     slow.close()
     sock.close()                # (tornado closes after its 503)
-    time.sleep(0.3)
+    wait_until(lambda: server.plane.budget.held == 0, "the closed body's bytes given back")
     sock = connect(server)
     buffer = bytearray()
     for _ in range(2):
         sock.sendall(request)
         np.testing.assert_allclose(answer(sock, buffer), x @ W, rtol=1e-5)
     sock.close()
-    time.sleep(0.1)
-    assert server.plane.budget.held == 0
+    wait_until(lambda: server.plane.budget.held == 0, "every body's bytes given back")
     if isinstance(server._servers[0], fasthttp.HTTPFront):
         assert len(server.repeats) == 2
 
