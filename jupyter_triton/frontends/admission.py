@@ -207,13 +207,16 @@ class Door:
     values accepted (None: any), or a check of its own (Jupyter's). ``jupyter``: a credential
     ours do not know is Jupyter's to judge (the admission's ``identity``).
     ``max_connections``: connections open at once on this listener (its limits', set by the
-    listener; None: no cap); ``connected``: those open now, counted by ``Admission.connect``."""
+    listener; None: no cap); ``connected``: those open now, counted by ``Admission.connect``.
+    ``max_streams``: streams one connection may hold open at once (HTTP/2's
+    SETTINGS_MAX_CONCURRENT_STREAMS; None: no cap), which each slot's ``open_stream`` applies."""
     kind: str
     access: AccessPolicy | None = None
     hosts: frozenset[str] | Callable[[str, Any], bool] | None = None
     strict_content_type: bool = False
     jupyter: bool = False
     max_connections: int | None = None
+    max_streams: int | None = None
     connected: int = field(default=0, compare=False)
 
 
@@ -334,18 +337,17 @@ class Admission:
                                  else INFLIGHT_MESSAGES * max_input_size)
         self.identity = identity
 
-    def connect(self, door: Door, max_streams: int | None = None) -> ConnectionSlot:
+    def connect(self, door: Door) -> ConnectionSlot:
         """The decision on a connection just accepted on ``door``: its slot (released when
-        it closes), or ResourceExhausted (503) when the door holds its ``max_connections``.
-        ``max_streams``: the listener's cap of streams open at once on one connection
-        (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS), which the slot's ``open_stream`` applies."""
+        it closes, holding the door's ``max_streams``), or ResourceExhausted (503) when the
+        door holds its ``max_connections``."""
         cap = door.max_connections
         if cap is not None and door.connected >= cap:
             protocol = "gRPC" if door.kind == "grpc" else "HTTP"
             raise ResourceExhausted(f"the server holds its maximum of {cap} {protocol} "
                                     "connections; retry later")
         door.connected += 1
-        return ConnectionSlot(door, max_streams)
+        return ConnectionSlot(door, door.max_streams)
 
     def admit(self, door: Door, group: str, method: str, headers: Mapping[str, str],
               length: int | None = None, *, op: str = "", context: Any = None) -> BodyTicket:

@@ -269,7 +269,8 @@ async def start_grpc_server(engine: Engine, host: str, port: int,
     # The port's own policy (tritonserver's --grpc-restricted-protocol), not the HTTP port's;
     # its connections counted at the admission under this port's limit.
     door = Door("grpc", access=access if access is not None else AccessPolicy.open(),
-                max_connections=limits.max_connections)
+                max_connections=limits.max_connections,
+                max_streams=limits.max_concurrent_streams)
     inference = GrpcInference(engine, admission.budget)
     cold = GrpcOperations(engine)
     services = {SERVICE_NAME: method_handlers(inference, cold),

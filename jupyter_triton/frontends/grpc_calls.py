@@ -6,8 +6,9 @@ engine's loop. The gRPC port is served by our own HTTP/2 front, in three layers:
 - here, the call layer, where IO meets calls: what a call's stream carries and what the server
   does with it, and the connection's socket (``GrpcConnection``: one write per loop iteration,
   reads paced, a peer that does not read not read either, the connection's timer);
-- the codec: frontends/grpc.py's handlers (``method_handlers(service)``) over
-  protocol/grpc_codec.py. The server that listens is frontends/grpc_server.py.
+- the codec: frontends/grpc_codec.py (a call's admission, the inference RPCs and their
+  protobuf codec) and frontends/grpc.py (the other RPCs, ``method_handlers``). The server
+  that listens is frontends/grpc_server.py.
 
 What the call layer does:
 
@@ -688,7 +689,7 @@ class GrpcConnection(asyncio.Protocol):
         self.transport = transport      # type: ignore[assignment]
         server, limits = self.server, self.limits
         try:
-            self.slot = self.h2.slot = server.connect(max_streams=limits.max_concurrent_streams)
+            self.slot = self.h2.slot = server.connect()
         except TritonError:             # past the port's max_connections: closed at once
             self.h2.dead = True
             transport.abort()           # type: ignore[attr-defined]

@@ -32,13 +32,13 @@ class H2GrpcServer:
     ``services``: service name -> (method name -> grpc method handler). ``admit(service,
     method, headers)`` is asked when a call's HEADERS are complete, before any of its body is
     taken: the server's admission's ticket (held until the call is over) or None, else the
-    TritonError the call is refused with (frontends/grpc.py's ``admit_on_headers``).
+    TritonError the call is refused with (frontends/grpc_codec.py's ``admit_on_headers``).
     ``budget``: the server's bytes-in-flight budget (``frontends.admission``), charged with
     messages larger than a connection's allowance when their prefix arrives (see ``Charged``);
-    None: one of its own, 4 x the receive limit. ``connect(max_streams=...)``: the server's
-    admission's slot for a connection just accepted (``Admission.connect`` at the port's door,
-    its streams capped at ``limits.max_concurrent_streams``), or the refusal it is closed with;
-    None: an admission of its own, at ``limits.max_connections``."""
+    None: one of its own, 4 x the receive limit. ``connect()``: the server's admission's slot
+    for a connection just accepted (``Admission.connect`` at the port's door, whose
+    ``max_streams`` caps its streams), or the refusal it is closed with; None: an admission of
+    its own, at ``limits.max_connections`` and ``limits.max_concurrent_streams``."""
 
     def __init__(self, services: dict[str, dict[str, grpc.RpcMethodHandler]], max_receive: int,
                  max_concurrent_rpcs: int, limits: HTTP2Limits = HTTP2Limits(),
@@ -51,7 +51,8 @@ class H2GrpcServer:
         self.admit = admit
         self.budget = budget if budget is not None else BodyBudget(INFLIGHT_MESSAGES * max_receive)
         self.connect = connect or functools.partial(
-            Admission().connect, Door("grpc", max_connections=limits.max_connections))
+            Admission().connect, Door("grpc", max_connections=limits.max_connections,
+                                      max_streams=limits.max_concurrent_streams))
         self.active = 0
         self.connections: set[GrpcConnection] = set()
         self._server: asyncio.base_events.Server | None = None
