@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -46,6 +47,18 @@ def wait_for(predicate, timeout: float = 10.0, step: float = 0.05):
             return value
         time.sleep(step)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+class CountedWaits(threading.Event):
+    """A poller's stop event that counts its rounds: each round ends in one wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.count += 1
+        return super().wait(timeout)
 
 
 def stats_row(name="m", version="1", inferences=0, success=(0, 0), queue=(0, 0), compute=(0, 0, 0, 0),
@@ -154,10 +167,13 @@ def test_browser_polling_pauses_the_kernel_poller(standalone):
     try:
         assert dash.server_path == "/"         # same server as the page: the browser may fetch
         dash.browser_polling = True            # what a browser view reports
-        time.sleep(0.3)
+        # counted from here: a round the pause caught mid-poll has shown its reading before
+        # its wait, so two waits later nothing more comes from before the pause
+        dash.poller._stop = rounds = CountedWaits()
+        wait_for(lambda: rounds.count >= 2)
         t_paused = dash.snapshot["t"]
         infer_linear(standalone.url, 1)
-        time.sleep(0.4)
+        wait_for(lambda: rounds.count >= 5)    # three rounds, each of which would have polled
         assert dash.snapshot["t"] == t_paused
         dash.browser_polling = False
         wait_for(lambda: dash.snapshot["t"] > t_paused)
