@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
+import logging
 import threading
 import time
 import uuid
@@ -16,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.standalone import start_in_thread
-from server_waits import served_model, wait_for_queued
+from server_waits import served_model, wait_for_queued, wait_until
 from triton_example_models import published, run_published
 
 # Triton's docs/examples simple_sequence, served by a python model: OUTPUT = INPUT + START
@@ -292,13 +293,23 @@ def test_backlog_waits_for_a_free_slot(repo: Path, server) -> None:
 IDLE_US = 1_500_000
 
 
-def test_idle_sequence_loses_its_slot(repo: Path, server) -> None:
-    # an idle past any stall between two live requests of a busy machine, and slept past
+def idled_out(caplog, model: str, sid, since: float) -> None:
+    """Until the server logs that sequence ``sid`` of ``model`` lost its slot, idle since
+    before ``since`` (time.time()); not before the idle time had passed."""
+    found = wait_until(lambda: [r for r in caplog.records if r.getMessage().startswith(
+        f"sequence {sid} of model '{model}' idle for more than")], f"sequence {sid} freed")
+    assert found[0].created >= since + IDLE_US / 1e6, found[0].created - since
+
+
+def test_idle_sequence_loses_its_slot(repo: Path, server, caplog) -> None:
+    # an idle past any stall between two live requests of a busy machine
+    caplog.set_level(logging.INFO, logger="jupyter_triton.engine.composition.sequence")
     accumulator(repo, max_batch_size=0, idle_us=IDLE_US)
     client = load(server, "acc")
     assert send(client, "acc", 4, 8, start=True) == 4
+    since = time.time()
     assert send(client, "acc", 4, 8) == 8
-    time.sleep(IDLE_US / 1e6 + 0.5)
+    idled_out(caplog, "acc", 8, since)
     with pytest.raises(InferenceServerException) as err:
         send(client, "acc", 1, 8)
     assert "must specify the START flag" in str(err.value)
@@ -596,7 +607,8 @@ class TritonPythonModel:
 '''
 
 
-def test_implicit_state_python_model(repo: Path, server) -> None:
+def test_implicit_state_python_model(repo: Path, server, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="jupyter_triton.engine.composition.sequence")
     (repo / "stateful" / "1").mkdir(parents=True)
     (repo / "stateful" / "1" / "model.py").write_text(STATEFUL_PY)
     (repo / "stateful" / "config.pbtxt").write_text('''
@@ -617,12 +629,13 @@ output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
     assert send(client, "stateful", 3, "a", start=True) == 3
     assert send(client, "stateful", 4, "b", start=True) == 4
     assert send(client, "stateful", 5, "a") == 8
+    since = time.time()
     result = client.infer("stateful", [_int_input(6)], sequence_id="b",
                           outputs=[httpclient.InferRequestedOutput("OUTPUT")])
     assert result.as_numpy("OUTPUT").item() == 10
     assert result.as_numpy("STATE_OUT") is None
     assert send(client, "stateful", 1, "a", end=True) == 9
-    time.sleep(IDLE_US / 1e6 + 0.5)      # 'b' idles past 1.5 s: its state is gone
+    idled_out(caplog, "stateful", "b", since)      # 'b' idles past 1.5 s: its state is gone
     with pytest.raises(InferenceServerException) as err:
         send(client, "stateful", 1, "b")
     assert "must specify the START flag" in str(err.value)
