@@ -17,6 +17,21 @@ from onnx_models import linear
 
 
 
+def counted_polls(engine) -> list[int]:
+    """From now on, one entry per repository poll ``engine`` finishes (its poller looks up
+    ``poll_once`` for each poll)."""
+    done: list[int] = []
+    poll_once = engine.poll_once
+
+    async def counted() -> None:
+        try:
+            await poll_once()
+        finally:
+            done.append(1)
+    engine.poll_once = counted
+    return done
+
+
 def wait_for(predicate, seconds: float = 20.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -91,7 +106,8 @@ def test_poll_mode_retries_a_version_once_its_files_change(model_repo, caplog):
         version.mkdir()
         (version / "model.onnx").write_bytes(linear(2 * W)[:40])    # a copy caught midway
         assert wait_for(lambda: failures() >= 1)
-        time.sleep(1.0)                                            # about ten more polls
+        polls = counted_polls(server.engine)
+        assert wait_for(lambda: len(polls) >= 10)                   # ten more polls
         assert failures() == 1
         assert client.get_model_metadata("linear")["versions"] == ["1"]    # v1 keeps serving
         [row] = [r for r in client.get_model_repository_index()
@@ -151,7 +167,8 @@ def test_poll_mode_tries_unchanged_files_again_after_a_back_off(model_repo, tmp_
     (model_repo / "needs" / "config.pbtxt").write_text(NEEDS_CONFIG)
     server, client = serve(model_repo, model_control_mode="poll", repository_poll_secs=0.05)
     try:
-        time.sleep(1.0)                    # about 20 polls
+        polls = counted_polls(server.engine)
+        assert wait_for(lambda: len(polls) >= 20, seconds=60)
         assert not client.is_model_ready("needs")
         logged = [r.getMessage() for r in caplog.records
                   if r.name == "jupyter_triton.engine.lifecycle.control" and "needs" in r.getMessage()]
