@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import INFER_KEY, TOKEN, W, in_thread
 from onnx_models import linear
+from server_waits import until
 from test_perf_analyzer import PERF_ANALYZER, requires_perf_analyzer
 
 AUTH = {"Authorization": f"token {TOKEN}"}
@@ -411,11 +412,7 @@ async def test_every_port_shares_one_bytes_in_flight_budget(jp_triton, jp_http_p
             f"Authorization: token {TOKEN}\r\nContent-Length: 50000\r\n\r\n{{").encode()
     _, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
     writer.write(head)                       # the rest of the body never comes
-    for _ in range(200):
-        if budget.held >= 50_000:
-            break
-        await asyncio.sleep(0.02)
-    assert budget.held >= 50_000
+    await until(lambda: budget.held >= 50_000, "the unfinished body's bytes held")
     padded = {"pad": "x" * PAD}
 
     def story():
@@ -438,11 +435,7 @@ async def test_every_port_shares_one_bytes_in_flight_budget(jp_triton, jp_http_p
     assert outcome["grpc"][0] == str(grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert outcome["data"][0] == "503" and "in flight" in outcome["data"][1]
     writer.close()
-    for _ in range(200):
-        if budget.held == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert budget.held == 0
+    await until(lambda: budget.held == 0, "the closed body's bytes given back")
     c = await in_thread(httpclient.InferenceServerClient, f"127.0.0.1:{ext.bound_http_data_port}")
     try:
         out = await in_thread(lambda: c.infer("linear", one_row(), headers={
