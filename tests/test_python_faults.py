@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from conftest import serve
-from server_waits import started, wait_for_start
+from server_waits import started, wait_for_start, wait_until
 from jupyter_triton.backends.base import InstanceSpec, ModelFiles
 from jupyter_triton.backends.python import PythonBackend
 from jupyter_triton.protocol.errors import Unavailable
@@ -105,13 +105,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-def wait_until(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {seconds:g} s"
-        time.sleep(0.05)
-
-
 def _processes() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, state, command line with NULs between arguments)."""
     found = {}
@@ -179,7 +172,8 @@ def test_a_hung_initialize_fails_the_load_with_504_and_leaves_no_worker(tmp_path
         message = str(err.value)
         assert "initialize" in message and "initialize_timeout_seconds" in message, message
         assert not client.is_model_ready("faulty")
-        wait_until(lambda: set(children_running(os.getpid())) <= before, 5, "the hung worker is gone")
+        wait_until(lambda: set(children_running(os.getpid())) <= before, "the hung worker is gone",
+                   seconds=5)
         (version / "hang_initialize").unlink()
         client.load_model("faulty")
         infer_pid(client)
@@ -208,8 +202,8 @@ def test_unload_with_a_hung_finalize_is_bounded(tmp_path):
         (version / "hang_finalize").touch()
         start = time.monotonic()
         client.unload_model("faulty")
-        wait_until(lambda: gone(pid), 10, "the worker stuck in finalize is killed")
-        wait_until(lambda: not client.is_model_ready("faulty"), 5, "the model is unloaded")
+        wait_until(lambda: gone(pid), "the worker stuck in finalize is killed", seconds=10)
+        wait_until(lambda: not client.is_model_ready("faulty"), "the model is unloaded", seconds=5)
         assert time.monotonic() - start < 15            # the waits' bound: not the 3600 s hang
     finally:
         server.close()
@@ -237,7 +231,7 @@ def test_unload_and_stop_with_a_request_stuck_in_execute_are_bounded(tmp_path):
         wait_for_start(client, "faulty", before)
         start = time.monotonic()
         client.unload_model("faulty")
-        wait_until(lambda: gone(pid), 15, "the worker stuck in execute is killed at unload")
+        wait_until(lambda: gone(pid), "the worker stuck in execute is killed at unload", seconds=15)
         thread.join(15)
         assert time.monotonic() - start < 15
         assert outcome and isinstance(outcome[0], InferenceServerException), outcome
@@ -252,7 +246,7 @@ def test_unload_and_stop_with_a_request_stuck_in_execute_are_bounded(tmp_path):
         start = time.monotonic()
         server.close()
     assert time.monotonic() - start < 20
-    wait_until(lambda: gone(pid), 5, "no worker outlives the server's stop")
+    wait_until(lambda: gone(pid), "no worker outlives the server's stop", seconds=5)
 
 
 def test_backend_unload_kills_a_worker_stuck_in_execute(tmp_path):
@@ -266,7 +260,7 @@ def test_backend_unload_kills_a_worker_stuck_in_execute(tmp_path):
     thread = threading.Thread(target=lambda: results.append(
         backend.execute([{"X": np.array([1], np.float32)}])), daemon=True)
     thread.start()
-    wait_until(backend._lock.locked, 10, "the batch is executing")
+    wait_until(backend._lock.locked, "the batch is executing", seconds=10)
     start = time.monotonic()
     backend.unload()
     assert time.monotonic() - start < 8
@@ -337,10 +331,10 @@ def test_workers_die_with_a_killed_server(tmp_path):
         hung = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}", network_timeout=60)
         threading.Thread(target=lambda: _ignore(hung.infer, "faulty", x_input(np.array([1], np.float32))),
                          daemon=True).start()
-        wait_until(lambda: (tmp_path / "faulty" / "1" / "hung").exists(), 60, "the worker hangs in execute")
+        wait_until((tmp_path / "faulty" / "1" / "hung").exists, "the worker hangs in execute", seconds=60)
         os.kill(server.pid, signal.SIGKILL)
         server.proc.wait(10)
-        wait_until(lambda: gone(pid), 5, "the worker dies with its server")
+        wait_until(lambda: gone(pid), "the worker dies with its server", seconds=5)
     finally:
         server.kill_group()
 
