@@ -19,6 +19,7 @@ from conftest import BOTH_FRONTS, W
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.frontends.admission import INFERENCE_SCOPE, AccessPolicy
 from jupyter_triton.standalone import start_in_thread
+from server_waits import wait_until
 
 GOOD = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
                                "data": [0.5] * 16}]}).encode()
@@ -174,7 +175,7 @@ def test_bytes_in_flight_are_bounded(server):
     slow = connect(server)     # 40 kB announced, 10 received: the rest is still to come
     slow.sendall(post("/v2/models/linear/infer", b"", port=server.http_port)
                  .replace(b"Content-Length: 0", b"Content-Length: 40000") + b"x" * 10)
-    time.sleep(0.3)
+    wait_until(lambda: server.plane.budget.held == 40_000, "the slow body's bytes held")
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=20)
     conn.request("POST", "/v2/models/linear/infer", body=GOOD + b" " * 20_000)
     resp = conn.getresponse()
@@ -182,7 +183,7 @@ def test_bytes_in_flight_are_bounded(server):
     assert "in flight" in json.loads(resp.read())["error"]
     conn.close()
     slow.close()
-    time.sleep(0.3)              # the hung-up body no longer counts
+    wait_until(lambda: server.plane.budget.held == 0, "the hung-up body's bytes given back")
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=20)
     conn.request("POST", "/v2/models/linear/infer", body=GOOD + b" " * 20_000)
     assert conn.getresponse().status == 200
