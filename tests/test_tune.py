@@ -17,6 +17,7 @@ import jupyter_triton as jt
 from jupyter_triton.kernel import api, discovery
 from jupyter_triton.kernel.tune import COLUMNS, find_perf_analyzer, pareto_front
 from jupyter_triton.protocol.errors import InvalidArgument, NotFound
+from server_waits import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -139,10 +140,11 @@ def test_apply_swaps_to_the_best_config_with_zero_failed_requests(kernel_server)
 
     loop = threading.Thread(target=clients_loop)
     loop.start()
-    time.sleep(0.3)
+    wait_until(lambda: outcome["ok"] or outcome["failed"], "the clients served before the swap")
     before = outcome["ok"]
     applied = t.apply()
-    time.sleep(0.3)
+    after = outcome["ok"]
+    wait_until(lambda: outcome["ok"] > after or outcome["failed"], "the clients served after it")
     stop.set()
     loop.join(70)
     assert outcome["failed"] == []
