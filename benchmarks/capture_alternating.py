@@ -1,7 +1,7 @@
 """What traffic capture costs under batched load (issue 37's bound: 5 % of throughput), measured
 so that a busy machine's other work falls on both sides alike: one ``jupyter-triton serve`` with
 the benchmark's ONNX model, one perf_analyzer at 32 in flight for the whole run, and the capture
-switched on and off through its public route every few seconds. Each phase is measured after
+switched on and off through its public route every few seconds, in the order off, on, on, off (a drift of the machine over the run falls on both kinds alike). Each phase is measured after
 its first second (a new sample has filled by then: 10,000 rows at 9,000 requests a second):
 requests served (the server's statistics) and the server process tree's CPU. Throughput and CPU
 per inference are sums over the phases of each kind; the spread is the phases' own.
@@ -61,7 +61,7 @@ def main() -> None:
             load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             seen: dict[bool, list[tuple[float, int, float]]] = {False: [], True: []}
             for i in range(2 * phases):
-                on = i % 2 == 1
+                on = i % 4 in (1, 2)     # off on on off: a drift falls on both alike
                 post(target.http_port, {"fraction": fraction, "max_rows": max_rows} if on
                      else {"capture": False, "clear": True})
                 time.sleep(SETTLE_S)
