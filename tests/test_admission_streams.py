@@ -113,6 +113,26 @@ def test_an_expired_deadline_on_the_ticket_ends_the_call(slow_repo, deadlines):
         server.close()
 
 
+def test_a_grpc_timeout_of_thousands_of_digits_is_no_deadline(slow_repo, deadlines):
+    """A hostile ``grpc-timeout`` (5,000 digits: past what Python converts) is not a timeout:
+    the call is served without a deadline, and the connection serves the next call."""
+    server = grpc_server(slow_repo)
+    try:
+        request = pb.ModelInferRequest(model_name="slow")
+        tensor = request.inputs.add(name="INPUT0", datatype="FP32")
+        tensor.shape.extend([1, 16])
+        request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+        with H2(server.grpc_port) as c:
+            for sid, extra in ((1, [("grpc-timeout", "1" * 5000 + "S")]), (3, [])):
+                c.request(sid, "ModelInfer", request.SerializeToString(), extra=extra)
+                assert c.read_until(lambda f: f.sid == sid and f.type == HEADERS
+                                    and f.flags & END_STREAM, 30) is not None
+                assert c.statuses()[sid] == "0"     # OK
+        assert deadlines == [None, None]
+    finally:
+        server.close()
+
+
 def test_a_raw_grpc_timeout_is_the_tickets_deadline(slow_repo, deadlines):
     """The deadline is the client's ``grpc-timeout`` read at the admission: a raw call that
     says 100 ms is ended with DEADLINE_EXCEEDED while the batcher still holds it."""
@@ -135,6 +155,7 @@ def test_a_raw_grpc_timeout_is_the_tickets_deadline(slow_repo, deadlines):
 
 @pytest.mark.parametrize("value, seconds", [
     ("100m", 0.1), ("2S", 2.0), ("1H", 3600.0), ("5u", 5e-6), ("0S", None),
-    ("", None), ("S", None), ("10x", None), ("-1S", None), ("1.5S", None), ("\u00b2S", None)])
+    ("", None), ("S", None), ("10x", None), ("-1S", None), ("1.5S", None), ("\u00b2S", None),
+    ("99999999S", 99999999.0), ("123456789S", None), ("1" * 5000 + "S", None)])
 def test_grpc_timeout_values(value, seconds):
     assert grpc_timeout(value) == (pytest.approx(seconds) if seconds else None)

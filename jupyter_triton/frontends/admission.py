@@ -307,11 +307,12 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 
 
 def grpc_timeout(value: str) -> float | None:
-    """gRPC's ``grpc-timeout`` (digits and a unit) in seconds; None where it is not one, or
-    is 0 (no deadline)."""
+    """gRPC's ``grpc-timeout`` (at most 8 digits and a unit, as the gRPC spec writes it) in
+    seconds; None where it is not one, or is 0 (no deadline). A longer run of digits is not
+    one: converting it would cost the loop (and past 4,300 digits Python refuses)."""
     unit = _TIMEOUT_UNITS.get(value[-1:])
     digits = value[:-1]
-    if unit is None or not digits.isascii() or not digits.isdigit():   # "²" is a digit too
+    if unit is None or len(digits) > 8 or not digits.isascii() or not digits.isdigit():   # "²" is a digit too
         return None
     return int(digits) * unit or None
 
