@@ -113,15 +113,21 @@ def test_an_expired_deadline_on_the_ticket_ends_the_call(slow_repo, deadlines):
         server.close()
 
 
+def _slow_request() -> pb.ModelInferRequest:
+    """One ModelInfer for the slow model, as a raw HTTP/2 client sends it."""
+    request = pb.ModelInferRequest(model_name="slow")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32")
+    tensor.shape.extend([1, 16])
+    request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    return request
+
+
 def test_a_grpc_timeout_of_thousands_of_digits_is_no_deadline(slow_repo, deadlines):
     """A hostile ``grpc-timeout`` (5,000 digits: past what Python converts) is not a timeout:
     the call is served without a deadline, and the connection serves the next call."""
     server = grpc_server(slow_repo)
     try:
-        request = pb.ModelInferRequest(model_name="slow")
-        tensor = request.inputs.add(name="INPUT0", datatype="FP32")
-        tensor.shape.extend([1, 16])
-        request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+        request = _slow_request()
         with H2(server.grpc_port) as c:
             for sid, extra in ((1, [("grpc-timeout", "1" * 5000 + "S")]), (3, [])):
                 c.request(sid, "ModelInfer", request.SerializeToString(), extra=extra)
@@ -138,10 +144,7 @@ def test_a_raw_grpc_timeout_is_the_tickets_deadline(slow_repo, deadlines):
     says 100 ms is ended with DEADLINE_EXCEEDED while the batcher still holds it."""
     server = grpc_server(slow_repo)
     try:
-        request = pb.ModelInferRequest(model_name="slow")
-        tensor = request.inputs.add(name="INPUT0", datatype="FP32")
-        tensor.shape.extend([1, 16])
-        request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+        request = _slow_request()
         with H2(server.grpc_port) as c:
             c.request(1, "ModelInfer", request.SerializeToString(),
                       extra=[("grpc-timeout", "100m")])
