@@ -88,14 +88,16 @@ def start(repo: Path, *flags: str) -> tuple[subprocess.Popen, int, int]:
 
 
 def status(port: int, path: str) -> tuple[int | None, dict]:
-    """(HTTP status, JSON body) of GET /path; (None, {}) while nothing listens."""
+    """(HTTP status, JSON body) of GET /path; (None, {}) while nothing listens. A connection
+    the kernel had queued for the listener when it closed is reset, not refused: the same
+    answer, nothing listens (a reset while the listener is open fails the checks below)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", "/" + path)
         response = conn.getresponse()
         body = response.read()
         return response.status, json.loads(body) if body else {}
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected):
         return None, {}
     finally:
         conn.close()
