@@ -82,6 +82,17 @@ def main() -> None:
         spread = statistics.pstdev(r[1] / r[0] for r in rows) / (count / seconds)
         figures[on] = (count / seconds, cpu / count * 1e6, spread)
     (off_t, off_c, off_s), (on_t, on_c, on_s) = figures[False], figures[True]
+    # each block of four phases (off, on, on, off) gives a ratio of its own, the machine's
+    # drift over the block falling on both kinds: their mean and its standard error
+    blocks = [(sum(r[1] / r[0] for r in seen[True][2 * b:2 * b + 2])
+               / sum(r[1] / r[0] for r in seen[False][2 * b:2 * b + 2]))
+              for b in range(min(len(seen[True]), len(seen[False])) // 2)]
+    if len(blocks) > 1:
+        mean = statistics.fmean(blocks)
+        error = statistics.stdev(blocks) / len(blocks) ** 0.5
+        print(f"blocks of off, on, on, off: throughput on/off {mean:.3f} +- {error:.3f} "
+              f"(standard error, {len(blocks)} blocks: "
+              + " ".join(f"{b:.3f}" for b in blocks) + ")")
     print(f"| {protocol}, c=32, fraction {fraction:g}, max_rows {max_rows}, {phases} phases each "
           f"| off {off_t:.0f} infer/s, {off_c:.1f} us CPU/inf (phase spread {off_s:.1%}) "
           f"| on {on_t:.0f} infer/s, {on_c:.1f} us CPU/inf (spread {on_s:.1%}) "

@@ -140,17 +140,21 @@ def test_bounded_by_rows_and_by_bytes(server, linear):
     status, doc = route(server, "GET")
     assert doc["capture"]["requests_dropped"] == 3 and doc["capture"]["rows"] == 2
 
-    # a row: its record (512 bytes counted) + 64 bytes in + 16 bytes out
-    linear.capture(max_rows=1000, max_bytes=1500)
+    # what one row holds, as the server counts it (its figures and strings, 64 bytes in, 16 out)
+    linear.capture(max_rows=1000)
+    http_infer(server, rows(1, 0), "one")
+    one = route(server, "GET")[1]["capture"]["bytes"]
+    assert 64 + 16 < one < 512
+    linear.capture(max_rows=1000, max_bytes=2 * one + one // 2)
     for i in range(6):
         http_infer(server, rows(1, i), f"b{i}")
     _, doc = route(server, "GET")
-    assert doc["capture"]["rows"] == 2 and doc["capture"]["bytes"] <= 1500
+    assert doc["capture"]["rows"] == 2 and doc["capture"]["bytes"] <= 2 * one + one // 2
     assert [r["id"] for r in doc["requests"]] == ["b4", "b5"]
 
-    # one request past the bound alone: kept without its tensors
-    linear.capture(max_bytes=550)
-    http_infer(server, rows(1), "big")
+    # one request whose tensors alone are past the bound: kept without them
+    linear.capture(max_bytes=300)
+    http_infer(server, rows(8), "big")          # 512 bytes in, 128 out
     frame = linear.traffic()
     assert frame["id"].tolist() == ["big"] and frame["inputs"][0] == {}
     assert "tensors not kept" in frame["error"][0]

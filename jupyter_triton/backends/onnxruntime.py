@@ -291,10 +291,6 @@ class OnnxRuntimeBackend(TensorBackend):
             want = self._output_dtypes[name]
             value = value if value.dtype == want and want != np.object_ else \
                 as_config_dtype(value, self._output_types[name])
-            # Made for this batch and held by nobody else: handed over read-only, so that
-            # whoever keeps them past the response (a traffic capture) keeps them as they are
-            # (engine/observation/capture.py ``_unchanging``) instead of copying.
-            value.flags.writeable = False
             outputs[name] = value
         self.io_ns = (t1 - t0, time.monotonic_ns() - t2)
         return outputs

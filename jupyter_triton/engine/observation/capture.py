@@ -4,17 +4,17 @@ person changing the model to read back (``GET v2/models/{m}/traffic``, ``handle.
 
 Off by default. ``Engine.infer`` asks one question of a request when no model is captured
 (``TrafficCapture.active`` is empty); a captured model's sampled requests are copied after
-they ran (a copy: a shared-memory region or a reused buffer changes later), newest kept,
-oldest dropped past ``max_rows`` or ``max_bytes``. The rows are user data: the routes that
-read or steer them are the model-repository group's, as loading a model is.
+they ran into one ``bytes`` each (``Capture.add`` says why), newest kept, oldest dropped past
+``max_rows`` or ``max_bytes``. The rows are user data: the routes that read or steer them are
+the model-repository group's, as loading a model is.
 """
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import logging
 import random
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, NamedTuple
 
 import numpy as np
 
+from ...protocol.datatypes import deserialize_bytes_tensor, serialize_bytes_tensor
 from ...protocol.errors import InvalidArgument, NotFound, TritonError
 from ...protocol.json_tensors import tensor_to_json
 from ...protocol.types import InferRequest, InferResponse, InferTensor
@@ -37,7 +38,7 @@ DEFAULT_MAX_BYTES = 16 << 20
 # Per model; what one POST may ask for.
 MAX_ROWS = 1_000_000
 MAX_BYTES = 1 << 30
-_ROW_OVERHEAD = 512         # bytes a row holds besides its tensors (its record, strings)
+_ROW_OVERHEAD = 48          # what a row costs besides its bytes: the object's header, its slot
 
 
 @dataclass(frozen=True)
@@ -138,47 +139,54 @@ class Capture:
         """The row of a request served (``response``) or refused (``status``, ``error``)
         that arrived at ``start`` (monotonic ns).
 
-        A row is one flat tuple: Captured's fields up to ``nbytes``, the number of inputs,
-        then each tensor's name, datatype and array (or its shape where it has none), inputs
-        first. Strings, numbers and arrays only: the collector stops tracking the row at its
-        first young collection. (A tuple made per row inside it would be examined after its
-        row and keep it tracked into the oldest generation, where each such row counts
-        toward the next full collection.)"""
-        latency_us = (time.monotonic_ns() - start) / 1000
+        A row is one ``bytes`` (its layout is under ``_HEAD``; ``_row`` reads it back): a copy
+        of the tensors, so that a row holds nothing of the request's. Keeping the arrays
+        themselves held what they are views of: a request's whole body, or its batch's whole
+        output, so that a sample of one request a batch held 31 times its ``max_bytes``
+        (tests/test_capture_rows.py). Its size is what ``max_bytes`` counts, and the collector
+        never sees it."""
+        end = time.monotonic_ns()
         inputs = request.inputs
-        trace = request.trace
-        row = [self.epoch + start / 1e9,
-               request.model_version if response is None else response.model_version,
-               request.id, "" if trace is None else str(getattr(trace, "id", "") or ""),
-               latency_us, status, error, 0, len(inputs)]
-        nbytes = _ROW_OVERHEAD
-        copies = None
+        parts: list = []
+        described = _DESCRIBED
         for t in (inputs if response is None else (*inputs, *response.outputs)):
             data = t.data
-            if data is None:
-                row += (t.name, t.datatype, tuple(t.shape))
-                continue
-            nbytes += data.nbytes if t.datatype != "BYTES" else _object_bytes(data)
-            if type(data.base) is not bytes and not _unchanging(data):
-                copies = [len(row) + 2] if copies is None else [*copies, len(row) + 2]
-            row += (t.name, t.datatype, data)
+            key = (t.name, t.datatype, t.shape, None if data is None else data.dtype)
+            try:
+                head, variable = described[key]
+            except (KeyError, TypeError):       # new, or a shape given as a list
+                head, variable = _describe(key)
+            parts.append(head)
+            if variable:                        # BYTES: as on the wire, after its length
+                data = serialize_bytes_tensor(data)
+                parts += (_LENGTH.pack(len(data)), data)
+            elif data is not None:
+                parts.append(data)
+        version = request.model_version if response is None else response.model_version
+        trace = request.trace
+        strings = (version.encode(), request.id.encode(),
+                   b"" if trace is None else str(getattr(trace, "id", "") or "").encode(),
+                   error.encode())
+        parts += strings
+        parts.append(_HEAD.pack(self.epoch + start / 1e9, (end - start) / 1000, status,
+                                len(inputs), *map(len, strings)))
+        try:
+            row = b"".join(parts)
+        except TypeError:                       # an array not C-contiguous: its copy that is
+            row = b"".join(part if type(part) is bytes else np.ascontiguousarray(part)
+                           for part in parts)
         settings = self.settings
-        if nbytes > settings.max_bytes:     # its tensors alone are past the bound: none is kept
-            del row[_KEPT:]
-            row[_INPUTS] = 0
-            row[_ERROR] = error or f"tensors not kept: {nbytes} bytes, past max_bytes"
-            nbytes = _ROW_OVERHEAD
-        elif copies is not None:            # memory that may change later: a copy is kept
-            for i in copies:
-                data = row[i]
-                row[i] = data.copy() if type(data) is np.ndarray else np.array(data)
-        row[_NBYTES] = nbytes
+        if len(row) + _ROW_OVERHEAD > settings.max_bytes:     # past the bound: no tensors
+            error = error or f"tensors not kept: {len(row)} bytes, past max_bytes"
+            strings = (*strings[:3], error.encode())
+            row = b"".join((*strings, _HEAD.pack(self.epoch + start / 1e9, (end - start) / 1000,
+                                                 status, 0, *map(len, strings))))
         rows = self.rows
-        rows.append(tuple(row))
-        self.bytes += nbytes
+        rows.append(row)
+        self.bytes += len(row) + _ROW_OVERHEAD
         self.captured += 1
         if self.bytes > settings.max_bytes or len(rows) > settings.max_rows:
-            self.bytes -= rows.popleft()[_NBYTES]       # a full sample: the oldest goes
+            self.bytes -= len(rows.popleft()) + _ROW_OVERHEAD   # a full sample: the oldest goes
             self.dropped += 1
             if self.bytes > settings.max_bytes:
                 self._bound()
@@ -186,12 +194,12 @@ class Capture:
     def _bound(self) -> None:
         rows, settings = self.rows, self.settings
         while rows and (len(rows) > settings.max_rows or self.bytes > settings.max_bytes):
-            self.bytes -= rows.popleft()[_NBYTES]
+            self.bytes -= len(rows.popleft()) + _ROW_OVERHEAD
             self.dropped += 1
 
     def snapshot(self) -> list[Captured]:
         """The rows, oldest first."""
-        return [_captured(row) for row in self.rows]
+        return [_row(row) for row in self.rows]
 
     def to_json(self) -> dict:
         return {"enabled": self.on, **self.settings.to_json(), "requests_seen": self.seen,
@@ -391,43 +399,66 @@ def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
     return on, CaptureSettings(float(fraction), **bounds), clear
 
 
-def _object_bytes(data: np.ndarray) -> int:
-    """What a copy of a BYTES tensor holds: the elements, not only the pointers."""
-    return data.size * 8 + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in data.ravel())
+# A row (``Capture.add``): per tensor, inputs first, its description (_TENSOR, then its name,
+# datatype, numpy dtype and shape) and its elements (a BYTES tensor's as on the wire, after
+# their length: _LENGTH); then the four strings (version, request id, trace id, error), then
+# _HEAD. A tensor not kept (in a shared-memory region) has the dtype "" and no elements.
+_HEAD = struct.Struct("<ddiHIIII")      # time, latency us, status, inputs, the strings' lengths
+_TENSOR = struct.Struct("<IHHH")        # name, datatype, dtype lengths; dimensions
+_LENGTH = struct.Struct("<q")
+_VARIABLE = "|O"                        # the dtype a BYTES tensor is kept as
+# A tensor's (description, variable length), by (name, datatype, shape, dtype): one lookup a
+# tensor where the same tensors come again
+_DESCRIBED: dict[tuple, tuple[bytes, bool]] = {}
+_DESCRIBED_MOST = 4096                  # distinct tensors remembered (then forgotten)
 
 
-_ERROR, _NBYTES, _INPUTS, _KEPT = 6, 7, 8, 9    # a row's fields (``Capture.add``)
+def _describe(key: tuple) -> tuple[bytes, bool]:
+    name, datatype, shape, dtype = key
+    variable = dtype is not None and dtype.kind in "OSU"
+    kind = "" if dtype is None else _VARIABLE if variable else dtype.str
+    name, datatype, kind, shape = name.encode(), datatype.encode(), kind.encode(), tuple(shape)
+    described = (_TENSOR.pack(len(name), len(datatype), len(kind), len(shape)) + name + datatype
+                 + kind + struct.pack(f"<{len(shape)}q", *shape), variable)
+    if type(key[2]) is tuple:
+        if len(_DESCRIBED) >= _DESCRIBED_MOST:     # a client's thousands of names: a bound
+            _DESCRIBED.clear()
+        _DESCRIBED[key] = described
+    return described
 
 
-def _captured(row: tuple) -> Captured:
+def _row(row: bytes) -> Captured:
     """A row as read: each tensor with its name, datatype, shape and array (None where it
-    was not kept)."""
-    tensors = tuple((name, datatype, kept, None) if type(kept) is tuple else
-                    (name, datatype, tuple(kept.shape), kept)
-                    for name, datatype, kept in zip(row[_KEPT::3], row[_KEPT + 1::3],
-                                                    row[_KEPT + 2::3]))
-    n = row[_INPUTS]
-    return Captured(*row[:_NBYTES], tensors[:n], tensors[n:], row[_NBYTES])
-
-
-# the type of a C library's buffer handed to numpy (types.CapsuleType from Python 3.13)
-_CAPSULE = type(datetime.datetime_CAPI)
-
-
-def _unchanging(data: Any) -> bool:
-    """Whether ``data``'s memory cannot change, so that a row may keep the array itself: a
-    bytes object's (the body as it came off the wire), which nothing can write through, or
-    an array's that its maker handed over read-only with memory of its own (none, or a
-    runtime's buffer: a capsule), as ONNX Runtime's outputs are (backends/onnxruntime.py).
-    A read-only view of a shared-memory region or a mapped file may change: its writer
-    writes it again."""
-    if type(data) is not np.ndarray:
-        return False
-    owner = data
-    root = data.base
-    while type(root) is np.ndarray:
-        owner, root = root, root.base
-    if type(root) is memoryview:
-        root = root.obj
-    return type(root) is bytes or (not owner.flags.writeable
-                                   and (root is None or type(root) is _CAPSULE))
+    was not kept; a read-only view of the row, whose memory never changes)."""
+    when, latency_us, status, n_inputs, *lengths = _HEAD.unpack_from(row, len(row) - _HEAD.size)
+    end = len(row) - _HEAD.size - sum(lengths)
+    at, strings = end, []
+    for length in lengths:
+        strings.append(row[at:at + length].decode())
+        at += length
+    at, tensors = 0, []
+    while at < end:
+        name_n, datatype_n, dtype_n, ndim = _TENSOR.unpack_from(row, at)
+        at += _TENSOR.size
+        name = row[at:at + name_n].decode()
+        datatype = row[at + name_n:at + name_n + datatype_n].decode()
+        dtype = row[at + name_n + datatype_n:at + name_n + datatype_n + dtype_n].decode()
+        at += name_n + datatype_n + dtype_n
+        shape = struct.unpack_from(f"<{ndim}q", row, at)
+        at += 8 * ndim
+        count = int(np.prod(shape))
+        data = None
+        if dtype == _VARIABLE:
+            (length,) = _LENGTH.unpack_from(row, at)
+            at += _LENGTH.size
+            data = deserialize_bytes_tensor(memoryview(row)[at:at + length], count,
+                                            name).reshape(shape)
+            at += length
+        elif dtype:
+            data = np.frombuffer(row, dtype, count, at).reshape(shape)
+            at += data.nbytes
+        tensors.append((name, datatype, shape, data))
+    version, request_id, trace_id, error = strings
+    return Captured(when, version, request_id, trace_id, latency_us, status, error,
+                    tuple(tensors[:n_inputs]), tuple(tensors[n_inputs:]),
+                    len(row) + _ROW_OVERHEAD)
