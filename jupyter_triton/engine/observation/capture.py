@@ -162,14 +162,13 @@ class Capture:
                 parts += (_LENGTH.pack(len(data)), data)
             elif data is not None:
                 parts.append(data)
-        version = request.model_version if response is None else response.model_version
-        trace = request.trace
-        strings = (version.encode(), request.id.encode(),
-                   b"" if trace is None else str(getattr(trace, "id", "") or "").encode(),
-                   error.encode())
-        parts += strings
-        parts.append(_HEAD.pack(self.epoch + start / 1e9, (end - start) / 1000, status,
-                                len(inputs), *map(len, strings)))
+        version = (request.model_version if response is None else response.model_version).encode()
+        request_id, trace = request.id.encode(), request.trace
+        trace_id = b"" if trace is None else str(getattr(trace, "id", "") or "").encode()
+        failure = error.encode()
+        parts += (version, request_id, trace_id, failure,
+                  _HEAD.pack(start, end - start, status, len(inputs), len(version),
+                             len(request_id), len(trace_id), len(failure)))
         try:
             row = b"".join(parts)
         except TypeError:                       # an array not C-contiguous: its copy that is
@@ -177,10 +176,10 @@ class Capture:
                            for part in parts)
         settings = self.settings
         if len(row) + _ROW_OVERHEAD > settings.max_bytes:     # past the bound: no tensors
-            error = error or f"tensors not kept: {len(row)} bytes, past max_bytes"
-            strings = (*strings[:3], error.encode())
-            row = b"".join((*strings, _HEAD.pack(self.epoch + start / 1e9, (end - start) / 1000,
-                                                 status, 0, *map(len, strings))))
+            failure = (error or f"tensors not kept: {len(row)} bytes, past max_bytes").encode()
+            row = b"".join((version, request_id, trace_id, failure,
+                            _HEAD.pack(start, end - start, status, 0, len(version),
+                                       len(request_id), len(trace_id), len(failure))))
         rows = self.rows
         rows.append(row)
         self.bytes += len(row) + _ROW_OVERHEAD
@@ -199,7 +198,7 @@ class Capture:
 
     def snapshot(self) -> list[Captured]:
         """The rows, oldest first."""
-        return [_row(row) for row in self.rows]
+        return [_row(row, self.epoch) for row in self.rows]
 
     def to_json(self) -> dict:
         return {"enabled": self.on, **self.settings.to_json(), "requests_seen": self.seen,
@@ -403,7 +402,8 @@ def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
 # datatype, numpy dtype and shape) and its elements (a BYTES tensor's as on the wire, after
 # their length: _LENGTH); then the four strings (version, request id, trace id, error), then
 # _HEAD. A tensor not kept (in a shared-memory region) has the dtype "" and no elements.
-_HEAD = struct.Struct("<ddiHIIII")      # time, latency us, status, inputs, the strings' lengths
+# _HEAD: arrival and latency (monotonic ns), status, inputs, the strings' lengths
+_HEAD = struct.Struct("<qqiHIIII")
 _TENSOR = struct.Struct("<IHHH")        # name, datatype, dtype lengths; dimensions
 _LENGTH = struct.Struct("<q")
 _VARIABLE = "|O"                        # the dtype a BYTES tensor is kept as
@@ -427,10 +427,11 @@ def _describe(key: tuple) -> tuple[bytes, bool]:
     return described
 
 
-def _row(row: bytes) -> Captured:
+def _row(row: bytes, epoch: float) -> Captured:
     """A row as read: each tensor with its name, datatype, shape and array (None where it
-    was not kept; a read-only view of the row, whose memory never changes)."""
-    when, latency_us, status, n_inputs, *lengths = _HEAD.unpack_from(row, len(row) - _HEAD.size)
+    was not kept; a read-only view of the row, whose memory never changes); ``epoch``: the
+    epoch time of monotonic 0."""
+    start, latency, status, n_inputs, *lengths = _HEAD.unpack_from(row, len(row) - _HEAD.size)
     end = len(row) - _HEAD.size - sum(lengths)
     at, strings = end, []
     for length in lengths:
@@ -459,6 +460,6 @@ def _row(row: bytes) -> Captured:
             at += data.nbytes
         tensors.append((name, datatype, shape, data))
     version, request_id, trace_id, error = strings
-    return Captured(when, version, request_id, trace_id, latency_us, status, error,
-                    tuple(tensors[:n_inputs]), tuple(tensors[n_inputs:]),
+    return Captured(epoch + start / 1e9, version, request_id, trace_id, latency / 1000, status,
+                    error, tuple(tensors[:n_inputs]), tuple(tensors[n_inputs:]),
                     len(row) + _ROW_OVERHEAD)
