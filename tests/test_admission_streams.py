@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from conftest import W
-from hostile import CANCEL, END_STREAM, HEADERS, H2, REFUSED_STREAM, RST_STREAM, SETTINGS, frame
+from hostile import CANCEL, DATA, END_STREAM, HEADERS, H2, REFUSED_STREAM, RST_STREAM, SETTINGS, frame
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.frontends.admission import Admission, ConnectionSlot, grpc_timeout
 from jupyter_triton.frontends.limits import HTTP2Limits
@@ -152,6 +152,39 @@ def test_a_raw_grpc_timeout_is_the_tickets_deadline(slow_repo, deadlines):
                                 and f.flags & END_STREAM, 10) is not None
             assert c.statuses()[1] == "4"        # DEADLINE_EXCEEDED
         assert deadlines == [pytest.approx(0.1)]
+    finally:
+        server.close()
+
+
+def test_a_streams_deadline_ends_the_stream(slow_repo, deadlines):
+    """A ModelStreamInfer whose ``grpc-timeout`` (100 ms) passes while the batcher holds its
+    request ends DEADLINE_EXCEEDED, as grpc's own servers end a stream past its deadline (its
+    request's work is cancelled: the server counts none served); a stream on the same
+    connection without a deadline is answered."""
+    server = grpc_server(slow_repo)
+    engine = server.engine
+
+    def executed() -> int:
+        return engine.statistics("slow")["model_stats"][0]["inference_stats"]["success"]["count"]
+    try:
+        request = _slow_request()
+        with H2(server.grpc_port) as c:
+            c.request(1, "ModelStreamInfer", request.SerializeToString(),
+                      extra=[("grpc-timeout", "100m")])
+            assert c.read_until(lambda f: f.sid == 1 and f.type == HEADERS
+                                and f.flags & END_STREAM, 10) is not None
+            assert c.statuses()[1] == "4"        # DEADLINE_EXCEEDED
+            assert executed() == 0
+            c.request(3, "ModelStreamInfer", request.SerializeToString())
+            assert c.read_until(lambda f: f.sid == 3 and f.type == HEADERS
+                                and f.flags & END_STREAM, 30) is not None
+            assert c.statuses()[3] == "0"
+            answer = b"".join(f.payload for f in c.frames if f.sid == 3 and f.type == DATA)
+            response = pb.ModelStreamInferResponse.FromString(answer[5:])
+            assert response.error_message == ""
+            out = np.frombuffer(response.infer_response.raw_output_contents[0], np.float32)
+            np.testing.assert_allclose(out, (np.ones((1, 16)) @ W).ravel(), rtol=1e-5)
+        assert deadlines == [pytest.approx(0.1), None]
     finally:
         server.close()
 

@@ -24,8 +24,8 @@ What the call layer does:
   make us hold of unfinished or untaken messages is ``max_connections x
   connection_allowance`` plus the budget, whatever the sizes they announce;
 - a charged message still arriving after ``message_timeout`` is DEADLINE_EXCEEDED, and a
-  unary call's handler is bounded by its ticket's ``deadline`` (the admission's, from the
-  call's ``grpc-timeout``);
+  call's handler, unary or streaming, is bounded by its ticket's ``deadline`` (the
+  admission's, from the call's ``grpc-timeout``);
 - compressed messages (gzip, deflate) inflate to at most the receive limit, off the loop when
   large;
 - answers: precomputed header and trailer blocks, a unary answer in one write when the
@@ -545,6 +545,18 @@ class GrpcCalls(H2Events):
         self.server.active += 1
         started = False
         responses = None
+        # the call's deadline bounds the whole stream, as grpc's own servers do: past it,
+        # the handler is cancelled (its requests' work ends) and the call DEADLINE_EXCEEDED
+        deadline = st.ticket.deadline if st.ticket is not None else None
+        expired: list[bool] = []
+        timer = None
+        if deadline:
+            task = asyncio.current_task()
+
+            def expire() -> None:
+                expired.append(True)
+                task.cancel()
+            timer = self.loop.call_later(deadline, expire)
         try:
             if st.ticket is not None and st.ticket.pending is not None:
                 await self._admitted(st)
@@ -571,7 +583,12 @@ class GrpcCalls(H2Events):
         except _Abort as abort:
             self._finish(st, status_block(abort.code, abort.details), started)
         except asyncio.CancelledError:
-            pass
+            if expired and st.trailers is None:
+                uncancel = getattr(asyncio.current_task(), "uncancel", None)
+                if uncancel is not None:        # Python 3.11: this cancel is handled here
+                    uncancel()
+                self._finish(st, status_block(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                              "Deadline Exceeded"), started)
         except Exception as err:  # noqa: BLE001
             if failed:
                 self._finish(st, status_block(failed[0].code, failed[0].details), started)
@@ -580,6 +597,8 @@ class GrpcCalls(H2Events):
                 self._finish(st, status_block(grpc.StatusCode.UNKNOWN,
                                               f"Unexpected {type(err)}: {err}"), started)
         finally:
+            if timer is not None:
+                timer.cancel()
             self.server.active -= 1
             # Cancelled while waiting on flow control, the handler sits at a yield: closing
             # it now (not when collected) ends its requests' work.
