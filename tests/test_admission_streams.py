@@ -122,18 +122,22 @@ def _slow_request() -> pb.ModelInferRequest:
     return request
 
 
+def _status(c: H2, sid: int, method: str, extra=(), seconds: float = 30) -> str:
+    """The grpc-status a raw call of the slow request on stream ``sid`` ends with."""
+    c.request(sid, method, _slow_request().SerializeToString(), extra=list(extra))
+    assert c.read_until(lambda f: f.sid == sid and f.type == HEADERS
+                        and f.flags & END_STREAM, seconds) is not None
+    return c.statuses()[sid]
+
+
 def test_a_grpc_timeout_of_thousands_of_digits_is_no_deadline(slow_repo, deadlines):
     """A hostile ``grpc-timeout`` (5,000 digits: past what Python converts) is not a timeout:
     the call is served without a deadline, and the connection serves the next call."""
     server = grpc_server(slow_repo)
     try:
-        request = _slow_request()
         with H2(server.grpc_port) as c:
             for sid, extra in ((1, [("grpc-timeout", "1" * 5000 + "S")]), (3, [])):
-                c.request(sid, "ModelInfer", request.SerializeToString(), extra=extra)
-                assert c.read_until(lambda f: f.sid == sid and f.type == HEADERS
-                                    and f.flags & END_STREAM, 30) is not None
-                assert c.statuses()[sid] == "0"     # OK
+                assert _status(c, sid, "ModelInfer", extra) == "0"     # OK
         assert deadlines == [None, None]
     finally:
         server.close()
@@ -144,13 +148,8 @@ def test_a_raw_grpc_timeout_is_the_tickets_deadline(slow_repo, deadlines):
     says 100 ms is ended with DEADLINE_EXCEEDED while the batcher still holds it."""
     server = grpc_server(slow_repo)
     try:
-        request = _slow_request()
         with H2(server.grpc_port) as c:
-            c.request(1, "ModelInfer", request.SerializeToString(),
-                      extra=[("grpc-timeout", "100m")])
-            assert c.read_until(lambda f: f.sid == 1 and f.type == HEADERS
-                                and f.flags & END_STREAM, 10) is not None
-            assert c.statuses()[1] == "4"        # DEADLINE_EXCEEDED
+            assert _status(c, 1, "ModelInfer", [("grpc-timeout", "100m")], 10) == "4"
         assert deadlines == [pytest.approx(0.1)]
     finally:
         server.close()
@@ -167,18 +166,10 @@ def test_a_streams_deadline_ends_the_stream(slow_repo, deadlines):
     def executed() -> int:
         return engine.statistics("slow")["model_stats"][0]["inference_stats"]["success"]["count"]
     try:
-        request = _slow_request()
         with H2(server.grpc_port) as c:
-            c.request(1, "ModelStreamInfer", request.SerializeToString(),
-                      extra=[("grpc-timeout", "100m")])
-            assert c.read_until(lambda f: f.sid == 1 and f.type == HEADERS
-                                and f.flags & END_STREAM, 10) is not None
-            assert c.statuses()[1] == "4"        # DEADLINE_EXCEEDED
+            assert _status(c, 1, "ModelStreamInfer", [("grpc-timeout", "100m")], 10) == "4"
             assert executed() == 0
-            c.request(3, "ModelStreamInfer", request.SerializeToString())
-            assert c.read_until(lambda f: f.sid == 3 and f.type == HEADERS
-                                and f.flags & END_STREAM, 30) is not None
-            assert c.statuses()[3] == "0"
+            assert _status(c, 3, "ModelStreamInfer") == "0"
             answer = b"".join(f.payload for f in c.frames if f.sid == 3 and f.type == DATA)
             response = pb.ModelStreamInferResponse.FromString(answer[5:])
             assert response.error_message == ""
