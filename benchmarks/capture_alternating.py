@@ -1,10 +1,13 @@
 """What traffic capture costs under batched load (issue 37's bound: 5 % of throughput), measured
 so that a busy machine's other work falls on both sides alike: one ``jupyter-triton serve`` with
 the benchmark's ONNX model, one perf_analyzer at 32 in flight for the whole run, and the capture
-switched on and off through its public route every few seconds, in the order off, on, on, off (a drift of the machine over the run falls on both kinds alike). Each phase is measured after
+switched on and off through its public route every few seconds, in the order off, on, on, off
+(a drift of the machine over the run falls on both kinds alike). Each phase is measured after
 its first second (a new sample has filled by then: 10,000 rows at 9,000 requests a second):
 requests served (the server's statistics) and the server process tree's CPU. Throughput and CPU
-per inference are sums over the phases of each kind; the spread is the phases' own.
+per inference are sums over the phases of each kind; the spread is the phases' own; each
+block of four phases also gives a ratio of its own (their mean and standard error), and the
+server's CPU is split into its event loop thread's and the rest's.
 
     .venv/bin/python benchmarks/capture_alternating.py [phases] [http|grpc] [fraction] [max_rows]
 
@@ -12,6 +15,7 @@ A phase "on" starts a new sample (``{"fraction": f, "max_rows": n}``, the defaul
 ``max_bytes``); "off" stops it and drops its rows, as a server that never captured holds none.
 """
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +37,12 @@ def post(port: int, body: dict) -> None:
     urllib.request.urlopen(urllib.request.Request(
         f"http://127.0.0.1:{port}/v2/models/{ONNX_MODEL}/traffic", method="POST",
         data=json.dumps(body).encode()), timeout=30).read()
+
+
+def loop_cpu_seconds(pid: int) -> float:
+    """The server's main thread's CPU: its event loop (the instance threads are the rest)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def served(target: Ours) -> int:
@@ -59,16 +69,19 @@ def main() -> None:
             cmd = perf_analyzer_command(pa, target, ONNX_MODEL, protocol, 32, False, 3_600_000,
                                         workdir / "load.csv")
             load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            seen: dict[bool, list[tuple[float, int, float]]] = {False: [], True: []}
+            seen: dict[bool, list[tuple[float, int, float, float]]] = {False: [], True: []}
             for i in range(2 * phases):
                 on = i % 4 in (1, 2)     # off on on off: a drift falls on both alike
                 post(target.http_port, {"fraction": fraction, "max_rows": max_rows} if on
                      else {"capture": False, "clear": True})
                 time.sleep(SETTLE_S)
-                t0, n0, c0 = time.monotonic(), served(target), tree_cpu_seconds(target.proc.pid)
+                pid = target.proc.pid
+                t0, n0, c0, l0 = (time.monotonic(), served(target), tree_cpu_seconds(pid),
+                                  loop_cpu_seconds(pid))
                 time.sleep(MEASURE_S)
-                t1, n1, c1 = time.monotonic(), served(target), tree_cpu_seconds(target.proc.pid)
-                seen[on].append((t1 - t0, n1 - n0, c1 - c0))
+                t1, n1, c1, l1 = (time.monotonic(), served(target), tree_cpu_seconds(pid),
+                                  loop_cpu_seconds(pid))
+                seen[on].append((t1 - t0, n1 - n0, c1 - c0, l1 - l0))
                 print("on " if on else "off", f"{(n1 - n0) / (t1 - t0):8.0f} infer/s "
                       f"{(c1 - c0) / max(n1 - n0, 1) * 1e6:6.1f} us CPU/inf", flush=True)
         finally:
@@ -76,11 +89,15 @@ def main() -> None:
                 load.kill()
                 load.wait()
             target.stop()
-    figures = {}
+    figures, loop = {}, {}
     for on, rows in seen.items():
-        seconds, count, cpu = (sum(r[k] for r in rows) for k in range(3))
+        seconds, count, cpu, loop_cpu = (sum(r[k] for r in rows) for k in range(4))
         spread = statistics.pstdev(r[1] / r[0] for r in rows) / (count / seconds)
         figures[on] = (count / seconds, cpu / count * 1e6, spread)
+        loop[on] = (loop_cpu / count * 1e6, (cpu - loop_cpu) / count * 1e6)
+    print(f"CPU us per inference, event loop thread: off {loop[False][0]:.1f}, on "
+          f"{loop[True][0]:.1f}; the rest of the server's tree: off {loop[False][1]:.1f}, "
+          f"on {loop[True][1]:.1f}")
     (off_t, off_c, off_s), (on_t, on_c, on_s) = figures[False], figures[True]
     # each block of four phases (off, on, on, off) gives a ratio of its own, the machine's
     # drift over the block falling on both kinds: their mean and its standard error
