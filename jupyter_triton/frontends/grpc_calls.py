@@ -548,15 +548,8 @@ class GrpcCalls(H2Events):
         # the call's deadline bounds the whole stream, as grpc's own servers do: past it,
         # the handler is cancelled (its requests' work ends) and the call DEADLINE_EXCEEDED
         deadline = st.ticket.deadline if st.ticket is not None else None
-        expired: list[bool] = []
-        timer = None
-        if deadline:
-            task = asyncio.current_task()
-
-            def expire() -> None:
-                expired.append(True)
-                task.cancel()
-            timer = self.loop.call_later(deadline, expire)
+        timer = self.loop.call_later(deadline, asyncio.current_task().cancel) if deadline \
+            else None
         try:
             if st.ticket is not None and st.ticket.pending is not None:
                 await self._admitted(st)
@@ -583,7 +576,8 @@ class GrpcCalls(H2Events):
         except _Abort as abort:
             self._finish(st, status_block(abort.code, abort.details), started)
         except asyncio.CancelledError:
-            if expired and st.trailers is None:
+            # past the deadline, and the stream still open (not reset, its connection not lost)
+            if timer is not None and self.loop.time() >= timer.when() and st.trailers is None:
                 uncancel = getattr(asyncio.current_task(), "uncancel", None)
                 if uncancel is not None:        # Python 3.11: this cancel is handled here
                     uncancel()
