@@ -6,6 +6,7 @@ cache_hit / cache_miss count and time lookups; nv_cache_*_per_model per model.""
 from __future__ import annotations
 
 import http.client
+import json
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +217,83 @@ def test_the_jupyter_trait_sizes_the_engines_cache(tmp_path: Path):
     engine = Engine(EngineOptions(model_repository=tmp_path, response_cache_size=app.response_cache_size))
     assert engine.response_cache is not None and engine.response_cache.size == 4096
     assert Engine(EngineOptions(model_repository=tmp_path)).response_cache is None
+
+
+# an ensemble whose one step scales by whichever 'scale' version serves
+SCALED = '''name: "scaled"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+ensemble_scheduling { step [ { model_name: "scale" model_version: -1
+  input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } } ] }
+response_cache { enable: true }
+'''
+
+SCALE_CONFIG = '''name: "scale"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+'''
+
+
+def _scale(root: Path, version: int, k: float) -> None:
+    from onnx_models import linear
+    linear(np.eye(4, dtype=np.float32) * k, root / "scale" / str(version) / "model.onnx")
+
+
+def test_an_ensembles_cached_answer_follows_its_composing_models(tmp_path: Path):
+    """The ensemble's answers are its composing models': a new version of one served, or the
+    same version loaded again with other files, is never answered for by the cache's older
+    answers (nor by anything it kept of them)."""
+    root = tmp_path / "models"
+    _scale(root, 1, 2.0)
+    (root / "scale" / "config.pbtxt").write_text(SCALE_CONFIG)
+    (root / "scaled" / "1").mkdir(parents=True)
+    (root / "scaled" / "config.pbtxt").write_text(SCALED)
+    server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit",
+                                           load_models=["scaled"], response_cache_size=1 << 20),
+                             host="127.0.0.1", http_port=0, metrics_port=None, grpc_port=None)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    x = np.array([[1, 2, 3, 4]], dtype=np.float32)
+
+    def scaled() -> np.ndarray:
+        inp = httpclient.InferInput("X", [1, 4], "FP32")
+        inp.set_data_from_numpy(x)
+        return client.infer("scaled", [inp]).as_numpy("Y")
+
+    def hits_and_misses() -> tuple[int, int]:
+        stats = client.get_inference_statistics("scaled")["model_stats"][0]["inference_stats"]
+        return stats["cache_hit"]["count"], stats["cache_miss"]["count"]
+
+    try:
+        np.testing.assert_array_equal(scaled(), x * 2)
+        np.testing.assert_array_equal(scaled(), x * 2)
+        assert hits_and_misses() == (1, 1)
+        # version 2 comes and serves (the step asks for the latest)
+        _scale(root, 2, 3.0)
+        client.load_model("scale")
+        np.testing.assert_array_equal(scaled(), x * 3)
+        assert hits_and_misses() == (1, 2)
+        np.testing.assert_array_equal(scaled(), x * 3)
+        assert hits_and_misses() == (2, 2)
+        # version 2's files replaced under the same number, loaded again
+        _scale(root, 2, 5.0)
+        client.load_model("scale")
+        np.testing.assert_array_equal(scaled(), x * 5)
+        assert hits_and_misses() == (2, 3)
+        # a canary of 'scale' takes half the requests: which version answers is a draw, and
+        # the ensemble's answer is not kept while it runs (both answers come back)
+        from onnx_models import linear
+        client.load_model("scale", config=json.dumps({
+            "name": "scale", "backend": "onnxruntime", "max_batch_size": 8,
+            "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+            "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}]}), files={
+            "file:3/model.onnx": linear(np.eye(4, dtype=np.float32) * 7.0),
+            "file:lifecycle.json": json.dumps({"canary": 0.5}).encode()})
+        answers = {float(scaled()[0, 0]) for _ in range(24)}
+        assert answers == {5.0, 7.0} and hits_and_misses() == (2, 3)
+    finally:
+        client.close()
+        server.close()

@@ -16,7 +16,10 @@ Statistics as Triton keeps them: a hit counts as a success and in ``queue`` (no 
 model as usual and adds its lookup and insertion time to ``cache_miss``.
 
 A version's entries go when it unloads, is evicted or is set aside (``ModelCache.forget``):
-the cache holds no answer of a version that is not loaded.
+the cache holds no answer of a version that is not loaded. An ensemble's answer is its
+composing models' too: its key adds what serves its steps at the request
+(``ModelCache.composed``), so that a composing model loaded again with other files, or
+another version of it served, is not answered for by its earlier answers.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import json
 import struct
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
@@ -120,19 +123,25 @@ class ResponseCache:
             if entry is not None:
                 self.used -= entry[1]
 
-    def for_model(self, stats: "ModelStatistics", identity: "VersionIdentity") -> "ModelCache":
-        """The way through the cache of one loaded version; its ``identity`` starts every key."""
-        return ModelCache(self, stats, identity)
+    def for_model(self, stats: "ModelStatistics", identity: "VersionIdentity",
+                  composed: "Callable[[], bytes | None] | None" = None) -> "ModelCache":
+        """The way through the cache of one loaded version; its ``identity`` starts every key
+        (and, for an ensemble, ``composed``: see ``ModelCache``)."""
+        return ModelCache(self, stats, identity, composed)
 
 
 class ModelCache:
     """One loaded model version's way through the cache (``ModelVersion.response_cache``)."""
 
     def __init__(self, cache: ResponseCache, stats: "ModelStatistics",
-                 identity: "VersionIdentity") -> None:
+                 identity: "VersionIdentity",
+                 composed: "Callable[[], bytes | None] | None" = None) -> None:
         self.cache = cache
         self.stats = stats
         self.identity_key = identity.key
+        # an ensemble's: the identities of what would serve its steps now, asked at each
+        # request (None: nothing to key on, as while a canary draws which version answers)
+        self.composed = composed
         self.keys: set[bytes] = set()     # its entries in the cache
         self.forgotten = False
 
@@ -144,7 +153,12 @@ class ModelCache:
 
     async def infer(self, version: "ModelVersion", request: InferRequest) -> InferResponse:
         start = time.monotonic_ns()
-        key = None if self.forgotten else request_key(self.identity_key, request)
+        identity_key = self.identity_key
+        if self.composed is not None:
+            steps = self.composed()
+            identity_key = None if steps is None else identity_key + steps
+        key = None if self.forgotten or identity_key is None else \
+            request_key(identity_key, request)
         if key is None:                  # nothing to key on (inputs not in memory), or unloading
             return await version.infer(request)
         hit = self.cache.lookup(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import time
 from pathlib import Path
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 # failure need not be in the files: memory, a device, a service the model calls) after 1, 2,
 # 4, ... polls, at most this many; tritonserver 2.51 tries again at every poll.
 MAX_RETRY_POLLS = 32
+
+# ensembles within ensembles a response cache's key follows (a cycle cannot load; this bounds
+# the walk whatever the table holds)
+_MAX_NESTING = 8
 
 # models this task is loading, outermost first: an ensemble loads its composing models, and
 # one that (indirectly) contains itself must fail instead of waiting on its own lock
@@ -463,11 +468,36 @@ class ModelLifecycle:
         if (self.response_cache is not None and mv.config.response_cache.enable
                 and not mv.decoupled):
             # keyed by the version's identity, not its number: files put under a number
-            # that served before never meet the earlier files' answers
-            mv.response_cache = self.response_cache.for_model(mv.stats, identity)
+            # that served before never meet the earlier files' answers; an ensemble's by
+            # its composing versions' too
+            mv.response_cache = self.response_cache.for_model(
+                mv.stats, identity, functools.partial(self._composed, mv.config)
+                if backend == ENSEMBLE_BACKEND else None)
         mv.stats.histograms = latency_histograms(mv.config, self.options.histogram_latencies,
                                                  self.options.histogram_buckets_ms)
         return mv
+
+    def _composed(self, config: mc.ModelConfig, depth: int = 0) -> bytes | None:
+        """What answers an ensemble's steps now (its response cache's key, engine/cache.py):
+        each composing model's served and staged versions' identities, and an ensemble's own
+        composing ones in turn; None where a canary draws which version answers, or a step's
+        model is not there (the request then fails, or is not cached)."""
+        parts = []
+        for step in config.ensemble_scheduling.step:
+            entry = self.table.get(step.model_name)
+            if entry is None or entry.canary is not None or depth > _MAX_NESTING:
+                return None
+            parts.append(step.model_name.encode() + b"\0")
+            for mv in (*entry.serving.values(), *entry.staged.values()):
+                if mv.identity is None:
+                    return None
+                parts.append(mv.identity.key)
+                if mv.backend_name == ENSEMBLE_BACKEND:
+                    nested = self._composed(mv.config, depth + 1)
+                    if nested is None:
+                        return None
+                    parts.append(nested)
+        return b"".join(parts)
 
     async def _load_composing(self, name: str, config: mc.ModelConfig) -> None:
         """Triton loads an ensemble's composing models that are not loaded yet; one that fails
