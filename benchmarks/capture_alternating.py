@@ -9,7 +9,10 @@ per inference are sums over the phases of each kind; the spread is the phases' o
 block of four phases also gives a ratio of its own (their mean and standard error), and the
 server's CPU is split into its event loop thread's and the rest's.
 
-    .venv/bin/python benchmarks/capture_alternating.py [phases] [http|grpc] [fraction] [max_rows]
+    .venv/bin/python benchmarks/capture_alternating.py [phases] [http|grpc] [fraction] [max_rows] [pin]
+
+``pin``: the server's threads on CPU 0 and perf_analyzer on CPU 1 (of a 2-core machine), so
+that neither takes the other's core: the server's own cost is then what moves its throughput.
 
 A phase "on" starts a new sample (``{"fraction": f, "max_rows": n}``, the default 16 MiB
 ``max_bytes``); "off" stops it and drops its rows, as a server that never captured holds none.
@@ -54,6 +57,7 @@ def main() -> None:
     protocol = sys.argv[2] if len(sys.argv) > 2 else "http"
     fraction = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
     max_rows = int(sys.argv[4]) if len(sys.argv) > 4 else 10_000
+    pin = len(sys.argv) > 5 and sys.argv[5] == "pin"
     pa = find_perf_analyzer()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -62,13 +66,18 @@ def main() -> None:
         target = Ours(workdir, repo, ONNX_MODEL)
         target.start()
         load = None
+        if pin:     # every thread the server has now (its instance threads are started)
+            subprocess.run(["taskset", "-a", "-p", "-c", "0", str(target.proc.pid)],
+                           check=True, capture_output=True)
         try:
             perf_analyzer(pa, target, ONNX_MODEL, protocol, 32, False, 2000, workdir / "w.csv",
                           warmup=True)
             # one long measurement window: the load runs until it is stopped
             cmd = perf_analyzer_command(pa, target, ONNX_MODEL, protocol, 32, False, 3_600_000,
                                         workdir / "load.csv")
-            load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    preexec_fn=(lambda: os.sched_setaffinity(0, {1})) if pin
+                                    else None)
             seen: dict[bool, list[tuple[float, int, float, float]]] = {False: [], True: []}
             for i in range(2 * phases):
                 on = i % 4 in (1, 2)     # off on on off: a drift falls on both alike
@@ -110,7 +119,8 @@ def main() -> None:
         print(f"blocks of off, on, on, off: throughput on/off {mean:.3f} +- {error:.3f} "
               f"(standard error, {len(blocks)} blocks: "
               + " ".join(f"{b:.3f}" for b in blocks) + ")")
-    print(f"| {protocol}, c=32, fraction {fraction:g}, max_rows {max_rows}, {phases} phases each "
+    print(f"| {protocol}, c=32, fraction {fraction:g}, max_rows {max_rows}, {phases} phases each"
+          f"{', pinned' if pin else ''} "
           f"| off {off_t:.0f} infer/s, {off_c:.1f} us CPU/inf (phase spread {off_s:.1%}) "
           f"| on {on_t:.0f} infer/s, {on_c:.1f} us CPU/inf (spread {on_s:.1%}) "
           f"| throughput {on_t / off_t:.3f} | CPU {on_c / off_c:.3f} |")
