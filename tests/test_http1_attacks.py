@@ -425,8 +425,10 @@ def test_connections_past_the_cap_are_refused(target):
         try:
             for _ in range(cap + 8):
                 held.append(socket.create_connection(("127.0.0.1", t.port), timeout=5))
-            time.sleep(0.3)
-            # The first connections are held; the last ones (past the cap) are turned away.
+            # The first connections are held; the last ones (past the cap) are turned away at
+            # once, in the order they came: once the last is answered, the cap is reached.
+            held[-1].settimeout(10)
+            assert held[-1].recv(4096).startswith(b"HTTP/1.1 503")
             return attack(t.port, [t.head("GET", "/v2/health/live", b"\r\n")])
         finally:
             for s in held:
