@@ -31,9 +31,11 @@ output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1, 16 ] } ]
 # cores: the OS alone then delays a thread by 100s of ms) does not flake; the figures are
 # printed (pytest -s). 99% of event-loop stalls and of the polls' answers are under
 # STALL_BOUND_S, none over WORST_BOUND_S, and stalls longer than 0.1 s add up to less than a
-# tenth of the request's time. A decode or encode on the loop stalls it for seconds, most
-# of the request's time, which each of these catches.
-STALL_BOUND_S, WORST_BOUND_S = 0.25, 2.0
+# tenth of the request's time and one HICCUP_S: one pause of the whole process, as a full
+# collection of the decoded document's objects can be (CI once saw 0.53 s in a 3.2 s request).
+# A decode or encode on the loop stalls it for seconds, most of the request's time, which each
+# of these catches.
+STALL_BOUND_S, WORST_BOUND_S, HICCUP_S = 0.25, 2.0, 0.5
 
 
 @pytest.fixture
@@ -105,7 +107,7 @@ async def test_jupyter_answers_while_a_60_mib_json_request_is_decoded(jp_triton,
     for samples in (lags, *answers.values()):
         assert sorted(samples)[int(len(samples) * 0.99)] < STALL_BOUND_S
         assert max(samples) < WORST_BOUND_S
-    assert sum(lag for lag in lags if lag > 0.1) < 0.1 * result["seconds"]
+    assert sum(lag for lag in lags if lag > 0.1) < 0.1 * result["seconds"] + HICCUP_S
 
 
 def _open_body(port: int, base: str, length: int, first: bytes) -> socket.socket:
