@@ -12,8 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from google.protobuf import json_format, text_format
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
+
+from onnx_models import linear
 
 from jupyter_triton.engine import EngineOptions
 from jupyter_triton.engine.cache import ResponseCache, parse_cache_config, request_key
@@ -230,17 +234,18 @@ ensemble_scheduling { step [ { model_name: "scale" model_version: -1
 response_cache { enable: true }
 '''
 
-SCALE_CONFIG = '''name: "scale"
-backend: "onnxruntime"
-max_batch_size: 8
-input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-'''
+# its composing model, as the load API takes a config (JSON); config.pbtxt is the same
+SCALE = {"name": "scale", "backend": "onnxruntime", "max_batch_size": 8,
+         "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+         "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}]}
+
+
+def _scale_model(k: float, path: Path | None = None) -> bytes:
+    return linear(np.eye(4, dtype=np.float32) * k, path)
 
 
 def _scale(root: Path, version: int, k: float) -> None:
-    from onnx_models import linear
-    linear(np.eye(4, dtype=np.float32) * k, root / "scale" / str(version) / "model.onnx")
+    _scale_model(k, root / "scale" / str(version) / "model.onnx")
 
 
 def test_an_ensembles_cached_answer_follows_its_composing_models(tmp_path: Path):
@@ -249,7 +254,8 @@ def test_an_ensembles_cached_answer_follows_its_composing_models(tmp_path: Path)
     answers (nor by anything it kept of them)."""
     root = tmp_path / "models"
     _scale(root, 1, 2.0)
-    (root / "scale" / "config.pbtxt").write_text(SCALE_CONFIG)
+    (root / "scale" / "config.pbtxt").write_text(
+        text_format.MessageToString(json_format.ParseDict(SCALE, mc.ModelConfig())))
     (root / "scaled" / "1").mkdir(parents=True)
     (root / "scaled" / "config.pbtxt").write_text(SCALED)
     server = start_in_thread(EngineOptions(model_repository=root, model_control_mode="explicit",
@@ -285,12 +291,8 @@ def test_an_ensembles_cached_answer_follows_its_composing_models(tmp_path: Path)
         assert hits_and_misses() == (2, 3)
         # a canary of 'scale' takes half the requests: which version answers is a draw, and
         # the ensemble's answer is not kept while it runs (both answers come back)
-        from onnx_models import linear
-        client.load_model("scale", config=json.dumps({
-            "name": "scale", "backend": "onnxruntime", "max_batch_size": 8,
-            "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
-            "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}]}), files={
-            "file:3/model.onnx": linear(np.eye(4, dtype=np.float32) * 7.0),
+        client.load_model("scale", config=json.dumps(SCALE), files={
+            "file:3/model.onnx": _scale_model(7.0),
             "file:lifecycle.json": json.dumps({"canary": 0.5}).encode()})
         answers = {float(scaled()[0, 0]) for _ in range(24)}
         assert answers == {5.0, 7.0} and hits_and_misses() == (2, 3)

@@ -482,16 +482,16 @@ class ModelLifecycle:
         each composing model's served and staged versions' identities, and an ensemble's own
         composing ones in turn; None where a canary draws which version answers, or a step's
         model is not there (the request then fails, or is not cached)."""
+        if depth > _MAX_NESTING:
+            return None
         parts = []
         for step in config.ensemble_scheduling.step:
             entry = self.table.get(step.model_name)
-            if entry is None or entry.canary is not None or depth > _MAX_NESTING:
+            if entry is None or entry.canary is not None:
                 return None
             parts.append(step.model_name.encode() + b"\0")
             for mv in (*entry.serving.values(), *entry.staged.values()):
-                if mv.identity is None:
-                    return None
-                parts.append(mv.identity.key)
+                parts.append(mv.identity.key)       # every version is made with one (_new_version)
                 if mv.backend_name == ENSEMBLE_BACKEND:
                     nested = self._composed(mv.config, depth + 1)
                     if nested is None:
