@@ -9,10 +9,14 @@ per inference are sums over the phases of each kind; the spread is the phases' o
 block of four phases also gives a ratio of its own (their mean and standard error), and the
 server's CPU is split into its event loop thread's and the rest's.
 
-    .venv/bin/python benchmarks/capture_alternating.py [phases] [http|grpc] [fraction] [max_rows] [pin]
+    .venv/bin/python benchmarks/capture_alternating.py [phases] [http|grpc] [fraction] [max_rows]
+        [pin] [settle_s measure_s]
 
 ``pin``: the server's threads on CPU 0 and perf_analyzer on CPU 1 (of a 2-core machine), so
 that neither takes the other's core: the server's own cost is then what moves its throughput.
+``settle_s`` and ``measure_s`` (1 and 2 unless given): shorter phases, more of them, follow a
+machine whose speed drifts from second to second (a shared host) more closely; the median of
+the blocks' ratios is then the figure to read.
 
 A phase "on" starts a new sample (``{"fraction": f, "max_rows": n}``, the default 16 MiB
 ``max_bytes``); "off" stops it and drops its rows, as a server that never captured holds none.
@@ -58,6 +62,8 @@ def main() -> None:
     fraction = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
     max_rows = int(sys.argv[4]) if len(sys.argv) > 4 else 10_000
     pin = len(sys.argv) > 5 and sys.argv[5] == "pin"
+    settle_s = float(sys.argv[6]) if len(sys.argv) > 6 else SETTLE_S
+    measure_s = float(sys.argv[7]) if len(sys.argv) > 7 else MEASURE_S
     pa = find_perf_analyzer()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -83,11 +89,11 @@ def main() -> None:
                 on = i % 4 in (1, 2)     # off on on off: a drift falls on both alike
                 post(target.http_port, {"fraction": fraction, "max_rows": max_rows} if on
                      else {"capture": False, "clear": True})
-                time.sleep(SETTLE_S)
+                time.sleep(settle_s)
                 pid = target.proc.pid
                 t0, n0, c0, l0 = (time.monotonic(), served(target), tree_cpu_seconds(pid),
                                   loop_cpu_seconds(pid))
-                time.sleep(MEASURE_S)
+                time.sleep(measure_s)
                 t1, n1, c1, l1 = (time.monotonic(), served(target), tree_cpu_seconds(pid),
                                   loop_cpu_seconds(pid))
                 seen[on].append((t1 - t0, n1 - n0, c1 - c0, l1 - l0))
@@ -117,7 +123,7 @@ def main() -> None:
         mean = statistics.fmean(blocks)
         error = statistics.stdev(blocks) / len(blocks) ** 0.5
         print(f"blocks of off, on, on, off: throughput on/off {mean:.3f} +- {error:.3f} "
-              f"(standard error, {len(blocks)} blocks: "
+              f"(standard error), median {statistics.median(blocks):.3f} ({len(blocks)} blocks: "
               + " ".join(f"{b:.3f}" for b in blocks) + ")")
     print(f"| {protocol}, c=32, fraction {fraction:g}, max_rows {max_rows}, {phases} phases each"
           f"{', pinned' if pin else ''} "

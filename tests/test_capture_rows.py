@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from jupyter_triton.engine.observation.capture import Capture, CaptureSettings
+from jupyter_triton.engine.observation.capture import _ROW_OVERHEAD, Capture, CaptureSettings
 from jupyter_triton.protocol.types import InferRequest, InferResponse, InferTensor
 
 
@@ -149,3 +149,32 @@ def test_a_sampled_row_does_not_hold_its_batch_output():
         tracemalloc.stop()
     assert capture.bytes <= settings.max_bytes and len(capture.rows) > 50
     assert held < 2 * settings.max_bytes, f"{held} bytes held for a sample of {capture.bytes}"
+
+
+def test_the_bounds_and_the_order_hold_as_rows_change_size():
+    """A model's rows are one size request after request (the deque's own bound keeps them),
+    until a refusal, an id or another shape makes one of another size: through every change
+    the sample keeps exactly the newest rows that fit both bounds, oldest first, as a sample
+    counting every row's bytes would."""
+    settings = CaptureSettings(1.0, 40, 6000)
+    capture = Capture(settings)
+    kept: list[tuple[int, int]] = []            # (request, its row's size): the reference
+    for i in range(600):
+        run = (i // 23) % 4                     # runs of one kind of row
+        width = 8 if run != 3 else 8 + i % 5    # the last kind: a size each request
+        x = np.full((1, width), i, np.float32)
+        request = InferRequest("m", "", f"id{i:05d}" if run == 1 else "",
+                               [InferTensor("IN", "FP32", x.shape, x)])
+        response = InferResponse("m", "1", "", [InferTensor("OUT", "FP32", x.shape, x)])
+        if run == 2:
+            capture.add(request, None, i, 400, "refused")
+        else:
+            capture.add(request, response, i, 200, "")
+        kept.append((i, len(capture.rows[-1])))
+        while len(kept) > settings.max_rows or \
+                sum(size + _ROW_OVERHEAD for _, size in kept) > settings.max_bytes:
+            kept.pop(0)
+        assert [int(r.inputs[0][3][0, 0]) for r in capture.snapshot()] == [k for k, _ in kept]
+        assert capture.bytes == sum(size + _ROW_OVERHEAD for _, size in kept) <= settings.max_bytes
+        assert capture.dropped == i + 1 - len(kept)
+    assert 0 < len(kept) <= settings.max_rows

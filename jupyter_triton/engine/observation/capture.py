@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .. import Engine
 
 log = logging.getLogger(__name__)
+_monotonic_ns = time.monotonic_ns
 
 DEFAULT_MAX_ROWS = 10_000
 DEFAULT_MAX_BYTES = 16 << 20
@@ -75,20 +76,42 @@ class Capture:
     """One model's capture: its settings, whether it runs, and its sample."""
     settings: CaptureSettings
     on: bool = True
-    rows: deque = field(default_factory=deque)     # flat tuples: see ``add``
-    bytes: int = 0
     seen: int = 0                   # requests while on
-    captured: int = 0               # rows ever added
-    dropped: int = 0                # rows evicted by the bounds
+    captured: int = 0               # rows ever added (those not in ``rows`` were evicted)
     # the epoch time of monotonic 0: a row's arrival is read off the monotonic clock it
     # was timed with (one clock read a request, not two)
     epoch: float = field(default_factory=lambda: time.time() - time.monotonic_ns() / 1e9)
+    # a served row's strings and counts (``_tail``), by (version, inputs): the same for each
+    # row of a version whose request has no id, no trace and no error
+    tails: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the settings a row reads, as attributes of their own: ``add`` runs for every request
+        self.every = self.settings.fraction >= 1.0
+        self.max_rows, self.max_bytes = self.settings.max_rows, self.settings.max_bytes
+        # The rows (one ``bytes`` each: see ``add``), oldest first. While they all have one
+        # size (``size``: a model's rows, request after request), the deque's own bound
+        # (``maxlen``) is both of the capture's and evicts in C; else (``size`` 0) ``_append``
+        # counts their bytes (``mixed_bytes``) row by row, until one size holds again.
+        self.rows: deque = deque()
+        self.size = 0
+        self.mixed_bytes = 0
+        self.newest_size = self.newest_run = 0     # the newest rows' size, and how many
+
+    @property
+    def bytes(self) -> int:
+        """What the rows hold, as ``max_bytes`` counts it."""
+        return len(self.rows) * (self.size + _ROW_OVERHEAD) if self.size else self.mixed_bytes
+
+    @property
+    def dropped(self) -> int:
+        """Rows evicted by the bounds: a row leaves the sample no other way."""
+        return self.captured - len(self.rows)
 
     def sampled(self) -> bool:
         """Counts a request, and says whether it is one of the share kept."""
         self.seen += 1
-        fraction = self.settings.fraction
-        return fraction >= 1.0 or random.random() < fraction
+        return self.every or random.random() < self.settings.fraction
 
     async def infer_stream(self, engine: "Engine", request: InferRequest
                            ) -> AsyncGenerator[InferResponse, None]:
@@ -139,13 +162,14 @@ class Capture:
         """The row of a request served (``response``) or refused (``status``, ``error``)
         that arrived at ``start`` (monotonic ns).
 
-        A row is one ``bytes`` (its layout is under ``_HEAD``; ``_row`` reads it back): a copy
+        A row is one ``bytes`` (its layout is under ``_COUNTS``; ``_row`` reads it back): a copy
         of the tensors, so that a row holds nothing of the request's. Keeping the arrays
         themselves held what they are views of: a request's whole body, or its batch's whole
         output, so that a sample of one request a batch held 31 times its ``max_bytes``
         (tests/test_capture_rows.py). Its size is what ``max_bytes`` counts, and the collector
-        never sees it."""
-        end = time.monotonic_ns()
+        never sees it. This runs on the event loop for every request kept: each step a lookup
+        where the same model's rows repeat (a tensor's description, a version's strings)."""
+        end = _monotonic_ns()
         inputs = request.inputs
         parts: list = []
         described = _DESCRIBED
@@ -162,39 +186,54 @@ class Capture:
                 parts += (_LENGTH.pack(len(data)), data)
             elif data is not None:
                 parts.append(data)
-        version = (request.model_version if response is None else response.model_version).encode()
-        request_id, trace = request.id.encode(), request.trace
-        trace_id = b"" if trace is None else str(getattr(trace, "id", "") or "").encode()
-        failure = error.encode()
-        parts += (version, request_id, trace_id, failure,
-                  _HEAD.pack(start, end - start, status, len(inputs), len(version),
-                             len(request_id), len(trace_id), len(failure)))
+        if response is not None and request.trace is None and not error and not request.id:
+            key = (response.model_version, len(inputs))
+            tail = self.tails.get(key)
+            if tail is None:
+                tail = _tail(key[0], "", "", "", key[1])
+                if len(self.tails) < _TAILS_MOST:
+                    self.tails[key] = tail
+        else:
+            tail = _tail_of(request, response, error, len(inputs))
+        parts += (tail, _TIMES.pack(start, end - start, status))
         try:
             row = b"".join(parts)
         except TypeError:                       # an array not C-contiguous: its copy that is
             row = b"".join(part if type(part) is bytes else np.ascontiguousarray(part)
                            for part in parts)
-        settings = self.settings
-        if len(row) + _ROW_OVERHEAD > settings.max_bytes:     # past the bound: no tensors
-            failure = (error or f"tensors not kept: {len(row)} bytes, past max_bytes").encode()
-            row = b"".join((version, request_id, trace_id, failure,
-                            _HEAD.pack(start, end - start, status, 0, len(version),
-                                       len(request_id), len(trace_id), len(failure))))
-        rows = self.rows
-        rows.append(row)
-        self.bytes += len(row) + _ROW_OVERHEAD
+        if len(row) + _ROW_OVERHEAD > self.max_bytes:        # past the bound: no tensors
+            row = (_tail_of(request, response,
+                            error or f"tensors not kept: {len(row)} bytes, past max_bytes", 0)
+                   + _TIMES.pack(start, end - start, status))
+        if len(row) == self.size:       # the size of every row kept: the deque evicts
+            self.rows.append(row)
+        else:
+            self._append(row)
         self.captured += 1
-        if self.bytes > settings.max_bytes or len(rows) > settings.max_rows:
-            self.bytes -= len(rows.popleft()) + _ROW_OVERHEAD   # a full sample: the oldest goes
-            self.dropped += 1
-            if self.bytes > settings.max_bytes:
-                self._bound()
 
-    def _bound(self) -> None:
-        rows, settings = self.rows, self.settings
-        while rows and (len(rows) > settings.max_rows or self.bytes > settings.max_bytes):
-            self.bytes -= len(rows.popleft()) + _ROW_OVERHEAD
-            self.dropped += 1
+    def _append(self, row: bytes) -> None:
+        """A row of another size than those kept (or the first): the oldest rows go while
+        past either bound, counted row by row; once every row kept has this one's size, the
+        deque's bound takes over (``__post_init__``)."""
+        rows, n = self.rows, len(row)
+        if self.size:                   # the sizes differ from here
+            self.mixed_bytes = len(rows) * (self.size + _ROW_OVERHEAD)
+            self.newest_size, self.newest_run = self.size, len(rows)
+            self.rows = rows = deque(rows)
+            self.size = 0
+        if n == self.newest_size:
+            self.newest_run += 1
+        else:
+            self.newest_size, self.newest_run = n, 1
+        rows.append(row)
+        total = self.mixed_bytes + n + _ROW_OVERHEAD
+        while rows and (len(rows) > self.max_rows or total > self.max_bytes):
+            total -= len(rows.popleft()) + _ROW_OVERHEAD
+        self.mixed_bytes = total
+        if rows and self.newest_run >= len(rows):   # one size again
+            self.size = n
+            self.rows = deque(rows, maxlen=min(self.max_rows,
+                                               self.max_bytes // (n + _ROW_OVERHEAD)))
 
     def snapshot(self) -> list[Captured]:
         """The rows, oldest first."""
@@ -227,10 +266,14 @@ class Tap:
         not tapped twice: the shadow's copy, a traced request coming back) and returns what
         ``served`` or ``failed`` takes, None when neither the capture nor the shadow wants it."""
         request.captured = True
-        keep = self.capture is not None and self.capture.sampled()
-        if not keep and self.shadow is None:
+        capture = self.capture
+        if capture is not None:             # ``Capture.sampled``, inline: every request asks
+            capture.seen += 1
+            if capture.every or random.random() < capture.settings.fraction:
+                return True, _monotonic_ns()
+        if self.shadow is None:
             return None
-        return keep, time.monotonic_ns()
+        return False, _monotonic_ns()
 
     def served(self, engine: "Engine", request: InferRequest, mark: tuple[bool, int],
                response: InferResponse) -> None:
@@ -400,10 +443,13 @@ def parse_control(body: Any) -> tuple[bool, CaptureSettings, bool]:
 
 # A row (``Capture.add``): per tensor, inputs first, its description (_TENSOR, then its name,
 # datatype, numpy dtype and shape) and its elements (a BYTES tensor's as on the wire, after
-# their length: _LENGTH); then the four strings (version, request id, trace id, error), then
-# _HEAD. A tensor not kept (in a shared-memory region) has the dtype "" and no elements.
-# _HEAD: arrival and latency (monotonic ns), status, inputs, the strings' lengths
-_HEAD = struct.Struct("<qqiHIIII")
+# their length: _LENGTH); then the four strings (version, request id, trace id, error),
+# _COUNTS (the inputs, the strings' lengths) and _TIMES (arrival and latency, monotonic ns;
+# status). A tensor not kept (in a shared-memory region) has the dtype "" and no elements.
+_COUNTS = struct.Struct("<HIIII")
+_TIMES = struct.Struct("<qqi")
+_HEAD = struct.Struct("<HIIIIqqi")      # the two, as ``_row`` reads them
+_TAILS_MOST = 64                        # (version, inputs) pairs a capture remembers
 _TENSOR = struct.Struct("<IHHH")        # name, datatype, dtype lengths; dimensions
 _LENGTH = struct.Struct("<q")
 _VARIABLE = "|O"                        # the dtype a BYTES tensor is kept as
@@ -411,6 +457,21 @@ _VARIABLE = "|O"                        # the dtype a BYTES tensor is kept as
 # tensor where the same tensors come again
 _DESCRIBED: dict[tuple, tuple[bytes, bool]] = {}
 _DESCRIBED_MOST = 4096                  # distinct tensors remembered (then forgotten)
+
+
+def _tail(version: str, request_id: str, trace_id: str, error: str, inputs: int) -> bytes:
+    """A row's four strings and ``_COUNTS``: what comes before its ``_TIMES``."""
+    strings = [version.encode(), request_id.encode(), trace_id.encode(), error.encode()]
+    return b"".join(strings) + _COUNTS.pack(inputs, *map(len, strings))
+
+
+def _tail_of(request: InferRequest, response: InferResponse | None, error: str,
+             inputs: int) -> bytes:
+    """``_tail`` of a request's own strings."""
+    trace = request.trace
+    return _tail(request.model_version if response is None else response.model_version,
+                 request.id, "" if trace is None else str(getattr(trace, "id", "") or ""),
+                 error, inputs)
 
 
 def _describe(key: tuple) -> tuple[bytes, bool]:
@@ -431,7 +492,7 @@ def _row(row: bytes, epoch: float) -> Captured:
     """A row as read: each tensor with its name, datatype, shape and array (None where it
     was not kept; a read-only view of the row, whose memory never changes); ``epoch``: the
     epoch time of monotonic 0."""
-    start, latency, status, n_inputs, *lengths = _HEAD.unpack_from(row, len(row) - _HEAD.size)
+    n_inputs, *lengths, start, latency, status = _HEAD.unpack_from(row, len(row) - _HEAD.size)
     end = len(row) - _HEAD.size - sum(lengths)
     at, strings = end, []
     for length in lengths:
